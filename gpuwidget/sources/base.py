@@ -1,0 +1,67 @@
+"""The protocol every metric source follows, and the helpers they share.
+
+A source is read once per sampler tick. ``read()`` returns one flat mapping of
+metric name to value in SI units (bytes, watts, seconds, hertz, percent 0-100,
+degrees Celsius for temperatures), named ``<device>.<metric>`` such as
+``gpu0.util`` or ``cpu.util``. A metric the hardware cannot report is absent
+from the mapping, never 0. ``read()`` must not raise: failures are recorded in
+``errors`` and the source either degrades (drops the failing metric or device)
+or reports itself finished through ``closed``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+log = logging.getLogger("gpuwidget")
+
+
+@dataclass(frozen=True)
+class SourceError:
+    """A failure a source recorded instead of raising."""
+
+    source: str
+    message: str
+    device: str | None = None
+    time: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"source": self.source, "message": self.message, "device": self.device, "time": self.time}
+
+
+@runtime_checkable
+class Source(Protocol):
+    """What the sampler needs from a metric source."""
+
+    name: str
+    errors: list[SourceError]
+
+    def read(self) -> dict[str, float]:
+        """One tick of readings; never raises."""
+        ...
+
+    def describe(self) -> dict[str, Any]:
+        """Static facts (device names, totals, availability), JSON-serialisable."""
+        ...
+
+    def close(self) -> None:
+        """Release handles; idempotent."""
+        ...
+
+
+@dataclass
+class ErrorLog:
+    """Collects a source's errors, logging each distinct message once."""
+
+    source: str
+    errors: list[SourceError] = field(default_factory=list)
+    _seen: set[str] = field(default_factory=set)
+
+    def record(self, message: str, device: str | None = None, time: float | None = None) -> None:
+        self.errors.append(SourceError(self.source, message, device, time))
+        key = f"{device}:{message}"
+        if key not in self._seen:
+            self._seen.add(key)
+            log.warning("%s%s: %s", self.source, f" ({device})" if device else "", message)
