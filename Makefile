@@ -1,0 +1,85 @@
+# gpuwidget developer entry points. Everything sets itself up on a fresh machine:
+#   make lab     JupyterLab on 127.0.0.1 with gpuwidget installed (editable), notebooks/ as root
+#   make test    the whole test suite (installs Debian's chromium first when root and missing)
+#   make bench   every benchmarks/*.py, one after the other
+#   make lint    ruff, mypy and the TypeScript type check
+#   make clean   build outputs (keeps .venv and node_modules); `make distclean` removes those too
+
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+VPY := $(VENV)/bin/python
+VBIN := $(CURDIR)/$(VENV)/bin
+# Exact pin: here it is a CPU build on local disk; an unpinned torch pulls a multi-GB CUDA build.
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+LABEXT := gpuwidget/labextension/package.json
+LABEXT_LINK := $(VENV)/share/jupyter/labextensions/gpuwidget
+TS_SOURCES := $(wildcard labextension/src/*.ts labextension/src/*.tsx labextension/style/*)
+ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
+NOTEBOOK_DIR := $(if $(wildcard notebooks),notebooks/,.)
+
+.PHONY: install lab test bench lint clean distclean chromium
+
+install: $(STAMP) $(LABEXT)
+
+# The venv, torch, gpuwidget (editable, with test extras) and the lab extension.
+# `pip install -e` runs the hatch build hook, which runs `jlpm install` and `jlpm build`;
+# the wheel's shared-data installs a *copy* of the built extension and the server-extension
+# config into .venv, then `labextension develop` swaps that copy for a link to
+# gpuwidget/labextension, so later `jlpm build`s are seen without reinstalling.
+$(STAMP): pyproject.toml package.json yarn.lock
+	test -x $(VPY) || $(PYTHON) -m venv $(VENV)
+	$(VPY) -m pip install --upgrade pip
+	$(VPY) -m pip install "$(TORCH_SPEC)"
+	@# a link left by `labextension develop` would make pip write through it into the source tree
+	if [ -L $(LABEXT_LINK) ]; then rm $(LABEXT_LINK); fi
+	PATH="$(VBIN):$$PATH" $(VPY) -m pip install -e ".[test,dev]"
+	PATH="$(VBIN):$$PATH" $(VENV)/bin/jupyter labextension develop --overwrite .
+	touch $@
+
+# TypeScript or CSS changed since the last build (or `make clean` removed the build).
+# (order-only on the stamp: the editable install has just built it.)
+$(LABEXT): $(TS_SOURCES) tsconfig.json | $(STAMP)
+	PATH="$(VBIN):$$PATH" jlpm install
+	PATH="$(VBIN):$$PATH" jlpm build
+	touch $@
+
+lab: install
+	$(VENV)/bin/jupyter lab --ip=127.0.0.1 --no-browser $(ROOT_FLAG) $(NOTEBOOK_DIR)
+
+test: install chromium
+	$(VPY) -m pytest
+
+# Browser tests use Debian's chromium (Playwright's own browser download cannot work here).
+chromium:
+	@if [ ! -x /usr/bin/chromium ]; then \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y chromium; \
+	  else \
+	    echo "make: /usr/bin/chromium is missing, so browser tests will be skipped." >&2; \
+	    echo "      Install it as root: apt-get update && apt-get install -y chromium" >&2; \
+	  fi; \
+	fi
+
+bench: install
+	@set -e; ran=0; \
+	for f in benchmarks/*.py; do \
+	  [ -e "$$f" ] || continue; \
+	  case "$$(basename "$$f")" in __init__.py|_*) continue;; esac; \
+	  echo "== $$f"; $(VPY) "$$f"; ran=$$((ran + 1)); \
+	done; \
+	echo "bench: ran $$ran benchmark file(s)"
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+	PATH="$(VBIN):$$PATH" jlpm lint
+
+clean:
+	rm -rf lib tsconfig.tsbuildinfo gpuwidget/labextension gpuwidget/_version.py \
+	  build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache test-results
+	find . -name __pycache__ -type d -not -path './.venv/*' -not -path './node_modules/*' -prune -exec rm -rf {} +
+
+distclean: clean
+	rm -rf $(VENV) node_modules
