@@ -1,0 +1,1 @@
+"""The advisor: from a run's measurements to ranked findings with a change to make."""

@@ -1,0 +1,88 @@
+"""The ``%%gpuwatch`` cell magic: parse options, then run the cell exactly as if unwatched.
+
+The cell body is compiled and executed here (as IPython's own ``%%time`` does) rather than
+through ``shell.run_cell``, which would swallow the cell's exception: the user's exception
+propagates unchanged and its traceback is shown once, by IPython, pointing at the cell's
+own lines. Assignments land in the user namespace and the last expression's value is the
+magic's return value, so IPython displays it as the cell's ``Out``.
+"""
+
+from __future__ import annotations
+
+import ast
+from typing import Any
+
+from IPython.core.displayhook import DisplayHook
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, cell_magic, magics_class
+
+from gpuwidget.options import OptionError, parse_line
+from gpuwidget.session import Watch
+
+
+@magics_class
+class GpuWatchMagics(Magics):
+    """Registers ``%%gpuwatch``."""
+
+    @cell_magic
+    def gpuwatch(self, line: str, cell: str) -> Any:
+        """%%gpuwatch [--interval S] [--gpus 0,1] [--no-live] [--no-advice] [--save PATH] [--quiet]
+
+        Watch the GPU(s), the host and the workload while the cell runs: a live plot
+        under the cell, and when it ends a summary of where the time went. The cell
+        behaves as if it were not watched: names it assigns stay, its last expression is
+        displayed and its exception propagates unchanged. See gpuwidget.last_run().
+
+        Options:
+          --interval S   seconds between samples (default 0.25; 0.01 to 60)
+          --gpus 0,1     GPUs to watch, numbered as torch numbers them (default: all visible)
+          --no-live      no live plot while the cell runs
+          --no-advice    summary figures only, no findings
+          --save PATH    also write the run to PATH (.json, .html or .csv)
+          --quiet        show nothing; the run is still recorded
+        """
+        __tracebackhide__ = True  # IPython hides this frame: the traceback shows the cell only
+        try:
+            options = parse_line(line)
+        except OptionError as exc:
+            raise UsageError(f"%%gpuwatch: {exc}") from None
+        code, last_expr = self._compile(line, cell)
+        session = Watch(options, label=_label(self.shell))
+        try:
+            session.start()
+        except OptionError as exc:
+            raise UsageError(f"%%gpuwatch: {exc}") from None
+        namespace = self.shell.user_ns
+        try:
+            exec(code, self.shell.user_global_ns, namespace)
+            value = eval(last_expr, self.shell.user_global_ns, namespace) if last_expr is not None else None
+        except BaseException as exc:
+            session.finish(exc)
+            raise
+        session.finish(None)
+        return value
+
+    def _compile(self, line: str, cell: str) -> tuple[Any, Any]:
+        """Compile the body with IPython's transforms, keeping the cell's line numbers."""
+        shell = self.shell
+        transformed = shell.transform_cell(cell)
+        # Register the source so tracebacks show the user's lines, numbered as in the cell.
+        header = f"%%gpuwatch {line}".rstrip() + "\n"
+        filename = shell.compile.cache(header + transformed, shell.execution_count, raw_code=header + cell)
+        tree = shell.compile.ast_parse(transformed, filename=filename)
+        ast.increment_lineno(tree, 1)
+        tree = shell.transform_ast(tree)
+        last_expr = None
+        # A trailing ';' suppresses the value, as in an unwatched cell.
+        if tree.body and isinstance(tree.body[-1], ast.Expr) and not _ends_with_semicolon(transformed):
+            last_expr = shell.compile(ast.Expression(tree.body.pop().value), filename, "eval")
+        return shell.compile(tree, filename, "exec"), last_expr
+
+
+def _label(shell: Any) -> str:
+    count = getattr(shell, "execution_count", None)
+    return f"In [{count}]" if count is not None else ""
+
+
+def _ends_with_semicolon(source: str) -> bool:
+    return bool(DisplayHook.semicolon_at_end_of_expression(source))

@@ -1,0 +1,145 @@
+"""Options of a watch, shared by ``%%gpuwatch`` and ``gpuwidget.watch()``, validated up front."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import shlex
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+# 4 Hz matches the live plot's refresh and NVML's own utilisation window (1/6 s to
+# 1 s depending on the GPU), so faster polling mostly repeats values; the sampler's
+# cost at this rate is measured in BENCHMARKS.md.
+DEFAULT_INTERVAL_S = 0.25
+MIN_INTERVAL_S = 0.01
+MAX_INTERVAL_S = 60.0
+SAVE_SUFFIXES = (".json", ".html", ".htm", ".csv")
+
+
+class OptionError(ValueError):
+    """A bad watch option; the message is one line meant for the user."""
+
+
+@dataclass(frozen=True)
+class WatchOptions:
+    """What to watch and show. Construct through :func:`make_options` or :func:`parse_line`."""
+
+    interval: float = DEFAULT_INTERVAL_S
+    gpus: tuple[int, ...] | None = None
+    live: bool = True
+    advice: bool = True
+    tune: bool = False
+    save: str | None = None
+    quiet: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["gpus"] = None if self.gpus is None else list(self.gpus)
+        return data
+
+
+def make_options(interval: float | str = DEFAULT_INTERVAL_S, gpus: Sequence[int] | str | None = None,
+                 live: bool = True, advice: bool = True, tune: bool = False,
+                 save: str | Path | None = None, quiet: bool = False) -> WatchOptions:
+    """Validate and normalise options; raises :class:`OptionError` with a one-line reason."""
+    return WatchOptions(
+        interval=_interval(interval),
+        gpus=_gpus(gpus),
+        live=_flag("live", live),
+        advice=_flag("advice", advice),
+        tune=_tune(_flag("tune", tune)),
+        save=_save(save),
+        quiet=_flag("quiet", quiet),
+    )
+
+
+def _flag(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise OptionError(f"{name}: expected True or False, got {value!r}")
+    return value
+
+
+def _interval(value: float | str) -> float:
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        raise OptionError(f"--interval: expected a number of seconds, got {value!r}") from None
+    if not math.isfinite(seconds) or seconds < MIN_INTERVAL_S or seconds > MAX_INTERVAL_S:
+        raise OptionError(
+            f"--interval: must be between {MIN_INTERVAL_S} and {MAX_INTERVAL_S:g} seconds, got {value!r}"
+        )
+    return seconds
+
+
+def _gpus(value: Sequence[int] | str | None) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    items: Sequence[Any]
+    if isinstance(value, str):
+        items = [part.strip() for part in value.split(",")]
+    elif isinstance(value, int):
+        items = [value]
+    else:
+        items = list(value)
+    out: list[int] = []
+    for item in items:
+        if isinstance(item, str) and item.isascii() and item.isdigit():
+            index = int(item)
+        elif isinstance(item, int) and not isinstance(item, bool) and item >= 0:
+            index = item
+        else:
+            raise OptionError(f"--gpus: expected GPU numbers like 0,1, got {value!r}")
+        if index not in out:
+            out.append(index)
+    if not out:
+        raise OptionError("--gpus: give at least one GPU number, like 0 or 0,1")
+    return tuple(out)
+
+
+def _tune(tune: bool) -> bool:
+    if tune:
+        raise OptionError("--tune: the loader tuner and batch-size probe are not available in this version")
+    return tune
+
+
+def _save(value: str | Path | None) -> str | None:
+    if value is None:
+        return None
+    path = Path(value)
+    if path.suffix.lower() not in SAVE_SUFFIXES:
+        raise OptionError(f"--save: use a .json, .html or .csv file name, got {str(value)!r}")
+    if path.exists() and path.is_dir():
+        raise OptionError(f"--save: {str(value)!r} is a directory")
+    return str(path)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> Any:  # argparse would print usage and exit
+        raise OptionError(message)
+
+
+def _parser() -> _Parser:
+    parser = _Parser(prog="%%gpuwatch", add_help=False, allow_abbrev=False)
+    parser.add_argument("--interval", default=str(DEFAULT_INTERVAL_S))
+    parser.add_argument("--gpus", default=None)
+    parser.add_argument("--no-live", dest="live", action="store_false")
+    parser.add_argument("--no-advice", dest="advice", action="store_false")
+    parser.add_argument("--tune", action="store_true")
+    parser.add_argument("--save", default=None)
+    parser.add_argument("--quiet", action="store_true")
+    return parser
+
+
+def parse_line(line: str) -> WatchOptions:
+    """Parse the ``%%gpuwatch`` line; raises :class:`OptionError` with a one-line reason."""
+    try:
+        argv = shlex.split(line)
+    except ValueError as exc:
+        raise OptionError(f"cannot parse options: {exc}") from None
+    namespace, extra = _parser().parse_known_args(argv)
+    if extra:
+        raise OptionError(f"unknown option {extra[0]!r} (see %%gpuwatch? for the options)")
+    return make_options(**vars(namespace))

@@ -1,0 +1,235 @@
+"""One watch from start to finish: sources, sampler, live view, and the Run it leaves behind.
+
+Both ``%%gpuwatch`` and ``gpuwidget.watch()`` go through :class:`Watch`, so they behave
+the same: options are checked before anything starts, and whatever the watched code
+does (returns, raises, is interrupted), the sampler thread, the probes and the live view
+are gone afterwards and the Run is recorded.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from gpuwidget.advice.summary import summarize
+from gpuwidget.clock import now
+from gpuwidget.options import OptionError, WatchOptions, make_options
+from gpuwidget.run import Run
+from gpuwidget.sampler import Sampler
+from gpuwidget.sources.base import Source
+from gpuwidget.sources.host import HostSource, usable_cpu_count
+from gpuwidget.trace import Trace
+
+log = logging.getLogger("gpuwidget")
+
+_last_run: Run | None = None
+_active_lock = threading.Lock()
+_active: Watch | None = None
+
+
+def last_run() -> Run:
+    """The Run of the most recent watched cell or ``watch()`` block."""
+    if _last_run is None:
+        raise LookupError("no watched run yet: run a cell with %%gpuwatch or use gpuwidget.watch()")
+    return _last_run
+
+
+def _gpu_source(options: WatchOptions) -> tuple[Source | None, dict[str, Any]]:
+    """The NVML source for the chosen GPUs and the machine facts it reports.
+
+    A missing driver is not an error (gpuwidget works on any laptop); asking for a GPU
+    that does not exist is, and is raised before anything starts.
+    """
+    try:
+        from gpuwidget.sources.nvml import NvmlSource
+    except Exception as exc:  # noqa: BLE001 - broken bindings mean "no GPU", not a crash
+        return None, {"gpus": [], "gpu_message": f"no NVIDIA GPU found ({exc})"}
+    source = NvmlSource(gpus=options.gpus)
+    facts = source.describe()
+    devices = list(facts.get("devices") or [])
+    if not facts.get("available"):
+        source.close()
+        reason = facts.get("reason") or "no NVIDIA GPU found"
+        return None, {"gpus": [], "gpu_message": reason}
+    missing = facts.get("missing") or []
+    if missing:
+        source.close()
+        visible = ", ".join(str(d["index"]) for d in devices) or "none"
+        raise OptionError(f"--gpus: no GPU {missing[0]} here (visible GPUs: {visible})")
+    return source, {"gpus": devices, "gpu_message": None}
+
+
+def machine_facts() -> dict[str, Any]:
+    """Host facts a run is judged against (cores this process may use, memory)."""
+    import psutil
+
+    return {
+        "cpu_count": psutil.cpu_count(logical=True),
+        "usable_cpus": usable_cpu_count(),
+        "mem_total": psutil.virtual_memory().total,
+        "pid": os.getpid(),
+    }
+
+
+def _in_notebook() -> bool:
+    """True when a Jupyter kernel is running us (widgets can be shown)."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    shell = get_ipython()
+    return shell is not None and getattr(shell, "kernel", None) is not None
+
+
+class Watch:
+    """Orchestrates one watched block. Use :meth:`start` then :meth:`finish` exactly once."""
+
+    def __init__(self, options: WatchOptions, *, label: str = "", display: bool | None = None) -> None:
+        self.options = options
+        self.label = label
+        self.display = (not options.quiet) if display is None else (display and not options.quiet)
+        self.run: Run | None = None
+        self._sampler: Sampler | None = None
+        self._sources: list[Source] = []
+        self._live: Any = None
+        self._handle: Any = None
+        self._started = 0.0
+
+    def start(self) -> Run:
+        global _active
+        with _active_lock:
+            if _active is not None:
+                raise OptionError("another watch is already running in this kernel; nested watches "
+                                  "are not supported")
+            gpu_source, gpu_facts = _gpu_source(self.options)
+            _active = self
+        try:
+            trace = Trace()
+            machine = {**machine_facts(), **gpu_facts}
+            trace.meta.update({"label": self.label, "interval": self.options.interval})
+            self.run = Run(trace=trace, machine=machine, options=self.options.to_dict(), label=self.label)
+            self._sources = [HostSource()] + ([gpu_source] if gpu_source is not None else [])
+            listeners = []
+            if self.display and self.options.live and _in_notebook():
+                self._show_live(trace, machine)
+                if self._live is not None:
+                    listeners.append(self._live.on_tick)
+            self._sampler = Sampler(self._sources, trace, self.options.interval, listeners)
+            self._started = now()
+            trace.start_clock = self._started
+            self._sampler.start()
+        except BaseException:
+            self._teardown()
+            raise
+        return self.run
+
+    def _show_live(self, trace: Trace, machine: dict[str, Any]) -> None:
+        try:
+            from IPython.display import display
+
+            from gpuwidget.ui.live import LiveView, ensure_bokehjs
+
+            ensure_bokehjs()
+            self._live = LiveView(trace, machine, label=self.label)
+            self._handle = display(self._live.widget, display_id=True)
+        except Exception as exc:  # noqa: BLE001 - no live view is better than a broken cell
+            log.warning("gpuwidget: live view unavailable: %s", exc)
+            self._live = None
+
+    def finish(self, error: BaseException | None = None) -> Run:
+        """Stop everything, summarise, record and show the run. Never raises."""
+        global _last_run
+        run = self.run
+        assert run is not None, "finish() before start()"
+        duration = now() - self._started
+        self._teardown()
+        try:
+            run.error = error
+            run.finished = True
+            run.trace.meta["duration_s"] = duration
+            run.summary = summarize(run.trace, run.workload, duration_s=duration)
+            if self._sampler is not None:
+                stats = self._sampler.stats
+                run.sampler = {"ticks": stats.ticks, "missed_ticks": stats.missed_ticks,
+                               "cpu_time_s": stats.cpu_time_s, "errors": stats.errors[-10:],
+                               "source_errors": [e.to_dict() for s in self._sources for e in s.errors][-20:]}
+        except Exception as exc:  # noqa: BLE001
+            log.warning("gpuwidget: could not summarise the run: %s", exc)
+        _last_run = run
+        self._save(run)
+        self._show_result(run)
+        return run
+
+    def _teardown(self) -> None:
+        """Stop the sampler, close sources and the live view; safe to call twice."""
+        global _active
+        try:
+            if self._sampler is not None:
+                self._sampler.stop()
+        except Exception as exc:  # noqa: BLE001
+            log.warning("gpuwidget: stopping the sampler failed: %s", exc)
+        for source in self._sources:
+            try:
+                source.close()
+            except Exception as exc:  # noqa: BLE001
+                log.warning("gpuwidget: closing %s failed: %s", getattr(source, "name", source), exc)
+        if self._live is not None:
+            try:
+                self._live.close()
+            except Exception as exc:  # noqa: BLE001
+                log.warning("gpuwidget: closing the live view failed: %s", exc)
+        with _active_lock:
+            if _active is self:
+                _active = None
+
+    def _save(self, run: Run) -> None:
+        if not self.options.save:
+            return
+        try:
+            run.save(self.options.save)
+        except Exception as exc:  # noqa: BLE001 - the run is still in last_run()
+            log.warning("gpuwidget: could not save the run to %s: %s", self.options.save, exc)
+
+    def _show_result(self, run: Run) -> None:
+        if not self.display:
+            return
+        try:
+            if self._handle is not None:
+                # The static report replaces the live widget: it survives saving the
+                # notebook, where a widget without saved state would show an error.
+                self._handle.update(run)
+            elif _in_ipython():
+                from IPython.display import display
+
+                display(run)
+        except Exception as exc:  # noqa: BLE001
+            log.warning("gpuwidget: could not show the run: %s", exc)
+
+
+def _in_ipython() -> bool:
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    return get_ipython() is not None
+
+
+@contextmanager
+def watch(*, label: str = "", display: bool | None = None, **options: Any) -> Iterator[Run]:
+    """Watch a block of code; yields its :class:`Run` (summary filled in when the block ends).
+
+    Takes the same options as ``%%gpuwatch``: ``interval``, ``gpus``, ``live``, ``advice``,
+    ``save``, ``quiet``. Bad options raise ``ValueError`` before anything starts.
+    """
+    session = Watch(make_options(**options), label=label, display=display)
+    run = session.start()
+    try:
+        yield run
+    except BaseException as exc:
+        session.finish(exc)
+        raise
+    session.finish(None)

@@ -1,0 +1,1 @@
+"""What the user sees: the live plot, the post-run report."""

@@ -1,0 +1,233 @@
+"""The live plot under a watched cell: a Bokeh figure in an ipywidget, fed from the sampler thread.
+
+Updates are batched: the sampler calls :meth:`LiveView.on_tick` every tick, and at most
+every ``PUSH_INTERVAL_S`` the view streams the rows that arrived since the last push into
+its ColumnDataSource (jupyter_bokeh turns that into a few comm messages, which reach the
+browser while the cell is still busy). Everything is on one 0-100 % axis: GPU
+utilisation and memory per GPU, host CPU; intervals when the loop waited for data are
+shaded bands.
+
+BokehJS is loaded into the page from the installed bokeh package (no CDN), once per
+kernel, by :func:`ensure_bokehjs`.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+import threading
+from typing import Any
+
+import numpy as np
+
+from gpuwidget.advice.summary import DATA_WAIT_SPAN
+from gpuwidget.clock import now
+from gpuwidget.trace import Frame, Trace
+
+PUSH_INTERVAL_S = 0.25
+MAX_POINTS = 2000
+# Waits shorter than this are invisible at any sensible zoom; adjacent ones closer than
+# MERGE_GAP_S are drawn as one band so a starved loop shows a few bands, not thousands.
+MIN_BAND_S = 0.002
+MERGE_GAP_S = 0.02
+MAX_BANDS = 2000
+
+PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2")
+CPU_COLOR = "#7f7f7f"
+WAIT_COLOR = "#f4a261"
+
+_bokehjs_loaded = False
+
+
+def ensure_bokehjs(force: bool = False) -> bool:
+    """Put BokehJS on the page from the local bokeh package; once per kernel unless forced.
+
+    The script is inlined (about 1.3 MB, only Bokeh's core bundle) so it works offline and
+    always matches the kernel's bokeh version. Returns True if it was sent now.
+    """
+    global _bokehjs_loaded
+    if _bokehjs_loaded and not force:
+        return False
+    import bokeh
+    from bokeh.resources import Resources
+    from IPython.display import publish_display_data
+
+    resources = Resources(mode="inline", components=["bokeh"])
+    code = "\n".join(resources.js_raw)
+    version = json.dumps(bokeh.__version__)
+    loader = (
+        "(function () {\n"
+        f"  if (window.Bokeh && window.Bokeh.version === {version}) {{ return; }}\n"
+        "  var script = document.createElement('script');\n"
+        f"  script.textContent = {json.dumps(code)};\n"
+        "  document.head.appendChild(script);\n"
+        "})();"
+    )
+    publish_display_data({"application/javascript": loader, "text/plain": ""},
+                         metadata={"gpuwidget": {"bokehjs": bokeh.__version__}})
+    _bokehjs_loaded = True
+    return True
+
+
+def _key(column: str) -> str:
+    """Bokeh column names for our metric names (dots read as nested fields in some places)."""
+    return column.replace(".", "_")
+
+
+class LiveView:
+    """A live-updating plot of one Trace; ``widget`` is what gets displayed."""
+
+    def __init__(self, trace: Trace, machine: dict[str, Any], label: str = "") -> None:
+        import ipywidgets
+        from bokeh.models import ColumnDataSource, Legend
+        from bokeh.plotting import figure
+        from jupyter_bokeh import BokehModel
+
+        self.trace = trace
+        self.label = label
+        self._gpus = [int(d["index"]) for d in machine.get("gpus") or []]
+        self._names = {int(d["index"]): d.get("name", "") for d in machine.get("gpus") or []}
+        self._gpu_message = machine.get("gpu_message")
+        self._lock = threading.Lock()
+        self._last_push = -math.inf
+        self._last_t = -math.inf
+        self._last_band_end = -math.inf
+        self._points = 0
+        self._bands = 0
+        self._closed = False
+
+        # (column in the plot, label, colour, dash)
+        self._series: list[tuple[str, str, str, str]] = []
+        for n, index in enumerate(self._gpus):
+            color = PALETTE[n % len(PALETTE)]
+            self._series.append((f"gpu{index}_util", f"GPU{index} util", color, "solid"))
+            self._series.append((f"gpu{index}_mem", f"GPU{index} memory", color, "dashed"))
+        self._series.append(("cpu_util", "CPU (all cores)", CPU_COLOR, "solid"))
+
+        self.source = ColumnDataSource(data={"t": [], **{key: [] for key, *_ in self._series}})
+        self.bands = ColumnDataSource(data={"left": [], "right": []})
+        fig = figure(
+            height=230,
+            sizing_mode="stretch_width",
+            x_axis_label="seconds",
+            y_axis_label="%",
+            y_range=(0, 105),
+            tools="xpan,xwheel_zoom,box_zoom,reset,save",
+            active_scroll=None,
+            toolbar_location="right",
+        )
+        fig.toolbar.logo = None
+        wait = fig.quad(left="left", right="right", bottom=0, top=105, source=self.bands,
+                        fill_color=WAIT_COLOR, fill_alpha=0.3, line_alpha=0)
+        items = [("waiting for data", [wait])]
+        for key, name, color, dash in self._series:
+            renderer = fig.line("t", key, source=self.source, color=color, line_dash=dash, line_width=1.6)
+            items.append((name, [renderer]))
+        legend = Legend(items=items, click_policy="hide", location="top_left", background_fill_alpha=0.6,
+                        label_text_font_size="9pt", spacing=0, padding=4)
+        fig.add_layout(legend, "right")
+        self.figure = fig
+        self.model = BokehModel(fig)
+        self.header = ipywidgets.HTML(value=self._header_html(0.0, {}))
+        self.widget = ipywidgets.VBox([self.header, self.model])
+
+    # ---------------------------------------------------------------- updates
+
+    def on_tick(self, trace: Trace) -> None:
+        """Sampler-thread hook: push at most every PUSH_INTERVAL_S."""
+        if now() - self._last_push >= PUSH_INTERVAL_S:
+            self.push()
+
+    def push(self) -> None:
+        """Send what arrived since the last push (safe from any thread)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._last_push = now()
+            columns = self._columns()
+            frame = self.trace.recent_since(self._last_t, columns)
+            if len(frame):
+                self._last_t = float(frame.t[-1])
+                data = self._plot_data(frame)
+                if self._points + len(frame) > MAX_POINTS:
+                    # Redraw the whole run, downsampled with spikes kept, then go on streaming.
+                    full = self._plot_data(self.trace.plot_view(columns, MAX_POINTS // 2))
+                    self.source.data = full
+                    self._points = len(full["t"])
+                else:
+                    self.source.stream(data)
+                    self._points += len(frame)
+            self._push_bands()
+            last = self.trace.last()
+            self.header.value = self._header_html(self.trace.now(), last[1] if last else {})
+
+    def close(self) -> None:
+        """Final push, then stop updating. The widget is replaced by the run's report."""
+        self.push()
+        with self._lock:
+            self._closed = True
+        self.model.close()
+        self.header.close()
+        self.widget.close()
+
+    def _columns(self) -> list[str]:
+        cols = ["cpu.util"]
+        for index in self._gpus:
+            cols += [f"gpu{index}.util", f"gpu{index}.mem_used", f"gpu{index}.mem_total"]
+        return cols
+
+    def _plot_data(self, frame: Frame) -> dict[str, np.ndarray]:
+        data: dict[str, np.ndarray] = {"t": frame.t, "cpu_util": frame.mean["cpu.util"]}
+        with np.errstate(invalid="ignore", divide="ignore"):
+            for index in self._gpus:
+                data[f"gpu{index}_util"] = frame.mean[f"gpu{index}.util"]
+                data[f"gpu{index}_mem"] = (100.0 * frame.mean[f"gpu{index}.mem_used"]
+                                           / frame.mean[f"gpu{index}.mem_total"])
+        return data
+
+    def _push_bands(self) -> None:
+        spans = self.trace.spans(DATA_WAIT_SPAN, t0=self._last_band_end)
+        left: list[float] = []
+        right: list[float] = []
+        for span in spans:
+            if span.end <= self._last_band_end:
+                continue
+            if left and span.start - right[-1] <= MERGE_GAP_S:
+                right[-1] = max(right[-1], span.end)
+            else:
+                left.append(max(span.start, self._last_band_end))
+                right.append(span.end)
+        keep = [(a, b) for a, b in zip(left, right) if b - a >= MIN_BAND_S]
+        if not keep:
+            return
+        self._last_band_end = keep[-1][1]
+        new = {"left": [a for a, _ in keep], "right": [b for _, b in keep]}
+        if self._bands + len(keep) > MAX_BANDS:
+            self.bands.data = new
+            self._bands = len(keep)
+        else:
+            self.bands.stream(new)
+            self._bands += len(keep)
+
+    def _header_html(self, elapsed: float, last: dict[str, float]) -> str:
+        parts = [f"<b>gpuwidget</b> · watching {html.escape(self.label)} · {elapsed:5.1f} s"]
+        if self._gpus:
+            for index in self._gpus:
+                util = last.get(f"gpu{index}.util")
+                used = last.get(f"gpu{index}.mem_used")
+                total = last.get(f"gpu{index}.mem_total")
+                text = f"GPU{index}"
+                if util is not None:
+                    text += f" {util:.0f}%"
+                if used is not None and total:
+                    text += f" · {used / 1e9:.1f}/{total / 1e9:.0f} GB"
+                parts.append(html.escape(text))
+        else:
+            parts.append(f"<span style='color:#b35c00'>{html.escape(str(self._gpu_message))}: "
+                         "host metrics only</span>")
+        cpu = last.get("cpu.util")
+        if cpu is not None:
+            parts.append(f"CPU {cpu:.0f}%")
+        return ("<div style='font-family:var(--jp-ui-font-family,sans-serif);font-size:12px;"
+                "color:var(--jp-ui-font-color1,#222)'>" + " &nbsp;|&nbsp; ".join(parts) + "</div>")

@@ -1,0 +1,274 @@
+"""Static renderings of a Run and its Findings: HTML (with an inline SVG chart) and plain text.
+
+These are what a saved notebook, nbconvert, GitHub and terminal IPython show, so they
+depend on nothing but the Run: no JavaScript, no widgets, no network.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from gpuwidget.advice.summary import DATA_WAIT_SPAN, gpu_indices
+
+if TYPE_CHECKING:
+    from gpuwidget.advice.finding import Finding
+    from gpuwidget.run import Run
+
+CHART_WIDTH = 640
+CHART_HEIGHT = 120
+CHART_POINTS = 400
+PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2")
+CPU_COLOR = "#7f7f7f"
+WAIT_COLOR = "#f4a261"
+SEVERITY_COLOR = {"critical": "#c0392b", "warn": "#d68910", "info": "#2e86c1"}
+
+
+# ----------------------------------------------------------------- formatting
+
+
+def fmt_percent(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.0f}%"
+
+
+def fmt_fraction(value: float | None) -> str:
+    return "n/a" if value is None else f"{100 * value:.0f}%"
+
+
+def fmt_seconds(value: float | None) -> str:
+    if value is None:
+        return "n/a"
+    if value < 1:
+        return f"{value * 1000:.0f} ms"
+    if value < 120:
+        return f"{value:.1f} s"
+    return f"{int(value // 60)} min {value % 60:.0f} s"
+
+
+def fmt_rate(value: float | None) -> str:
+    if value is None:
+        return "n/a"
+    return f"{value:,.0f}/s" if value >= 100 else f"{value:.1f}/s"
+
+
+def headline(run: Run) -> list[tuple[str, str]]:
+    """The figures shown first, as (label, value) pairs, in order."""
+    s = run.summary
+    items: list[tuple[str, str]] = [("duration", fmt_seconds(s.get("duration_s")))]
+    if s.get("samples_per_s") is not None:
+        items.append(("samples/s", fmt_rate(s["samples_per_s"])))
+    if s.get("steps") is not None:
+        items.append(("steps", f"{s['steps']:,}"))
+    if s.get("data_wait_fraction") is not None:
+        items.append(("waiting for data", fmt_fraction(s["data_wait_fraction"])))
+    if run.gpu_found:
+        items.append(("GPU busy", fmt_percent(s.get("gpu_busy_mean"))))
+        items.append(("peak GPU memory", fmt_fraction(s.get("peak_gpu_mem_fraction"))))
+    items.append(("CPU (all cores)", fmt_percent(s.get("cpu_util_mean"))))
+    if s.get("process_cpu_mean") is not None:
+        items.append(("this process", f"{s['process_cpu_mean']:.0f}% of a core"))
+    return items
+
+
+def status_line(run: Run) -> str:
+    outcome = run.outcome
+    label = f"{run.label} " if run.label else ""
+    if outcome == "ok":
+        return f"{label}finished"
+    if outcome == "interrupted":
+        return f"{label}interrupted"
+    if outcome == "error":
+        return f"{label}ended with {run.error}"
+    return f"{label}running"
+
+
+def gpu_lines(run: Run) -> list[str]:
+    """One line per watched GPU, or the reason there is none."""
+    if not run.gpu_found:
+        message = run.machine.get("gpu_message") or "no NVIDIA GPU found"
+        return [f"{message}: host metrics only"]
+    busy = run.summary.get("gpu_busy_by_gpu") or {}
+    mem = run.summary.get("peak_gpu_mem_fraction_by_gpu") or {}
+    lines = []
+    for device in run.machine["gpus"]:
+        index = device["index"]
+        text = f"GPU{index} {device.get('name', '')}".rstrip()
+        details = []
+        if index in busy or str(index) in busy:
+            details.append(f"busy {fmt_percent(busy.get(index, busy.get(str(index))))}")
+        if index in mem or str(index) in mem:
+            details.append(f"peak memory {fmt_fraction(mem.get(index, mem.get(str(index))))}")
+        lines.append(text + (": " + ", ".join(details) if details else ": no utilisation reported"))
+    return lines
+
+
+# ----------------------------------------------------------------- plain text
+
+
+def finding_text(finding: Finding) -> str:
+    lines = [f"[{finding.severity}] {finding.title} ({finding.rule})"]
+    if finding.evidence:
+        lines.append("  evidence: " + ", ".join(f"{k}={_short(v)}" for k, v in finding.evidence.items()))
+    if finding.suggestion:
+        lines.append("  " + finding.suggestion)
+    if finding.code:
+        lines += ["  change:"] + ["    " + line for line in finding.code.splitlines()]
+    if finding.expected_speedup is not None:
+        lines.append(f"  expected gain: up to {finding.expected_speedup:.2f}x")
+    return "\n".join(lines)
+
+
+def run_text(run: Run) -> str:
+    lines = [f"gpuwidget run: {status_line(run)}"]
+    lines.append("  " + " · ".join(f"{label} {value}" for label, value in headline(run)))
+    lines += ["  " + line for line in gpu_lines(run)]
+    if run.options.get("advice", True) and run.finished:
+        if run.findings:
+            lines.append("Findings (largest expected gain first):")
+            lines += [finding_text(f) for f in run.findings]
+        else:
+            lines.append("No findings: nothing in this run points at a cause of idle time.")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------- HTML
+
+_STYLE = (
+    "font-family:var(--jp-ui-font-family,-apple-system,Segoe UI,sans-serif);font-size:13px;"
+    "color:var(--jp-ui-font-color1,#222);border:1px solid var(--jp-border-color2,#ddd);"
+    "border-radius:6px;padding:10px 12px;max-width:900px"
+)
+
+
+def finding_html(finding: Finding) -> str:
+    color = SEVERITY_COLOR.get(finding.severity, "#555")
+    parts = [
+        f"<div class='gpuwidget-finding' data-rule='{html.escape(finding.rule)}' "
+        f"style='border-left:4px solid {color};padding:4px 10px;margin:8px 0'>",
+        f"<div><b>{html.escape(finding.title)}</b> <code style='font-size:11px;opacity:.7'>"
+        f"{html.escape(finding.rule)}</code>",
+    ]
+    if finding.expected_speedup is not None:
+        parts.append(f" <span style='color:{color}'>up to {finding.expected_speedup:.2f}x</span>")
+    parts.append("</div>")
+    if finding.suggestion:
+        parts.append(f"<div style='margin:4px 0'>{html.escape(finding.suggestion)}</div>")
+    if finding.evidence:
+        parts.append("<div style='font-size:12px;opacity:.8'>evidence: " + ", ".join(
+            f"{html.escape(str(k))} = {html.escape(_short(v))}" for k, v in finding.evidence.items()) + "</div>")
+    if finding.code:
+        parts.append("<pre style='background:var(--jp-layout-color2,#f5f5f5);padding:6px;margin:4px 0;"
+                     f"white-space:pre-wrap'><code>{html.escape(finding.code)}</code></pre>")
+    parts.append("</div>")
+    return "".join(parts)
+
+
+def run_html(run: Run) -> str:
+    cards = "".join(
+        "<div style='display:inline-block;margin:0 18px 6px 0;vertical-align:top'>"
+        f"<div style='font-size:11px;opacity:.7'>{html.escape(label)}</div>"
+        f"<div style='font-size:17px;font-weight:600'>{html.escape(value)}</div></div>"
+        for label, value in headline(run)
+    )
+    gpu_html = "".join(f"<div>{html.escape(line)}</div>" for line in gpu_lines(run))
+    body = [
+        f"<div class='gpuwidget-run' data-outcome='{run.outcome}' style='{_STYLE}'>",
+        f"<div style='margin-bottom:6px'><b>gpuwidget</b> · {html.escape(status_line(run))}</div>",
+        f"<div>{cards}</div>",
+        f"<div style='font-size:12px;margin-bottom:6px'>{gpu_html}</div>",
+        chart_svg(run),
+    ]
+    if run.options.get("advice", True) and run.finished:
+        if run.findings:
+            body.append("<div style='margin-top:8px;font-weight:600'>Findings, largest expected gain first</div>")
+            body += [finding_html(f) for f in run.findings]
+        else:
+            body.append("<div style='margin-top:8px'>No findings: nothing in this run points at a cause "
+                        "of idle time.</div>")
+    body.append("</div>")
+    return "".join(body)
+
+
+def html_document(run: Run) -> str:
+    """A standalone HTML page of the run (for ``Run.save('report.html')``)."""
+    title = html.escape(f"gpuwidget run {run.label}".strip())
+    return (f"<!doctype html><html><head><meta charset='utf-8'><title>{title}</title></head>"
+            f"<body style='margin:24px'>{run_html(run)}</body></html>\n")
+
+
+def chart_svg(run: Run, width: int = CHART_WIDTH, height: int = CHART_HEIGHT) -> str:
+    """GPU util, GPU memory and CPU over the run on a 0-100 % axis, with data-wait bands."""
+    trace = run.trace
+    series: list[tuple[str, str, str, np.ndarray]] = []
+    gpus = gpu_indices(trace)
+    columns = ["cpu.util"] + [c for i in gpus for c in (f"gpu{i}.util", f"gpu{i}.mem_used", f"gpu{i}.mem_total")]
+    frame = trace.plot_view(columns, CHART_POINTS)
+    if len(frame) < 2:
+        return ""
+    t = frame.t
+    with np.errstate(invalid="ignore", divide="ignore"):
+        for n, index in enumerate(gpus):
+            color = PALETTE[n % len(PALETTE)]
+            series.append((f"GPU{index} util", color, "", frame.mean[f"gpu{index}.util"]))
+            series.append((f"GPU{index} memory", color, "4 3",
+                           100 * frame.mean[f"gpu{index}.mem_used"] / frame.mean[f"gpu{index}.mem_total"]))
+    series.append(("CPU", CPU_COLOR, "", frame.mean["cpu.util"]))
+    t0, t1 = float(t[0]), float(t[-1])
+    span = (t1 - t0) or 1.0
+    left, top, plot_w, plot_h = 34, 6, width - 34 - 8, height - 6 - 18
+
+    def x(v: float) -> float:
+        return left + (v - t0) / span * plot_w
+
+    def y(v: float) -> float:
+        return top + (1 - min(max(v, 0.0), 100.0) / 100) * plot_h
+
+    parts = [f"<svg xmlns='http://www.w3.org/2000/svg' width='{width}' height='{height}' "
+             f"viewBox='0 0 {width} {height}' style='display:block;font-size:10px' role='img' "
+             "aria-label='utilisation over the run'>"]
+    for start, end in _merged_bands(trace.spans(DATA_WAIT_SPAN), min_width=span / plot_w):
+        parts.append(f"<rect x='{x(start):.1f}' y='{top}' width='{max(x(end) - x(start), 0.5):.1f}' "
+                     f"height='{plot_h}' fill='{WAIT_COLOR}' fill-opacity='0.3'/>")
+    for level in (0, 50, 100):
+        parts.append(f"<line x1='{left}' x2='{left + plot_w}' y1='{y(level):.1f}' y2='{y(level):.1f}' "
+                     "stroke='#999' stroke-opacity='0.3'/>")
+        parts.append(f"<text x='{left - 4}' y='{y(level) + 3:.1f}' text-anchor='end' fill='#888'>{level}%</text>")
+    parts.append(f"<text x='{left}' y='{height - 3}' fill='#888'>{t0:.0f} s</text>")
+    parts.append(f"<text x='{left + plot_w}' y='{height - 3}' text-anchor='end' fill='#888'>{t1:.1f} s</text>")
+    legend_x = left + 60.0
+    for name, color, dash, values in series:
+        path = _polyline(t, values, x, y)
+        if path:
+            dash_attr = f" stroke-dasharray='{dash}'" if dash else ""
+            parts.append(f"<polyline points='{path}' fill='none' stroke='{color}' stroke-width='1.4'{dash_attr}/>")
+            parts.append(f"<text x='{legend_x:.0f}' y='{height - 3}' fill='{color}'>{html.escape(name)}</text>")
+            legend_x += 7 * len(name) + 14
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+def _polyline(t: np.ndarray, values: np.ndarray, x: Any, y: Any) -> str:
+    points = [f"{x(float(a)):.1f},{y(float(b)):.1f}" for a, b in zip(t, values) if not math.isnan(b)]
+    return " ".join(points) if len(points) > 1 else ""
+
+
+def _merged_bands(spans: Iterable[Any], min_width: float) -> list[tuple[float, float]]:
+    bands: list[tuple[float, float]] = []
+    for span in spans:
+        if bands and span.start - bands[-1][1] <= min_width:
+            bands[-1] = (bands[-1][0], max(bands[-1][1], span.end))
+        else:
+            bands.append((span.start, span.end))
+    return bands
+
+
+def _short(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.3g}"
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{k}: {_short(v)}" for k, v in value.items()) + "}"
+    return str(value)
