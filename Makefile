@@ -26,16 +26,19 @@ install: $(STAMP) $(LABEXT)
 # The venv, torch, gpuwidget (editable, with test extras) and the lab extension.
 # `pip install -e` runs the hatch build hook, which runs `jlpm install` and `jlpm build`;
 # the wheel's shared-data installs a *copy* of the built extension and the server-extension
-# config into .venv, then `labextension develop` swaps that copy for a link to
+# config into .venv, then `jupyter-builder develop` swaps that copy for a link to
 # gpuwidget/labextension, so later `jlpm build`s are seen without reinstalling.
+# (`jupyter labextension develop` does the same but is deprecated in JupyterLab 4.6.)
 $(STAMP): pyproject.toml package.json yarn.lock
 	test -x $(VPY) || $(PYTHON) -m venv $(VENV)
 	$(VPY) -m pip install --upgrade pip
 	$(VPY) -m pip install "$(TORCH_SPEC)"
-	@# a link left by `labextension develop` would make pip write through it into the source tree
+	@# a link left by `jupyter-builder develop` would make pip write through it into the source tree
 	if [ -L $(LABEXT_LINK) ]; then rm $(LABEXT_LINK); fi
 	PATH="$(VBIN):$$PATH" $(VPY) -m pip install -e ".[test,dev]"
-	PATH="$(VBIN):$$PATH" $(VENV)/bin/jupyter labextension develop --overwrite .
+	PATH="$(VBIN):$$PATH" $(VENV)/bin/jupyter-builder develop --overwrite . || { \
+	  echo "make: linking the lab extension failed; gpuwidget/__init__.py must re-export" >&2; \
+	  echo "      _jupyter_labextension_paths (from gpuwidget._labext)." >&2; exit 1; }
 	touch $@
 
 # TypeScript or CSS changed since the last build (or `make clean` removed the build).

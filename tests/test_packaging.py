@@ -7,6 +7,7 @@ These check the environment the tests run in (``make test`` installs gpuwidget i
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from importlib import metadata
@@ -19,11 +20,12 @@ try:
 except metadata.PackageNotFoundError:  # pragma: no cover - only outside an install
     pytest.skip("gpuwidget is not installed in this environment", allow_module_level=True)
 
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
 LABEXT_DIR = Path(sys.prefix) / "share" / "jupyter" / "labextensions" / "gpuwidget"
 
 
 def _jupyter(*args: str) -> str:
-    """Run a `jupyter` subcommand with this interpreter; return stdout and stderr together."""
+    """Run a `jupyter` subcommand with this interpreter; stdout and stderr, colours removed."""
     proc = subprocess.run(
         [sys.executable, "-m", "jupyter", *args],
         capture_output=True,
@@ -31,7 +33,7 @@ def _jupyter(*args: str) -> str:
         timeout=120,
         check=True,
     )
-    return proc.stdout + proc.stderr
+    return ANSI.sub("", proc.stdout + proc.stderr)
 
 
 def test_labextension_is_installed_in_prefix() -> None:
@@ -49,9 +51,8 @@ def test_labextension_is_installed_in_prefix() -> None:
 
 def test_labextension_listed_enabled_and_ok() -> None:
     out = _jupyter("labextension", "list")
-    lines = [line for line in out.splitlines() if line.split()[:1] == ["gpuwidget"]]
-    assert lines, out
-    assert "enabled" in lines[0] and "OK" in lines[0], out
+    # e.g. "gpuwidget v0.1.0 enabled OK (python, gpuwidget)"
+    assert re.search(r"^\s*gpuwidget v\S+ enabled OK\b", out, re.MULTILINE), out
 
 
 def test_server_extension_enabled_without_manual_step() -> None:
@@ -61,6 +62,6 @@ def test_server_extension_enabled_without_manual_step() -> None:
     assert json.loads(config.read_text()) == {"ServerApp": {"jpserver_extensions": {"gpuwidget": True}}}
 
     out = _jupyter("server", "extension", "list")
-    words = [line.split() for line in out.splitlines()]
-    assert ["gpuwidget", "enabled"] in words, out
-    assert ["gpuwidget", "OK"] in words, out
+    # "gpuwidget enabled", then "- Validating gpuwidget..." and "gpuwidget [version] OK"
+    assert re.search(r"^\s*gpuwidget enabled\s*$", out, re.MULTILINE), out
+    assert re.search(r"^\s*gpuwidget (\S+ )?\s*OK\s*$", out, re.MULTILINE), out
