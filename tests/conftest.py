@@ -1,0 +1,42 @@
+"""Shared fixtures: an in-process IPython shell with gpuwidget loaded, and leak checks."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from gpuwidget import session
+from gpuwidget.sampler import THREAD_NAME
+
+
+def sampler_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == THREAD_NAME]
+
+
+@pytest.fixture(autouse=True)
+def nothing_left_behind() -> Iterator[None]:
+    """Every test must end with no sampler thread and no active watch."""
+    yield
+    leftover = sampler_threads()
+    for thread in leftover:
+        thread.join(2.0)
+    assert not [t for t in leftover if t.is_alive()], "a sampler thread outlived its watch"
+    assert session._active is None, "a watch is still marked active"
+
+
+@pytest.fixture(scope="session")
+def _ipython_session():
+    from IPython.testing.globalipapp import start_ipython
+
+    shell = start_ipython()
+    shell.run_line_magic("load_ext", "gpuwidget")
+    return shell
+
+
+@pytest.fixture
+def ip(_ipython_session):
+    """The in-process IPython shell with ``%%gpuwatch`` registered, output captured."""
+    yield _ipython_session
+    _ipython_session.user_ns.pop("_gpuwidget_test", None)
