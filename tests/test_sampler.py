@@ -1,0 +1,167 @@
+"""Sampler cadence and robustness; host and replay sources."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import time
+
+import pytest
+
+from gpuwidget.sampler import THREAD_NAME, Sampler
+from gpuwidget.sources.base import Source
+from gpuwidget.sources.host import HostSource, usable_cpu_count
+from gpuwidget.sources.replay import ReplaySource
+from gpuwidget.trace import Trace
+
+
+class CountingSource:
+    name = "counting"
+
+    def __init__(self, delay: float = 0.0, fail_every: int = 0) -> None:
+        self.errors: list = []
+        self.reads = 0
+        self.delay = delay
+        self.fail_every = fail_every
+        self.closed = False
+
+    def read(self) -> dict[str, float]:
+        self.reads += 1
+        if self.fail_every and self.reads % self.fail_every == 0:
+            raise RuntimeError("device went away")
+        if self.delay:
+            time.sleep(self.delay)
+        return {"fake.reads": float(self.reads)}
+
+    def describe(self) -> dict:
+        return {"name": self.name, "available": True}
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_sources_follow_the_protocol():
+    assert isinstance(CountingSource(), Source)
+    assert isinstance(HostSource(), Source)
+    assert isinstance(ReplaySource(Trace()), Source)
+
+
+def test_ticks_follow_the_interval_on_a_monotonic_clock():
+    trace = Trace()
+    sampler = Sampler([CountingSource()], trace, interval=0.02).start()
+    time.sleep(0.5)
+    sampler.stop(final_tick=False)
+    t = trace.window().t
+    # ~25 ticks expected; a loaded CI machine may drop a few, never double up.
+    assert 12 <= len(t) <= 27
+    gaps = [b - a for a, b in zip(t, t[1:])]
+    assert sorted(gaps)[len(gaps) // 2] == pytest.approx(0.02, abs=0.01)
+
+
+def test_slow_source_counts_missed_ticks_instead_of_bursting():
+    trace = Trace()
+    sampler = Sampler([CountingSource(delay=0.05)], trace, interval=0.01).start()
+    time.sleep(0.4)
+    sampler.stop(final_tick=False)
+    assert sampler.stats.missed_ticks >= 10
+    gaps = [b - a for a, b in zip(trace.window().t, trace.window().t[1:])]
+    assert min(gaps) >= 0.045  # no catch-up burst
+
+
+def test_failing_source_and_listener_never_raise_and_the_run_goes_on():
+    trace = Trace()
+    calls = []
+
+    def bad_listener(_trace: Trace) -> None:
+        calls.append(1)
+        raise ValueError("plot broke")
+
+    sampler = Sampler([CountingSource(fail_every=2)], trace, interval=0.01, listeners=[bad_listener]).start()
+    time.sleep(0.2)
+    sampler.stop()
+    assert sampler.stats.ticks >= 5
+    assert any("device went away" in e for e in sampler.stats.errors)
+    assert any("plot broke" in e for e in sampler.stats.errors)
+    assert len(calls) == sampler.stats.ticks
+    assert trace.stats("fake.reads").count >= 2
+
+
+def test_stop_returns_within_one_interval_and_leaves_no_thread():
+    import threading
+
+    sampler = Sampler([CountingSource()], Trace(), interval=2.0).start()
+    time.sleep(0.05)
+    started = time.perf_counter()
+    sampler.stop()
+    assert time.perf_counter() - started < 0.5
+    assert not [t for t in threading.enumerate() if t.name == THREAD_NAME]
+    # stop() took one last reading, so a short block still ends with its final state.
+    assert sampler.stats.ticks == 2
+
+
+def test_interval_must_be_positive():
+    with pytest.raises(ValueError, match="interval"):
+        Sampler([], Trace(), interval=0)
+
+
+def _burn(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def test_host_source_reports_process_and_worker_cpu_in_si_units():
+    source = HostSource()
+    source.read()
+    ctx = multiprocessing.get_context("fork")
+    worker = ctx.Process(target=_burn, args=(0.6,))
+    worker.start()
+    time.sleep(0.05)
+    source.read()
+    time.sleep(0.4)
+    values = source.read()
+    worker.join()
+    assert 0 <= values["cpu.util"] <= 100
+    assert values["proc.rss"] > 10 * 2**20  # bytes, not KB
+    assert values["proc.workers"] >= 1
+    # The busy child used most of a core between the last two reads.
+    assert values["proc.workers_cpu"] > 50
+    assert values["mem.total"] > values["mem.used"] > 0
+    assert f"cpu.core{os.cpu_count() - 1}.util" in values
+    assert "disk.read" in values and values["disk.read"] >= 0
+    assert usable_cpu_count() >= 1
+    assert source.describe()["cpu_affinity"] == usable_cpu_count()
+
+
+def test_host_source_first_read_has_no_rates():
+    values = HostSource().read()
+    assert "cpu.util" in values
+    assert "disk.read" not in values and "proc.cpu" not in values
+
+
+def test_replay_plays_rows_in_order_and_then_ends():
+    recorded = Trace()
+    for i in range(5):
+        recorded.append(i * 0.5, {"gpu0.util": 10.0 * i, **({"gpu0.power": 100.0} if i < 2 else {})})
+    source = ReplaySource(recorded, prefix_map={"gpu0.": "gpu3."})
+    rows = [source.read() for _ in range(6)]
+    assert [r.get("gpu3.util") for r in rows[:5]] == [0.0, 10.0, 20.0, 30.0, 40.0]
+    assert "gpu3.power" in rows[0] and "gpu3.power" not in rows[2]  # absent stays absent
+    assert rows[5] == {} and source.finished
+
+
+def test_replay_through_a_sampler_reproduces_the_recording():
+    recorded = Trace()
+    for i in range(20):
+        recorded.append(i * 0.1, {"gpu0.util": float(i)})
+    copy = Trace()
+    sampler = Sampler([ReplaySource(recorded, loop=True)], copy, interval=0.005).start()
+    time.sleep(0.2)
+    sampler.stop(final_tick=False)
+    values = copy.window()["gpu0.util"].tolist()
+    assert values[:20] == [float(i) for i in range(20)]
+
+
+def test_replay_rejects_bad_pace():
+    with pytest.raises(ValueError, match="pace"):
+        ReplaySource(Trace(), pace="fast")
