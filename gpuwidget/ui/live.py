@@ -167,9 +167,7 @@ class LiveView:
         self.push()
         with self._lock:
             self._closed = True
-        self.model.close()
-        self.header.close()
-        self.widget.close()
+        _close_tree(self.widget)
 
     def _columns(self) -> list[str]:
         cols = ["cpu.util"]
@@ -231,3 +229,14 @@ class LiveView:
             parts.append(f"CPU {cpu:.0f}%")
         return ("<div style='font-family:var(--jp-ui-font-family,sans-serif);font-size:12px;"
                 "color:var(--jp-ui-font-color1,#222)'>" + " &nbsp;|&nbsp; ".join(parts) + "</div>")
+
+
+def _close_tree(widget: Any) -> None:
+    """Close a widget, its children and their layout/style models (``close()`` alone leaks those)."""
+    for child in getattr(widget, "children", ()):
+        _close_tree(child)
+    for part in ("layout", "style"):
+        model = getattr(widget, part, None)
+        if model is not None and hasattr(model, "close"):
+            model.close()
+    widget.close()

@@ -1,0 +1,89 @@
+"""%%gpuwatch in a real ipykernel: live updates leave the kernel while the cell is still busy."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+
+pytestmark = pytest.mark.kernel
+
+
+@pytest.fixture(scope="module")
+def kernel() -> Iterator[object]:
+    from jupyter_client.manager import start_new_kernel
+
+    km, kc = start_new_kernel(kernel_name="python3")
+    try:
+        reply = kc.execute_interactive("%load_ext gpuwidget", timeout=60)
+        assert reply["content"]["status"] == "ok"
+        yield kc
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+
+
+def run_cell(kc, code: str, timeout: float = 60) -> list[tuple[float, dict]]:
+    """Execute and collect this cell's iopub messages with their arrival times, until idle."""
+    started = time.perf_counter()
+    msg_id = kc.execute(code)
+    messages = []
+    while True:
+        msg = kc.get_iopub_msg(timeout=timeout)
+        if msg["parent_header"].get("msg_id") != msg_id:
+            continue
+        messages.append((time.perf_counter() - started, msg))
+        if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+            return messages
+
+
+def of_type(messages, msg_type):
+    return [(t, m) for t, m in messages if m["msg_type"] == msg_type]
+
+
+def test_live_updates_arrive_while_the_cell_runs_then_the_report_replaces_them(kernel):
+    cell_seconds = 2.0
+    messages = run_cell(kernel, f"%%gpuwatch --interval 0.1\nimport time\ntime.sleep({cell_seconds})\n'done'")
+    updates = [t for t, m in of_type(messages, "comm_msg") if m["content"]["data"].get("method") in ("custom", "update")]
+    idle_at = messages[-1][0]
+    # Updates start early and keep coming while the cell sleeps, not in one burst at the end.
+    assert updates and updates[0] < 1.5
+    during = [t for t in updates if t < idle_at - 0.3]
+    assert len({round(t, 1) for t in during}) >= 4
+    assert max(during) - min(during) >= 1.0
+    # The live widget is shown first; at the end its display is replaced by the static report.
+    widget_displays = [m for _, m in of_type(messages, "display_data")
+                       if "application/vnd.jupyter.widget-view+json" in m["content"]["data"]]
+    assert len(widget_displays) == 1
+    display_id = widget_displays[0]["content"]["transient"]["display_id"]
+    (report,) = [m for _, m in of_type(messages, "update_display_data")]
+    assert report["content"]["transient"]["display_id"] == display_id
+    assert "gpuwidget-run" in report["content"]["data"]["text/html"]
+    assert "no NVIDIA GPU found" in report["content"]["data"]["text/plain"]
+    (result,) = [m for _, m in of_type(messages, "execute_result")]
+    assert result["content"]["data"]["text/plain"] == "'done'"
+    # Every widget the live view opened is closed again.
+    opened = {m["content"]["comm_id"] for _, m in of_type(messages, "comm_open")}
+    closed = {m["content"]["comm_id"] for _, m in of_type(messages, "comm_close")}
+    assert opened and opened <= closed
+
+
+def test_bokehjs_is_sent_once_per_kernel_from_local_files(kernel):
+    # The module-scoped kernel has already watched one cell (or this is the first).
+    first = run_cell(kernel, "%%gpuwatch\npass")
+    second = run_cell(kernel, "%%gpuwatch\npass")
+    scripts = [m["content"]["data"]["application/javascript"]
+               for _, m in of_type(first + second, "display_data")
+               if "application/javascript" in m["content"]["data"]]
+    assert len(scripts) <= 1
+    for script in scripts:
+        assert "cdn.bokeh.org" not in script and "http" not in script[:200]
+
+
+def test_exception_in_a_kernel_cell_shows_one_traceback(kernel):
+    messages = run_cell(kernel, "%%gpuwatch --no-live\nraise ValueError('bad batch')")
+    errors = of_type(messages, "error")
+    assert len(errors) == 1
+    assert errors[0][1]["content"]["ename"] == "ValueError"
+    assert errors[0][1]["content"]["evalue"] == "bad batch"
