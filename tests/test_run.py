@@ -1,0 +1,127 @@
+"""Run: renders itself (HTML + text), saves and loads, exports."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+
+import pytest
+
+from gpuwidget import Finding, Run
+from gpuwidget.advice.summary import summarize
+from gpuwidget.run import RunError
+from gpuwidget.trace import Trace
+
+
+def gpu_run(error: BaseException | None = None) -> Run:
+    trace = Trace()
+    for i in range(50):
+        trace.append(i * 0.1, {
+            "gpu0.util": 90.0 if i % 10 else 0.0, "gpu0.mem_used": 40e9 + i * 1e8, "gpu0.mem_total": 80e9,
+            "cpu.util": 30.0, "proc.cpu": 100.0,
+        })
+        if i % 10 == 0:
+            trace.add_span("loader.wait", i * 0.1, i * 0.1 + 0.08)
+    finding = Finding(
+        rule="dataloader-starved", severity="warn", title="The loop waits for data",
+        evidence={"data_wait_fraction": 0.16}, suggestion="Use worker processes.",
+        change={"num_workers": 4}, code="train_loader = DataLoader(ds, batch_size=64, num_workers=4)",
+        expected_speedup=1.19,
+    )
+    run = Run(trace=trace, summary=summarize(trace, {"samples": 3200}, duration_s=4.9),
+              findings=[finding], machine={"gpus": [{"index": 0, "name": "NVIDIA H200", "uuid": "GPU-1"}]},
+              options={"advice": True}, error=error, label="In [7]", finished=True)
+    return run
+
+
+def test_summary_has_the_contract_keys_with_measured_values():
+    s = gpu_run().summary
+    assert s["duration_s"] == 4.9
+    assert s["samples_per_s"] == pytest.approx(3200 / 4.9)
+    assert s["gpu_busy_mean"] == pytest.approx(81.0)
+    assert s["peak_gpu_mem_fraction"] == pytest.approx((40e9 + 49e8) / 80e9)
+    assert s["data_wait_fraction"] == pytest.approx(5 * 0.08 / 4.9)
+    assert s["cpu_util_mean"] == 30.0
+    assert s["steps"] == 5
+
+
+def test_summary_without_gpu_invents_no_gpu_figures():
+    trace = Trace()
+    trace.append(0.0, {"cpu.util": 10.0})
+    s = summarize(trace, {}, duration_s=1.0)
+    assert "gpu_busy_mean" not in s and "peak_gpu_mem_fraction" not in s
+    assert s["samples_per_s"] is None and s["data_wait_fraction"] is None
+
+
+def test_run_renders_the_same_content_as_html_and_text():
+    bundle = gpu_run()._repr_mimebundle_()
+    text, page = bundle["text/plain"], bundle["text/html"]
+    for fragment in ("GPU busy 81%", "waiting for data 8%", "dataloader-starved", "up to 1.19x"):
+        assert fragment in text
+    for fragment in ("GPU busy", "81%", "dataloader-starved", "up to 1.19x", "num_workers=4", "<svg"):
+        assert fragment in page
+    assert "GPU0 NVIDIA H200: busy 81%, peak memory 56%" in text
+
+
+def test_report_escapes_user_text():
+    run = gpu_run(error=ValueError("<script>alert(1)</script>"))
+    page = run._repr_mimebundle_()["text/html"]
+    assert "<script>" not in page and "&lt;script&gt;" in page
+
+
+def test_run_without_gpu_says_so_plainly():
+    trace = Trace()
+    trace.append(0.0, {"cpu.util": 10.0})
+    trace.append(1.0, {"cpu.util": 20.0})
+    run = Run(trace=trace, summary=summarize(trace), finished=True,
+              machine={"gpus": [], "gpu_message": "no NVIDIA GPU found (NVML library not found)"})
+    text = run._repr_mimebundle_()["text/plain"]
+    assert "no NVIDIA GPU found (NVML library not found): host metrics only" in text
+    assert "GPU busy" not in text
+
+
+def test_json_round_trip_keeps_what_the_user_sees(tmp_path):
+    run = gpu_run(error=KeyboardInterrupt())
+    path = run.save(tmp_path / "run.json")
+    loaded = Run.load(path)
+    assert loaded.summary == json.loads(json.dumps(run.summary))
+    assert loaded.findings == run.findings
+    assert isinstance(loaded.error, RunError) and loaded.outcome == "interrupted"
+    assert loaded.label == "In [7]"
+    assert loaded.trace.stats("gpu0.util") == run.trace.stats("gpu0.util")
+    assert loaded._repr_mimebundle_()["text/plain"] == run._repr_mimebundle_()["text/plain"]
+
+
+def test_html_and_csv_exports(tmp_path):
+    run = gpu_run()
+    page = run.save(tmp_path / "report.html").read_text()
+    assert page.startswith("<!doctype html>") and "dataloader-starved" in page
+    rows = list(csv.reader(io.StringIO(run.save(tmp_path / "trace.csv").read_text())))
+    assert rows[0][0] == "t" and "gpu0.util" in rows[0]
+    assert len(rows) == 51
+    column = rows[0].index("gpu0.util")
+    assert float(rows[2][column]) == 90.0
+
+
+def test_saving_with_an_unknown_suffix_is_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"\.json, \.html or \.csv"):
+        gpu_run().save(tmp_path / "run.pickle")
+    assert not list(tmp_path.iterdir())
+
+
+def test_loading_something_else_is_refused(tmp_path):
+    path = tmp_path / "other.json"
+    path.write_text(json.dumps({"format": "notebook"}))
+    with pytest.raises(ValueError, match="not a saved gpuwidget run"):
+        Run.load(path)
+
+
+def test_finding_validates_severity_and_speedup():
+    with pytest.raises(ValueError, match="severity"):
+        Finding(rule="x", severity="fatal", title="t")
+    with pytest.raises(ValueError, match="expected_speedup"):
+        Finding(rule="x", severity="info", title="t", expected_speedup=0.5)
+    finding = gpu_run().findings[0]
+    assert Finding.from_dict(finding.to_dict()) == finding
+    assert "num_workers=4" in finding._repr_mimebundle_()["text/plain"]
