@@ -1,0 +1,726 @@
+"""A fake NVML for tests: replaces pynvml's functions and keeps its real errors, structs and constants.
+
+The fake works at the pynvml function level, so code under test runs its real error handling:
+``pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)`` becomes ``NVMLError_NotSupported`` exactly as
+with a driver. Every ``nvml*`` function of pynvml is replaced while installed; one the fake does not
+model raises FunctionNotFound and is listed in ``unfaked_calls``.
+
+Use it through the ``fake_nvml`` fixture (an installer) or as a context manager::
+
+    def test_power(fake_nvml):
+        fake = fake_nvml(FakeNvml.single(power_mw=250_000))
+        assert NvmlSource().read()["gpu0.power"] == 250.0
+
+    with FakeNvml.gpus(8).patched() as fake:   # benchmarks, scripts
+        ...
+
+Time and ticks: by default time is frozen. ``fake.step()`` moves to the next tick and advances the
+clock NvmlSource uses by ``tick_s`` (0.1 s); per-tick values are sequences indexed by tick (the last
+one repeats) or functions of the tick. ``FakeNvml(..., real_time=True)`` leaves the clock alone and
+derives the tick from elapsed wall time, for tests that run a real sampler thread.
+
+Calls are counted per function (``fake.calls["nvmlDeviceGetPcieThroughput"]``) and per device
+(``fake.count(name, gpu)``). The fake answers at once unless ``latency_s`` gives a delay per function
+(``FakeNvml.REALISTIC_LATENCY_S`` blocks PCIe queries 20 ms as real NVML does).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import time
+import types
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import pynvml
+import pytest
+
+GIB = 1024**3
+
+# Per-tick value: a constant, a sequence indexed by tick (the last value repeats), or f(tick).
+Value = Any
+
+# Field names accepted by not_supported() / no_permission(), and the NVML functions behind them.
+# util and mem_util come from the same call, as on a real GPU.
+FIELD_FUNCTIONS: dict[str, tuple[str, ...]] = {
+    "util": ("nvmlDeviceGetUtilizationRates", "nvmlDeviceGetSamples"),
+    "mem_util": ("nvmlDeviceGetUtilizationRates",),
+    "samples": ("nvmlDeviceGetSamples",),
+    "memory": ("nvmlDeviceGetMemoryInfo",),
+    "power": ("nvmlDeviceGetPowerUsage",),
+    "power_limit": ("nvmlDeviceGetEnforcedPowerLimit",),
+    "temperature": ("nvmlDeviceGetTemperature",),
+    "sm_clock": ("nvmlDeviceGetClockInfo",),
+    "sm_clock_max": ("nvmlDeviceGetMaxClockInfo",),
+    "clock_events": ("nvmlDeviceGetCurrentClocksEventReasons", "nvmlDeviceGetCurrentClocksThrottleReasons"),
+    "pcie": ("nvmlDeviceGetPcieThroughput",),
+    "processes": (
+        "nvmlDeviceGetComputeRunningProcesses",
+        "nvmlDeviceGetComputeRunningProcesses_v2",
+        "nvmlDeviceGetComputeRunningProcesses_v3",
+        "nvmlDeviceGetGraphicsRunningProcesses",
+        "nvmlDeviceGetGraphicsRunningProcesses_v2",
+        "nvmlDeviceGetGraphicsRunningProcesses_v3",
+    ),
+}
+
+# Functions an older driver (R470-era: Ampere, no GPM) does not have.
+OLD_DRIVER_MISSING = frozenset(
+    {
+        "nvmlDeviceGetCurrentClocksEventReasons",
+        "nvmlDeviceGetMemoryInfo_v2",
+        "nvmlDeviceGetSamples",
+        "nvmlDeviceGetComputeRunningProcesses_v3",
+        "nvmlDeviceGetGraphicsRunningProcesses_v3",
+        "nvmlGpmQueryDeviceSupport",
+        "nvmlGpmSampleAlloc",
+        "nvmlGpmSampleFree",
+        "nvmlGpmSampleGet",
+        "nvmlGpmMigSampleGet",
+        "nvmlGpmMetricsGet",
+    }
+)
+
+# pynvml helpers that do not call the library: left alone.
+_NOT_LIBRARY_CALLS = frozenset(
+    {"nvmlExceptionClass", "nvmlStructToFriendlyObject", "nvmlFriendlyObjectToStruct"}
+)
+
+_SAMPLE_BASE_US = 1_700_000_000_000_000
+_SAMPLE_TICK_US = 100_000  # driver timestamps advance 100 ms per fake tick, whatever tick_s is
+
+
+def _at(value: Value, tick: int) -> Any:
+    if callable(value):
+        return value(tick)
+    if isinstance(value, (list, tuple)):
+        return value[min(tick, len(value) - 1)]
+    return value
+
+
+@dataclass
+class FakeProcess:
+    pid: int
+    used_memory: int | None  # bytes; None as the driver reports it without privileges (MIG, WDDM)
+
+
+@dataclass(eq=False)
+class FakeGpu:
+    """One device and its handle. Numbers are in NVML's own units (mW, MHz, KiB/s)."""
+
+    uuid: str
+    name: str = "NVIDIA H100 80GB HBM3"
+    index: int = 0
+    pci_bus_id: str = "00000000:18:00.0"
+    memory_total: int = 80 * GIB
+    memory_used: Value = 20 * GIB  # v2 struct "used"; the v1 struct adds memory_reserved
+    memory_reserved: int = GIB // 2
+    util: Value = 87
+    util_samples: Value = None  # per tick, a list of sample values; None: one sample equal to util
+    mem_util: Value = 35
+    power_mw: Value = 250_000
+    power_limit_mw: Value = 700_000
+    temperature: Value = 61
+    sm_clock_mhz: Value = 1755
+    sm_clock_max_mhz: int = 1980
+    clock_events: Value = 0
+    pcie_tx_kib: Value = 2048
+    pcie_rx_kib: Value = 4096
+    compute_processes: list[FakeProcess] = field(default_factory=list)
+    graphics_processes: list[FakeProcess] = field(default_factory=list)
+    gpm: bool = True
+    sm_active: Value = 60.0
+    sm_occupancy: Value = 30.0
+    tensor_active: Value = 25.0
+    dram_active: Value = 40.0
+    gpm_pcie_tx_mib: Value = 3.0
+    gpm_pcie_rx_mib: Value = 5.0
+    mig_mode: bool | None = None  # None: not MIG-capable (NotSupported)
+    instances: list[FakeGpu] = field(default_factory=list)
+    parent: FakeGpu | None = None
+    gpu_instance_id: int | None = None
+    compute_instance_id: int | None = None
+    unsupported: set[str] = field(default_factory=set)
+    no_permission: set[str] = field(default_factory=set)
+    lost_at_tick: int | None = None
+
+    def lost(self, tick: int) -> bool:
+        if self.parent is not None and self.parent.lost(tick):
+            return True
+        return self.lost_at_tick is not None and tick >= self.lost_at_tick
+
+
+def _uuid(kind: str, number: int) -> str:
+    return f"{kind}-{number:08x}-1111-2222-3333-{number:012x}"
+
+
+def make_gpu(index: int, **fields: Any) -> FakeGpu:
+    """A healthy Hopper-class GPU at NVML ``index`` with a distinct UUID and bus id."""
+    base = {
+        "uuid": _uuid("GPU", 0xA0 + index),
+        "index": index,
+        "pci_bus_id": f"00000000:{0x18 + index:02X}:00.0",
+    }
+    return FakeGpu(**{**base, **fields})
+
+
+class FakeNvml:
+    """The state of a fake driver, its scenario builders, and the fake pynvml functions."""
+
+    REALISTIC_LATENCY_S: Mapping[str, float] = {"nvmlDeviceGetPcieThroughput": 0.020}
+
+    def __init__(
+        self,
+        gpus: Sequence[FakeGpu] = (),
+        *,
+        init_error: int | None = None,
+        missing: Sequence[str] | frozenset[str] = (),
+        driver_version: str = "580.65.06",
+        real_time: bool = False,
+        tick_s: float = 0.1,
+        latency_s: Mapping[str, float] | None = None,
+        cuda_visible_devices: str | None = None,
+    ) -> None:
+        self.devices: list[FakeGpu] = list(gpus)
+        self.init_error = init_error
+        self.missing: set[str] = set(missing)
+        self.driver_version = driver_version
+        self.real_time = real_time
+        self.tick_s = tick_s
+        self.latency_s: dict[str, float] = dict(latency_s or {})
+        self.cuda_visible_devices = cuda_visible_devices  # None: unset while installed
+        self.calls: Counter[str] = Counter()
+        self.device_calls: Counter[tuple[str, str]] = Counter()
+        self.unfaked_calls: list[str] = []
+        self.inits = 0
+        self.shutdowns = 0
+        self.time = 1000.0
+        self._tick = 0
+        self._start = time.monotonic()
+        self._gpm_samples: dict[int, tuple[FakeGpu, int, float] | None] = {}
+        self._next_sample = 0x1000
+
+    # -- scenario builders -----------------------------------------------------------------------
+
+    @classmethod
+    def single(cls, **fields: Any) -> FakeNvml:
+        """One GPU, a current driver, every field supported."""
+        return cls.gpus(1, **fields)
+
+    @classmethod
+    def gpus(cls, count: int, **fields: Any) -> FakeNvml:
+        """``count`` identical GPUs on a current driver."""
+        return cls([make_gpu(index, **fields) for index in range(count)])
+
+    new_driver = single
+
+    @classmethod
+    def old_driver(cls, count: int = 1, **fields: Any) -> FakeNvml:
+        """An A100 on an R470-era driver: no GPM, GetSamples, clock event reasons, v2/v3 structs."""
+        fields = {"name": "NVIDIA A100-SXM4-40GB", "memory_total": 40 * GIB, "gpm": False, **fields}
+        fake = cls.gpus(count, **fields)
+        fake.missing |= OLD_DRIVER_MISSING
+        fake.driver_version = "470.256.02"
+        return fake
+
+    @classmethod
+    def mig(cls, extra_gpus: int = 0) -> FakeNvml:
+        """GPU 0 an A100 in MIG mode with two instances (3g.20gb, 2g.10gb), then ``extra_gpus`` plain GPUs."""
+        parent = make_gpu(0, name="NVIDIA A100-SXM4-40GB", memory_total=40 * GIB, mig_mode=True, gpm=False)
+        for slot, (profile, memory, gi) in enumerate((("3g.20gb", 20, 1), ("2g.10gb", 10, 5))):
+            parent.instances.append(
+                FakeGpu(
+                    uuid=_uuid("MIG", 0xC0 + slot),
+                    name=f"NVIDIA A100-SXM4-40GB MIG {profile}",
+                    index=0,
+                    pci_bus_id=parent.pci_bus_id,
+                    memory_total=memory * GIB,
+                    memory_used=(slot + 1) * GIB,
+                    parent=parent,
+                    gpu_instance_id=gi,
+                    compute_instance_id=0,
+                    gpm=False,
+                    # Utilization, power, temperature and PCIe are whole-GPU figures: MIG has none.
+                    unsupported={
+                        "nvmlDeviceGetUtilizationRates",
+                        "nvmlDeviceGetSamples",
+                        "nvmlDeviceGetPowerUsage",
+                        "nvmlDeviceGetEnforcedPowerLimit",
+                        "nvmlDeviceGetTemperature",
+                        "nvmlDeviceGetPcieThroughput",
+                    },
+                )
+            )
+        return cls([parent, *(make_gpu(index) for index in range(1, 1 + extra_gpus))])
+
+    @classmethod
+    def library_missing(cls) -> FakeNvml:
+        """No NVIDIA driver installed: nvmlInit raises NVMLError_LibraryNotFound."""
+        return cls(init_error=pynvml.NVML_ERROR_LIBRARY_NOT_FOUND)
+
+    @classmethod
+    def driver_not_loaded(cls) -> FakeNvml:
+        """Driver installed but its kernel module not loaded: NVMLError_DriverNotLoaded."""
+        return cls(init_error=pynvml.NVML_ERROR_DRIVER_NOT_LOADED)
+
+    @classmethod
+    def no_devices(cls) -> FakeNvml:
+        """NVML starts but counts zero GPUs."""
+        return cls()
+
+    # -- scenario changes (chainable) ------------------------------------------------------------
+
+    def gpu(self, which: int | str) -> FakeGpu:
+        """A device by NVML index (physical GPU) or UUID (any device, MIG instances included)."""
+        for device in self.devices:
+            for candidate in (device, *device.instances):
+                if which == candidate.uuid or (candidate.parent is None and which == candidate.index):
+                    return candidate
+        raise KeyError(which)
+
+    def set(self, which: int | str, **fields: Any) -> FakeNvml:
+        gpu = self.gpu(which)
+        for name, value in fields.items():
+            if not hasattr(gpu, name):
+                raise AttributeError(f"FakeGpu has no field {name!r}")
+            setattr(gpu, name, value)
+        return self
+
+    def not_supported(self, which: int | str, *fields: str) -> FakeNvml:
+        """Make fields (see FIELD_FUNCTIONS) or NVML function names answer NotSupported."""
+        self.gpu(which).unsupported |= _functions(fields)
+        return self
+
+    def no_permission(self, which: int | str, *fields: str) -> FakeNvml:
+        """Make fields or NVML function names answer NoPermission (``"processes"`` typically)."""
+        self.gpu(which).no_permission |= _functions(fields)
+        return self
+
+    def lose_gpu(self, which: int | str, at_tick: int) -> FakeNvml:
+        """From tick ``at_tick`` on, every call on that device (and its MIG instances) is GpuIsLost."""
+        self.gpu(which).lost_at_tick = at_tick
+        return self
+
+    def processes(
+        self,
+        which: int | str,
+        compute: Sequence[tuple[int, int | None]] = (),
+        graphics: Sequence[tuple[int, int | None]] = (),
+    ) -> FakeNvml:
+        """Processes on a device as ``(pid, bytes)`` pairs."""
+        gpu = self.gpu(which)
+        gpu.compute_processes = [FakeProcess(pid, used) for pid, used in compute]
+        gpu.graphics_processes = [FakeProcess(pid, used) for pid, used in graphics]
+        return self
+
+    def without(self, *functions: str) -> FakeNvml:
+        """Make the driver lack these functions (FunctionNotFound), as an older driver does."""
+        self.missing |= set(functions)
+        return self
+
+    # -- time --------------------------------------------------------------------------------------
+
+    @property
+    def tick(self) -> int:
+        if self.real_time:
+            return int((time.monotonic() - self._start) / self.tick_s)
+        return self._tick
+
+    def step(self, ticks: int = 1) -> None:
+        """Move to a later tick; the frozen clock advances ``tick_s`` per tick."""
+        self._tick += ticks
+        self.time += ticks * self.tick_s
+
+    def advance(self, seconds: float) -> None:
+        """Move the frozen clock without changing the tick."""
+        self.time += seconds
+
+    def now(self) -> float:
+        return self.time
+
+    # -- counting ----------------------------------------------------------------------------------
+
+    def count(self, name: str, which: int | str | None = None) -> int:
+        """How many times ``name`` was called, on one device if ``which`` is given."""
+        if which is None:
+            return self.calls[name]
+        return self.device_calls[(name, self.gpu(which).uuid)]
+
+    def reset_counts(self) -> None:
+        self.calls.clear()
+        self.device_calls.clear()
+
+    @property
+    def gpm_samples_alive(self) -> int:
+        return len(self._gpm_samples)
+
+    # -- installing --------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def patched(self) -> Iterator[FakeNvml]:
+        """Replace pynvml's functions (and freeze NvmlSource's clock) until the block ends."""
+        import gpuwidget.sources.nvml as nvml_source
+
+        saved: dict[tuple[Any, str], Any] = {}
+
+        def swap(owner: Any, name: str, value: Any) -> None:
+            saved.setdefault((owner, name), getattr(owner, name))
+            setattr(owner, name, value)
+
+        for name in dir(pynvml):
+            original = getattr(pynvml, name)
+            library_call = isinstance(original, types.FunctionType) and name not in _NOT_LIBRARY_CALLS
+            if name.startswith("nvml") and library_call:
+                swap(pynvml, name, getattr(self, name, None) or self._unfaked(name))
+        if not self.real_time:
+            swap(nvml_source, "_now", self.now)
+        had_env = "CUDA_VISIBLE_DEVICES" in os.environ
+        old_env = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if self.cuda_visible_devices is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = self.cuda_visible_devices
+        try:
+            yield self
+        finally:
+            for (owner, name), value in saved.items():
+                setattr(owner, name, value)
+            if had_env:
+                os.environ["CUDA_VISIBLE_DEVICES"] = old_env or ""
+            else:
+                os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+
+    def _unfaked(self, name: str) -> Callable[..., Any]:
+        def unfaked(*args: Any, **kwargs: Any) -> Any:
+            self.calls[name] += 1
+            self.unfaked_calls.append(name)
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
+
+        unfaked.__name__ = name
+        return unfaked
+
+    # -- the fake library --------------------------------------------------------------------------
+
+    def _call(self, name: str, gpu: FakeGpu | None = None) -> int:
+        """Bookkeeping every fake function does first; returns the current tick."""
+        self.calls[name] += 1
+        if self.inits <= 0:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_UNINITIALIZED)
+        if name in self.missing:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
+        tick = self.tick
+        if gpu is not None:
+            self.device_calls[(name, gpu.uuid)] += 1
+            if gpu.lost(tick):
+                raise pynvml.NVMLError(pynvml.NVML_ERROR_GPU_IS_LOST)
+            if name in gpu.unsupported:
+                raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+            if name in gpu.no_permission:
+                raise pynvml.NVMLError(pynvml.NVML_ERROR_NO_PERMISSION)
+        if self.latency_s:
+            delay = self.latency_s.get(name)
+            if delay:
+                time.sleep(delay)
+        return tick
+
+    def nvmlInit(self) -> None:
+        self.nvmlInitWithFlags(0)
+
+    def nvmlInitWithFlags(self, flags: int) -> None:
+        self.calls["nvmlInit"] += 1
+        if self.init_error is not None:
+            raise pynvml.NVMLError(self.init_error)
+        self.inits += 1
+
+    def nvmlShutdown(self) -> None:
+        self._call("nvmlShutdown")
+        self.inits -= 1
+        self.shutdowns += 1
+
+    def nvmlErrorString(self, result: int) -> str:
+        return f"NVML error {result}"
+
+    def nvmlSystemGetDriverVersion(self) -> str:
+        self._call("nvmlSystemGetDriverVersion")
+        return self.driver_version
+
+    def nvmlDeviceGetCount(self) -> int:
+        self._call("nvmlDeviceGetCount")
+        return len(self.devices)
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> FakeGpu:
+        self._call("nvmlDeviceGetHandleByIndex")
+        if not 0 <= index < len(self.devices):
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return self.devices[index]
+
+    def nvmlDeviceGetUUID(self, gpu: FakeGpu) -> str:
+        self._call("nvmlDeviceGetUUID", gpu)
+        return gpu.uuid
+
+    def nvmlDeviceGetName(self, gpu: FakeGpu) -> str:
+        self._call("nvmlDeviceGetName", gpu)
+        return gpu.name
+
+    def nvmlDeviceGetPciInfo(self, gpu: FakeGpu) -> Any:
+        self._call("nvmlDeviceGetPciInfo", gpu)
+        info = pynvml.nvmlPciInfo_t()
+        info.busId = gpu.pci_bus_id.encode()
+        info.busIdLegacy = gpu.pci_bus_id.encode()
+        return info
+
+    nvmlDeviceGetPciInfo_v3 = nvmlDeviceGetPciInfo
+
+    def nvmlDeviceGetMigMode(self, gpu: FakeGpu) -> list[int]:
+        self._call("nvmlDeviceGetMigMode", gpu)
+        if gpu.mig_mode is None or gpu.parent is not None:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        mode = pynvml.NVML_DEVICE_MIG_ENABLE if gpu.mig_mode else pynvml.NVML_DEVICE_MIG_DISABLE
+        return [mode, mode]
+
+    def nvmlDeviceGetMaxMigDeviceCount(self, gpu: FakeGpu) -> int:
+        self._call("nvmlDeviceGetMaxMigDeviceCount", gpu)
+        if gpu.mig_mode is None:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return 7
+
+    def nvmlDeviceGetMigDeviceHandleByIndex(self, gpu: FakeGpu, index: int) -> FakeGpu:
+        self._call("nvmlDeviceGetMigDeviceHandleByIndex", gpu)
+        if not gpu.mig_mode or gpu.parent is not None:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        if not 0 <= index < len(gpu.instances):
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_FOUND)
+        return gpu.instances[index]
+
+    def nvmlDeviceIsMigDeviceHandle(self, gpu: FakeGpu) -> int:
+        self._call("nvmlDeviceIsMigDeviceHandle", gpu)
+        return int(gpu.parent is not None)
+
+    def nvmlDeviceGetDeviceHandleFromMigDeviceHandle(self, gpu: FakeGpu) -> FakeGpu:
+        self._call("nvmlDeviceGetDeviceHandleFromMigDeviceHandle", gpu)
+        if gpu.parent is None:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return gpu.parent
+
+    def nvmlDeviceGetGpuInstanceId(self, gpu: FakeGpu) -> int:
+        self._call("nvmlDeviceGetGpuInstanceId", gpu)
+        if gpu.gpu_instance_id is None:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return gpu.gpu_instance_id
+
+    def nvmlDeviceGetComputeInstanceId(self, gpu: FakeGpu) -> int:
+        self._call("nvmlDeviceGetComputeInstanceId", gpu)
+        if gpu.compute_instance_id is None:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return gpu.compute_instance_id
+
+    def nvmlDeviceGetMemoryInfo(self, gpu: FakeGpu, version: int | None = None) -> Any:
+        tick = self._call("nvmlDeviceGetMemoryInfo", gpu)
+        used = int(_at(gpu.memory_used, tick))
+        if version:
+            if "nvmlDeviceGetMemoryInfo_v2" in self.missing:
+                raise pynvml.NVMLError(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
+            free = gpu.memory_total - used - gpu.memory_reserved
+            return pynvml.c_nvmlMemory_v2_t(version, gpu.memory_total, gpu.memory_reserved, free, used)
+        used += gpu.memory_reserved  # the v1 struct counts driver-reserved memory as used
+        return pynvml.c_nvmlMemory_t(gpu.memory_total, gpu.memory_total - used, used)
+
+    def nvmlDeviceGetUtilizationRates(self, gpu: FakeGpu) -> Any:
+        tick = self._call("nvmlDeviceGetUtilizationRates", gpu)
+        return pynvml.c_nvmlUtilization_t(int(_at(gpu.util, tick)), int(_at(gpu.mem_util, tick)))
+
+    def nvmlDeviceGetSamples(self, gpu: FakeGpu, sampling_type: int, last_seen: int) -> Any:
+        tick = self._call("nvmlDeviceGetSamples", gpu)
+        if sampling_type != pynvml.NVML_GPU_UTILIZATION_SAMPLES:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        first = max(0, (last_seen - _SAMPLE_BASE_US) // _SAMPLE_TICK_US) if last_seen else 0
+        samples = []
+        for sample_tick in range(first, tick + 1):
+            values = _at(gpu.util_samples, sample_tick)
+            if values is None:
+                values = [_at(gpu.util, sample_tick)]
+            for position, value in enumerate(values):
+                stamp = _SAMPLE_BASE_US + sample_tick * _SAMPLE_TICK_US + position * 1000
+                if stamp > last_seen:
+                    samples.append(pynvml.c_nvmlSample_t(stamp, pynvml.c_nvmlValue_t(uiVal=int(value))))
+        if not samples:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_FOUND)
+        return pynvml.NVML_VALUE_TYPE_UNSIGNED_INT, samples
+
+    def nvmlDeviceGetPowerUsage(self, gpu: FakeGpu) -> int:
+        tick = self._call("nvmlDeviceGetPowerUsage", gpu)
+        return int(_at(gpu.power_mw, tick))
+
+    def nvmlDeviceGetEnforcedPowerLimit(self, gpu: FakeGpu) -> int:
+        tick = self._call("nvmlDeviceGetEnforcedPowerLimit", gpu)
+        return int(_at(gpu.power_limit_mw, tick))
+
+    def nvmlDeviceGetTemperature(self, gpu: FakeGpu, sensor: int) -> int:
+        tick = self._call("nvmlDeviceGetTemperature", gpu)
+        if sensor != pynvml.NVML_TEMPERATURE_GPU:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return int(_at(gpu.temperature, tick))
+
+    def nvmlDeviceGetClockInfo(self, gpu: FakeGpu, clock_type: int) -> int:
+        tick = self._call("nvmlDeviceGetClockInfo", gpu)
+        if clock_type == pynvml.NVML_CLOCK_MEM:
+            return 2619
+        return int(_at(gpu.sm_clock_mhz, tick))
+
+    def nvmlDeviceGetMaxClockInfo(self, gpu: FakeGpu, clock_type: int) -> int:
+        self._call("nvmlDeviceGetMaxClockInfo", gpu)
+        if clock_type == pynvml.NVML_CLOCK_MEM:
+            return 2619
+        return gpu.sm_clock_max_mhz
+
+    def nvmlDeviceGetCurrentClocksEventReasons(self, gpu: FakeGpu) -> int:
+        tick = self._call("nvmlDeviceGetCurrentClocksEventReasons", gpu)
+        return int(_at(gpu.clock_events, tick))
+
+    def nvmlDeviceGetCurrentClocksThrottleReasons(self, gpu: FakeGpu) -> int:
+        tick = self._call("nvmlDeviceGetCurrentClocksThrottleReasons", gpu)
+        return int(_at(gpu.clock_events, tick))
+
+    def nvmlDeviceGetPcieThroughput(self, gpu: FakeGpu, counter: int) -> int:
+        tick = self._call("nvmlDeviceGetPcieThroughput", gpu)
+        value = gpu.pcie_tx_kib if counter == pynvml.NVML_PCIE_UTIL_TX_BYTES else gpu.pcie_rx_kib
+        return int(_at(value, tick))
+
+    def _processes(self, name: str, gpu: FakeGpu, listed: list[FakeProcess]) -> list[Any]:
+        self._call(name, gpu)
+        return [
+            pynvml.nvmlFriendlyObject(
+                {
+                    "pid": process.pid,
+                    "usedGpuMemory": process.used_memory,
+                    "gpuInstanceId": gpu.gpu_instance_id if gpu.gpu_instance_id is not None else 0xFFFFFFFF,
+                    "computeInstanceId": gpu.compute_instance_id
+                    if gpu.compute_instance_id is not None
+                    else 0xFFFFFFFF,
+                }
+            )
+            for process in listed
+        ]
+
+    def nvmlDeviceGetComputeRunningProcesses_v3(self, gpu: FakeGpu) -> list[Any]:
+        return self._processes("nvmlDeviceGetComputeRunningProcesses_v3", gpu, gpu.compute_processes)
+
+    def nvmlDeviceGetComputeRunningProcesses_v2(self, gpu: FakeGpu) -> list[Any]:
+        return self._processes("nvmlDeviceGetComputeRunningProcesses_v2", gpu, gpu.compute_processes)
+
+    def nvmlDeviceGetGraphicsRunningProcesses_v3(self, gpu: FakeGpu) -> list[Any]:
+        return self._processes("nvmlDeviceGetGraphicsRunningProcesses_v3", gpu, gpu.graphics_processes)
+
+    def nvmlDeviceGetGraphicsRunningProcesses_v2(self, gpu: FakeGpu) -> list[Any]:
+        return self._processes("nvmlDeviceGetGraphicsRunningProcesses_v2", gpu, gpu.graphics_processes)
+
+    def nvmlDeviceGetComputeRunningProcesses(self, gpu: FakeGpu) -> list[Any]:
+        # pynvml's unversioned wrapper turns FunctionNotFound into NVMLLibraryMismatchError.
+        if "nvmlDeviceGetComputeRunningProcesses_v3" in self.missing:
+            raise pynvml.NVMLLibraryMismatchError("use nvmlDeviceGetComputeRunningProcesses_v2")
+        return self._processes("nvmlDeviceGetComputeRunningProcesses", gpu, gpu.compute_processes)
+
+    def nvmlDeviceGetGraphicsRunningProcesses(self, gpu: FakeGpu) -> list[Any]:
+        if "nvmlDeviceGetGraphicsRunningProcesses_v3" in self.missing:
+            raise pynvml.NVMLLibraryMismatchError("use nvmlDeviceGetGraphicsRunningProcesses_v2")
+        return self._processes("nvmlDeviceGetGraphicsRunningProcesses", gpu, gpu.graphics_processes)
+
+    # GPM: samples are opaque pointers; the fake gives each a distinct address and remembers it.
+
+    def nvmlGpmQueryDeviceSupport(self, gpu: FakeGpu) -> Any:
+        self._call("nvmlGpmQueryDeviceSupport", gpu)
+        support = pynvml.c_nvmlGpmSupport_t()
+        support.version = pynvml.NVML_GPM_SUPPORT_VERSION
+        support.isSupportedDevice = int(gpu.gpm)
+        return support
+
+    def nvmlGpmSampleAlloc(self) -> Any:
+        self._call("nvmlGpmSampleAlloc")
+        self._next_sample += 0x10
+        self._gpm_samples[self._next_sample] = None
+        return ctypes.cast(ctypes.c_void_p(self._next_sample), pynvml.c_nvmlGpmSample_t)
+
+    def nvmlGpmSampleFree(self, sample: Any) -> None:
+        self._call("nvmlGpmSampleFree")
+        if self._gpm_samples.pop(_address(sample), "absent") == "absent":
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+
+    def nvmlGpmSampleGet(self, gpu: FakeGpu, sample: Any) -> Any:
+        tick = self._call("nvmlGpmSampleGet", gpu)
+        return self._take_sample(gpu, sample, tick)
+
+    def nvmlGpmMigSampleGet(self, gpu: FakeGpu, gpu_instance_id: int, sample: Any) -> Any:
+        tick = self._call("nvmlGpmMigSampleGet", gpu)
+        for instance in gpu.instances:
+            if instance.gpu_instance_id == gpu_instance_id:
+                return self._take_sample(instance, sample, tick)
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+
+    def _take_sample(self, gpu: FakeGpu, sample: Any, tick: int) -> Any:
+        address = _address(sample)
+        if address not in self._gpm_samples:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        if not (gpu.gpm or (gpu.parent is not None and gpu.parent.gpm)):
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        self._gpm_samples[address] = (gpu, tick, self.now() if not self.real_time else time.monotonic())
+        return sample
+
+    def nvmlGpmMetricsGet(self, request: Any) -> Any:
+        self._call("nvmlGpmMetricsGet")
+        first = self._gpm_samples.get(_address(request.sample1))
+        second = self._gpm_samples.get(_address(request.sample2))
+        if first is None or second is None or first[0] is not second[0]:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        gpu, tick, taken = second
+        if taken - first[2] < 0.1 - 1e-9:  # NVML refuses pairs closer than 100 ms
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        by_id = {
+            pynvml.NVML_GPM_METRIC_SM_UTIL: gpu.sm_active,
+            pynvml.NVML_GPM_METRIC_SM_OCCUPANCY: gpu.sm_occupancy,
+            pynvml.NVML_GPM_METRIC_ANY_TENSOR_UTIL: gpu.tensor_active,
+            pynvml.NVML_GPM_METRIC_DRAM_BW_UTIL: gpu.dram_active,
+            pynvml.NVML_GPM_METRIC_PCIE_TX_PER_SEC: gpu.gpm_pcie_tx_mib,
+            pynvml.NVML_GPM_METRIC_PCIE_RX_PER_SEC: gpu.gpm_pcie_rx_mib,
+        }
+        for slot in range(request.numMetrics):
+            metric = request.metrics[slot]
+            value = by_id.get(metric.metricId)
+            if value is None:
+                metric.nvmlReturn = pynvml.NVML_ERROR_NOT_SUPPORTED
+            else:
+                metric.nvmlReturn = pynvml.NVML_SUCCESS
+                metric.value = float(_at(value, tick))
+        return request
+
+
+def _address(sample: Any) -> int:
+    return ctypes.cast(sample, ctypes.c_void_p).value or 0
+
+
+def _functions(fields: Sequence[str]) -> set[str]:
+    names: set[str] = set()
+    for entry in fields:
+        if entry.startswith("nvml"):
+            names.add(entry)
+        elif entry in FIELD_FUNCTIONS:
+            names.update(FIELD_FUNCTIONS[entry])
+        else:
+            raise KeyError(f"unknown field {entry!r}; known: {sorted(FIELD_FUNCTIONS)} or an nvml* name")
+    return names
+
+
+@pytest.fixture
+def fake_nvml() -> Iterator[Callable[..., FakeNvml]]:
+    """Installs a fake NVML for the test: ``fake = fake_nvml(FakeNvml.gpus(8))``; no argument: one GPU."""
+    with contextlib.ExitStack() as stack:
+
+        def install(fake: FakeNvml | None = None) -> FakeNvml:
+            fake = fake if fake is not None else FakeNvml.single()
+            stack.enter_context(fake.patched())
+            return fake
+
+        yield install
