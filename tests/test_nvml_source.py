@@ -135,7 +135,7 @@ def test_gpus_argument_selects_cuda_devices(fake_nvml):
     source = NvmlSource(gpus=[1])
 
     assert gpu_ids(source.read()) == {"gpu1"}
-    assert [d["cuda_index"] for d in source.describe()["devices"]] == [1]
+    assert [d["index"] for d in source.describe()["devices"]] == [1]
 
 
 def test_a_requested_gpu_that_is_not_visible_is_an_error_not_a_crash(fake_nvml):
@@ -143,7 +143,19 @@ def test_a_requested_gpu_that_is_not_visible_is_an_error_not_a_crash(fake_nvml):
     source = NvmlSource(gpus=[1, 5])
 
     assert gpu_ids(source.read()) == {"gpu1"}
+    assert source.missing == [5] and source.describe()["missing"] == [5]
+    assert source.describe()["visible_count"] == 2
     assert any("GPU 5 requested" in error.message for error in source.errors)
+
+
+def test_asking_only_for_gpus_that_are_not_visible_makes_the_source_unavailable(fake_nvml):
+    fake_nvml(FakeNvml.gpus(2))
+    source = NvmlSource(gpus=[3])
+
+    assert not source.available
+    assert source.unavailable_reason == "GPU 3 is not visible to CUDA (2 visible)"
+    assert source.describe()["missing"] == [3]
+    assert source.read() == {}
 
 
 def test_cuda_visible_devices_by_index_renumbers_like_cuda(fake_nvml, monkeypatch):
@@ -337,7 +349,7 @@ def test_no_driver_means_unavailable_with_a_reason(fake_nvml, scenario, detail):
     assert detail in source.unavailable_reason
     assert source.read() == {} and source.read() == {}
     assert source.describe()["available"] is False
-    assert source.describe()["unavailable_reason"] == source.unavailable_reason
+    assert source.describe()["reason"] == source.unavailable_reason
     assert list_devices() == []
     source.close()
 

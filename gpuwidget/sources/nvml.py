@@ -180,7 +180,7 @@ class _Driver:
             return MISSING
         function = via or getattr(self.nvml, name, None)
         if function is None:
-            self._missing_function(name, quiet, in_bindings=False)
+            self._missing_function(name, quiet, lacking="bindings")
             return MISSING
         try:
             return function(*args)
@@ -194,13 +194,13 @@ class _Driver:
                     off[name] = absent
                 return absent
             if code == self.nvml.NVML_ERROR_FUNCTION_NOT_FOUND:
-                self._missing_function(name, quiet, in_bindings=True)
+                self._missing_function(name, quiet, lacking="driver")
                 return MISSING
             if not quiet:
                 self.report_once(f"{name} failed: {error}", device)
             return FAILED
         except self._mismatch:
-            self._missing_function(name, quiet, in_bindings=True)
+            self._missing_function(name, quiet, lacking="driver")
             return MISSING
         except Exception as error:  # a bindings bug (ctypes, struct layout) must not end the tick
             if not quiet:
@@ -232,13 +232,14 @@ class _Driver:
             self._reported.add(key)
             self._log.record(message, device, time.time())
 
-    def _missing_function(self, name: str, quiet: bool, in_bindings: bool) -> None:
+    def _missing_function(self, name: str, quiet: bool, lacking: str) -> None:
+        """Stop asking for ``name``; unless quiet, say once which side ("driver" or "bindings") lacks it."""
         if name in self._missing:
             return
         self._missing.add(name)
         if quiet:
             return
-        if in_bindings:
+        if lacking == "driver":
             hint = (
                 f"{name} is not in the NVIDIA driver ({self.driver_version or 'version unknown'}): "
                 f"the driver is older than nvidia-ml-py {_bindings_version()} expects; the metrics it gives "
@@ -612,7 +613,7 @@ class _Device:
     def describe(self) -> dict[str, Any]:
         return {
             "id": self.label,
-            "cuda_index": self.cuda_index,
+            "index": self.cuda_index,
             "nvml_index": self.info.index,
             "uuid": self.info.uuid,
             "name": self.info.name,
@@ -652,6 +653,8 @@ class NvmlSource:
         self.errors: list[SourceError] = self._log.errors
         self.available = False
         self.unavailable_reason: str | None = None
+        self.missing: list[int] = []  # requested CUDA indexes that CUDA does not have
+        self.visible_count = 0  # devices CUDA can see (before the ``gpus`` selection)
         self._devices: list[_Device] = []
         self._lock = threading.Lock()
         self._closed = False
@@ -698,9 +701,11 @@ class NvmlSource:
                 f"no NVIDIA GPU visible to CUDA (CUDA_VISIBLE_DEVICES={self._cuda_visible_devices!r})"
             )
             return
+        self.visible_count = len(visible)
         wanted = range(len(visible)) if gpus is None else gpus
         for cuda_index in map(int, wanted):
             if not 0 <= cuda_index < len(visible):
+                self.missing.append(cuda_index)
                 driver.report_once(f"GPU {cuda_index} requested but only {len(visible)} visible to CUDA")
                 continue
             if any(device.cuda_index == cuda_index for device in self._devices):
@@ -710,9 +715,14 @@ class NvmlSource:
                 self._prepare(device)
             except _DeviceLost as lost:
                 self._end_device(device, str(lost))
+            except Exception as error:  # e.g. bindings without GPM structs: the basics still work
+                driver.report_once(f"setting up failed: {type(error).__name__}: {error}", device.label)
             self._devices.append(device)
         if not any(device.lost is None for device in self._devices):
-            self._unavailable("none of the requested GPUs is usable")
+            if self.missing and not self._devices:
+                self._unavailable(f"GPU {self.missing[0]} is not visible to CUDA ({len(visible)} visible)")
+            else:
+                self._unavailable("every requested GPU was lost")
             return
         self.available = True
 
@@ -773,13 +783,17 @@ class NvmlSource:
         return self._closed or not self.available or all(device.lost for device in self._devices)
 
     def describe(self) -> dict[str, Any]:
+        """Availability (``reason`` when unavailable), driver, and each selected device's static facts;
+        a device's ``index`` is its CUDA index, ``nvml_index`` the driver's (nvidia-smi's) number."""
         driver = self._driver
         return {
             "name": self.name,
             "available": self.available,
-            "unavailable_reason": self.unavailable_reason,
+            "reason": self.unavailable_reason,
             "driver_version": None if driver is None else driver.driver_version,
             "cuda_visible_devices": self._cuda_visible_devices,
+            "visible_count": self.visible_count,
+            "missing": list(self.missing),
             "devices": [device.describe() for device in self._devices],
         }
 
@@ -790,13 +804,16 @@ class NvmlSource:
         with self._lock:
             if self._closed or not self.available:
                 return values
-            now = _now()
-            if self._own is not None:
-                self._own.refresh(now)
-            for device in self._devices:
-                if device.lost is None:
-                    self._guarded(device, values, self._read_device, now)
-            self._read_one_pcie(values, now)
+            try:
+                now = _now()
+                if self._own is not None:
+                    self._own.refresh(now)
+                for device in self._devices:
+                    if device.lost is None:
+                        self._guarded(device, values, self._read_device, now)
+                self._read_one_pcie(values, now)
+            except Exception as error:  # never out of read(): the sampler thread must live on
+                self._require_driver().report_once(f"reading failed: {type(error).__name__}: {error}")
         return values
 
     def _guarded(
