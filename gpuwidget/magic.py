@@ -68,7 +68,7 @@ class GpuWatchMagics(Magics):
         transformed = shell.transform_cell(cell)
         # Register the source so tracebacks show the user's lines, numbered as in the cell.
         header = f"%%gpuwatch {line}".rstrip() + "\n"
-        filename = shell.compile.cache(header + transformed, shell.execution_count, raw_code=header + cell)
+        filename = shell.compile.cache(header + transformed, _cell_number(shell), raw_code=header + cell)
         tree = shell.compile.ast_parse(transformed, filename=filename)
         ast.increment_lineno(tree, 1)
         tree = shell.transform_ast(tree)
@@ -79,9 +79,20 @@ class GpuWatchMagics(Magics):
         return shell.compile(tree, filename, "exec"), last_expr
 
 
+def _cell_number(shell: Any) -> int:
+    """The running cell's number: IPython counts it up before running a cell it stores."""
+    info = getattr(shell, "_gpuwidget_cell_info", None)
+    count = int(getattr(shell, "execution_count", 0) or 0)
+    return count - 1 if info is not None and info.store_history else count
+
+
+def record_cell_info(shell: Any, info: Any) -> None:
+    """``pre_run_cell`` hook: remember whether the running cell counts in the history."""
+    shell._gpuwidget_cell_info = info
+
+
 def _label(shell: Any) -> str:
-    count = getattr(shell, "execution_count", None)
-    return f"In [{count}]" if count is not None else ""
+    return f"In [{_cell_number(shell)}]"
 
 
 def _ends_with_semicolon(source: str) -> bool:

@@ -61,6 +61,9 @@ def test_live_updates_arrive_while_the_cell_runs_then_the_report_replaces_them(k
     assert report["content"]["transient"]["display_id"] == display_id
     assert "gpuwidget-run" in report["content"]["data"]["text/html"]
     assert "no NVIDIA GPU found" in report["content"]["data"]["text/plain"]
+    # The report names the cell by the number the notebook shows.
+    (executed,) = [m for _, m in of_type(messages, "execute_input")]
+    assert f"In [{executed['content']['execution_count']}] finished" in report["content"]["data"]["text/plain"]
     (result,) = [m for _, m in of_type(messages, "execute_result")]
     assert result["content"]["data"]["text/plain"] == "'done'"
     # Every widget the live view opened is closed again.
