@@ -41,9 +41,10 @@ $(STAMP): pyproject.toml package.json yarn.lock
 	  echo "      _jupyter_labextension_paths (from gpuwidget._labext)." >&2; exit 1; }
 	touch $@
 
-# TypeScript or CSS changed since the last build (or `make clean` removed the build).
+# TypeScript, CSS or JS dependencies changed since the last build (or `make clean` removed it).
+# (The editable install alone rebuilds only when labextension/ is newer than the build.)
 # (order-only on the stamp: the editable install has just built it.)
-$(LABEXT): $(TS_SOURCES) tsconfig.json | $(STAMP)
+$(LABEXT): $(TS_SOURCES) tsconfig.json package.json yarn.lock | $(STAMP)
 	PATH="$(VBIN):$$PATH" jlpm install
 	PATH="$(VBIN):$$PATH" jlpm build
 	touch $@
