@@ -51,15 +51,15 @@ def _gpu_source(options: WatchOptions) -> tuple[Source | None, dict[str, Any]]:
     source = NvmlSource(gpus=options.gpus)
     facts = source.describe()
     devices = list(facts.get("devices") or [])
-    if not facts.get("available"):
-        source.close()
-        reason = facts.get("reason") or "no NVIDIA GPU found"
-        return None, {"gpus": [], "gpu_message": reason}
     missing = facts.get("missing") or []
     if missing:
         source.close()
-        visible = ", ".join(str(d["index"]) for d in devices) or "none"
-        raise OptionError(f"--gpus: no GPU {missing[0]} here (visible GPUs: {visible})")
+        count = int(facts.get("visible_count") or 0)
+        visible = f"GPUs 0-{count - 1}" if count > 1 else ("GPU 0" if count == 1 else "none")
+        raise OptionError(f"--gpus: there is no GPU {missing[0]} here (visible: {visible})")
+    if not facts.get("available"):
+        source.close()
+        return None, {"gpus": [], "gpu_message": facts.get("reason") or "no NVIDIA GPU found"}
     return source, {"gpus": devices, "gpu_message": None}
 
 

@@ -10,6 +10,9 @@ import pytest
 from gpuwidget import session
 from gpuwidget.sampler import THREAD_NAME
 
+# The fake NVML (fixture ``fake_nvml``) for every test module.
+pytest_plugins = ["fakenvml"]
+
 
 def sampler_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name == THREAD_NAME]
