@@ -16,12 +16,30 @@ from __future__ import annotations
 
 from typing import Any
 
+from gpuwidget._labext import _jupyter_labextension_paths
 from gpuwidget.advice.finding import Finding
 from gpuwidget.run import Run
+from gpuwidget.server import _jupyter_server_extension_points
 from gpuwidget.session import last_run, watch
 
 __version__ = "0.1.0"
-__all__ = ["Finding", "Run", "last_run", "load_ipython_extension", "watch"]
+__all__ = [
+    "Finding",
+    "Run",
+    "_jupyter_labextension_paths",
+    "_jupyter_server_extension_points",
+    "last_run",
+    "load_bokehjs",
+    "load_ipython_extension",
+    "watch",
+]
+
+
+def load_bokehjs() -> None:
+    """Send BokehJS to the page again (inline, no network), e.g. if a live plot shows an error."""
+    from gpuwidget.ui.live import ensure_bokehjs
+
+    ensure_bokehjs(force=True)
 
 
 def load_ipython_extension(ipython: Any) -> None:
@@ -36,6 +54,25 @@ def load_ipython_extension(ipython: Any) -> None:
 
         ipython._gpuwidget_pre_run_cell = callback
         ipython.events.register("pre_run_cell", callback)
+        _warm_up()
+
+
+def _warm_up() -> None:
+    """Import the live view's libraries in the background, so the first watched cell
+    shows its plot without waiting for bokeh's import (about a second)."""
+    import threading
+
+    def imports() -> None:
+        try:
+            import gpuwidget.sources.host  # noqa: F401
+            import gpuwidget.ui.live  # noqa: F401
+            import ipywidgets  # noqa: F401
+            import jupyter_bokeh  # noqa: F401
+            from bokeh import plotting  # noqa: F401
+        except Exception:  # noqa: BLE001, S110 - the watch imports them again and reports failures
+            pass
+
+    threading.Thread(target=imports, name="gpuwidget-warm-up", daemon=True).start()
 
 
 def unload_ipython_extension(ipython: Any) -> None:

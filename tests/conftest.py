@@ -2,20 +2,15 @@
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 
 import pytest
 
 from gpuwidget import session
-from gpuwidget.sampler import THREAD_NAME
+from support import sampler_threads
 
 # The fake NVML (fixture ``fake_nvml``) for every test module.
 pytest_plugins = ["fakenvml"]
-
-
-def sampler_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name == THREAD_NAME]
 
 
 @pytest.fixture(autouse=True)

@@ -8,7 +8,7 @@ import pytest
 from IPython.core.error import UsageError
 
 import gpuwidget
-from conftest import sampler_threads
+from support import sampler_threads
 
 
 def test_names_stay_and_last_expression_is_the_cell_result(ip):

@@ -22,5 +22,12 @@ def _jupyter_server_extension_points() -> list[dict[str, str]]:
 
 
 def _load_jupyter_server_extension(serverapp: ServerApp) -> None:
-    """Called by jupyter_server once, after its web application exists."""
+    """Called by jupyter_server once, after its web application exists: add the routes."""
+    from jupyter_server.utils import url_path_join
+
+    from gpuwidget.server.static import BOKEHJS_ROUTE, BokehJSHandler
+
+    web_app = serverapp.web_app
+    base_url = web_app.settings["base_url"]
+    web_app.add_handlers(".*$", [(url_path_join(base_url, BOKEHJS_ROUTE), BokehJSHandler)])
     serverapp.log.info("gpuwidget server extension loaded")

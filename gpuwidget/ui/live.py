@@ -7,8 +7,8 @@ browser while the cell is still busy). Everything is on one 0-100 % axis: GPU
 utilisation and memory per GPU, host CPU; intervals when the loop waited for data are
 shaded bands.
 
-BokehJS is loaded into the page from the installed bokeh package (no CDN), once per
-kernel, by :func:`ensure_bokehjs`.
+BokehJS is put on the page from the installed bokeh package (no CDN) by
+:func:`ensure_bokehjs`.
 """
 
 from __future__ import annotations
@@ -37,37 +37,63 @@ PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8
 CPU_COLOR = "#7f7f7f"
 WAIT_COLOR = "#f4a261"
 
-_bokehjs_loaded = False
+_bokehjs_inlined = False
+
+# Asks the Jupyter server (gpuwidget's server extension) for BokehJS when the page lacks
+# it, e.g. after a browser reload while the kernel kept running. Synchronous on purpose:
+# the widget view that follows needs window.Bokeh when it is created.
+_SERVER_LOADER = """(function () {
+  var version = %(version)s;
+  if (window.Bokeh && window.Bokeh.version === version) { return; }
+  var config = {};
+  var node = document.getElementById("jupyter-config-data");
+  if (node) { try { config = JSON.parse(node.textContent); } catch (e) {} }
+  var base = (config.baseUrl || "/").replace(/\\/?$/, "/");
+  var request = new XMLHttpRequest();
+  request.open("GET", base + "gpuwidget/static/bokeh-" + version + ".min.js", false);
+  if (config.token) { request.setRequestHeader("Authorization", "token " + config.token); }
+  try { request.send(); } catch (e) { request = null; }
+  if (!request || request.status !== 200) {
+    console.warn("gpuwidget: the server has no BokehJS " + version + "; run gpuwidget.load_bokehjs()");
+    return;
+  }
+  var script = document.createElement("script");
+  script.textContent = request.responseText;
+  document.head.appendChild(script);
+})();"""
+
+_INLINE_LOADER = """(function () {
+  if (window.Bokeh && window.Bokeh.version === %(version)s) { return; }
+  var script = document.createElement("script");
+  script.textContent = %(code)s;
+  document.head.appendChild(script);
+})();"""
 
 
-def ensure_bokehjs(force: bool = False) -> bool:
-    """Put BokehJS on the page from the local bokeh package; once per kernel unless forced.
+def ensure_bokehjs(force: bool = False) -> str:
+    """Make sure the page has this kernel's BokehJS before a live plot is shown; no CDN.
 
-    The script is inlined (about 1.3 MB, only Bokeh's core bundle) so it works offline and
-    always matches the kernel's bokeh version. Returns True if it was sent now.
+    The first watch in a kernel sends BokehJS inline (about 1.3 MB, Bokeh's core bundle
+    from the installed package), which works with any Jupyter server. Later watches send
+    a few hundred bytes that fetch it from gpuwidget's server extension only if the page
+    lost it (a reload). ``force`` sends the inline copy again. Returns which was sent.
     """
-    global _bokehjs_loaded
-    if _bokehjs_loaded and not force:
-        return False
+    global _bokehjs_inlined
     import bokeh
-    from bokeh.resources import Resources
     from IPython.display import publish_display_data
 
-    resources = Resources(mode="inline", components=["bokeh"])
-    code = "\n".join(resources.js_raw)
     version = json.dumps(bokeh.__version__)
-    loader = (
-        "(function () {\n"
-        f"  if (window.Bokeh && window.Bokeh.version === {version}) {{ return; }}\n"
-        "  var script = document.createElement('script');\n"
-        f"  script.textContent = {json.dumps(code)};\n"
-        "  document.head.appendChild(script);\n"
-        "})();"
-    )
-    publish_display_data({"application/javascript": loader, "text/plain": ""},
-                         metadata={"gpuwidget": {"bokehjs": bokeh.__version__}})
-    _bokehjs_loaded = True
-    return True
+    if _bokehjs_inlined and not force:
+        kind, code = "server", _SERVER_LOADER % {"version": version}
+    else:
+        from bokeh.resources import Resources
+
+        bundle = "\n".join(Resources(mode="inline", components=["bokeh"]).js_raw)
+        kind, code = "inline", _INLINE_LOADER % {"version": version, "code": json.dumps(bundle)}
+        _bokehjs_inlined = True
+    publish_display_data({"application/javascript": code, "text/plain": ""},
+                         metadata={"gpuwidget": {"bokehjs": bokeh.__version__, "loader": kind}})
+    return kind
 
 
 def _key(column: str) -> str:

@@ -1,0 +1,141 @@
+"""Browser-test fixtures: a real JupyterLab started by the test, and Debian's chromium via Playwright.
+
+No browser download works on these machines; the tests use ``/usr/bin/chromium`` (``make
+test`` installs it) and are skipped with a clear reason where it is missing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+CHROMIUM = os.environ.get("GPUWIDGET_CHROMIUM", "/usr/bin/chromium")
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+FIXTURES = Path(__file__).parent / "fixtures"
+SCREENSHOTS = Path(__file__).resolve().parents[2] / "build" / "screenshots"
+
+
+@dataclass
+class Lab:
+    url: str
+    token: str
+    root: Path
+    log: Path
+
+    def page_url(self, path: str) -> str:
+        return f"{self.url}{path}?token={self.token}"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _wait_ready(lab: Lab, process: subprocess.Popen, timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"jupyter lab exited early:\n{lab.log.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(f"{lab.url}api/status?token={lab.token}", timeout=2) as reply:
+                if reply.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.3)
+    raise RuntimeError(f"jupyter lab did not start in {timeout} s:\n{lab.log.read_text()[-3000:]}")
+
+
+@pytest.fixture(scope="session")
+def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
+    """JupyterLab on a free port, serving a temporary folder with the fixture notebooks."""
+    if not Path(CHROMIUM).exists():
+        pytest.skip(f"browser tests need chromium at {CHROMIUM} (apt-get install -y chromium)")
+    root = tmp_path_factory.mktemp("lab")
+    for fixture in FIXTURES.glob("*.ipynb"):
+        shutil.copy(fixture, root / fixture.name)
+    settings = root / ".settings" / "@jupyterlab" / "apputils-extension"
+    settings.mkdir(parents=True)
+    # No "would you like news?" toast over the screenshot, and no update check (offline).
+    (settings / "notification.jupyterlab-settings").write_text(
+        json.dumps({"fetchNews": "false", "checkForUpdates": False}))
+    port = _free_port()
+    lab = Lab(url=f"http://127.0.0.1:{port}/", token="gpuwidget-test-token", root=root, log=root / "lab.log")
+    command = [
+        sys.executable, "-m", "jupyterlab", "--no-browser", f"--port={port}", "--ip=127.0.0.1",
+        f"--ServerApp.token={lab.token}", f"--ServerApp.root_dir={root}",
+        "--LabApp.expose_app_in_browser=True",
+        f"--LabApp.user_settings_dir={root / '.settings'}",
+        f"--LabApp.workspaces_dir={root / '.workspaces'}",
+        "--ServerApp.jpserver_extensions={'gpuwidget': True}",
+    ]
+    if os.geteuid() == 0:
+        command.append("--allow-root")
+    with open(lab.log, "w") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=root,
+                                   start_new_session=True)
+    try:
+        _wait_ready(lab, process)
+        yield lab
+    finally:
+        # JupyterLab sometimes hangs on SIGTERM after a browser session; fall back to SIGKILL.
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(10)
+
+
+@pytest.fixture(scope="session")
+def browser() -> Iterator[object]:
+    if not Path(CHROMIUM).exists():
+        pytest.skip(f"browser tests need chromium at {CHROMIUM} (apt-get install -y chromium)")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        instance = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        yield instance
+        instance.close()
+
+
+@pytest.fixture
+def page(browser) -> Iterator[object]:
+    context = browser.new_context(viewport={"width": 1280, "height": 820})
+    page = context.new_page()
+    page.console_messages = []  # type: ignore[attr-defined]
+    page.on("console", lambda msg: page.console_messages.append(f"{msg.type}: {msg.text}"))
+    yield page
+    context.close()
+
+
+def open_notebook(page, lab: Lab, name: str) -> None:
+    """Open a notebook and wait until its kernel is idle and the app is scriptable."""
+    page.goto(lab.page_url(f"lab/tree/{name}"))
+    page.wait_for_function("window.jupyterapp !== undefined", timeout=60_000)
+    page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
+    page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=60_000)
+
+
+def run_all_cells(page) -> None:
+    """Start running every cell without waiting for them to finish."""
+    page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
