@@ -64,11 +64,12 @@ def _warm_up() -> None:
 
     def imports() -> None:
         try:
-            import gpuwidget.sources.host  # noqa: F401
-            import gpuwidget.ui.live  # noqa: F401
             import ipywidgets  # noqa: F401
             import jupyter_bokeh  # noqa: F401
             from bokeh import plotting  # noqa: F401
+
+            import gpuwidget.sources.host  # noqa: F401
+            import gpuwidget.ui.live  # noqa: F401
         except Exception:  # noqa: BLE001, S110 - the watch imports them again and reports failures
             pass
 

@@ -52,10 +52,10 @@ class GpuWatchMagics(Magics):
             session.start()
         except OptionError as exc:
             raise UsageError(f"%%gpuwatch: {exc}") from None
-        namespace = self.shell.user_ns
+        shell: Any = self.shell
         try:
-            exec(code, self.shell.user_global_ns, namespace)
-            value = eval(last_expr, self.shell.user_global_ns, namespace) if last_expr is not None else None
+            exec(code, shell.user_global_ns, shell.user_ns)
+            value = eval(last_expr, shell.user_global_ns, shell.user_ns) if last_expr is not None else None
         except BaseException as exc:
             session.finish(exc)
             raise
@@ -64,7 +64,7 @@ class GpuWatchMagics(Magics):
 
     def _compile(self, line: str, cell: str) -> tuple[Any, Any]:
         """Compile the body with IPython's transforms, keeping the cell's line numbers."""
-        shell = self.shell
+        shell: Any = self.shell
         transformed = shell.transform_cell(cell)
         # Register the source so tracebacks show the user's lines, numbered as in the cell.
         header = f"%%gpuwatch {line}".rstrip() + "\n"

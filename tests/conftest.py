@@ -7,6 +7,7 @@ from collections.abc import Iterator
 import pytest
 
 from gpuwidget import session
+
 from support import sampler_threads
 
 # The fake NVML (fixture ``fake_nvml``) for every test module.

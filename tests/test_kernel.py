@@ -45,7 +45,8 @@ def of_type(messages, msg_type):
 def test_live_updates_arrive_while_the_cell_runs_then_the_report_replaces_them(kernel):
     cell_seconds = 2.0
     messages = run_cell(kernel, f"%%gpuwatch --interval 0.1\nimport time\ntime.sleep({cell_seconds})\n'done'")
-    updates = [t for t, m in of_type(messages, "comm_msg") if m["content"]["data"].get("method") in ("custom", "update")]
+    updates = [t for t, m in of_type(messages, "comm_msg")
+               if m["content"]["data"].get("method") in ("custom", "update")]
     idle_at = messages[-1][0]
     # Updates start early and keep coming while the cell sleeps, not in one burst at the end.
     assert updates and updates[0] < 1.5
@@ -72,16 +73,35 @@ def test_live_updates_arrive_while_the_cell_runs_then_the_report_replaces_them(k
     assert opened and opened <= closed
 
 
-def test_bokehjs_is_sent_once_per_kernel_from_local_files(kernel):
-    # The module-scoped kernel has already watched one cell (or this is the first).
+def test_bokehjs_goes_inline_once_per_kernel_then_only_a_small_reload_guard(kernel):
+    # The module's kernel has already watched a cell in the first test: BokehJS went inline there.
     first = run_cell(kernel, "%%gpuwatch\npass")
     second = run_cell(kernel, "%%gpuwatch\npass")
-    scripts = [m["content"]["data"]["application/javascript"]
-               for _, m in of_type(first + second, "display_data")
+    scripts = [m for _, m in of_type(first + second, "display_data")
                if "application/javascript" in m["content"]["data"]]
-    assert len(scripts) <= 1
-    for script in scripts:
-        assert "cdn.bokeh.org" not in script and "http" not in script[:200]
+    assert len(scripts) == 2
+    for message in scripts:
+        assert message["content"]["metadata"]["gpuwidget"]["loader"] == "server"
+        code = message["content"]["data"]["application/javascript"]
+        # A few hundred bytes asking this Jupyter server, never a CDN.
+        assert len(code) < 2000
+        assert "http" not in code and "gpuwidget/static/bokeh-" in code
+
+
+def test_first_watch_in_a_fresh_kernel_sends_bokehjs_inline():
+    from jupyter_client.manager import start_new_kernel
+
+    km, kc = start_new_kernel(kernel_name="python3")
+    try:
+        kc.execute_interactive("%load_ext gpuwidget", timeout=60)
+        messages = run_cell(kc, "%%gpuwatch\npass")
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+    (script,) = [m for _, m in of_type(messages, "display_data") if "application/javascript" in m["content"]["data"]]
+    assert script["content"]["metadata"]["gpuwidget"]["loader"] == "inline"
+    code = script["content"]["data"]["application/javascript"]
+    assert "cdn.bokeh.org" not in code and len(code) > 500_000
 
 
 def test_exception_in_a_kernel_cell_shows_one_traceback(kernel):

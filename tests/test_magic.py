@@ -8,6 +8,7 @@ import pytest
 from IPython.core.error import UsageError
 
 import gpuwidget
+
 from support import sampler_threads
 
 

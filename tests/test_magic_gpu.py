@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 from IPython.core.error import UsageError
 
 import gpuwidget
+
 from fakenvml import FakeNvml
 
 

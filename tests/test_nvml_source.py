@@ -10,13 +10,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-import fakenvml
 import pynvml
 import pytest
-from fakenvml import GIB, FakeNvml
 
 from gpuwidget.sources.base import Source
 from gpuwidget.sources.nvml import NvmlSource, list_devices
+
+import fakenvml
+from fakenvml import GIB, FakeNvml
 
 fake_nvml = fakenvml.fake_nvml  # the fixture lives with the fake
 

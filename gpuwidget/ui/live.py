@@ -35,6 +35,7 @@ MAX_BANDS = 2000
 
 PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2")
 CPU_COLOR = "#7f7f7f"
+PROCESS_COLOR = "#bcbd22"
 WAIT_COLOR = "#f4a261"
 
 _bokehjs_inlined = False
@@ -106,7 +107,8 @@ class LiveView:
 
     def __init__(self, trace: Trace, machine: dict[str, Any], label: str = "") -> None:
         import ipywidgets
-        from bokeh.models import ColumnDataSource, Legend
+        from bokeh.models import ColumnDataSource, Range1d
+        from bokeh.models.annotations import Legend
         from bokeh.plotting import figure
         from jupyter_bokeh import BokehModel
 
@@ -130,6 +132,7 @@ class LiveView:
             self._series.append((f"gpu{index}_util", f"GPU{index} util", color, "solid"))
             self._series.append((f"gpu{index}_mem", f"GPU{index} memory", color, "dashed"))
         self._series.append(("cpu_util", "CPU (all cores)", CPU_COLOR, "solid"))
+        self._series.append(("proc_cpu", "this process (% of a core)", PROCESS_COLOR, "dotted"))
 
         self.source = ColumnDataSource(data={"t": [], **{key: [] for key, *_ in self._series}})
         self.bands = ColumnDataSource(data={"left": [], "right": []})
@@ -138,7 +141,7 @@ class LiveView:
             sizing_mode="stretch_width",
             x_axis_label="seconds",
             y_axis_label="%",
-            y_range=(0, 105),
+            y_range=Range1d(start=0, end=105),
             tools="xpan,xwheel_zoom,box_zoom,reset,save",
             active_scroll=None,
             toolbar_location="right",
@@ -146,12 +149,13 @@ class LiveView:
         fig.toolbar.logo = None
         wait = fig.quad(left="left", right="right", bottom=0, top=105, source=self.bands,
                         fill_color=WAIT_COLOR, fill_alpha=0.3, line_alpha=0)
-        items = [("waiting for data", [wait])]
+        items: list[tuple[str, list[Any]]] = [("waiting for data", [wait])]
         for key, name, color, dash in self._series:
             renderer = fig.line("t", key, source=self.source, color=color, line_dash=dash, line_width=1.6)
             items.append((name, [renderer]))
         legend = Legend(items=items, click_policy="hide", location="top_left", background_fill_alpha=0.6,
-                        label_text_font_size="9pt", spacing=0, padding=4)
+                        label_text_font_size="9pt", spacing=0,
+                        padding=4)  # type: ignore[arg-type]  # bokeh's stubs reject a plain int
         fig.add_layout(legend, "right")
         self.figure = fig
         self.model = BokehModel(fig)
@@ -196,13 +200,13 @@ class LiveView:
         _close_tree(self.widget)
 
     def _columns(self) -> list[str]:
-        cols = ["cpu.util"]
+        cols = ["cpu.util", "proc.cpu"]
         for index in self._gpus:
             cols += [f"gpu{index}.util", f"gpu{index}.mem_used", f"gpu{index}.mem_total"]
         return cols
 
-    def _plot_data(self, frame: Frame) -> dict[str, np.ndarray]:
-        data: dict[str, np.ndarray] = {"t": frame.t, "cpu_util": frame.mean["cpu.util"]}
+    def _plot_data(self, frame: Frame) -> dict[str, Any]:
+        data: dict[str, Any] = {"t": frame.t, "cpu_util": frame.mean["cpu.util"], "proc_cpu": frame.mean["proc.cpu"]}
         with np.errstate(invalid="ignore", divide="ignore"):
             for index in self._gpus:
                 data[f"gpu{index}_util"] = frame.mean[f"gpu{index}.util"]
@@ -226,7 +230,7 @@ class LiveView:
         if not keep:
             return
         self._last_band_end = keep[-1][1]
-        new = {"left": [a for a, _ in keep], "right": [b for _, b in keep]}
+        new: dict[str, Any] = {"left": [a for a, _ in keep], "right": [b for _, b in keep]}
         if self._bands + len(keep) > MAX_BANDS:
             self.bands.data = new
             self._bands = len(keep)
