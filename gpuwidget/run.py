@@ -113,7 +113,7 @@ class Run:
         if suffix == ".json":
             text = json.dumps(self.to_dict(), allow_nan=False)
         elif suffix in (".html", ".htm"):
-            from gpuwidget.ui.report import html_document
+            from gpuwidget.ui.panel import html_document
 
             text = html_document(self)
         elif suffix == ".csv":
@@ -138,7 +138,7 @@ class Run:
     # ------------------------------------------------------------- rendering
 
     def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, Any]:
-        from gpuwidget.ui.report import run_html, run_text
+        from gpuwidget.ui.panel import run_html, run_text
 
         return {"text/html": run_html(self), "text/plain": run_text(self)}
 

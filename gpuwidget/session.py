@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from gpuwidget.advice.advisor import advise
 from gpuwidget.advice.summary import summarize
 from gpuwidget.clock import now
 from gpuwidget.options import OptionError, WatchOptions, make_options
+from gpuwidget.probes import Probes
 from gpuwidget.run import Run
 from gpuwidget.sampler import Sampler
 from gpuwidget.sources.base import Source
@@ -88,15 +91,20 @@ def _in_notebook() -> bool:
 class Watch:
     """Orchestrates one watched block. Use :meth:`start` then :meth:`finish` exactly once."""
 
-    def __init__(self, options: WatchOptions, *, label: str = "", display: bool | None = None) -> None:
+    def __init__(self, options: WatchOptions, *, label: str = "", display: bool | None = None,
+                 namespace: Any = None) -> None:
         self.options = options
         self.label = label
+        # Where the user's names live (to call their loader `train_loader` in suggestions):
+        # a mapping, or a callable returning one when the run ends.
+        self.namespace = namespace
         self.display = (not options.quiet) if display is None else (display and not options.quiet)
         self.run: Run | None = None
         self._sampler: Sampler | None = None
         self._sources: list[Source] = []
         self._live: Any = None
         self._handle: Any = None
+        self._probes: Probes | None = None
         self._started = 0.0
 
     def start(self) -> Run:
@@ -113,7 +121,8 @@ class Watch:
             trace.meta.update({"label": self.label, "interval": self.options.interval})
             self.run = Run(trace=trace, machine=machine, options=self.options.to_dict(), label=self.label)
             self._sources = [HostSource()] + ([gpu_source] if gpu_source is not None else [])
-            listeners = []
+            self._probes = Probes(trace)
+            listeners: list[Any] = [self._probes.poll]
             if self.display and self.options.live and _in_notebook():
                 self._show_live(trace, machine)
                 if self._live is not None:
@@ -121,6 +130,7 @@ class Watch:
             self._sampler = Sampler(self._sources, trace, self.options.interval, listeners)
             self._started = now()
             trace.start_clock = self._started
+            self._probes.poll()
             self._sampler.start()
         except BaseException:
             self._teardown()
@@ -151,7 +161,11 @@ class Watch:
             run.error = error
             run.finished = True
             run.trace.meta["duration_s"] = duration
+            if self._probes is not None:
+                run.workload = self._probes.facts(self._user_namespace())
             run.summary = summarize(run.trace, run.workload, duration_s=duration)
+            if self.options.advice:
+                run.findings = advise(run.summary, run.workload, run.machine)
             if self._sampler is not None:
                 stats = self._sampler.stats
                 run.sampler = {"ticks": stats.ticks, "missed_ticks": stats.missed_ticks,
@@ -164,9 +178,15 @@ class Watch:
         self._show_result(run)
         return run
 
+    def _user_namespace(self) -> Any:
+        namespace = self.namespace() if callable(self.namespace) else self.namespace
+        return namespace if namespace is not None else {}
+
     def _teardown(self) -> None:
-        """Stop the sampler, close sources and the live view; safe to call twice."""
+        """Remove the probes, stop the sampler, close sources and the live view; safe to call twice."""
         global _active
+        if self._probes is not None:
+            self._probes.uninstall()
         try:
             if self._sampler is not None:
                 self._sampler.stop()
@@ -225,7 +245,9 @@ def watch(*, label: str = "", display: bool | None = None, **options: Any) -> It
     Takes the same options as ``%%gpuwatch``: ``interval``, ``gpus``, ``live``, ``advice``,
     ``save``, ``quiet``. Bad options raise ``ValueError`` before anything starts.
     """
-    session = Watch(make_options(**options), label=label, display=display)
+    caller = sys._getframe(2)  # the `with` statement's frame (1 is contextlib's __enter__)
+    session = Watch(make_options(**options), label=label, display=display,
+                    namespace=lambda: {**caller.f_globals, **caller.f_locals})
     run = session.start()
     try:
         yield run

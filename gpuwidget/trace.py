@@ -385,7 +385,8 @@ class Trace:
             start = int(np.searchsorted(self._recent_t[:n], t, side="right"))
             names = self._select(columns)
             times = self._recent_t[start:n].copy()
-            values = {name: self._recent_v[start:n, self._columns[name]].copy() for name in names}
+            values = {name: self._recent_v[start:n, self._columns[name]].copy()
+                      for name in names if name in self._columns}
         for name in names:
             values.setdefault(name, np.full(len(times), np.nan))
         return Frame(times, values, values, values)

@@ -29,7 +29,12 @@ def gpu_run(error: BaseException | None = None) -> Run:
         change={"num_workers": 4}, code="train_loader = DataLoader(ds, batch_size=64, num_workers=4)",
         expected_speedup=1.19,
     )
-    run = Run(trace=trace, summary=summarize(trace, {"samples": 3200}, duration_s=4.9),
+    workload = {"loaders": [{
+        "name": "train_loader", "dataset_name": "train_ds", "settings": {"batch_size": 64, "num_workers": 0},
+        "epochs": 1, "steps": 5, "samples": 3200, "wait_total_s": 0.4, "compute_total_s": 4.0,
+        "loop_time_s": 4.4, "wait_cpu_ratio": 1.0, "step_times": [0.88] * 5, "wait_times": [0.08] * 5,
+    }]}
+    run = Run(trace=trace, summary=summarize(trace, workload, duration_s=4.9), workload=workload,
               findings=[finding], machine={"gpus": [{"index": 0, "name": "NVIDIA H200", "uuid": "GPU-1"}]},
               options={"advice": True}, error=error, label="In [7]", finished=True)
     return run
@@ -38,12 +43,15 @@ def gpu_run(error: BaseException | None = None) -> Run:
 def test_summary_has_the_contract_keys_with_measured_values():
     s = gpu_run().summary
     assert s["duration_s"] == 4.9
-    assert s["samples_per_s"] == pytest.approx(3200 / 4.9)
+    # Loop figures are over the loop's own time, not the cell's set-up.
+    assert s["samples_per_s"] == pytest.approx(3200 / 4.4)
     assert s["gpu_busy_mean"] == pytest.approx(81.0)
     assert s["peak_gpu_mem_fraction"] == pytest.approx((40e9 + 49e8) / 80e9)
-    assert s["data_wait_fraction"] == pytest.approx(5 * 0.08 / 4.9)
+    assert s["data_wait_fraction"] == pytest.approx(0.4 / 4.4)
     assert s["cpu_util_mean"] == 30.0
     assert s["steps"] == 5
+    assert s["step_time_p50"] == pytest.approx(0.88)
+    assert s["time_breakdown"] == pytest.approx({"data_wait_s": 0.4, "compute_s": 4.0, "other_s": 0.5})
 
 
 def test_summary_without_gpu_invents_no_gpu_figures():
@@ -57,9 +65,12 @@ def test_summary_without_gpu_invents_no_gpu_figures():
 def test_run_renders_the_same_content_as_html_and_text():
     bundle = gpu_run()._repr_mimebundle_()
     text, page = bundle["text/plain"], bundle["text/html"]
-    for fragment in ("GPU busy 81%", "waiting for data 8%", "dataloader-starved", "up to 1.19x"):
+    for fragment in ("GPU busy 81%", "waiting for data 9%", "dataloader-starved", "up to 1.19x",
+                     "main cause: The loop waits for data (up to 1.19x faster)",
+                     "time: waiting for data 400 ms (8%) · computing 4.0 s (82%) · other 500 ms (10%)"):
         assert fragment in text
-    for fragment in ("GPU busy", "81%", "dataloader-starved", "up to 1.19x", "num_workers=4", "<svg"):
+    for fragment in ("GPU busy", "81%", "dataloader-starved", "up to 1.19x", "num_workers=4", "<svg",
+                     "class='gpuwidget-breakdown'", "The loop waits for data (up to 1.19x faster)"):
         assert fragment in page
     assert "GPU0 NVIDIA H200: busy 81%, peak memory 56%" in text
 

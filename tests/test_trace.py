@@ -165,3 +165,12 @@ def test_concurrent_writer_and_reader_do_not_corrupt():
     thread.join()
     assert not errors
     assert trace.stats("x").count == 5000
+
+
+def test_recent_rows_since_a_time_include_unknown_columns_as_nan():
+    trace = Trace()
+    for i in range(5):
+        trace.append(float(i), {"x": float(i)})
+    frame = trace.recent_since(2.0, ["x", "never"])
+    assert frame["x"].tolist() == [3.0, 4.0]
+    assert np.isnan(frame["never"]).all() and len(frame["never"]) == 2

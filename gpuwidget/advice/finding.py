@@ -62,6 +62,6 @@ class Finding:
         )
 
     def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, Any]:
-        from gpuwidget.ui.report import finding_html, finding_text
+        from gpuwidget.ui.panel import finding_html, finding_text
 
         return {"text/html": finding_html(self), "text/plain": finding_text(self)}

@@ -1,7 +1,11 @@
-"""Static renderings of a Run and its Findings: HTML (with an inline SVG chart) and plain text.
+"""The post-run panel: a Run and its Findings as HTML (with inline SVG) and as plain text.
 
-These are what a saved notebook, nbconvert, GitHub and terminal IPython show, so they
-depend on nothing but the Run: no JavaScript, no widgets, no network.
+Same content both ways: a headline (throughput, GPU busy, the main cause in one line),
+where the loop's time went (waiting for data / computing / other), the findings ranked by
+expected gain with their evidence, a copyable change and the gain bound, and a chart of
+the run. It is what the notebook shows when a watched cell ends, and what a saved
+notebook, nbconvert, GitHub and terminal IPython show later: it needs no widget state,
+no JavaScript (a copy button is a nicety) and no network.
 """
 
 from __future__ import annotations
@@ -74,6 +78,36 @@ def headline(run: Run) -> list[tuple[str, str]]:
     return items
 
 
+def main_cause(run: Run) -> str:
+    """The panel's one-line answer: the top finding, or why there is none."""
+    if not run.finished:
+        return "running"
+    if not run.options.get("advice", True):
+        return "advice off (--no-advice)"
+    if run.findings:
+        top = run.findings[0]
+        gain = f" (up to {top.expected_speedup:.2f}x faster)" if top.expected_speedup else ""
+        return f"{top.title}{gain}"
+    if run.summary.get("steps") is None:
+        return "no training loop seen (no DataLoader was iterated)"
+    return "no cause of idle time found"
+
+
+BREAKDOWN = (("data_wait_s", "waiting for data", WAIT_COLOR), ("compute_s", "computing", "#4c78a8"),
+             ("other_s", "other", "#bab0ac"))
+
+
+def breakdown(run: Run) -> list[tuple[str, float, float, str]]:
+    """(label, seconds, share, colour) of the cell's time, or [] without loop figures."""
+    parts = run.summary.get("time_breakdown")
+    if not parts:
+        return []
+    total = sum(parts.get(key) or 0.0 for key, _, _ in BREAKDOWN)
+    if total <= 0:
+        return []
+    return [(label, parts.get(key) or 0.0, (parts.get(key) or 0.0) / total, color) for key, label, color in BREAKDOWN]
+
+
 def status_line(run: Run) -> str:
     outcome = run.outcome
     label = f"{run.label} " if run.label else ""
@@ -124,7 +158,13 @@ def finding_text(finding: Finding) -> str:
 
 def run_text(run: Run) -> str:
     lines = [f"gpuwidget run: {status_line(run)}"]
+    if run.finished:
+        lines.append(f"  main cause: {main_cause(run)}")
     lines.append("  " + " · ".join(f"{label} {value}" for label, value in headline(run)))
+    parts = breakdown(run)
+    if parts:
+        lines.append("  time: " + " · ".join(f"{label} {fmt_seconds(sec)} ({100 * share:.0f}%)"
+                                             for label, sec, share, _ in parts))
     lines += ["  " + line for line in gpu_lines(run)]
     if run.options.get("advice", True) and run.finished:
         if run.findings:
@@ -161,8 +201,11 @@ def finding_html(finding: Finding) -> str:
         parts.append("<div style='font-size:12px;opacity:.8'>evidence: " + ", ".join(
             f"{html.escape(str(k))} = {html.escape(_short(v))}" for k, v in finding.evidence.items()) + "</div>")
     if finding.code:
-        parts.append("<pre style='background:var(--jp-layout-color2,#f5f5f5);padding:6px;margin:4px 0;"
-                     f"white-space:pre-wrap'><code>{html.escape(finding.code)}</code></pre>")
+        parts.append(
+            "<div style='position:relative'><button title='copy' style='position:absolute;right:4px;top:4px;"
+            "font-size:11px' onclick='navigator.clipboard.writeText(this.nextElementSibling.innerText)'>copy"
+            "</button><pre style='background:var(--jp-layout-color2,#f5f5f5);padding:6px;margin:4px 0;"
+            f"white-space:pre-wrap'><code>{html.escape(finding.code)}</code></pre></div>")
     parts.append("</div>")
     return "".join(parts)
 
@@ -178,7 +221,10 @@ def run_html(run: Run) -> str:
     body = [
         f"<div class='gpuwidget-run' data-outcome='{run.outcome}' style='{_STYLE}'>",
         f"<div style='margin-bottom:6px'><b>gpuwidget</b> · {html.escape(status_line(run))}</div>",
+        (f"<div class='gpuwidget-cause' style='font-size:14px;margin-bottom:8px'>"
+         f"{html.escape(main_cause(run))}</div>" if run.finished else ""),
         f"<div>{cards}</div>",
+        breakdown_html(run),
         f"<div style='font-size:12px;margin-bottom:6px'>{gpu_html}</div>",
         chart_svg(run),
     ]
@@ -191,6 +237,22 @@ def run_html(run: Run) -> str:
                         "of idle time.</div>")
     body.append("</div>")
     return "".join(body)
+
+
+def breakdown_html(run: Run) -> str:
+    """A bar of the cell's time: waiting for data / computing / other."""
+    parts = breakdown(run)
+    if not parts:
+        return ""
+    bar = "".join(
+        f"<div title='{html.escape(label)}: {fmt_seconds(sec)}' style='width:{100 * share:.2f}%;background:{color}'>"
+        "</div>" for label, sec, share, color in parts if share > 0)
+    legend = " &nbsp; ".join(
+        f"<span style='color:{color}'>&#9632;</span> {html.escape(label)} {fmt_seconds(sec)} ({100 * share:.0f}%)"
+        for label, sec, share, color in parts)
+    return ("<div class='gpuwidget-breakdown' style='margin:2px 0 8px 0'>"
+            f"<div style='display:flex;height:10px;max-width:640px;border-radius:3px;overflow:hidden'>{bar}</div>"
+            f"<div style='font-size:11px;margin-top:3px'>{legend}</div></div>")
 
 
 def html_document(run: Run) -> str:

@@ -1,0 +1,34 @@
+"""The advisor's rules: one module per cause, each ``check(summary, workload, machine) -> Finding | None``.
+
+Rule ids are stable (DESIGN.md); thresholds are named constants at the top of each module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from gpuwidget.advice.finding import Finding
+from gpuwidget.advice.rules import (
+    dataloader_cpu_bound,
+    dataloader_starved,
+    fp32_math,
+    gpu_throttled,
+    gpu_unused,
+    io_bound,
+    launch_bound,
+    memory_pressure,
+    pageable_transfer,
+    periodic_stall,
+    small_batch,
+)
+
+Rule = Callable[[Mapping[str, Any], Mapping[str, Any], Mapping[str, Any]], "Finding | None"]
+
+RULES: dict[str, Rule] = {
+    module.RULE: module.check
+    for module in (
+        dataloader_starved, dataloader_cpu_bound, io_bound, small_batch, memory_pressure, fp32_math,
+        launch_bound, periodic_stall, pageable_transfer, gpu_throttled, gpu_unused,
+    )
+}

@@ -1,0 +1,54 @@
+"""dataloader-starved: the loop spends a measurable share of its time blocked in ``next()``.
+
+The suggested settings come from the measurement (see gpuwidget.advice.loader): the
+number of workers from the time to produce a batch against the time to consume one,
+capped by the cores this process may use; pin_memory with CUDA; persistent_workers when
+the loader was iterated more than once; a larger prefetch_factor when waits are bursty.
+Thresholds live in gpuwidget.advice.loader.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from gpuwidget.advice.finding import Finding
+from gpuwidget.advice.loader import diagnose, loader_code
+
+RULE = "dataloader-starved"
+# Above this share of the loop spent waiting, the finding is critical.
+CRITICAL_WAIT_FRACTION = 0.4
+
+
+def check(summary: Mapping[str, Any], workload: Mapping[str, Any], machine: Mapping[str, Any]) -> Finding | None:
+    d = diagnose(summary, workload, machine)
+    # Saturated CPUs and storage waits have their own findings, which carry the change.
+    if d is None or not d.starved or d.cpu_saturated or d.cause == "io" or not d.change:
+        return None
+    change = d.change
+    parts = []
+    if "num_workers" in change:
+        parts.append(f"use {change['num_workers']} worker processes (now {d.num_workers}) so batches are "
+                     "built while the model works")
+    if change.get("pin_memory"):
+        parts.append("pin host memory so copies to the GPU are faster and can overlap")
+    if change.get("persistent_workers"):
+        parts.append("keep workers alive between epochs instead of restarting them")
+    if "prefetch_factor" in change:
+        parts.append(f"let each worker prepare {change['prefetch_factor']} batches ahead to absorb bursts")
+    waited = f"{100 * d.wait_fraction:.0f}%"
+    return Finding(
+        rule=RULE,
+        severity="critical" if d.wait_fraction >= CRITICAL_WAIT_FRACTION else "warn",
+        title=f"The loop waits for data {waited} of the time ({d.name})",
+        evidence=d.evidence,
+        suggestion=(f"Each step waited {1000 * d.wait_per_step:.1f} ms for a batch and then computed for "
+                    f"{1000 * d.compute_per_step:.1f} ms. " + _sentence("; ".join(parts))),
+        change=change,
+        code=loader_code(d.loader, change),
+        expected_speedup=round(d.expected_speedup, 2),
+    )
+
+
+def _sentence(text: str) -> str:
+    return text[:1].upper() + text[1:] + "."

@@ -1,0 +1,53 @@
+"""gpu-unused: the machine has a GPU but the cell did its work on the CPU.
+
+No GPU utilisation, none of the GPU's memory held by this process, and the model's
+parameters on the CPU: the usual cause is a missing ``.to("cuda")`` on the model or the
+batches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from gpuwidget.advice.finding import Finding
+from gpuwidget.advice.rules._gpu import gpu_measured, model_name
+
+RULE = "gpu-unused"
+# Below this mean utilisation the GPU did essentially nothing.
+IDLE_GPU_BUSY_PERCENT = 2.0
+# The process must have worked (percent of a core) for "ran on the CPU" to mean anything.
+BUSY_PROCESS_PERCENT = 50.0
+# This process holding less GPU memory than this means it never put tensors there
+# (a CUDA context alone takes a few hundred MB).
+NO_GPU_MEMORY_BYTES = 64 * 2**20
+
+
+def check(summary: Mapping[str, Any], workload: Mapping[str, Any], machine: Mapping[str, Any]) -> Finding | None:
+    if not gpu_measured(summary, machine):
+        return None
+    model = workload.get("model") or {}
+    devices = model.get("param_devices") or []
+    if summary["gpu_busy_mean"] >= IDLE_GPU_BUSY_PERCENT or "cuda" in devices:
+        return None
+    if (summary.get("process_cpu_mean") or 0.0) < BUSY_PROCESS_PERCENT:
+        return None
+    own = summary.get("process_gpu_mem_peak")
+    if own is not None and own >= NO_GPU_MEMORY_BYTES:
+        return None
+    name = model_name(workload)
+    return Finding(
+        rule=RULE,
+        severity="critical",
+        title="A GPU is here but the cell ran on the CPU",
+        evidence={"gpu_busy_percent": round(summary["gpu_busy_mean"], 1),
+                  "process_cpu_percent": round(summary.get("process_cpu_mean") or 0.0, 1),
+                  "model_device": ",".join(devices) or "unknown",
+                  "process_gpu_memory": own},
+        suggestion=(f"{len(machine.get('gpus') or [])} GPU(s) stayed idle while this process worked on the CPU. "
+                    "Move the model and each batch to the GPU."),
+        change={"device": "cuda"},
+        code=(f'device = torch.device("cuda")\n{name} = {name}.to(device)\n'
+              "for x, y in loader:\n    x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)"),
+        expected_speedup=None,
+    )

@@ -1,0 +1,42 @@
+"""io-bound: starved while the process (or its workers) mostly sleeps: batches wait on storage.
+
+Waiting on storage overlaps, so workers beyond the core count help here (the starved
+finding already sizes them); beyond that, the data should come from faster or local
+storage, or be cached after the first epoch. Thresholds live in gpuwidget.advice.loader
+(IO_WAIT_RATIO, WORKER_IDLE, IO_WORKERS_PER_CORE).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from gpuwidget.advice.finding import Finding
+from gpuwidget.advice.loader import diagnose, loader_code
+
+RULE = "io-bound"
+
+
+def check(summary: Mapping[str, Any], workload: Mapping[str, Any], machine: Mapping[str, Any]) -> Finding | None:
+    d = diagnose(summary, workload, machine)
+    if d is None or not d.starved or d.cause != "io":
+        return None
+    if d.num_workers == 0:
+        why = (f"while blocked in next() the process used only {d.evidence.get('cpu_while_waiting', 0):.2f} "
+               "CPU seconds per second: it was waiting on storage, not computing")
+    else:
+        why = (f"its {d.num_workers} workers were busy only {100 * (d.workers_busy or 0):.0f}% of the time: "
+               "they wait on storage")
+    workers = d.change.get("num_workers", d.num_workers)
+    return Finding(
+        rule=RULE,
+        severity="warn",
+        title=f"Batches wait on storage ({d.name})",
+        evidence=d.evidence,
+        suggestion=(f"The loop waits {100 * d.wait_fraction:.0f}% of the time and {why}. Because the waits "
+                    f"overlap, {workers} workers (more than the {d.usable_cpus} cores) hide them; copying the "
+                    "data to local disk or memory, or caching samples after the first epoch, removes them."),
+        change=dict(d.change),
+        code=loader_code(d.loader, d.change),
+        expected_speedup=round(d.expected_speedup, 2),
+    )

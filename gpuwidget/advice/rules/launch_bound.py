@@ -1,0 +1,57 @@
+"""launch-bound: the GPU idles while the Python process is pegged and data wait is low.
+
+Each step launches many small kernels and the host cannot issue them fast enough: the
+GPU waits on Python and the CUDA launch path. Fusing work (torch.compile), replaying whole
+steps (CUDA graphs, ``mode="reduce-overhead"``) or a larger batch per launch cut that cost.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from gpuwidget.advice.finding import Finding
+from gpuwidget.advice.loader import STARVED_WAIT_FRACTION
+from gpuwidget.advice.rules._gpu import gpu_measured, gpu_speedup_bound, model_name, model_on_cuda
+
+RULE = "launch-bound"
+# GPU busy below this while the host is pegged: the GPU waits on kernel launches.
+LOW_GPU_BUSY_PERCENT = 50.0
+# The main process at or above this share of one core is pegged (Python is single-threaded).
+PEGGED_PROCESS_PERCENT = 90.0
+
+
+def check(summary: Mapping[str, Any], workload: Mapping[str, Any], machine: Mapping[str, Any]) -> Finding | None:
+    if not gpu_measured(summary, machine) or not model_on_cuda(workload):
+        return None
+    busy = summary["gpu_busy_mean"]
+    process = summary.get("process_cpu_mean")
+    wait = summary.get("data_wait_fraction") or 0.0
+    if busy >= LOW_GPU_BUSY_PERCENT or process is None or process < PEGGED_PROCESS_PERCENT:
+        return None
+    if wait >= STARVED_WAIT_FRACTION:
+        return None
+    model = workload.get("model") or {}
+    name = model_name(workload)
+    compiled = bool(model.get("compiled"))
+    if compiled:
+        code = f'{name} = torch.compile({name}._orig_mod, mode="reduce-overhead")  # CUDA graphs'
+        change: dict[str, Any] = {"compile_mode": "reduce-overhead"}
+    else:
+        code = f"{name} = torch.compile({name})"
+        change = {"torch_compile": True}
+    return Finding(
+        rule=RULE,
+        severity="warn",
+        title=f"The GPU waits on Python: {busy:.0f}% busy while the process uses {process:.0f}% of a core",
+        evidence={"gpu_busy_percent": round(busy, 1), "process_cpu_percent": round(process, 1),
+                  "data_wait_fraction": round(wait, 3), "compiled": compiled},
+        suggestion=("The main process is saturated launching work and the loop is not waiting for data, "
+                    "yet the GPU is idle most of the time: each step is many small kernels. "
+                    + ("Compile with mode='reduce-overhead' to replay steps as CUDA graphs, "
+                       if compiled else "Compile the model so small operations fuse into fewer kernels, ")
+                    + "or use a larger batch so each launch does more work."),
+        change=change,
+        code=code,
+        expected_speedup=gpu_speedup_bound(summary),
+    )

@@ -1,0 +1,42 @@
+"""pageable-transfer: batches go to the GPU from pageable host memory.
+
+Copies from pageable memory are staged through a pinned buffer by the driver and cannot
+overlap with compute; ``pin_memory=True`` plus ``.to(device, non_blocking=True)`` makes
+them direct and asynchronous (PyTorch's "pin memory" tuning guide). When the loader is
+also starved, dataloader-starved already carries this change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from gpuwidget.advice.finding import Finding
+from gpuwidget.advice.loader import STARVED_WAIT_FRACTION, loader_code
+from gpuwidget.advice.rules._gpu import gpu_measured, model_on_cuda
+from gpuwidget.advice.summary import primary_loader
+
+RULE = "pageable-transfer"
+
+
+def check(summary: Mapping[str, Any], workload: Mapping[str, Any], machine: Mapping[str, Any]) -> Finding | None:
+    if not gpu_measured(summary, machine) or not model_on_cuda(workload):
+        return None
+    loader = primary_loader(workload)
+    if loader is None or (loader.get("settings") or {}).get("pin_memory"):
+        return None
+    if (summary.get("data_wait_fraction") or 0.0) >= STARVED_WAIT_FRACTION:
+        return None
+    change = {"pin_memory": True}
+    name = loader.get("name") or "loader"
+    return Finding(
+        rule=RULE,
+        severity="info",
+        title=f"Batches are copied to the GPU from pageable memory ({name})",
+        evidence={"pin_memory": False, "model_device": "cuda"},
+        suggestion=("The model is on the GPU but the loader returns batches in pageable memory, so each copy "
+                    "is staged and blocks. Pin them and copy without blocking."),
+        change=change,
+        code=loader_code(loader, change) + f"\nfor x, y in {name}:\n    x = x.to(device, non_blocking=True)",
+        expected_speedup=None,
+    )

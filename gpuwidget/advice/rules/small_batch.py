@@ -1,0 +1,60 @@
+"""small-batch: the GPU is often idle and most of its memory unused while the loop is not starved.
+
+Each step does too little work to keep the GPU busy; a larger batch does more per launch
+and per Python step. Memory headroom bounds how far the batch can grow; utilisation
+bounds the gain (the GPU cannot be busier than 100%).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from gpuwidget.advice.finding import Finding
+from gpuwidget.advice.loader import STARVED_WAIT_FRACTION, loader_code
+from gpuwidget.advice.rules._gpu import gpu_measured, gpu_speedup_bound
+from gpuwidget.advice.summary import primary_loader
+
+RULE = "small-batch"
+# GPU busy below this (percent of time a kernel ran) means the GPU waits on the host.
+LOW_GPU_BUSY_PERCENT = 60.0
+# Less than this share of GPU memory at peak leaves room to at least double the batch.
+MEMORY_HEADROOM_FRACTION = 0.5
+# Grow the batch towards this share of GPU memory, leaving room for fragmentation.
+TARGET_MEMORY_FRACTION = 0.8
+# When the main process is this busy (percent of a core), launch-bound names the cause.
+PEGGED_PROCESS_PERCENT = 90.0
+
+
+def check(summary: Mapping[str, Any], workload: Mapping[str, Any], machine: Mapping[str, Any]) -> Finding | None:
+    if not gpu_measured(summary, machine):
+        return None
+    loader = primary_loader(workload)
+    busy = summary["gpu_busy_mean"]
+    memory = summary.get("peak_gpu_mem_fraction")
+    wait = summary.get("data_wait_fraction") or 0.0
+    if loader is None or busy >= LOW_GPU_BUSY_PERCENT or memory is None or memory >= MEMORY_HEADROOM_FRACTION:
+        return None
+    if wait >= STARVED_WAIT_FRACTION or (summary.get("process_cpu_mean") or 0) >= PEGGED_PROCESS_PERCENT:
+        return None
+    batch = (loader.get("settings") or {}).get("batch_size")
+    if not batch:
+        return None
+    factor = 2 ** max(1, int(math.log2(TARGET_MEMORY_FRACTION / max(memory, 1e-3))))
+    new_batch = max(8, int(batch * factor) // 8 * 8)
+    change = {"batch_size": new_batch}
+    return Finding(
+        rule=RULE,
+        severity="warn",
+        title=f"Batches of {batch} leave the GPU idle {100 - busy:.0f}% of the time",
+        evidence={"gpu_busy_percent": round(busy, 1), "peak_gpu_mem_fraction": round(memory, 3),
+                  "batch_size": batch, "data_wait_fraction": round(wait, 3)},
+        suggestion=(f"The GPU was busy {busy:.0f}% of the time and used at most {100 * memory:.0f}% of its "
+                    f"memory, and the loop was not waiting for data. A batch of {new_batch} gives each step "
+                    "more work per launch; scale the learning rate with it (linearly, with warm-up) to keep "
+                    "the same training dynamics."),
+        change=change,
+        code=loader_code(loader, change),
+        expected_speedup=gpu_speedup_bound(summary),
+    )

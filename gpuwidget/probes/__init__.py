@@ -1,0 +1,100 @@
+"""Workload probes: observe the user's training loop from inside the process, only during a watch.
+
+Probes need torch, and gpuwidget never imports torch itself: when the watch starts
+before the cell has imported torch (``import torch`` inside the watched cell), the
+sampler thread installs them as soon as torch appears in ``sys.modules``. Whatever
+happens in the cell, :meth:`Probes.uninstall` leaves nothing patched or hooked.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+from gpuwidget.clock import now
+from gpuwidget.trace import Trace
+
+log = logging.getLogger("gpuwidget")
+
+
+class Probes:
+    """The probes of one watch."""
+
+    def __init__(self, trace: Trace) -> None:
+        self.trace = trace
+        self._lock = threading.Lock()
+        self._data: Any = None
+        self._model: Any = None
+        self._cuda: Any = None
+        self.errors: list[str] = []
+        self._closed = False
+
+    def poll(self, _trace: Trace | None = None) -> None:
+        """Install the probes once torch is importable without importing it ourselves.
+
+        Called at the start of the watch and then on every sampler tick (cheap: a dict lookup).
+        """
+        if self._data is not None or self._closed or "torch.utils.data" not in sys.modules:
+            return
+        with self._lock:
+            if self._data is not None or self._closed:
+                return
+            try:
+                from gpuwidget.probes.torch_data import DataLoaderProbe
+                from gpuwidget.probes.torch_model import CudaMemoryProbe, ModelProbe
+
+                data, model, cuda = DataLoaderProbe(self.trace), ModelProbe(), CudaMemoryProbe()
+                data.install()
+                model.install()
+                cuda.install()
+                self._data, self._model, self._cuda = data, model, cuda
+            except Exception as exc:  # noqa: BLE001 - without probes the run still has metrics
+                self.errors.append(f"probes unavailable: {exc!r}")
+                log.warning("gpuwidget: workload probes unavailable: %s", exc)
+                self._closed = True
+
+    def uninstall(self) -> None:
+        """Remove every hook and patch; safe to call more than once."""
+        with self._lock:
+            self._closed = True
+            for probe in (self._data, self._model, self._cuda):
+                if probe is None:
+                    continue
+                try:
+                    probe.uninstall()
+                except Exception as exc:  # noqa: BLE001
+                    self.errors.append(f"could not remove {type(probe).__name__}: {exc!r}")
+            if self._data is not None:
+                self._data.finish(now())
+
+    def facts(self, namespace: Mapping[str, Any] | None) -> dict[str, Any]:
+        """WorkloadFacts as plain data: loaders, model, CUDA memory, torch version."""
+        names = _names(namespace)
+        facts: dict[str, Any] = {"torch": None, "loaders": [], "model": None, "cuda": None}
+        torch = sys.modules.get("torch")
+        if torch is not None:
+            facts["torch"] = getattr(torch, "__version__", None)
+        if self._data is not None:
+            facts["loaders"] = self._data.facts(names)
+        if self._model is not None:
+            facts["model"] = self._model.facts(names)
+        if self._cuda is not None:
+            try:
+                facts["cuda"] = self._cuda.facts()
+            except Exception as exc:  # noqa: BLE001
+                self.errors.append(f"CUDA memory facts unavailable: {exc!r}")
+        if self.errors:
+            facts["probe_errors"] = list(self.errors)
+        return facts
+
+
+def _names(namespace: Mapping[str, Any] | None) -> dict[int, str]:
+    """id(object) -> the user's name for it; private names (IPython's ``_``, ``_i3``) are skipped."""
+    names: dict[int, str] = {}
+    for name, value in (namespace or {}).items():
+        if not name.startswith("_"):
+            names.setdefault(id(value), name)
+    return names

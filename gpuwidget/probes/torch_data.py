@@ -1,0 +1,285 @@
+"""DataLoader probe: how long the loop is blocked in ``next()``, per step, and how each loader is set up.
+
+While a watch is active, two class attributes of torch are wrapped:
+
+* ``DataLoader.__iter__``, to know which loader an iterator belongs to (and count epochs);
+* ``_BaseDataLoaderIter.__next__``, the single ``next()`` of every DataLoader iterator
+  (single- and multi-process, and those inside Lightning or Hugging Face trainers), to
+  time the call.
+
+Only the time actually spent blocked in ``next()`` counts as waiting for data. The time
+between one ``next()`` returning and the next one being called is the loop's own work
+(forward, backward, optimizer, and also checkpoints or logging), so a loop that pauses to
+save a checkpoint is never mistaken for a starved loader. A *step* runs from the start of
+one ``next()`` to the start of the following one.
+
+Per step the wrapper costs two clock reads, one process-CPU read and a few attribute
+updates (about 2 us, see BENCHMARKS.md). Everything is restored by :meth:`uninstall`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import weakref
+from collections import deque
+from collections.abc import Mapping
+from typing import Any
+
+from gpuwidget.clock import now
+from gpuwidget.trace import Trace
+
+DATA_WAIT_SPAN = "loader.wait"
+STEP_SPAN = "step"
+# Per-step figures kept per loader for percentiles and stall detection (a bounded window).
+STEP_HISTORY = 20_000
+
+
+class LoaderStats:
+    """What one DataLoader did during the watch."""
+
+    def __init__(self, loader: Any) -> None:
+        self.loader_ref = weakref.ref(loader) if loader is not None else None
+        self.settings = loader_settings(loader) if loader is not None else {}
+        self.epochs = 0
+        self.steps = 0
+        self.samples = 0
+        self.wait_total = 0.0
+        self.wait_cpu_total = 0.0
+        self.compute_total = 0.0
+        self.first_start: float | None = None
+        self.last_end: float | None = None
+        self.pending_start: float | None = None  # start of the step whose next() returned last
+        self.step_times: deque[float] = deque(maxlen=STEP_HISTORY)
+        self.wait_times: deque[float] = deque(maxlen=STEP_HISTORY)
+
+    @property
+    def loader(self) -> Any:
+        return self.loader_ref() if self.loader_ref is not None else None
+
+    def facts(self, names: Mapping[int, str]) -> dict[str, Any]:
+        loader = self.loader
+        loop_time = self.wait_total + self.compute_total
+        dataset = getattr(loader, "dataset", None)
+        return {
+            "name": names.get(id(loader)) if loader is not None else None,
+            "dataset_name": names.get(id(dataset)) if dataset is not None else None,
+            "settings": self.settings,
+            "epochs": self.epochs,
+            "steps": self.steps,
+            "samples": self.samples,
+            "wait_total_s": self.wait_total,
+            "compute_total_s": self.compute_total,
+            "loop_time_s": loop_time,
+            # Process CPU time while blocked in next(): ~1 per busy core when the main
+            # process builds batches itself; near 0 when it sleeps on storage or workers.
+            "wait_cpu_ratio": self.wait_cpu_total / self.wait_total if self.wait_total > 0 else None,
+            "step_times": list(self.step_times),
+            "wait_times": list(self.wait_times),
+        }
+
+
+class DataLoaderProbe:
+    """Times every DataLoader ``next()`` during a watch and records spans into the Trace."""
+
+    def __init__(self, trace: Trace) -> None:
+        self.trace = trace
+        self.installed = False
+        self._by_iterator: weakref.WeakKeyDictionary[Any, LoaderStats] = weakref.WeakKeyDictionary()
+        self._by_loader: dict[int, LoaderStats] = {}
+        self.stats: list[LoaderStats] = []
+        self._originals: dict[str, Any] = {}
+
+    # ---------------------------------------------------------------- patching
+
+    def install(self) -> None:
+        from torch.utils.data import DataLoader
+        from torch.utils.data.dataloader import _BaseDataLoaderIter
+
+        if self.installed:
+            return
+        original_iter = DataLoader.__iter__
+        original_next = _BaseDataLoaderIter.__next__
+        self._originals = {"iter": original_iter, "next": original_next}
+        probe = self
+        origin = self.trace.start_clock
+        add_span = self.trace.add_span
+        process_time = time.process_time
+
+        def __iter__(loader: Any) -> Any:
+            iterator = original_iter(loader)
+            with contextlib.suppress(Exception):  # never break the user's loop
+                probe._register(iterator, loader)
+            return iterator
+
+        def __next__(iterator: Any) -> Any:
+            stats = probe._by_iterator.get(iterator)
+            if stats is None:
+                stats = probe._register(iterator, None)
+            started = now()
+            cpu_started = process_time()
+            try:
+                batch = original_next(iterator)
+            except StopIteration:
+                # The call that ends an epoch closes the last step.
+                if stats.pending_start is not None:
+                    stats.step_times.append(started - stats.pending_start)
+                    stats.compute_total += started - stats.last_end  # type: ignore[operator]
+                    add_span(STEP_SPAN, stats.pending_start - origin, started - origin)
+                    stats.pending_start = None
+                raise
+            ended = now()
+            wait = ended - started
+            stats.wait_cpu_total += process_time() - cpu_started
+            if stats.pending_start is not None:
+                stats.step_times.append(started - stats.pending_start)
+                stats.compute_total += started - stats.last_end  # type: ignore[operator]
+                add_span(STEP_SPAN, stats.pending_start - origin, started - origin)
+            elif stats.first_start is None:
+                stats.first_start = started
+            stats.pending_start = started
+            stats.last_end = ended
+            stats.steps += 1
+            stats.wait_total += wait
+            stats.wait_times.append(wait)
+            stats.samples += _first_dim(batch)
+            add_span(DATA_WAIT_SPAN, started - origin, ended - origin)
+            return batch
+
+        __iter__.__wrapped__ = original_iter  # type: ignore[attr-defined]
+        __next__.__wrapped__ = original_next  # type: ignore[attr-defined]
+        self._wrappers = {"iter": __iter__, "next": __next__}
+        DataLoader.__iter__ = __iter__  # type: ignore[method-assign]
+        _BaseDataLoaderIter.__next__ = __next__  # type: ignore[method-assign,assignment]
+        self.installed = True
+
+    def uninstall(self) -> None:
+        """Put torch back exactly as it was (only our own wrappers are removed)."""
+        if not self.installed:
+            return
+        from torch.utils.data import DataLoader
+        from torch.utils.data.dataloader import _BaseDataLoaderIter
+
+        if DataLoader.__dict__.get("__iter__") is self._wrappers["iter"]:
+            DataLoader.__iter__ = self._originals["iter"]  # type: ignore[method-assign]
+        if _BaseDataLoaderIter.__dict__.get("__next__") is self._wrappers["next"]:
+            _BaseDataLoaderIter.__next__ = self._originals["next"]  # type: ignore[method-assign]
+        self.installed = False
+
+    def finish(self, end: float) -> None:
+        """Close each loader's step that was still open when the watch ended (a loop left by
+        ``break`` or an exception): its work up to ``end`` counts as compute."""
+        for stats in self.stats:
+            if stats.pending_start is not None and stats.last_end is not None:
+                stats.compute_total += max(0.0, end - stats.last_end)
+                stats.step_times.append(end - stats.pending_start)
+                self.trace.add_span(STEP_SPAN, stats.pending_start - self.trace.start_clock,
+                                    end - self.trace.start_clock, {"open": True})
+                stats.pending_start = None
+
+    def _register(self, iterator: Any, loader: Any) -> LoaderStats:
+        key = id(loader) if loader is not None else id(iterator)
+        stats = self._by_loader.get(key)
+        if stats is None or (loader is not None and stats.loader is not loader):
+            stats = self._by_loader[key] = LoaderStats(loader)
+            self.stats.append(stats)
+        if loader is not None:
+            stats.epochs += 1
+        # A reused (persistent-workers) iterator starts a new epoch: no step spans across it.
+        stats.pending_start = None
+        self._by_iterator[iterator] = stats
+        return stats
+
+    def facts(self, names: Mapping[int, str]) -> list[dict[str, Any]]:
+        return [s.facts(names) for s in self.stats if s.steps]
+
+
+def _first_dim(batch: Any, depth: int = 0) -> int:
+    """Samples in a batch: the first dimension of its first tensor (tuples, lists, dicts)."""
+    shape = getattr(batch, "shape", None)
+    if shape is not None:
+        return int(shape[0]) if len(shape) else 1
+    if depth < 3:
+        if isinstance(batch, (list, tuple)) and batch:
+            return _first_dim(batch[0], depth + 1)
+        if isinstance(batch, Mapping) and batch:
+            return _first_dim(next(iter(batch.values())), depth + 1)
+    return 0
+
+
+def loader_settings(loader: Any) -> dict[str, Any]:
+    """The DataLoader's configuration as plain data (what a suggestion must keep or change)."""
+    from torch.utils.data import IterableDataset, RandomSampler, SequentialSampler
+    from torch.utils.data.sampler import BatchSampler
+
+    dataset = loader.dataset
+    try:
+        dataset_len: int | None = len(dataset)
+    except TypeError:
+        dataset_len = None
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    sampler = getattr(loader, "sampler", None)
+    custom_batch_sampler = batch_sampler is not None and type(batch_sampler) is not BatchSampler
+    context = loader.multiprocessing_context
+    return {
+        "batch_size": loader.batch_size,
+        "num_workers": loader.num_workers,
+        "pin_memory": bool(loader.pin_memory),
+        "prefetch_factor": loader.prefetch_factor,
+        "persistent_workers": bool(loader.persistent_workers),
+        "multiprocessing_context": None if context is None else context.get_start_method(),
+        "drop_last": bool(loader.drop_last),
+        "timeout": loader.timeout,
+        "shuffle": isinstance(sampler, RandomSampler),
+        "sampler": type(sampler).__name__ if sampler is not None else None,
+        "custom_sampler": sampler is not None and not isinstance(sampler, (RandomSampler, SequentialSampler)),
+        "custom_batch_sampler": custom_batch_sampler,
+        "collate_fn": getattr(loader.collate_fn, "__name__", type(loader.collate_fn).__name__),
+        "default_collate": getattr(loader.collate_fn, "__name__", "") == "default_collate",
+        "dataset_type": type(dataset).__name__,
+        "dataset_len": dataset_len,
+        "iterable_dataset": isinstance(dataset, IterableDataset),
+        "worker_init_fn": getattr(loader.worker_init_fn, "__name__", None),
+    }
+
+
+def loader_kwargs(loader: Any, change: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Keyword arguments that rebuild ``loader`` (same dataset, sampling and collation),
+    with ``change`` applied and made valid (no ``prefetch_factor`` or ``persistent_workers``
+    without workers, as torch requires)."""
+    from torch.utils.data.sampler import BatchSampler
+
+    kwargs: dict[str, Any] = {"dataset": loader.dataset}
+    batch_sampler = loader.batch_sampler
+    if batch_sampler is not None and type(batch_sampler) is BatchSampler and loader.batch_size is not None:
+        kwargs.update(batch_size=loader.batch_size, sampler=loader.sampler, drop_last=loader.drop_last)
+    elif batch_sampler is not None:
+        kwargs["batch_sampler"] = batch_sampler
+    else:
+        kwargs.update(batch_size=None, sampler=loader.sampler)
+    kwargs.update(
+        num_workers=loader.num_workers,
+        collate_fn=loader.collate_fn,
+        pin_memory=loader.pin_memory,
+        timeout=loader.timeout,
+        worker_init_fn=loader.worker_init_fn,
+        multiprocessing_context=loader.multiprocessing_context,
+        generator=loader.generator,
+        persistent_workers=loader.persistent_workers,
+    )
+    if loader.num_workers > 0:
+        kwargs["prefetch_factor"] = loader.prefetch_factor
+    if getattr(loader, "pin_memory_device", ""):
+        kwargs["pin_memory_device"] = loader.pin_memory_device
+    if change:
+        kwargs.update(change)
+    return valid_loader_kwargs(kwargs)
+
+
+def valid_loader_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Drop settings torch rejects without worker processes."""
+    if int(kwargs.get("num_workers") or 0) == 0:
+        kwargs.pop("prefetch_factor", None)
+        kwargs["persistent_workers"] = False
+        kwargs.pop("multiprocessing_context", None)
+    return kwargs

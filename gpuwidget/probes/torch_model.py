@@ -1,0 +1,172 @@
+"""Model probe: dtypes, autocast, matmul precision and compilation, from the first forward passes;
+CUDA peak memory and device capability for the cell.
+
+Global module hooks (``register_module_forward_pre_hook``) see every ``nn.Module`` call;
+only *top-level* calls (not nested in another module's forward) are looked at, for the
+first :data:`TOP_LEVEL_CALLS` of them, and then the hooks remove themselves, so a long
+training loop pays nothing after its first steps. The model is the top-level module
+with the most parameters (a loss module or a transform is also a Module, but small).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections import Counter
+from collections.abc import Mapping
+from typing import Any
+
+TOP_LEVEL_CALLS = 16
+
+
+class ModelProbe:
+    """Collects facts about the models a watched cell calls."""
+
+    def __init__(self) -> None:
+        self.installed = False
+        self._handles: list[Any] = []
+        self._local = threading.local()
+        self._seen = 0
+        self._models: dict[int, dict[str, Any]] = {}
+        self._objects: dict[int, Any] = {}
+
+    def install(self) -> None:
+        if self.installed:
+            return
+        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+        self._handles = [
+            register_module_forward_pre_hook(self._before),
+            register_module_forward_hook(self._after, always_call=True),
+        ]
+        self.installed = True
+
+    def uninstall(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self.installed = False
+
+    def _before(self, module: Any, args: tuple[Any, ...]) -> None:
+        depth = getattr(self._local, "depth", 0)
+        self._local.depth = depth + 1
+        if depth == 0:
+            with contextlib.suppress(Exception):  # a probe never breaks the forward pass
+                self._look(module, args)
+
+    def _after(self, module: Any, args: tuple[Any, ...], output: Any) -> None:
+        self._local.depth = max(0, getattr(self._local, "depth", 1) - 1)
+        if self._seen >= TOP_LEVEL_CALLS and self._local.depth == 0:
+            self.uninstall()
+
+    def _look(self, module: Any, args: tuple[Any, ...]) -> None:
+        import torch
+
+        self._seen += 1
+        key = id(module)
+        if key in self._models:
+            self._models[key]["calls"] += 1
+            return
+        dtypes: Counter[str] = Counter()
+        devices: set[str] = set()
+        parameters = 0
+        for parameter in module.parameters():
+            count = parameter.numel()
+            parameters += count
+            dtypes[str(parameter.dtype).replace("torch.", "")] += count
+            devices.add(parameter.device.type)
+        tensor = _first_tensor(args)
+        device_type = next(iter(devices)) if len(devices) == 1 else ("cuda" if "cuda" in devices else "cpu")
+        self._objects[key] = module
+        self._models[key] = {
+            "class": type(module).__name__,
+            "parameters": parameters,
+            "param_dtypes": dict(dtypes),
+            "param_devices": sorted(devices),
+            "input_dtype": None if tensor is None else str(tensor.dtype).replace("torch.", ""),
+            "input_device": None if tensor is None else tensor.device.type,
+            "autocast": _autocast_state(torch, device_type),
+            "compiled": hasattr(module, "_orig_mod") or type(module).__name__ == "OptimizedModule",
+            "training": bool(module.training),
+            "calls": 1,
+        }
+
+    def facts(self, names: Mapping[int, str]) -> dict[str, Any] | None:
+        """The main model (most parameters) with its user-namespace name, or None if none ran."""
+        if not self._models:
+            return None
+        key = max(self._models, key=lambda k: self._models[k]["parameters"])
+        facts = dict(self._models[key])
+        facts["name"] = names.get(key)
+        facts.update(precision_settings())
+        return facts
+
+
+def _first_tensor(value: Any, depth: int = 0) -> Any:
+    if hasattr(value, "dtype") and hasattr(value, "device"):
+        return value
+    if depth < 3:
+        items: Any = value.values() if isinstance(value, Mapping) else value
+        if isinstance(items, (list, tuple)) or isinstance(value, Mapping):
+            for item in items:
+                found = _first_tensor(item, depth + 1)
+                if found is not None:
+                    return found
+    return None
+
+
+def _autocast_state(torch: Any, device_type: str) -> dict[str, Any]:
+    try:
+        enabled = bool(torch.is_autocast_enabled(device_type))
+        dtype = str(torch.get_autocast_dtype(device_type)).replace("torch.", "") if enabled else None
+    except (TypeError, RuntimeError, AttributeError):  # older torch: no device argument
+        enabled = bool(torch.is_autocast_enabled())
+        dtype = None
+    return {"enabled": enabled, "dtype": dtype, "device_type": device_type}
+
+
+def precision_settings() -> dict[str, Any]:
+    """Global float32 math settings: TF32 on Ampere+ makes FP32 matmuls use Tensor Cores."""
+    import torch
+
+    return {
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "cuda_matmul_allow_tf32": bool(torch.backends.cuda.matmul.allow_tf32),
+        "cudnn_allow_tf32": bool(torch.backends.cudnn.allow_tf32),
+    }
+
+
+class CudaMemoryProbe:
+    """Peak CUDA memory of the cell per device (reset at start when CUDA is already in use)."""
+
+    def __init__(self) -> None:
+        self.reset_at_start = False
+
+    def install(self) -> None:
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            for index in range(torch.cuda.device_count()):
+                torch.cuda.reset_peak_memory_stats(index)
+            self.reset_at_start = True
+
+    def uninstall(self) -> None:
+        pass
+
+    def facts(self) -> dict[str, Any] | None:
+        import torch
+
+        if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+            return None
+        devices = []
+        for index in range(torch.cuda.device_count()):
+            properties = torch.cuda.get_device_properties(index)
+            devices.append({
+                "index": index,
+                "name": properties.name,
+                "capability": list(torch.cuda.get_device_capability(index)),
+                "total_memory": int(properties.total_memory),
+                "peak_allocated": int(torch.cuda.max_memory_allocated(index)),
+                "peak_reserved": int(torch.cuda.max_memory_reserved(index)),
+            })
+        return {"devices": devices, "peak_since_cell_start": self.reset_at_start}
