@@ -23,8 +23,10 @@ RULE = "periodic-stall"
 OUTLIER_RATIO = 3.0
 STALL_MIN_S = 0.02
 MIN_STALLS = 3
-# The gaps between stalls must agree (within one step) this often to call them periodic.
+# The gaps between stalls must agree (within one step) this often, and at least
+# MIN_AGREEING_GAPS times, to call them periodic.
 PERIOD_AGREEMENT = 0.6
+MIN_AGREEING_GAPS = 3
 # Stalls costing less than this share of the loop are not worth a finding.
 MIN_STALL_FRACTION = 0.05
 # Suggest doing the periodic work this many times less often.
@@ -47,8 +49,9 @@ def find_stalls(step_times: list[float]) -> tuple[list[int], float]:
     return stalled.tolist(), median
 
 
-def dominant_period(indices: list[int]) -> tuple[int, float]:
-    """The most common gap between consecutive stalls (merging gaps within one step)."""
+def dominant_period(indices: list[int]) -> tuple[int, int, float]:
+    """The most common gap between consecutive stalls (merging gaps within one step), how many
+    gaps agree with it, and their share of all gaps."""
     gaps = np.diff(indices)
     counts = Counter(int(g) for g in gaps)
     best, agreeing = 0, 0
@@ -56,7 +59,7 @@ def dominant_period(indices: list[int]) -> tuple[int, float]:
         near = counts[gap] + counts.get(gap - 1, 0) + counts.get(gap + 1, 0)
         if near > agreeing or (near == agreeing and gap < best):
             best, agreeing = gap, near
-    return best, agreeing / len(gaps) if len(gaps) else 0.0
+    return best, agreeing, agreeing / len(gaps) if len(gaps) else 0.0
 
 
 def check(summary: Mapping[str, Any], workload: Mapping[str, Any], machine: Mapping[str, Any]) -> Finding | None:
@@ -67,8 +70,8 @@ def check(summary: Mapping[str, Any], workload: Mapping[str, Any], machine: Mapp
     stalls, median = find_stalls(step_times)
     if len(stalls) < MIN_STALLS:
         return None
-    period, agreement = dominant_period(stalls)
-    if period < 2 or agreement < PERIOD_AGREEMENT:
+    period, agreeing, agreement = dominant_period(stalls)
+    if period < 2 or agreeing < MIN_AGREEING_GAPS or agreement < PERIOD_AGREEMENT:
         return None
     extra = float(sum(step_times[i] - median for i in stalls))
     loop = float(sum(step_times))

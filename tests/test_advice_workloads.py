@@ -1,0 +1,171 @@
+"""The advisor on real torch training loops (CPU): the right cause, a valid change, a real gain."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+from torch.utils.data.dataloader import _BaseDataLoaderIter
+
+import gpuwidget
+import workloads
+from gpuwidget.probes.torch_data import loader_kwargs
+
+LOADER_RULES = {"dataloader-starved", "dataloader-cpu-bound", "io-bound"}
+ORIGINAL_ITER = DataLoader.__iter__
+ORIGINAL_NEXT = _BaseDataLoaderIter.__next__
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    """The main loop on one core, as timing on a 2-core machine needs."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def torch_is_untouched() -> bool:
+    from torch.nn.modules import module
+
+    return (DataLoader.__iter__ is ORIGINAL_ITER and _BaseDataLoaderIter.__next__ is ORIGINAL_NEXT
+            and not module._global_forward_hooks and not module._global_forward_pre_hooks)
+
+
+def watched(workload: workloads.Workload) -> gpuwidget.Run:
+    train_loader, train_ds, model = workload.loader, workload.loader.dataset, workload.model  # noqa: F841
+    with gpuwidget.watch(quiet=True, interval=0.1) as run:
+        workload.train(train_loader)
+    assert torch_is_untouched()
+    return run
+
+
+def loop_seconds(workload: workloads.Workload, loader: DataLoader) -> float:
+    started = time.perf_counter()
+    workload.train(loader)
+    return time.perf_counter() - started
+
+
+def rules(run: gpuwidget.Run) -> set[str]:
+    return {f.rule for f in run.findings}
+
+
+def test_starved_loader_is_named_with_a_worker_change_in_the_users_names():
+    workload = workloads.cpu_heavy_transform()
+    run = watched(workload)
+    assert "dataloader-starved" in rules(run)
+    finding = next(f for f in run.findings if f.rule == "dataloader-starved")
+    assert run.findings[0] is finding  # the largest gain comes first
+    assert finding.change["num_workers"] >= 1
+    assert finding.code.startswith("train_loader = DataLoader(train_ds, batch_size=16, shuffle=True, num_workers=")
+    assert finding.evidence["data_wait_fraction"] >= 0.3
+    assert finding.expected_speedup == pytest.approx(1 / (1 - run.summary["data_wait_fraction"]), rel=0.02)
+    assert run.summary["samples"] == 480 and run.summary["steps"] == 30
+    assert run.workload["loaders"][0]["wait_cpu_ratio"] > 0.5  # the main process built batches itself
+
+    # Following the change makes the same loop measurably faster.
+    before = run.summary["loop_time_s"]
+    after = loop_seconds(workload, DataLoader(**loader_kwargs(workload.loader, finding.change)))
+    assert after < 0.85 * before, f"{before:.2f}s -> {after:.2f}s with {finding.change}"
+
+
+def test_storage_bound_loader_gets_workers_beyond_the_core_count():
+    workload = workloads.slow_storage()
+    run = watched(workload)
+    assert "io-bound" in rules(run)
+    assert "dataloader-cpu-bound" not in rules(run)
+    finding = next(f for f in run.findings if f.rule == "io-bound")
+    assert finding.evidence["cpu_while_waiting"] < 0.25
+    assert finding.change["num_workers"] > run.machine["usable_cpus"]
+    before = run.summary["loop_time_s"]
+    after = loop_seconds(workload, DataLoader(**loader_kwargs(workload.loader, finding.change)))
+    assert after < 0.7 * before, f"{before:.2f}s -> {after:.2f}s with {finding.change}"
+
+
+def test_healthy_loop_gets_no_loader_finding():
+    run = watched(workloads.healthy())
+    assert not rules(run) & LOADER_RULES
+    assert run.summary["data_wait_fraction"] < 0.1
+
+
+def test_checkpoint_pauses_are_a_periodic_stall_not_a_loader_problem():
+    run = watched(workloads.periodic_checkpoint())
+    assert "periodic-stall" in rules(run)
+    assert not rules(run) & LOADER_RULES
+    stall = next(f for f in run.findings if f.rule == "periodic-stall")
+    assert stall.evidence["period_steps"] == 10
+    assert stall.evidence["stall_s"] == pytest.approx(0.12, abs=0.05)
+
+
+def test_exception_mid_loop_is_recorded_with_partial_figures_and_torch_restored():
+    workload = workloads.failing(fail_at=7)
+    with pytest.raises(FloatingPointError):
+        watched(workload)
+    run = gpuwidget.last_run()
+    assert isinstance(run.error, FloatingPointError)
+    assert run.summary["steps"] == 8  # seven full steps and the one that raised
+    assert torch_is_untouched()
+
+
+def test_keyboard_interrupt_restores_torch():
+    workload = workloads.failing()
+    with pytest.raises(KeyboardInterrupt), gpuwidget.watch(quiet=True):
+        for step, _ in enumerate(workload.loader):
+            if step == 2:
+                raise KeyboardInterrupt
+    assert torch_is_untouched()
+    assert gpuwidget.last_run().outcome == "interrupted"
+
+
+def test_magic_names_the_loader_from_the_notebook_namespace(ip):
+    workload = workloads.cpu_heavy_transform(items=320)
+    ip.user_ns.update(my_loader=workload.loader, my_data=workload.loader.dataset, net=workload.model,
+                      train=workload.train)
+    result = ip.run_cell("%%gpuwatch --quiet\ntrain(my_loader)\n")
+    assert result.success
+    run = gpuwidget.last_run()
+    assert run.workload["loaders"][0]["name"] == "my_loader"
+    assert run.workload["model"]["name"] == "net"
+    finding = next(f for f in run.findings if f.rule == "dataloader-starved")
+    assert finding.code.startswith("my_loader = DataLoader(my_data, ")
+    assert torch_is_untouched()
+
+
+def test_loops_driven_by_a_trainer_are_measured_too():
+    """Trainers (Lightning, Hugging Face) call iter()/next() on the DataLoader themselves."""
+    workload = workloads.cpu_heavy_transform(items=160)
+
+    class Trainer:
+        def fit(self, loader: DataLoader) -> None:
+            iterator = iter(loader)
+            while True:
+                try:
+                    batch = next(iterator)
+                except StopIteration:
+                    break
+                workloads.burn(0.002)
+                del batch
+
+    with gpuwidget.watch(quiet=True) as run:
+        Trainer().fit(workload.loader)
+    assert run.summary["steps"] == 10
+    assert run.summary["data_wait_fraction"] > 0.5
+
+
+def test_no_advice_option_keeps_figures_but_no_findings():
+    workload = workloads.cpu_heavy_transform(items=160)
+    train_loader = workload.loader
+    with gpuwidget.watch(quiet=True, advice=False) as run:
+        workload.train(train_loader)
+    assert run.findings == [] and run.summary["steps"] == 10
+
+
+def test_no_gpu_rule_fires_without_a_gpu():
+    for build in (workloads.cpu_heavy_transform, workloads.healthy):
+        run = watched(build())
+        assert not rules(run) & {"small-batch", "memory-pressure", "fp32-math", "launch-bound",
+                                 "pageable-transfer", "gpu-throttled", "gpu-unused"}
+        assert "gpu_busy_mean" not in run.summary

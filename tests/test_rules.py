@@ -1,0 +1,265 @@
+"""Each rule at the edges of its thresholds, on synthetic figures (GPU cases cannot run here)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from gpuwidget.advice.advisor import advise, rank
+from gpuwidget.advice.finding import Finding
+from gpuwidget.advice.loader import loader_code
+from gpuwidget.advice.rules import (
+    RULES,
+    dataloader_starved,
+    fp32_math,
+    gpu_throttled,
+    gpu_unused,
+    launch_bound,
+    memory_pressure,
+    pageable_transfer,
+    periodic_stall,
+    small_batch,
+)
+from gpuwidget.probes.torch_data import loader_kwargs, loader_settings
+
+STABLE_IDS = {"dataloader-starved", "dataloader-cpu-bound", "io-bound", "small-batch", "memory-pressure",
+              "fp32-math", "launch-bound", "periodic-stall", "pageable-transfer", "gpu-throttled", "gpu-unused"}
+H100 = {"gpus": [{"index": 0, "name": "NVIDIA H100"}], "usable_cpus": 8}
+NO_GPU = {"gpus": [], "usable_cpus": 8}
+
+
+def loader_facts(wait: float = 0.0, compute: float = 1.0, steps: int = 100, workers: int = 0,
+                 wait_cpu: float | None = 1.0, epochs: int = 1, pin: bool = False, batch: int = 32,
+                 step_times: list[float] | None = None, wait_times: list[float] | None = None) -> dict[str, Any]:
+    return {
+        "name": "train_loader", "dataset_name": "train_ds", "epochs": epochs, "steps": steps,
+        "samples": steps * batch, "wait_total_s": wait, "compute_total_s": compute, "loop_time_s": wait + compute,
+        "wait_cpu_ratio": wait_cpu,
+        "step_times": step_times or [(wait + compute) / steps] * steps,
+        "wait_times": wait_times or [wait / steps] * steps,
+        "settings": {"batch_size": batch, "num_workers": workers, "pin_memory": pin, "shuffle": True,
+                     "prefetch_factor": 2 if workers else None, "persistent_workers": False,
+                     "default_collate": True},
+    }
+
+
+def summary(busy: float | None = None, memory: float | None = None, process: float = 50.0,
+            host: float = 30.0, wait_fraction: float = 0.0, workers_cpu: float | None = None,
+            **extra: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {"process_cpu_mean": process, "cpu_util_mean": host,
+                           "data_wait_fraction": wait_fraction, "workers_cpu_mean": workers_cpu}
+    if busy is not None:
+        out["gpu_busy_mean"] = busy
+    if memory is not None:
+        out["peak_gpu_mem_fraction"] = memory
+    out.update(extra)
+    return out
+
+
+def cuda_model(dtype: str = "float32", autocast: bool = False, precision: str = "highest",
+               compiled: bool = False) -> dict[str, Any]:
+    return {"name": "net", "param_devices": ["cuda"], "param_dtypes": {dtype: 1000}, "compiled": compiled,
+            "autocast": {"enabled": autocast}, "float32_matmul_precision": precision}
+
+
+def cuda(capability: tuple[int, int] = (9, 0), allocated: int = 10, reserved: int = 10,
+         total: int = 100) -> dict[str, Any]:
+    return {"devices": [{"index": 0, "capability": list(capability), "total_memory": total,
+                         "peak_allocated": allocated, "peak_reserved": reserved}]}
+
+
+def test_rule_ids_are_the_stable_ones():
+    assert set(RULES) == STABLE_IDS
+
+
+# ------------------------------------------------------------------ loader diagnosis
+
+
+def test_starved_threshold_is_ten_percent_of_the_loop():
+    below = {"loaders": [loader_facts(wait=0.099, compute=0.901)]}
+    at = {"loaders": [loader_facts(wait=0.1, compute=0.9)]}
+    assert dataloader_starved.check(summary(), below, NO_GPU) is None
+    finding = dataloader_starved.check(summary(), at, NO_GPU)
+    assert finding is not None and finding.expected_speedup == pytest.approx(1 / 0.9, rel=0.01)
+
+
+def test_worker_count_comes_from_production_and_consumption_times():
+    # 20 ms to build a batch, 5 ms to use it: 1.2 * 20 / 5 = 4.8 -> 5 workers (8 cores here).
+    workload = {"loaders": [loader_facts(wait=2.0, compute=0.5, steps=100)]}
+    finding = dataloader_starved.check(summary(), workload, NO_GPU)
+    assert finding.change == {"num_workers": 5}
+    # The same loop on 2 usable cores is capped at 2: more would only contend for CPU.
+    finding = dataloader_starved.check(summary(), workload, {**NO_GPU, "usable_cpus": 2})
+    assert finding.change == {"num_workers": 2}
+
+
+def test_starved_workers_are_scaled_from_their_observed_rate():
+    # 2 workers, 10 ms wait + 5 ms compute per step: each worker needs 2 * 15 ms per batch.
+    workload = {"loaders": [loader_facts(wait=1.0, compute=0.5, workers=2, wait_cpu=None)]}
+    finding = dataloader_starved.check(summary(workers_cpu=190.0), workload, NO_GPU)
+    assert finding.change["num_workers"] == 8  # ceil(1.2 * 30 / 5) = 8, the 8 usable cores
+
+
+def test_saturated_cpus_get_cheaper_batches_not_more_workers():
+    workload = {"loaders": [loader_facts(wait=1.0, compute=1.0, workers=8, wait_cpu=None)]}
+    busy = summary(host=95.0, workers_cpu=760.0)
+    found = {f.rule: f for f in advise(busy, workload, NO_GPU)}
+    assert "dataloader-starved" not in found
+    assert found["dataloader-cpu-bound"].change == {}
+    assert "transforms" in found["dataloader-cpu-bound"].suggestion
+
+
+def test_sleeping_loader_is_io_bound_with_workers_beyond_the_cores():
+    workload = {"loaders": [loader_facts(wait=3.0, compute=0.5, wait_cpu=0.05)]}
+    found = {f.rule: f for f in advise(summary(), workload, {**NO_GPU, "usable_cpus": 2})}
+    assert "dataloader-starved" not in found  # io-bound carries the change
+    assert found["io-bound"].change["num_workers"] == 8  # 4 per core, 2 cores
+
+
+def test_persistent_workers_and_prefetch_when_the_measurement_calls_for_them():
+    waits = [0.001] * 90 + [0.2] * 10  # bursty
+    workload = {"loaders": [loader_facts(wait=sum(waits), compute=1.0, workers=2, wait_cpu=None, epochs=3,
+                                         wait_times=waits)]}
+    finding = dataloader_starved.check(summary(workers_cpu=100.0), workload, NO_GPU)
+    assert finding.change["persistent_workers"] is True
+    assert finding.change["prefetch_factor"] == 4
+
+
+def test_pin_memory_only_when_the_model_is_on_cuda():
+    starved = {"loaders": [loader_facts(wait=1.0, compute=1.0)]}
+    assert "pin_memory" not in dataloader_starved.check(summary(), starved, NO_GPU).change
+    on_gpu = {**starved, "model": cuda_model()}
+    assert dataloader_starved.check(summary(busy=40.0), on_gpu, H100).change["pin_memory"] is True
+
+
+def test_every_suggested_change_builds_a_valid_dataloader():
+    data = TensorDataset(torch.randn(64, 4), torch.zeros(64))
+    for original in (DataLoader(data, batch_size=8), DataLoader(data, batch_size=8, shuffle=True, num_workers=2)):
+        facts = loader_facts(wait=1.0, compute=0.2, workers=original.num_workers, wait_cpu=0.05, epochs=2,
+                             wait_times=[0.001] * 90 + [0.5] * 10)
+        facts["settings"] = loader_settings(original)
+        workload = {"loaders": [facts]}
+        for finding in advise(summary(workers_cpu=10.0), workload, NO_GPU):
+            if not finding.change:
+                continue
+            rebuilt = DataLoader(**loader_kwargs(original, finding.change))
+            assert rebuilt.batch_size == 8
+            assert rebuilt.num_workers == finding.change.get("num_workers", original.num_workers)
+    # Turning workers off drops the settings torch rejects without workers.
+    rebuilt = DataLoader(**loader_kwargs(DataLoader(data, num_workers=2, prefetch_factor=4), {"num_workers": 0}))
+    assert rebuilt.num_workers == 0 and rebuilt.prefetch_factor is None
+
+
+def test_loader_code_keeps_sampling_and_collation_in_the_users_names():
+    data = TensorDataset(torch.randn(64, 4))
+    custom = DataLoader(data, batch_size=4, collate_fn=lambda items: items, drop_last=True)
+    facts = {"name": "val_loader", "dataset_name": None, "settings": loader_settings(custom)}
+    code = loader_code(facts, {"num_workers": 3, "persistent_workers": True})
+    assert code == ("val_loader = DataLoader(val_loader.dataset, batch_size=4, drop_last=True, "
+                    "collate_fn=val_loader.collate_fn, num_workers=3, persistent_workers=True)")
+
+
+# ------------------------------------------------------------------ GPU rules at their edges
+
+
+def test_gpu_rules_never_fire_without_gpu_evidence():
+    workload = {"loaders": [loader_facts(wait=0.0, compute=1.0)], "model": cuda_model(), "cuda": cuda()}
+    everything = summary(busy=1.0, memory=0.99, process=99.0, gpu_throttle_fraction=1.0)
+    assert advise(everything, workload, NO_GPU) == []
+    # A GPU listed but no utilisation measured is no evidence either.
+    no_util = {k: v for k, v in everything.items() if k != "gpu_busy_mean"}
+    assert advise(no_util, workload, H100) == []
+
+
+@pytest.mark.parametrize(("busy", "memory", "fires"), [(59.9, 0.49, True), (60.0, 0.49, False), (40.0, 0.5, False)])
+def test_small_batch_edges(busy, memory, fires):
+    workload = {"loaders": [loader_facts()], "model": cuda_model()}
+    finding = small_batch.check(summary(busy=busy, memory=memory), workload, H100)
+    assert (finding is not None) is fires
+    if finding:
+        assert finding.change["batch_size"] == 32 * 2 and finding.expected_speedup == pytest.approx(100 / busy, 0.01)
+
+
+@pytest.mark.parametrize(("busy", "process", "fires"), [(49.9, 90.0, True), (50.0, 95.0, False), (30.0, 89.9, False)])
+def test_launch_bound_edges(busy, process, fires):
+    workload = {"loaders": [loader_facts()], "model": cuda_model()}
+    finding = launch_bound.check(summary(busy=busy, process=process), workload, H100)
+    assert (finding is not None) is fires
+    if finding:
+        assert finding.code == "net = torch.compile(net)"
+
+
+@pytest.mark.parametrize(
+    ("capability", "model", "fires"),
+    [((8, 0), cuda_model(), True), ((7, 5), cuda_model(), False), ((9, 0), cuda_model(autocast=True), False),
+     ((9, 0), cuda_model(precision="high"), False), ((9, 0), cuda_model(dtype="bfloat16"), False)],
+)
+def test_fp32_math_edges(capability, model, fires):
+    workload = {"model": model, "cuda": cuda(capability)}
+    finding = fp32_math.check(summary(busy=80.0), workload, H100)
+    assert (finding is not None) is fires
+    if finding:
+        assert 'torch.set_float32_matmul_precision("high")' in finding.code
+        assert finding.expected_speedup == pytest.approx(1 / (1 - 0.8 * 7 / 8), rel=0.01)
+
+
+@pytest.mark.parametrize(("memory", "reserved", "fires"), [(0.92, 10, True), (0.919, 10, False), (0.5, 40, True)])
+def test_memory_pressure_edges(memory, reserved, fires):
+    finding = memory_pressure.check(summary(busy=90.0, memory=memory), {"cuda": cuda(reserved=reserved)}, H100)
+    assert (finding is not None) is fires
+
+
+@pytest.mark.parametrize(("share", "ratio", "fires"), [(0.2, None, True), (0.19, 0.95, False), (0.0, 0.7, True)])
+def test_gpu_throttled_edges(share, ratio, fires):
+    found = summary(busy=90.0, gpu_throttle_fraction=share, gpu_clock_ratio_busy=ratio)
+    assert (gpu_throttled.check(found, {}, H100) is not None) is fires
+
+
+@pytest.mark.parametrize(("busy", "devices", "fires"), [(1.9, ["cpu"], True), (2.0, ["cpu"], False), (0.0, ["cuda"], False)])
+def test_gpu_unused_edges(busy, devices, fires):
+    workload = {"model": {"name": "net", "param_devices": devices}}
+    finding = gpu_unused.check(summary(busy=busy, process=100.0), workload, H100)
+    assert (finding is not None) is fires
+    if finding:
+        assert "net = net.to(device)" in finding.code
+
+
+def test_pageable_transfer_only_when_the_loop_is_not_already_starved():
+    workload = {"loaders": [loader_facts()], "model": cuda_model()}
+    assert pageable_transfer.check(summary(busy=70.0), workload, H100).change == {"pin_memory": True}
+    pinned = {"loaders": [loader_facts(pin=True)], "model": cuda_model()}
+    assert pageable_transfer.check(summary(busy=70.0), pinned, H100) is None
+    assert pageable_transfer.check(summary(busy=70.0, wait_fraction=0.3), workload, H100) is None
+
+
+def test_periodic_stall_needs_a_regular_period():
+    regular = [0.01] * 100
+    for i in range(9, 100, 10):
+        regular[i] = 0.2
+    workload = {"loaders": [loader_facts(step_times=regular, compute=sum(regular))]}
+    finding = periodic_stall.check(summary(), workload, NO_GPU)
+    assert finding.evidence["period_steps"] == 10 and finding.evidence["stalls"] == 10
+    irregular = [0.01] * 100
+    for i in (3, 4, 50, 97):
+        irregular[i] = 0.2
+    assert periodic_stall.check(summary(), {"loaders": [loader_facts(step_times=irregular)]}, NO_GPU) is None
+
+
+def test_findings_rank_by_gain_then_severity():
+    low = Finding("a", "critical", "a", expected_speedup=1.2)
+    high = Finding("b", "info", "b", expected_speedup=3.0)
+    unbounded = Finding("c", "critical", "c")
+    assert rank([unbounded, low, high]) == [high, low, unbounded]
+
+
+def test_a_broken_rule_is_skipped_not_fatal(monkeypatch):
+    def broken(*_: Any) -> None:
+        raise ZeroDivisionError
+
+    monkeypatch.setitem(RULES, "dataloader-starved", broken)
+    workload = {"loaders": [loader_facts(wait=3.0, compute=0.5, wait_cpu=0.05)]}
+    assert [f.rule for f in advise(summary(), workload, NO_GPU)] == ["io-bound"]
+
