@@ -11,8 +11,9 @@ from torch.utils.data import DataLoader
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 import gpuwidget
-import workloads
 from gpuwidget.probes.torch_data import loader_kwargs
+
+import workloads
 
 LOADER_RULES = {"dataloader-starved", "dataloader-cpu-bound", "io-bound"}
 ORIGINAL_ITER = DataLoader.__iter__

@@ -218,7 +218,8 @@ def test_gpu_throttled_edges(share, ratio, fires):
     assert (gpu_throttled.check(found, {}, H100) is not None) is fires
 
 
-@pytest.mark.parametrize(("busy", "devices", "fires"), [(1.9, ["cpu"], True), (2.0, ["cpu"], False), (0.0, ["cuda"], False)])
+@pytest.mark.parametrize(("busy", "devices", "fires"),
+                         [(1.9, ["cpu"], True), (2.0, ["cpu"], False), (0.0, ["cuda"], False)])
 def test_gpu_unused_edges(busy, devices, fires):
     workload = {"model": {"name": "net", "param_devices": devices}}
     finding = gpu_unused.check(summary(busy=busy, process=100.0), workload, H100)
