@@ -230,7 +230,9 @@ class LiveView:
         if not keep:
             return
         self._last_band_end = keep[-1][1]
-        new: dict[str, Any] = {"left": [a for a, _ in keep], "right": [b for _, b in keep]}
+        # Arrays, not lists: BokehJS silently stops applying patches after a list is streamed
+        # into this source (seen with bokeh 3.9 and jupyter_bokeh 4.1).
+        new: dict[str, Any] = {"left": np.array([a for a, _ in keep]), "right": np.array([b for _, b in keep])}
         if self._bands + len(keep) > MAX_BANDS:
             self.bands.data = new
             self._bands = len(keep)

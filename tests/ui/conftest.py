@@ -128,12 +128,31 @@ def page(browser) -> Iterator[object]:
     context.close()
 
 
+KERNEL_READY_JS = """() => {
+  const panel = window.jupyterapp.shell.currentWidget;
+  const kernel = panel && panel.sessionContext && panel.sessionContext.session
+    && panel.sessionContext.session.kernel;
+  return !!kernel && kernel.status === 'idle';
+}"""
+
+
 def open_notebook(page, lab: Lab, name: str) -> None:
-    """Open a notebook and wait until its kernel is idle and the app is scriptable."""
+    """Open a notebook and wait until its kernel is idle and the app is scriptable.
+
+    JupyterLab sometimes asks which kernel to use even though the notebook names one
+    (a race with loading the kernel specs); the named kernel is accepted.
+    """
     page.goto(lab.page_url(f"lab/tree/{name}"))
     page.wait_for_function("window.jupyterapp !== undefined", timeout=60_000)
     page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
-    page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=60_000)
+    deadline = time.monotonic() + 60
+    while not page.evaluate(KERNEL_READY_JS):
+        accept = page.locator(".jp-Dialog .jp-Dialog-button.jp-mod-accept")
+        if accept.count():
+            accept.first.click()
+        if time.monotonic() > deadline:
+            raise AssertionError("the notebook's kernel did not become idle in 60 s")
+        time.sleep(0.2)
 
 
 def run_all_cells(page) -> None:
