@@ -941,8 +941,9 @@ class NvmlSource:
         device.sample_util = total / len(fresh)
         return device.sample_util
 
-    def _proc_mem(self, device: _Device) -> float | None:
-        """Bytes our processes hold on the device, or None when the driver won't say."""
+    def _listed(self, device: _Device) -> dict[int, int | None] | None:
+        """Every process the driver lists on the device, with the bytes it holds (None where the
+        driver won't say); None when the driver won't list processes at all."""
         if device.procs_off:
             return None
         driver = self._require_driver()
@@ -960,21 +961,50 @@ class NvmlSource:
                 continue
             answered = True
             for process in processes:
-                pid = process.pid
-                if self._own is not None and pid in self._own:
-                    # A process with both a compute and a graphics context is listed twice.
-                    used = process.usedGpuMemory
-                    previous = held.get(pid, 0)
-                    held[pid] = None if used is None or previous is None else max(previous, int(used))
-        if not answered:
+                # A process with both a compute and a graphics context is listed twice.
+                used = process.usedGpuMemory
+                previous = held.get(process.pid, 0)
+                held[process.pid] = None if used is None or previous is None else max(previous, int(used))
+        return held if answered else None
+
+    def _proc_mem(self, device: _Device) -> float | None:
+        """Bytes our processes hold on the device, or None when the driver won't say."""
+        held = self._listed(device)
+        if held is None:
             return None
-        if any(used is None for used in held.values()):
+        ours = {pid: used for pid, used in held.items() if self._own is not None and pid in self._own}
+        if any(used is None for used in ours.values()):
             # MIG instances without privileges and Windows WDDM list processes without their memory.
-            driver.report_once(
+            self._require_driver().report_once(
                 "the driver lists our process without its memory; proc_mem is not reported", device.label
             )
             return None
-        return float(sum(used for used in held.values() if used is not None))
+        return float(sum(used for used in ours.values() if used is not None))
+
+    def processes(self) -> dict[str, list[tuple[int, int | None]]]:
+        """Every process on each watched GPU (``gpu0``: [(pid, bytes or None)]), whoever owns it.
+
+        For the server's process table; never raises. A GPU whose processes can't be listed
+        (no permission, lost) is absent.
+        """
+        out: dict[str, list[tuple[int, int | None]]] = {}
+        with self._lock:
+            if self._closed or not self.available:
+                return out
+            for device in self._devices:
+                if device.lost is not None:
+                    continue
+                try:
+                    held = self._listed(device)
+                except _DeviceLost as lost:
+                    self._end_device(device, str(lost))
+                    continue
+                except Exception as error:  # noqa: BLE001 - a table row is not worth a crash
+                    self._require_driver().report_once(f"listing processes failed: {error!r}", device.label)
+                    continue
+                if held is not None:
+                    out[device.label] = sorted(held.items())
+        return out
 
     def _read_gpm(self, device: _Device, now: float) -> None:
         gpm = device.gpm

@@ -1,0 +1,310 @@
+"""The server's one shared sampler: read the GPUs and the host once, serialise once, fan out.
+
+A :class:`Monitor` runs a :class:`gpuwidget.sampler.Sampler` (NVML and psutil on its own
+thread, never on the event loop) while at least one subscriber is connected. After each
+tick the new row is turned into one JSON text and handed to the event loop, which writes
+that same text to every subscriber whose rate wants this tick. Every few seconds the
+processes holding GPU memory are listed (on the sampler thread) and matched to this
+server's kernels and notebooks (whose pids and paths the event loop keeps up to date).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import getpass
+import json
+import logging
+import math
+import threading
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import psutil
+
+from gpuwidget.sampler import Sampler
+from gpuwidget.sources.base import Source
+from gpuwidget.sources.host import HostSource
+from gpuwidget.trace import Trace
+
+log = logging.getLogger("gpuwidget")
+
+# The history a client gets is reduced to at most this many points (spikes kept).
+HISTORY_POINTS = 2000
+# How often the process table is rebuilt (it costs a few NVML calls and psutil lookups).
+PROCESSES_EVERY_S = 5.0
+# Parents walked up from a GPU process to find the kernel it belongs to (workers, shells).
+PARENT_DEPTH = 8
+ANOTHER_USER = "another user"
+
+Send = Callable[[str], None]
+
+
+@dataclass
+class Subscriber:
+    send: Send
+    every: int = 1  # write every n-th tick
+    sent: int = 0
+
+
+@dataclass
+class KernelDirectory:
+    """What the event loop knows about this server's kernels: pid -> (kernel id, notebook path)."""
+
+    by_pid: dict[int, tuple[str, str | None]] = field(default_factory=dict)
+
+
+def _json(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def _message(kind: str, **fields: Any) -> str:
+    return json.dumps({"type": kind, **fields}, separators=(",", ":"), allow_nan=False)
+
+
+class Monitor:
+    """One sampler for all subscribers of a Jupyter server."""
+
+    def __init__(self, interval: float = 1.0, history_s: float = 3600.0,
+                 sources: Callable[[], list[Source]] | None = None,
+                 loop: asyncio.AbstractEventLoop | None = None) -> None:
+        if not (interval > 0 and math.isfinite(interval)):
+            raise ValueError("interval must be a positive number of seconds")
+        self.interval = interval
+        self.history_s = history_s
+        self._make_sources = sources or default_sources
+        self._loop = loop
+        self._subscribers: dict[int, Subscriber] = {}
+        self._next_id = 0
+        self._lock = threading.Lock()
+        self._sampler: Sampler | None = None
+        self._sources: list[Source] = []
+        self._devices: dict[str, Any] | None = None
+        self.trace = Trace()
+        self.kernels = KernelDirectory()
+        self._processes_text = _message("processes", t=None, gpus={})
+        self._last_processes = -math.inf
+        self._user = _current_user()
+        self.ticks = 0
+
+    # ------------------------------------------------------------- lifecycle
+
+    @property
+    def running(self) -> bool:
+        return self._sampler is not None and self._sampler.running
+
+    def _ensure_sources(self) -> None:
+        if not self._sources:
+            self._sources = self._make_sources()
+            self._devices = None
+
+    def start(self) -> None:
+        with self._lock:
+            if self.running:
+                return
+            self._ensure_sources()
+            self._sampler = Sampler(self._sources, self.trace, self.interval, [self._on_tick])
+            self._sampler.start()
+
+    def stop(self, wait: bool = True) -> None:
+        """Stop sampling; with ``wait=False`` the thread is joined elsewhere (never block the loop)."""
+        with self._lock:
+            sampler, self._sampler = self._sampler, None
+        if sampler is None:
+            return
+        if wait:
+            sampler.stop(final_tick=False)
+        else:
+            threading.Thread(target=sampler.stop, kwargs={"final_tick": False}, daemon=True,
+                             name="gpuwidget-monitor-stop").start()
+
+    def close(self) -> None:
+        self.stop()
+        for source in self._sources:
+            source.close()
+        self._sources = []
+
+    # ------------------------------------------------------------- subscribers
+
+    def subscribe(self, send: Send, interval: float | None = None) -> int:
+        """Register a subscriber; the first one starts the sampler. Returns a token."""
+        every = 1 if not interval else max(1, math.ceil(interval / self.interval - 1e-9))
+        try:  # fan-out happens on the loop the subscribers live on
+            self._loop = asyncio.get_running_loop()
+        except RuntimeError:
+            pass
+        with self._lock:
+            token = self._next_id
+            self._next_id += 1
+            self._subscribers[token] = Subscriber(send, every)
+        self.start()
+        return token
+
+    def unsubscribe(self, token: int) -> None:
+        """Forget a subscriber; the last one leaving stops the sampler (off the event loop)."""
+        with self._lock:
+            self._subscribers.pop(token, None)
+            idle = not self._subscribers
+        if idle:
+            self.stop(wait=False)
+
+    @property
+    def subscribers(self) -> int:
+        return len(self._subscribers)
+
+    # ------------------------------------------------------------- data
+
+    def devices(self) -> dict[str, Any]:
+        """Static facts (the /devices payload)."""
+        self._ensure_sources()
+        if self._devices is None:
+            gpu = next((s for s in self._sources if s.name == "nvml"), None)
+            host = next((s for s in self._sources if s.name == "host"), None)
+            facts: dict[str, Any] = gpu.describe() if gpu is not None else {
+                "available": False, "reason": "no NVIDIA GPU found (NVML unavailable)"}
+            host_facts = host.describe() if host is not None else {}
+            self._devices = {
+                "gpu_found": bool(facts.get("available")),
+                "message": None if facts.get("available") else facts.get("reason") or "no NVIDIA GPU found",
+                "devices": [
+                    {key: device.get(key) for key in ("id", "index", "uuid", "name", "memory_total",
+                                                       "power_limit", "is_mig", "parent_uuid", "pci_bus_id")}
+                    for device in facts.get("devices") or [] if not device.get("lost")
+                ],
+                "host": {"cpu_count": host_facts.get("cpu_count"), "mem_total": host_facts.get("mem_total")},
+                "interval": self.interval,
+                "history_s": self.history_s,
+            }
+        return self._devices
+
+    def history(self, window_s: float | None = None) -> dict[str, Any]:
+        """The last ``window_s`` seconds (at most the history kept), reduced for plotting."""
+        window = self.history_s if window_s is None else max(0.0, min(window_s, self.history_s))
+        end = self.trace.now()
+        frame = self.trace.plot_view(self.trace.columns, HISTORY_POINTS, t0=end - window) if self.trace.columns \
+            else None
+        if frame is None or not len(frame):
+            return {"t": [], "columns": {}}
+        start = self.trace.start_wall
+        return {
+            "t": [round(start + t, 3) for t in frame.t.tolist()],
+            "columns": {name: [_json(v) if v == v else None for v in values.tolist()]
+                        for name, values in frame.mean.items()},
+        }
+
+    def latest(self) -> dict[str, Any]:
+        last = self.trace.last()
+        if last is None:
+            return {"t": None, "values": {}}
+        t, values = last
+        return {"t": round(self.trace.start_wall + t, 3), "values": {k: _json(v) for k, v in values.items()}}
+
+    def hello_text(self) -> str:
+        return _message("hello", devices=self.devices())
+
+    def history_text(self) -> str:
+        return _message("history", **self.history())
+
+    def processes_text(self) -> str:
+        return self._processes_text
+
+    def processes(self) -> dict[str, Any]:
+        return json.loads(self._processes_text)
+
+    def read_once(self) -> None:
+        """One synchronous reading (for a snapshot when no subscriber keeps the sampler running)."""
+        self._ensure_sources()
+        Sampler(self._sources, self.trace, self.interval, [self._on_tick]).tick()
+
+    # ------------------------------------------------------------- sampler thread
+
+    def _on_tick(self, trace: Trace) -> None:
+        """Sampler-thread hook: serialise the new row once and pass it to the event loop."""
+        self.ticks += 1
+        latest = self.latest()
+        text = _message("sample", t=latest["t"], values=latest["values"])
+        now = trace.now()
+        processes = None
+        if now - self._last_processes >= PROCESSES_EVERY_S:
+            self._last_processes = now
+            processes = self._list_processes(latest["t"])
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._fan_out, text, processes)
+        else:
+            self._fan_out(text, processes)
+
+    def _list_processes(self, t: float | None) -> str:
+        gpu = next((s for s in self._sources if s.name == "nvml"), None)
+        listed = gpu.processes() if gpu is not None and hasattr(gpu, "processes") else {}
+        gpus = {label: [self._describe_process(pid, memory) for pid, memory in rows]
+                for label, rows in listed.items()}
+        self._processes_text = _message("processes", t=t, gpus=gpus)
+        return self._processes_text
+
+    def _describe_process(self, pid: int, memory: int | None) -> dict[str, Any]:
+        row: dict[str, Any] = {"pid": pid, "memory": memory, "user": ANOTHER_USER, "name": None,
+                               "kernel_id": None, "notebook": None}
+        try:
+            process = psutil.Process(pid)
+            if process.username() != self._user:
+                return row  # another user's process: its memory only, never its name or command
+            row["user"] = "you"
+            row["name"] = process.name()
+            kernels = self.kernels.by_pid
+            for _ in range(PARENT_DEPTH):
+                if process.pid in kernels:
+                    row["kernel_id"], row["notebook"] = kernels[process.pid]
+                    break
+                parent = process.parent()
+                if parent is None:
+                    break
+                process = parent
+        except (psutil.Error, KeyError):
+            pass  # gone, or in another pid namespace: keep the anonymous row
+        return row
+
+    # ------------------------------------------------------------- event loop
+
+    def _fan_out(self, text: str, processes: str | None) -> None:
+        for token, subscriber in list(self._subscribers.items()):
+            try:
+                if subscriber.sent % subscriber.every == 0:
+                    subscriber.send(text)
+                subscriber.sent += 1
+                if processes is not None:
+                    subscriber.send(processes)
+            except Exception:  # noqa: BLE001 - a closed socket unsubscribes, it does not stop others
+                self.unsubscribe(token)
+
+    async def refresh_kernels(self, kernel_pids: Callable[[], Mapping[str, int | None]],
+                              sessions: Callable[[], Awaitable[list[dict[str, Any]]]]) -> None:
+        """Rebuild pid -> (kernel id, notebook path) from the kernel and session managers."""
+        paths = {}
+        try:
+            for session in await sessions():
+                kernel = session.get("kernel") or {}
+                if kernel.get("id"):
+                    paths[kernel["id"]] = session.get("path")
+        except Exception as exc:  # noqa: BLE001 - a table without notebook names is still useful
+            log.debug("gpuwidget: listing sessions failed: %s", exc)
+        by_pid = {}
+        for kernel_id, pid in kernel_pids().items():
+            if pid:
+                by_pid[int(pid)] = (kernel_id, paths.get(kernel_id))
+        self.kernels = KernelDirectory(by_pid)
+
+
+def default_sources() -> list[Source]:
+    from gpuwidget.sources.nvml import NvmlSource
+
+    # Per-core CPU is not shown in the sidebar; the process figures are the server's own.
+    return [HostSource(per_core=False), NvmlSource(pids=lambda: ())]
+
+
+def _current_user() -> str | None:
+    try:
+        return getpass.getuser()
+    except Exception:  # noqa: BLE001 - no user name (containers): everything is "another user"
+        return None
