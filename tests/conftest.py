@@ -11,7 +11,8 @@ from gpuwidget import session
 from support import sampler_threads
 
 # The fake NVML (fixture ``fake_nvml``) for every test module.
-pytest_plugins = ["fakenvml"]
+# pytest-jupyter's server fixtures (jp_fetch, jp_ws_fetch, ...) for tests/test_server.py.
+pytest_plugins = ["fakenvml", "pytest_jupyter.jupyter_server"]
 
 
 @pytest.fixture(autouse=True)
