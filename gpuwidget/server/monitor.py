@@ -11,6 +11,7 @@ server's kernels and notebooks (whose pids and paths the event loop keeps up to 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import getpass
 import json
 import logging
@@ -131,10 +132,8 @@ class Monitor:
     def subscribe(self, send: Send, interval: float | None = None) -> int:
         """Register a subscriber; the first one starts the sampler. Returns a token."""
         every = 1 if not interval else max(1, math.ceil(interval / self.interval - 1e-9))
-        try:  # fan-out happens on the loop the subscribers live on
+        with contextlib.suppress(RuntimeError):  # fan-out happens on the loop the subscribers live on
             self._loop = asyncio.get_running_loop()
-        except RuntimeError:
-            pass
         with self._lock:
             token = self._next_id
             self._next_id += 1
