@@ -9,6 +9,7 @@ import time
 import pytest
 
 from gpuwidget.sampler import THREAD_NAME, Sampler
+from gpuwidget.sources import host
 from gpuwidget.sources.base import Source
 from gpuwidget.sources.host import HostSource, usable_cpu_count
 from gpuwidget.sources.replay import ReplaySource
@@ -110,7 +111,9 @@ def _burn(seconds: float) -> None:
         pass
 
 
-def test_host_source_reports_process_and_worker_cpu_in_si_units():
+def test_host_source_reports_process_and_worker_cpu_in_si_units(monkeypatch):
+    monkeypatch.setattr(host, "CHILDREN_REFRESH_S", 0.0)  # see the worker at once
+    monkeypatch.setattr(host, "IO_REFRESH_S", 0.0)
     source = HostSource()
     source.read()
     ctx = multiprocessing.get_context("fork")
@@ -131,6 +134,21 @@ def test_host_source_reports_process_and_worker_cpu_in_si_units():
     assert "disk.read" in values and values["disk.read"] >= 0
     assert usable_cpu_count() >= 1
     assert source.describe()["cpu_affinity"] == usable_cpu_count()
+
+
+def test_host_source_scans_for_children_at_most_once_a_second(monkeypatch):
+    source = HostSource()
+    scans = []
+    original = source._process.children
+    monkeypatch.setattr(source._process, "children", lambda **kw: scans.append(1) or original(**kw))
+    for _ in range(20):
+        source.read()
+    assert len(scans) == 1  # psutil walks every process on the host for this: not every tick
+    disk_reads = []
+    monkeypatch.setattr(host.psutil, "disk_io_counters", lambda: disk_reads.append(1) or None)
+    for _ in range(20):
+        source.read()
+    assert len(disk_reads) <= 1
 
 
 def test_host_source_first_read_has_no_rates():

@@ -298,8 +298,8 @@ class Monitor:
 def default_sources() -> list[Source]:
     from gpuwidget.sources.nvml import NvmlSource
 
-    # Per-core CPU is not shown in the sidebar; the process figures are the server's own.
-    return [HostSource(per_core=False), NvmlSource(pids=lambda: ())]
+    # The sidebar shows neither per-core CPU nor the server process itself.
+    return [HostSource(per_core=False, process=False), NvmlSource(pids=lambda: ())]
 
 
 def _current_user() -> str | None:

@@ -15,7 +15,11 @@ Names and units (one flat mapping per tick):
 ``net.recv``           bytes/s, all interfaces; ``net.sent`` likewise
 =====================  ==========================================================
 
-Rates are deltas between ticks, so the first tick reports no rates.
+Rates are deltas between readings, so the first tick reports no rates. Two reads are
+costly on a busy machine and change slowly, so they are refreshed less often than every
+tick: the list of child processes (psutil walks every process on the host to find them)
+and the disk/network counters (every disk is read). Between refreshes the last value is
+reported again, so series stay continuous.
 """
 
 from __future__ import annotations
@@ -28,22 +32,30 @@ import psutil
 from gpuwidget.clock import now
 from gpuwidget.sources.base import ErrorLog, SourceError
 
+# Seconds between scans for new child processes (their CPU is still read every tick).
+CHILDREN_REFRESH_S = 1.0
+# Seconds between disk/network counter reads (rates are averaged over this span).
+IO_REFRESH_S = 0.5
+
 
 class HostSource:
     """Reads the host and the current process tree; one batched psutil pass per tick."""
 
     name = "host"
 
-    def __init__(self, pid: int | None = None, per_core: bool = True) -> None:
+    def __init__(self, pid: int | None = None, per_core: bool = True, process: bool = True) -> None:
         self._log = ErrorLog(self.name)
         self.errors: list[SourceError] = self._log.errors
         self._process = psutil.Process(pid if pid is not None else os.getpid())
         self._per_core = per_core
+        self._with_process = process
         self._children: dict[int, tuple[psutil.Process, float]] = {}
+        self._children_listed = -float("inf")
+        self._listed: list[psutil.Process] = []
         self._last_time: float | None = None
         self._last_proc_cpu: float | None = None
-        self._last_disk: tuple[float, float] | None = None
-        self._last_net: tuple[float, float] | None = None
+        self._last_io: tuple[float, tuple[float, float] | None, tuple[float, float] | None] | None = None
+        self._io_rates: dict[str, float] = {}
         # Prime psutil's per-call deltas so the first read reports since construction.
         psutil.cpu_percent(percpu=per_core)
         psutil.cpu_times_percent()
@@ -65,9 +77,10 @@ class HostSource:
         elapsed = None if self._last_time is None else t - self._last_time
         self._last_time = t
         self._read_cpu(values)
-        self._read_process(values, elapsed)
+        if self._with_process:
+            self._read_process(values, elapsed, t)
         self._read_memory(values)
-        self._read_io(values, elapsed)
+        self._read_io(values, t)
         return values
 
     def close(self) -> None:
@@ -95,14 +108,17 @@ class HostSource:
         except Exception as exc:  # noqa: BLE001 - a source never raises into the sampler
             self._guard("cpu", exc)
 
-    def _read_process(self, values: dict[str, float], elapsed: float | None) -> None:
+    def _read_process(self, values: dict[str, float], elapsed: float | None, t: float) -> None:
         if "process" in self._disabled:
             return
         try:
             with self._process.oneshot():
                 times = self._process.cpu_times()
                 values["proc.rss"] = float(self._process.memory_info().rss)
-                children = self._process.children(recursive=True)
+            if t - self._children_listed >= CHILDREN_REFRESH_S:
+                self._children_listed = t
+                self._listed = self._process.children(recursive=True)
+            children = self._listed
             own = times.user + times.system
             if elapsed and self._last_proc_cpu is not None:
                 values["proc.cpu"] = 100.0 * (own - self._last_proc_cpu) / elapsed
@@ -144,27 +160,30 @@ class HostSource:
         except Exception as exc:  # noqa: BLE001
             self._guard("memory", exc)
 
-    def _read_io(self, values: dict[str, float], elapsed: float | None) -> None:
+    def _read_io(self, values: dict[str, float], t: float) -> None:
         if "io" in self._disabled:
             return
-        try:
-            disk = psutil.disk_io_counters()
-            net = psutil.net_io_counters()
-        except Exception as exc:  # noqa: BLE001
-            self._guard("io", exc)
-            return
-        if disk is not None:
-            current = (float(disk.read_bytes), float(disk.write_bytes))
-            if elapsed and self._last_disk is not None:
-                values["disk.read"] = max(0.0, current[0] - self._last_disk[0]) / elapsed
-                values["disk.write"] = max(0.0, current[1] - self._last_disk[1]) / elapsed
-            self._last_disk = current
-        if net is not None:
-            current = (float(net.bytes_recv), float(net.bytes_sent))
-            if elapsed and self._last_net is not None:
-                values["net.recv"] = max(0.0, current[0] - self._last_net[0]) / elapsed
-                values["net.sent"] = max(0.0, current[1] - self._last_net[1]) / elapsed
-            self._last_net = current
+        if self._last_io is None or t - self._last_io[0] >= IO_REFRESH_S:
+            try:
+                disk = psutil.disk_io_counters()
+                net = psutil.net_io_counters()
+            except Exception as exc:  # noqa: BLE001
+                self._guard("io", exc)
+                return
+            current = (
+                t,
+                None if disk is None else (float(disk.read_bytes), float(disk.write_bytes)),
+                None if net is None else (float(net.bytes_recv), float(net.bytes_sent)),
+            )
+            if self._last_io is not None:
+                span = t - self._last_io[0]
+                for names, new, old in ((("disk.read", "disk.write"), current[1], self._last_io[1]),
+                                        (("net.recv", "net.sent"), current[2], self._last_io[2])):
+                    if new is not None and old is not None:
+                        for name, a, b in zip(names, new, old):
+                            self._io_rates[name] = max(0.0, a - b) / span
+            self._last_io = current
+        values.update(self._io_rates)
 
 
 def _affinity() -> set[int]:
