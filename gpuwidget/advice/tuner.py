@@ -1,0 +1,379 @@
+"""The DataLoader tuner: measure candidate settings on the user's own loader and pick the cheapest
+one that feeds the training loop with margin.
+
+Each candidate is a new DataLoader over the same dataset, sampler and collate function
+(the user's loader is never modified). After a warm-up (worker start-up, first prefetch)
+a few batches are timed; the candidate's rate is batches per second. The number of workers
+is searched upwards from the measurement-based estimate until more stops helping, within
+a time budget. The choice is the *fewest* workers whose rate reaches the target (the rate
+at which the cell's loop consumed batches when data was ready) times :data:`MARGIN`, not
+simply the fastest: each worker costs memory and a core.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import html
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import psutil
+
+from gpuwidget.advice.loader import loader_code
+from gpuwidget.clock import now
+from gpuwidget.sources.host import usable_cpu_count
+
+# Pick a setting whose rate is at least this multiple of the loop's consumption rate.
+MARGIN = 1.2
+# Adding workers "stops helping" when the rate improves by less than this.
+MIN_GAIN = 0.05
+# Batches timed per candidate after its warm-up, and the warm-up per worker.
+MEASURE_BATCHES = 12
+WARMUP_BATCHES_PER_WORKER = 2
+# Workers tried at most (each holds a copy of the dataset object and a process).
+MAX_WORKERS = 32
+DEFAULT_BUDGET_S = 20.0
+
+
+class TuneError(RuntimeError):
+    """The tuner cannot measure this loader; the message says why."""
+
+
+class DatasetItemError(RuntimeError):
+    """Raised in place of an exception from the dataset, naming the item that failed."""
+
+
+class _IndexedDataset:
+    """Wraps a map-style dataset so an exception names the item index (picklable for workers)."""
+
+    def __init__(self, dataset: Any) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: Any) -> Any:
+        try:
+            return self.dataset[index]
+        except Exception as exc:
+            raise DatasetItemError(f"the dataset raised at item {index!r}: {type(exc).__name__}: {exc}") from exc
+
+    def __getitems__(self, indices: list[Any]) -> Any:
+        return [self[i] for i in indices]
+
+
+@dataclass
+class Trial:
+    """One candidate setting and what it measured."""
+
+    change: dict[str, Any]
+    batches_per_s: float = 0.0
+    first_batch_s: float = 0.0
+    cpu_percent: float = 0.0  # process tree, percent of one core, while timed
+    memory_bytes: float = 0.0  # process tree resident memory at the end of the timing
+    error: str | None = None
+
+    @property
+    def label(self) -> str:
+        return ", ".join(f"{k}={v!r}" for k, v in self.change.items()) or "as it is"
+
+
+@dataclass
+class TuneResult:
+    """What the tuner measured and chose; renders as a table, builds the chosen loader."""
+
+    original: Any
+    name: str
+    trials: list[Trial]
+    chosen: Trial
+    target_rate: float | None
+    budget_s: float
+    elapsed_s: float
+    facts: dict[str, Any] = field(default_factory=dict)
+    # Settings recommended without being timed (they do not change the steady rate).
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def change(self) -> dict[str, Any]:
+        return {**self.chosen.change, **self.extra}
+
+    @property
+    def code(self) -> str:
+        return loader_code(self.facts, self.change)
+
+    @property
+    def speedup(self) -> float | None:
+        """Chosen rate over the loader's own rate as it was (if it was measured)."""
+        base = next((t for t in self.trials if not t.change), None)
+        if base is None or not base.batches_per_s:
+            return None
+        return self.chosen.batches_per_s / base.batches_per_s
+
+    def loader(self) -> Any:
+        """A new DataLoader with the chosen settings over the same data (the original is untouched)."""
+        from torch.utils.data import DataLoader
+
+        from gpuwidget.probes.torch_data import loader_kwargs
+
+        return DataLoader(**loader_kwargs(self.original, self.change))
+
+    def _rows(self) -> list[list[str]]:
+        rows = []
+        for trial in self.trials:
+            mark = "chosen" if trial is self.chosen else ""
+            rate = "failed" if trial.error else f"{trial.batches_per_s:.1f}"
+            rows.append([trial.label, rate, f"{trial.cpu_percent:.0f}%", f"{trial.memory_bytes / 2**20:,.0f} MB",
+                         f"{trial.first_batch_s:.2f} s", mark])
+        return rows
+
+    def _summary(self) -> str:
+        target = f"the loop consumed {self.target_rate:.1f} batches/s" if self.target_rate else "no target rate"
+        gain = f", {self.speedup:.2f}x the loader as it was" if self.speedup else ""
+        extra = "".join(f", {k}={v!r}" for k, v in self.extra.items())
+        return (f"Chosen for {self.name}: {self.chosen.label}{extra} at {self.chosen.batches_per_s:.1f} batches/s{gain} "
+                f"({target}; {len(self.trials)} settings in {self.elapsed_s:.1f} s)")
+
+    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, Any]:
+        headers = ["setting", "batches/s", "CPU", "memory", "first batch", ""]
+        widths = [max(len(str(r[i])) for r in [headers, *self._rows()]) for i in range(len(headers))]
+        table = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in [headers, *self._rows()]]
+        lines = [self._summary(), "", *table]
+        lines += ["", self.code]
+        body = "".join(
+            "<tr" + (" style='font-weight:600'" if row[-1] else "") + ">"
+            + "".join(f"<td style='padding:2px 10px'>{html.escape(c)}</td>" for c in row) + "</tr>"
+            for row in self._rows())
+        page = (f"<div class='gpuwidget-tune'><div>{html.escape(self._summary())}</div>"
+                "<table><thead><tr>" + "".join(f"<th style='text-align:left;padding:2px 10px'>{h}</th>"
+                                               for h in headers) + f"</tr></thead><tbody>{body}</tbody></table>"
+                f"<pre><code>{html.escape(self.code)}</code></pre></div>")
+        return {"text/plain": "\n".join(lines), "text/html": page}
+
+
+# --------------------------------------------------------------------------- measuring
+
+
+def _tree(process: psutil.Process) -> list[psutil.Process]:
+    try:
+        return [process, *process.children(recursive=True)]
+    except psutil.Error:
+        return [process]
+
+
+def _cpu_seconds(processes: list[psutil.Process]) -> float:
+    total = 0.0
+    for p in processes:
+        with contextlib.suppress(psutil.Error):
+            times = p.cpu_times()
+            total += times.user + times.system
+    return total
+
+
+def _rss(processes: list[psutil.Process]) -> float:
+    total = 0.0
+    for p in processes:
+        with contextlib.suppress(psutil.Error):
+            total += p.memory_info().rss
+    return total
+
+
+@contextlib.contextmanager
+def _iterating(loader: Any) -> Iterator[Any]:
+    """An iterator whose worker processes are shut down however the block ends."""
+    iterator = iter(loader)
+    try:
+        yield iterator
+    finally:
+        shutdown = getattr(iterator, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
+        del iterator
+
+
+def _measure(loader: Any, batches: int, warmup: int, deadline: float) -> tuple[float, float, float, float]:
+    """(batches/s, seconds to the first batch, CPU percent of one core, resident bytes)."""
+    me = psutil.Process()
+    started = now()
+    with _iterating(loader) as iterator:
+        try:
+            next(iterator)
+        except StopIteration:
+            raise TuneError("the loader produced no batches (an empty or exhausted dataset?)") from None
+        first = now() - started
+        for _ in range(warmup):
+            if next(iterator, None) is None or now() > deadline:
+                break
+        tree = _tree(me)
+        cpu_before = _cpu_seconds(tree)
+        timed_start = now()
+        count = 0
+        for _ in range(batches):
+            if next(iterator, None) is None:
+                break
+            count += 1
+            if now() > deadline and count >= 2:
+                break
+        elapsed = now() - timed_start
+        cpu = _cpu_seconds(tree) - cpu_before
+        memory = _rss(tree)
+    if count == 0:
+        raise TuneError("the loader ran out of batches during the warm-up; measure a longer dataset")
+    return count / elapsed, first, 100.0 * cpu / elapsed, memory
+
+
+def _check(loader: Any) -> None:
+    from torch.utils.data import DataLoader
+
+    if not isinstance(loader, DataLoader):
+        raise TypeError(f"tune_loader needs a torch.utils.data.DataLoader, not {type(loader).__name__}")
+
+
+def _candidate(original: Any, change: dict[str, Any]) -> Any:
+    from torch.utils.data import DataLoader, IterableDataset
+
+    from gpuwidget.probes.torch_data import loader_kwargs
+
+    kwargs = loader_kwargs(original, change)
+    if not isinstance(original.dataset, IterableDataset):
+        kwargs["dataset"] = _IndexedDataset(original.dataset)
+    return DataLoader(**kwargs)
+
+
+def _worker_counts(start: int, cap: int) -> list[int]:
+    """1, 2, 3, 4, 6, 8, 12, 16, ...: dense where it matters, from ``start`` up to ``cap``."""
+    counts = [n for n in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32) if n <= cap]
+    return [n for n in counts if n >= start] or counts[-1:]
+
+
+def tune_loader(loader: Any, target_rate: float | None = None, budget_s: float = DEFAULT_BUDGET_S,
+                name: str | None = None, progress: bool = True, io_bound: bool | None = None,
+                dataset_name: str | None = None) -> TuneResult:
+    """Measure DataLoader settings for ``loader`` and choose the cheapest that feeds the loop.
+
+    ``target_rate`` is the batches per second the training loop consumes when data is
+    ready (``%%gpuwatch`` measures it); without it the fastest setting found is chosen.
+    ``budget_s`` bounds the whole search; ``name`` and ``dataset_name`` are used in the code
+    line (``train_loader = DataLoader(train_ds, ...)``). Returns a :class:`TuneResult`; ``.loader()``
+    builds the chosen DataLoader. Raises ``TypeError`` for anything but a DataLoader and
+    :class:`TuneError` when the loader cannot be measured (empty, or its dataset raises:
+    the message names the item).
+    """
+    _check(loader)
+    if not (budget_s > 0 and math.isfinite(budget_s)):
+        raise ValueError(f"budget_s must be a positive number of seconds, not {budget_s!r}")
+    if target_rate is not None and not target_rate > 0:
+        raise ValueError(f"target_rate must be positive batches per second, not {target_rate!r}")
+    started = now()
+    deadline = started + budget_s
+    cores = usable_cpu_count()
+    # Storage waits overlap, CPU work does not: search beyond the cores only for the former.
+    per_core = {True: 4, False: 1, None: 2}[io_bound]
+    cap = min(MAX_WORKERS, per_core * cores)
+    bar = _Progress(budget_s) if progress else None
+    trials: list[Trial] = []
+
+    def run(change: dict[str, Any]) -> Trial:
+        trial = Trial(change)
+        workers = int(change.get("num_workers", loader.num_workers))
+        warmup = max(1, WARMUP_BATCHES_PER_WORKER * workers)
+        try:
+            rate, first, cpu, memory = _measure(_candidate(loader, change), MEASURE_BATCHES, warmup, deadline)
+        except TuneError:
+            raise
+        except Exception as exc:  # a setting can fail (e.g. too many open files): note it, go on
+            trial.error = f"{type(exc).__name__}: {exc}"
+            # A worker's DatasetItemError comes back wrapped in its traceback's text.
+            if isinstance(exc, DatasetItemError) or "the dataset raised at item" in trial.error:
+                raise TuneError(_dataset_message(trial.error)) from exc
+        else:
+            trial.batches_per_s, trial.first_batch_s, trial.cpu_percent, trial.memory_bytes = rate, first, cpu, memory
+        trials.append(trial)
+        if bar is not None:
+            bar.update(now() - started, trial)
+        return trial
+
+    try:
+        baseline = run({})
+        best = baseline
+        previous_rate = baseline.batches_per_s
+        for workers in _worker_counts(max(1, loader.num_workers + (1 if loader.num_workers else 0)), cap):
+            if now() > deadline:
+                break
+            trial = run({"num_workers": workers})
+            if trial.error:
+                break
+            if trial.batches_per_s > best.batches_per_s:
+                best = trial
+            enough = target_rate is not None and trial.batches_per_s >= MARGIN * target_rate
+            if enough or (previous_rate and trial.batches_per_s < (1 + MIN_GAIN) * previous_rate
+                          and workers > max(2, loader.num_workers)):
+                break
+            previous_rate = max(previous_rate, trial.batches_per_s)
+        fastest_workers = int(best.change.get("num_workers", loader.num_workers))
+        if fastest_workers > 0 and now() < deadline:
+            prefetch = run({"num_workers": fastest_workers, "prefetch_factor": 4})
+            if not prefetch.error and prefetch.batches_per_s > (1 + MIN_GAIN) * best.batches_per_s:
+                best = prefetch
+    finally:
+        if bar is not None:
+            bar.close()
+    chosen = _choose(trials, target_rate, best)
+    extra = {}
+    if chosen.change.get("num_workers", loader.num_workers) and not loader.persistent_workers:
+        # Workers otherwise restart (and re-import, re-open files) at every epoch.
+        extra["persistent_workers"] = True
+    from gpuwidget.probes.torch_data import loader_settings
+
+    facts = {"name": name or "loader", "dataset_name": dataset_name, "settings": loader_settings(loader)}
+    return TuneResult(loader, name or "loader", trials, chosen, target_rate, budget_s, now() - started, facts,
+                      extra)
+
+
+def _dataset_message(error: str) -> str:
+    marker = "the dataset raised at item"
+    return error[error.index(marker):].splitlines()[0] if marker in error else error
+
+
+def _choose(trials: list[Trial], target_rate: float | None, fastest: Trial) -> Trial:
+    """The cheapest trial that reaches the target with margin, else the fastest."""
+    if target_rate is None:
+        return fastest
+    good = [t for t in trials if not t.error and t.batches_per_s >= MARGIN * target_rate]
+    if not good:
+        return fastest
+    return min(good, key=lambda t: (t.change.get("num_workers", 0), t.change.get("prefetch_factor", 2)))
+
+
+class _Progress:
+    """A progress bar (ipywidgets in a notebook, nothing elsewhere) over the time budget."""
+
+    def __init__(self, budget_s: float) -> None:
+        self._widget = None
+        try:
+            from IPython import get_ipython
+
+            shell = get_ipython()
+            if shell is None or getattr(shell, "kernel", None) is None:
+                return
+            import ipywidgets
+            from IPython.display import display
+
+            self._widget = ipywidgets.FloatProgress(value=0.0, min=0.0, max=budget_s,
+                                                    description="tuning", bar_style="info")
+            self._label = ipywidgets.Label("")
+            self._box = ipywidgets.HBox([self._widget, self._label])
+            display(self._box)
+        except Exception:  # noqa: BLE001 - no progress bar is fine
+            self._widget = None
+
+    def update(self, elapsed: float, trial: Trial) -> None:
+        if self._widget is not None:
+            self._widget.value = min(elapsed, self._widget.max)
+            self._label.value = f"{trial.label}: {trial.batches_per_s:.1f} batches/s"
+
+    def close(self) -> None:
+        if self._widget is not None:
+            for widget in (self._widget, self._label, self._box):
+                widget.close()
