@@ -132,13 +132,14 @@ class TuneResult:
         target = f"the loop consumed {self.target_rate:.1f} batches/s" if self.target_rate else "no target rate"
         gain = f", {self.speedup:.2f}x the loader as it was" if self.speedup else ""
         extra = "".join(f", {k}={v!r}" for k, v in self.extra.items())
-        return (f"Chosen for {self.name}: {self.chosen.label}{extra} at {self.chosen.batches_per_s:.1f} batches/s{gain} "
-                f"({target}; {len(self.trials)} settings in {self.elapsed_s:.1f} s)")
+        return (f"Chosen for {self.name}: {self.chosen.label}{extra} at {self.chosen.batches_per_s:.1f} "
+                f"batches/s{gain} ({target}; {len(self.trials)} settings in {self.elapsed_s:.1f} s)")
 
     def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, Any]:
         headers = ["setting", "batches/s", "CPU", "memory", "first batch", ""]
         widths = [max(len(str(r[i])) for r in [headers, *self._rows()]) for i in range(len(headers))]
-        table = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in [headers, *self._rows()]]
+        table = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip()
+                 for row in [headers, *self._rows()]]
         lines = [self._summary(), "", *table]
         lines += ["", self.code]
         body = "".join(
