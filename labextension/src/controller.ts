@@ -1,0 +1,111 @@
+/**
+ * Connects the model to the server while (and only while) the panel is shown:
+ * `GET /devices` first (a 404 means the server extension is missing, which no retry
+ * fixes), then the stream, reconnecting with backoff when the server goes away.
+ */
+
+import { GpuApi, ServerExtensionMissing } from './api';
+import { ConnectionState, SidebarModel } from './model';
+import { parseMessage } from './protocol';
+import {
+  BackoffOptions,
+  ReconnectingStream,
+  StreamStatus,
+  Timers
+} from './stream';
+
+/** A socket is presumed dead after this many intervals without a frame (and never sooner than the floor). */
+const IDLE_INTERVALS = 5;
+const IDLE_FLOOR_MS = 15_000;
+
+export interface ControllerOptions {
+  backoff?: BackoffOptions;
+  timers?: Timers;
+  random?: () => number;
+}
+
+export function connectionFor(status: StreamStatus): ConnectionState | null {
+  switch (status.kind) {
+    case 'connecting':
+      return { kind: 'connecting' };
+    case 'open':
+      // "live" once data arrives (the model says so); an open socket alone proves little.
+      return null;
+    case 'retrying':
+      return { kind: 'retrying', delayMs: status.delayMs, reason: status.reason };
+    case 'stopped':
+      return { kind: 'stopped' };
+    case 'fatal':
+      return status.error instanceof ServerExtensionMissing
+        ? { kind: 'missing', url: status.error.url }
+        : { kind: 'retrying', delayMs: 0, reason: String(status.error) };
+  }
+}
+
+export class SidebarController {
+  readonly model: SidebarModel;
+  private _api: GpuApi;
+  private _stream: ReconnectingStream;
+
+  constructor(api: GpuApi, model: SidebarModel, options: ControllerOptions = {}) {
+    this._api = api;
+    this.model = model;
+    this._stream = new ReconnectingStream({
+      connect: () => this._connect(),
+      onMessage: text => {
+        const message = parseMessage(text);
+        if (message) {
+          model.handle(message);
+        }
+      },
+      onStatus: status => {
+        const connection = connectionFor(status);
+        if (connection) {
+          model.setConnection(connection);
+        }
+      },
+      isFatal: error => error instanceof ServerExtensionMissing,
+      idleTimeoutMs: () =>
+        Math.max(IDLE_FLOOR_MS, IDLE_INTERVALS * model.interval * 1000),
+      backoff: options.backoff,
+      timers: options.timers,
+      random: options.random
+    });
+  }
+
+  get running(): boolean {
+    return this._stream.running;
+  }
+
+  /** Start talking to the server (the panel became visible). */
+  start(): void {
+    this._stream.start();
+  }
+
+  /** Stop all traffic (the panel was hidden). The model keeps the last values. */
+  stop(): void {
+    this._stream.stop();
+  }
+
+  /** Reconnect now, e.g. after the user asked to retry. */
+  retry(): void {
+    this._stream.restart();
+  }
+
+  /** A new sampling interval from the settings: reconnect at that rate if running. */
+  setInterval(seconds: number): void {
+    if (seconds === this.model.requestedInterval) {
+      return;
+    }
+    this.model.setRequestedInterval(seconds);
+    if (this._stream.running) {
+      this._stream.restart();
+    }
+  }
+
+  private async _connect() {
+    const devices = await this._api.devices();
+    this.model.setDevices(devices);
+    return this._api.openStream(this.model.requestedInterval);
+  }
+}

@@ -1,0 +1,257 @@
+/**
+ * Which charts a GPU and the host get, what each chart plots, and the one-line
+ * readouts (chart titles, status bar) -- as data and pure functions; charts.ts draws.
+ */
+
+import {
+  formatAge,
+  formatBytesOf,
+  formatBytesTick,
+  formatCelsius,
+  formatPercent,
+  formatRate,
+  formatWattsOf,
+  shortNumber
+} from './format';
+import { ConnectionState, SeriesBuffer } from './model';
+import { DeviceInfo, DevicesReply, HostInfo, Reading } from './protocol';
+
+/** The GPU charts a user can choose in the settings (schema: `metrics`). */
+export type GpuMetric = 'utilization' | 'memory' | 'power' | 'temperature' | 'pcie';
+
+export const GPU_METRICS: GpuMetric[] = [
+  'utilization',
+  'memory',
+  'power',
+  'temperature',
+  'pcie'
+];
+
+/** A line's colour, by meaning; charts.ts maps each to a JupyterLab CSS variable. */
+export type ColorRole = 'busy' | 'memory' | 'power' | 'heat' | 'send' | 'receive';
+
+export type Unit = 'percent' | 'bytes' | 'watts' | 'celsius' | 'rate';
+
+export interface ChartLine {
+  /** Metric name in the server's messages, e.g. `gpu0.util`. */
+  column: string;
+  label: string;
+  color: ColorRole;
+}
+
+export type Latest = (column: string) => Reading;
+
+export interface ChartDef {
+  /** Unique within the panel, e.g. `gpu0/utilization`. */
+  key: string;
+  title: string;
+  lines: ChartLine[];
+  unit: Unit;
+  /** Top of the y scale when it is known (100%, memory size, power limit); else it follows the data. */
+  yMax: number | null;
+  /** The current value(s) for the chart's title, e.g. "41/80 GB". */
+  readout(latest: Latest): string;
+}
+
+function positive(value: number | null | undefined): number | null {
+  return typeof value === 'number' && value > 0 ? value : null;
+}
+
+/** The charts of one GPU, in the settings' order of `metrics`. */
+export function gpuCharts(
+  device: DeviceInfo,
+  metrics: GpuMetric[],
+  latest: Latest
+): ChartDef[] {
+  const id = device.id;
+  const memoryTotal =
+    positive(device.memory_total) ?? positive(latest(`${id}.mem_total`));
+  const powerLimit =
+    positive(device.power_limit) ?? positive(latest(`${id}.power_limit`));
+  const charts: Record<GpuMetric, ChartDef> = {
+    utilization: {
+      key: `${id}/utilization`,
+      title: 'Utilization',
+      lines: [{ column: `${id}.util`, label: 'busy', color: 'busy' }],
+      unit: 'percent',
+      yMax: 100,
+      readout: at => formatPercent(at(`${id}.util`))
+    },
+    memory: {
+      key: `${id}/memory`,
+      title: 'Memory',
+      lines: [{ column: `${id}.mem_used`, label: 'used', color: 'memory' }],
+      unit: 'bytes',
+      yMax: memoryTotal,
+      readout: at =>
+        formatBytesOf(at(`${id}.mem_used`), memoryTotal ?? at(`${id}.mem_total`))
+    },
+    power: {
+      key: `${id}/power`,
+      title: 'Power',
+      lines: [{ column: `${id}.power`, label: 'draw', color: 'power' }],
+      unit: 'watts',
+      yMax: powerLimit,
+      readout: at => formatWattsOf(at(`${id}.power`), powerLimit)
+    },
+    temperature: {
+      key: `${id}/temperature`,
+      title: 'Temperature',
+      lines: [{ column: `${id}.temperature`, label: 'core', color: 'heat' }],
+      unit: 'celsius',
+      yMax: null,
+      readout: at => formatCelsius(at(`${id}.temperature`))
+    },
+    pcie: {
+      key: `${id}/pcie`,
+      title: 'PCIe',
+      lines: [
+        { column: `${id}.pcie_tx`, label: 'to host', color: 'send' },
+        { column: `${id}.pcie_rx`, label: 'to GPU', color: 'receive' }
+      ],
+      unit: 'rate',
+      yMax: null,
+      readout: at =>
+        `↓ ${formatRate(at(`${id}.pcie_rx`))} ↑ ${formatRate(at(`${id}.pcie_tx`))}`
+    }
+  };
+  return metrics.filter(metric => metric in charts).map(metric => charts[metric]);
+}
+
+/** Host CPU (all cores) and memory. */
+export function hostCharts(host: HostInfo | null, latest: Latest): ChartDef[] {
+  const memTotal = positive(host?.mem_total) ?? positive(latest('mem.total'));
+  return [
+    {
+      key: 'host/cpu',
+      title: 'CPU',
+      lines: [{ column: 'cpu.util', label: 'all cores', color: 'busy' }],
+      unit: 'percent',
+      yMax: 100,
+      readout: at => formatPercent(at('cpu.util'))
+    },
+    {
+      key: 'host/memory',
+      title: 'Memory',
+      lines: [{ column: 'mem.used', label: 'used', color: 'memory' }],
+      unit: 'bytes',
+      yMax: memTotal,
+      readout: at => formatBytesOf(at('mem.used'), memTotal ?? at('mem.total'))
+    }
+  ];
+}
+
+/**
+ * The charts worth drawing: those with at least one reading. Before any data arrives
+ * every chart is kept (they fill in a moment later); afterwards a metric the device
+ * never reported is listed in `unreported` instead of being drawn empty.
+ */
+export function splitReported(
+  charts: ChartDef[],
+  series: SeriesBuffer
+): { shown: ChartDef[]; unreported: ChartDef[] } {
+  if (series.length === 0) {
+    return { shown: charts, unreported: [] };
+  }
+  const shown: ChartDef[] = [];
+  const unreported: ChartDef[] = [];
+  for (const chart of charts) {
+    (chart.lines.some(line => series.has(line.column)) ? shown : unreported).push(chart);
+  }
+  return { shown, unreported };
+}
+
+/** Axis tick labels per unit, kept short for a narrow panel. */
+export function tickLabel(unit: Unit, value: number): string {
+  switch (unit) {
+    case 'percent':
+      return `${Math.round(value)}%`;
+    case 'bytes':
+      return formatBytesTick(value);
+    case 'rate':
+      return `${formatBytesTick(value)}/s`;
+    case 'watts':
+      return `${shortNumber(value)}W`;
+    case 'celsius':
+      return `${Math.round(value)}°`;
+  }
+}
+
+/** "GPU0" for the first device. */
+export function deviceLabel(device: DeviceInfo): string {
+  return `GPU${device.index}`;
+}
+
+/** "87% · 41/80 GB" for one GPU from the newest readings. */
+export function gpuReadout(
+  device: DeviceInfo,
+  latest: Latest
+): string {
+  const id = device.id;
+  const memoryTotal = positive(device.memory_total) ?? latest(`${id}.mem_total`);
+  return `${formatPercent(latest(`${id}.util`))} · ${formatBytesOf(latest(`${id}.mem_used`), memoryTotal)}`;
+}
+
+export interface StatusSummary {
+  text: string;
+  title: string;
+  /** True when the values are not being updated (panel closed or connection lost). */
+  stale: boolean;
+}
+
+/** Why the values are not live, for the status bar's tooltip; null when they are live. */
+function staleReason(connection: ConnectionState, age: string | null): string | null {
+  const from = age ? `Values from ${age}: ` : '';
+  switch (connection.kind) {
+    case 'live':
+      return null;
+    case 'stopped':
+      return age
+        ? `${from}nothing is polled while the GPU panel is closed. Click to open it.`
+        : 'Click to open the GPU panel (nothing is polled while it is closed).';
+    case 'connecting':
+      return `${from}connecting to the server.`;
+    case 'retrying':
+      return `${from}lost the connection to the server (${connection.reason}); retrying.`;
+    case 'missing':
+      return 'The gpuwidget server extension is not running on this Jupyter server.';
+  }
+}
+
+/**
+ * The status-bar line: "GPU0 87% · 41/80 GB" (and "+3" more GPUs), "No GPU · CPU 12%"
+ * on a machine without one. While the panel is closed nothing is polled, so the line
+ * keeps the last values and its tooltip says how old they are.
+ */
+export function statusSummary(
+  devices: DevicesReply | null,
+  series: SeriesBuffer,
+  connection: ConnectionState,
+  nowS: number
+): StatusSummary {
+  const latest: Latest = column => series.latest(column);
+  const lastTime = series.lastTime();
+  let text: string;
+  const lines: string[] = [];
+  if (!devices || lastTime === null) {
+    text = 'GPU';
+  } else if (!devices.gpu_found || devices.devices.length === 0) {
+    text = `No GPU · CPU ${formatPercent(latest('cpu.util'))}`;
+    lines.push(devices.message ?? 'No NVIDIA GPU found.');
+  } else {
+    const [first, ...others] = devices.devices;
+    text = `${deviceLabel(first)} ${gpuReadout(first, latest)}`;
+    if (others.length) {
+      text += ` +${others.length}`;
+    }
+    for (const device of devices.devices) {
+      lines.push(`${deviceLabel(device)} ${device.name}: ${gpuReadout(device, latest)}`);
+    }
+  }
+  const age = lastTime === null ? null : formatAge(Math.max(0, nowS - lastTime));
+  const reason = staleReason(connection, age);
+  if (reason) {
+    lines.push(reason);
+  }
+  return { text, title: lines.join('\n'), stale: reason !== null };
+}

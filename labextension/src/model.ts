@@ -1,0 +1,282 @@
+/**
+ * The sidebar's state: the devices, an hour of every metric in a ring buffer, the
+ * processes, and the connection; fed by server messages, read by the views.
+ *
+ * Pure (no DOM, no JupyterLab): the views subscribe and redraw.
+ */
+
+import {
+  Columns,
+  DevicesReply,
+  ProcessInfo,
+  Reading,
+  ServerMessage
+} from './protocol';
+
+/** More points than this per series buys nothing on a sidebar a few hundred pixels wide. */
+export const MAX_POINTS = 7200;
+
+/**
+ * The interval the server will actually send at: the requested one rounded up to a
+ * whole multiple of the server's sampling period (docs/server-api.md), never below it.
+ */
+export function effectiveInterval(
+  requested: number,
+  serverInterval: number
+): number {
+  if (!(serverInterval > 0)) {
+    return requested > 0 ? requested : 1;
+  }
+  if (!(requested > serverInterval)) {
+    return serverInterval;
+  }
+  // The small tolerance keeps 1.0 / 0.1 from becoming 11 multiples.
+  return Math.ceil(requested / serverInterval - 1e-9) * serverInterval;
+}
+
+/** Ring capacity for `historyS` seconds at `interval`, plus one for the boundary. */
+export function historyCapacity(historyS: number, interval: number): number {
+  const points = Math.ceil(historyS / interval) + 1;
+  return Math.max(2, Math.min(MAX_POINTS, points));
+}
+
+/** Time axis plus one column per requested metric, oldest first; `null` where there is no reading. */
+export type AlignedSeries = [number[], ...Reading[][]];
+
+/**
+ * Timestamped readings of many metrics in fixed memory: the newest `capacity` rows.
+ * Each metric's column is allocated when it first appears; a row without a reading
+ * for it holds NaN internally and reads back as `null`.
+ */
+export class SeriesBuffer {
+  readonly capacity: number;
+  private _times: Float64Array;
+  private _columns = new Map<string, Float64Array>();
+  private _seen = new Set<string>();
+  private _start = 0;
+  private _length = 0;
+
+  constructor(capacity: number) {
+    this.capacity = Math.max(1, Math.floor(capacity));
+    this._times = new Float64Array(this.capacity);
+  }
+
+  get length(): number {
+    return this._length;
+  }
+
+  clear(): void {
+    this._columns.clear();
+    this._seen.clear();
+    this._start = 0;
+    this._length = 0;
+  }
+
+  /** Append one row; when full, the oldest row is dropped. */
+  push(t: number, values: Record<string, Reading | undefined>): void {
+    let slot: number;
+    if (this._length < this.capacity) {
+      slot = (this._start + this._length) % this.capacity;
+      this._length += 1;
+    } else {
+      slot = this._start;
+      this._start = (this._start + 1) % this.capacity;
+    }
+    this._times[slot] = t;
+    for (const column of this._columns.values()) {
+      column[slot] = NaN;
+    }
+    for (const name of Object.keys(values)) {
+      const value = values[name];
+      if (typeof value !== 'number' || !Number.isFinite(value)) {
+        continue;
+      }
+      this._column(name)[slot] = value;
+      this._seen.add(name);
+    }
+  }
+
+  /** Replace the contents with a history reply (its newest `capacity` rows). */
+  load(t: number[], columns: Columns): void {
+    this.clear();
+    const names = Object.keys(columns);
+    const first = Math.max(0, t.length - this.capacity);
+    const row: Record<string, Reading> = {};
+    for (let i = first; i < t.length; i++) {
+      for (const name of names) {
+        row[name] = columns[name][i];
+      }
+      this.push(t[i], row);
+    }
+  }
+
+  /** True once the metric has had at least one reading. */
+  has(name: string): boolean {
+    return this._seen.has(name);
+  }
+
+  /** Names of every metric that has had a reading. */
+  names(): string[] {
+    return [...this._seen];
+  }
+
+  /** Time of the newest row, or null when empty. */
+  lastTime(): number | null {
+    return this._length ? this._times[this._slot(this._length - 1)] : null;
+  }
+
+  /** The newest row's reading of `name` (null when that row has none). */
+  latest(name: string): Reading {
+    const column = this._columns.get(name);
+    if (!column || !this._length) {
+      return null;
+    }
+    const value = column[this._slot(this._length - 1)];
+    return Number.isNaN(value) ? null : value;
+  }
+
+  /** The time axis and the named columns, oldest first, in the shape charts take. */
+  aligned(names: string[]): AlignedSeries {
+    const times = new Array<number>(this._length);
+    for (let i = 0; i < this._length; i++) {
+      times[i] = this._times[this._slot(i)];
+    }
+    const result: AlignedSeries = [times];
+    for (const name of names) {
+      const column = this._columns.get(name);
+      const values = new Array<Reading>(this._length);
+      for (let i = 0; i < this._length; i++) {
+        const value = column ? column[this._slot(i)] : NaN;
+        values[i] = Number.isNaN(value) ? null : value;
+      }
+      result.push(values);
+    }
+    return result;
+  }
+
+  private _slot(index: number): number {
+    return (this._start + index) % this.capacity;
+  }
+
+  private _column(name: string): Float64Array {
+    let column = this._columns.get(name);
+    if (!column) {
+      column = new Float64Array(this.capacity).fill(NaN);
+      this._columns.set(name, column);
+    }
+    return column;
+  }
+}
+
+/** Where the sidebar's connection to the server stands. */
+export type ConnectionState =
+  /** Panel hidden: nothing on the wire. */
+  | { kind: 'stopped' }
+  | { kind: 'connecting' }
+  /** Samples are arriving. */
+  | { kind: 'live' }
+  /** Lost or refused; the next try is in `delayMs`. */
+  | { kind: 'retrying'; delayMs: number; reason: string }
+  /** `GET /devices` answered 404: the server extension is not installed or not enabled. */
+  | { kind: 'missing'; url: string };
+
+/** What changed, so a view can skip work that is not needed. */
+export type ModelChange = 'devices' | 'data' | 'processes' | 'connection';
+
+export type ModelListener = (change: ModelChange) => void;
+
+/**
+ * The sidebar's state. `handle()` takes each server message; listeners hear what changed.
+ */
+export class SidebarModel {
+  devices: DevicesReply | null = null;
+  series: SeriesBuffer;
+  processes: Record<string, ProcessInfo[]> = {};
+  processesTime: number | null = null;
+  connection: ConnectionState = { kind: 'stopped' };
+  /** The sampling interval this client asks for, seconds. */
+  requestedInterval: number;
+  private _listeners = new Set<ModelListener>();
+
+  constructor(requestedInterval = 1) {
+    this.requestedInterval = requestedInterval;
+    this.series = new SeriesBuffer(historyCapacity(3600, requestedInterval));
+  }
+
+  /** Seconds between samples as the server sends them to this client. */
+  get interval(): number {
+    return effectiveInterval(
+      this.requestedInterval,
+      this.devices ? this.devices.interval : this.requestedInterval
+    );
+  }
+
+  /** Seconds of history the charts span. */
+  get historyS(): number {
+    return this.devices ? this.devices.history_s : 3600;
+  }
+
+  subscribe(listener: ModelListener): () => void {
+    this._listeners.add(listener);
+    return () => this._listeners.delete(listener);
+  }
+
+  /** New static facts (from `GET /devices` or `hello`); sizes the ring buffer for them. */
+  setDevices(devices: DevicesReply): void {
+    this.devices = devices;
+    const capacity = historyCapacity(devices.history_s, this.interval);
+    if (capacity !== this.series.capacity) {
+      this.series = new SeriesBuffer(capacity);
+    }
+    this._emit('devices');
+  }
+
+  setRequestedInterval(seconds: number): void {
+    this.requestedInterval = seconds;
+    if (this.devices) {
+      this.setDevices(this.devices);
+    }
+  }
+
+  setConnection(connection: ConnectionState): void {
+    this.connection = connection;
+    this._emit('connection');
+  }
+
+  handle(message: ServerMessage): void {
+    switch (message.type) {
+      case 'hello':
+        this.setDevices(message.devices);
+        break;
+      case 'history':
+        // A (re)connection starts from the server's history: what the client held
+        // before may predate a server restart.
+        this.series.load(message.t, message.columns);
+        this._markLive();
+        this._emit('data');
+        break;
+      case 'sample':
+        this.series.push(message.t, message.values);
+        this._markLive();
+        this._emit('data');
+        break;
+      case 'processes':
+        this.processes = message.gpus;
+        this.processesTime = message.t;
+        this._emit('processes');
+        break;
+    }
+  }
+
+  private _markLive(): void {
+    if (this.connection.kind !== 'live') {
+      this.setConnection({ kind: 'live' });
+    }
+  }
+
+  private _emit(change: ModelChange): void {
+    for (const listener of [...this._listeners]) {
+      listener(change);
+    }
+  }
+}

@@ -1,0 +1,148 @@
+import { GpuApi, ServerExtensionMissing } from '../src/api';
+import { SidebarController } from '../src/controller';
+import { SidebarModel } from '../src/model';
+import { DevicesReply } from '../src/protocol';
+import { FakeClock, FakeSocket, settle } from './fakes';
+import { T0, gpuDevices, hello, history, noGpuDevices, sample } from './fixtures';
+
+/** A server the test switches between up, down and "no gpuwidget routes". */
+class FakeServer implements GpuApi {
+  state: 'up' | 'down' | 'missing' = 'up';
+  reply: DevicesReply = gpuDevices();
+  sockets: FakeSocket[] = [];
+  requests = 0;
+  intervals: number[] = [];
+
+  async devices(): Promise<DevicesReply> {
+    this.requests += 1;
+    if (this.state === 'missing') {
+      throw new ServerExtensionMissing('http://h/gpuwidget/api/devices');
+    }
+    if (this.state === 'down') {
+      throw new TypeError('Failed to fetch');
+    }
+    return this.reply;
+  }
+
+  openStream(interval: number): FakeSocket {
+    this.intervals.push(interval);
+    const socket = new FakeSocket();
+    this.sockets.push(socket);
+    return socket;
+  }
+
+  /** The newest socket opens and says hello and history, as the server does. */
+  greet(points = 5): FakeSocket {
+    const socket = this.sockets[this.sockets.length - 1];
+    socket.open();
+    socket.send(hello(this.reply));
+    socket.send(history(points));
+    return socket;
+  }
+}
+
+function setup(interval = 1) {
+  const server = new FakeServer();
+  const clock = new FakeClock();
+  const model = new SidebarModel(interval);
+  const controller = new SidebarController(server, model, {
+    timers: clock,
+    backoff: { initialMs: 500, maxMs: 8000, factor: 2, jitter: 0 }
+  });
+  return { server, clock, model, controller };
+}
+
+describe('SidebarController', () => {
+  it('fills the model from /devices, hello, history and samples', async () => {
+    const { server, model, controller } = setup();
+    controller.start();
+    await settle();
+    server.greet(5);
+    server.sockets[0].send(sample(T0 + 5, { 'gpu0.util': 87 }));
+    expect(model.connection.kind).toBe('live');
+    expect(model.series.length).toBe(6);
+    expect(model.series.latest('gpu0.util')).toBe(87);
+  });
+
+  it('ignores frames it cannot read', async () => {
+    const { server, model, controller } = setup();
+    controller.start();
+    await settle();
+    const socket = server.greet(5);
+    socket.onmessage?.({ data: 'not json' } as MessageEvent);
+    socket.send({ type: 'future-message', x: 1 });
+    expect(model.series.length).toBe(5);
+  });
+
+  it('says the server extension is missing on 404 and does not retry', async () => {
+    const { server, clock, model, controller } = setup();
+    server.state = 'missing';
+    controller.start();
+    await settle();
+    expect(model.connection).toEqual({
+      kind: 'missing',
+      url: 'http://h/gpuwidget/api/devices'
+    });
+    await clock.advance(120_000);
+    expect(server.requests).toBe(1);
+    expect(server.sockets).toHaveLength(0);
+  });
+
+  it('comes back after a server restart, with the new server history', async () => {
+    const { server, clock, model, controller } = setup();
+    controller.start();
+    await settle();
+    server.greet(100);
+    server.state = 'down';
+    server.sockets[0].drop();
+    expect(model.connection).toMatchObject({ kind: 'retrying', delayMs: 500 });
+    await clock.advance(500);
+    expect(model.connection).toMatchObject({ kind: 'retrying', delayMs: 1000 });
+    server.state = 'up';
+    await clock.advance(1000);
+    server.greet(3);
+    expect(model.connection.kind).toBe('live');
+    expect(model.series.length).toBe(3);
+    expect(server.sockets).toHaveLength(2);
+  });
+
+  it('is silent while stopped: no request, no socket, no timer', async () => {
+    const { server, clock, model, controller } = setup();
+    controller.start();
+    await settle();
+    server.greet();
+    controller.stop();
+    expect(server.sockets[0].closed).toBe(true);
+    expect(model.connection.kind).toBe('stopped');
+    const requests = server.requests;
+    await clock.advance(600_000);
+    expect(server.requests).toBe(requests);
+    expect(clock.pendingCount).toBe(0);
+    // The last values stay for the status bar.
+    expect(model.series.length).toBe(5);
+  });
+
+  it('asks for a new interval by reconnecting, only while running', async () => {
+    const { server, controller } = setup(1);
+    controller.setInterval(2);
+    expect(server.requests).toBe(0);
+    controller.start();
+    await settle();
+    server.greet();
+    controller.setInterval(5);
+    await settle();
+    expect(server.intervals).toEqual([2, 5]);
+    expect(server.sockets[0].closed).toBe(true);
+  });
+
+  it('shows host metrics and the reason when the machine has no GPU', async () => {
+    const { server, model, controller } = setup();
+    server.reply = noGpuDevices();
+    controller.start();
+    await settle();
+    server.greet();
+    expect(model.devices?.gpu_found).toBe(false);
+    expect(model.devices?.message).toContain('no NVIDIA GPU found');
+    expect(model.series.has('cpu.util')).toBe(true);
+  });
+});

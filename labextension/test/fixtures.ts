@@ -1,0 +1,60 @@
+/** Server messages as docs/server-api.md shows them, for the tests. */
+
+import { DevicesReply, ServerMessage } from '../src/protocol';
+
+export const GiB = 1024 ** 3;
+
+export function gpuDevices(count = 1, interval = 1): DevicesReply {
+  return {
+    gpu_found: true,
+    message: null,
+    devices: Array.from({ length: count }, (_, index) => ({
+      id: `gpu${index}`,
+      index,
+      uuid: `GPU-${index}`,
+      name: 'NVIDIA H200',
+      memory_total: 80 * GiB,
+      power_limit: 700,
+      is_mig: false,
+      parent_uuid: null,
+      pci_bus_id: `00000000:1${index}:00.0`
+    })),
+    host: { cpu_count: 16, mem_total: 128 * GiB },
+    interval,
+    history_s: 3600
+  };
+}
+
+export function noGpuDevices(): DevicesReply {
+  return {
+    gpu_found: false,
+    message: 'no NVIDIA GPU found (NVML Shared Library Not Found)',
+    devices: [],
+    host: { cpu_count: 2, mem_total: 8 * GiB },
+    interval: 1,
+    history_s: 3600
+  };
+}
+
+export const T0 = 1764490000;
+
+export function hello(devices: DevicesReply = gpuDevices()): ServerMessage {
+  return { type: 'hello', devices };
+}
+
+export function history(points: number, start = T0): ServerMessage {
+  const t = Array.from({ length: points }, (_, i) => start + i);
+  return {
+    type: 'history',
+    t,
+    columns: {
+      'gpu0.util': t.map((_, i) => i % 100),
+      'gpu0.mem_used': t.map(() => 41 * GiB),
+      'cpu.util': t.map((_, i) => (i % 2 ? null : 40))
+    }
+  };
+}
+
+export function sample(t: number, values: Record<string, number | null>): ServerMessage {
+  return { type: 'sample', t, values };
+}
