@@ -24,6 +24,7 @@ import psutil
 from gpuwidget.advice.loader import loader_code
 from gpuwidget.clock import now
 from gpuwidget.sources.host import usable_cpu_count
+from gpuwidget.ui.tables import html_table, text_table
 
 # Pick a setting whose rate is at least this multiple of the loop's consumption rate.
 MARGIN = 1.2
@@ -137,18 +138,10 @@ class TuneResult:
 
     def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, Any]:
         headers = ["setting", "batches/s", "CPU", "memory", "first batch", ""]
-        widths = [max(len(str(r[i])) for r in [headers, *self._rows()]) for i in range(len(headers))]
-        table = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip()
-                 for row in [headers, *self._rows()]]
-        lines = [self._summary(), "", *table]
-        lines += ["", self.code]
-        body = "".join(
-            "<tr" + (" style='font-weight:600'" if row[-1] else "") + ">"
-            + "".join(f"<td style='padding:2px 10px'>{html.escape(c)}</td>" for c in row) + "</tr>"
-            for row in self._rows())
+        rows = self._rows()
+        lines = [self._summary(), "", *text_table(headers, rows), "", self.code]
         page = (f"<div class='gpuwidget-tune'><div>{html.escape(self._summary())}</div>"
-                "<table><thead><tr>" + "".join(f"<th style='text-align:left;padding:2px 10px'>{h}</th>"
-                                               for h in headers) + f"</tr></thead><tbody>{body}</tbody></table>"
+                f"{html_table(headers, rows, [bool(row[-1]) for row in rows])}"
                 f"<pre><code>{html.escape(self.code)}</code></pre></div>")
         return {"text/plain": "\n".join(lines), "text/html": page}
 
