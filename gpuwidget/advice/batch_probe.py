@@ -274,12 +274,13 @@ def probe_batch_size(model: Any, example_batch: Any, loss_fn: Callable[..., Any]
 
 
 def _stopped_paying(trials: dict[int, SizeTrial]) -> bool:
-    fitted = sorted(t.batch_size for t in trials.values() if t.samples_per_s)
-    if len(fitted) < 2:
+    """Two doublings in a row gained less than MIN_GAIN over the best smaller size (one could be noise)."""
+    sizes = sorted(t.batch_size for t in trials.values() if t.samples_per_s)
+    if len(sizes) < 3:
         return False
-    last, before = trials[fitted[-1]], trials[fitted[-2]]
-    return bool(last.samples_per_s and before.samples_per_s
-                and last.samples_per_s < (1 + MIN_GAIN) * before.samples_per_s)
+    rate = {s: float(trials[s].samples_per_s or 0.0) for s in sizes}
+    best_before = max(rate[s] for s in sizes[:-2])
+    return all(rate[s] < (1 + MIN_GAIN) * best_before for s in sizes[-2:])
 
 
 def _recommend(trials: dict[int, SizeTrial]) -> int:
