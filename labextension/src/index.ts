@@ -1,32 +1,98 @@
+/**
+ * The gpuwidget front-end plugin: the GPU sidebar, its status-bar item and settings.
+ *
+ * Wiring only; the logic lives in the modules it assembles.
+ */
+
 import {
-  ILabShell,
+  ILayoutRestorer,
   JupyterFrontEnd,
   JupyterFrontEndPlugin
 } from '@jupyterlab/application';
+import { IThemeManager } from '@jupyterlab/apputils';
+import { IDocumentManager } from '@jupyterlab/docmanager';
+import { ServerConnection } from '@jupyterlab/services';
+import { ISettingRegistry } from '@jupyterlab/settingregistry';
+import { IStatusBar } from '@jupyterlab/statusbar';
+
+import { ServerApi } from './api';
+import { SidebarController } from './controller';
+import { gpuIcon } from './icon';
+import { SidebarModel } from './model';
+import { GpuPanel } from './panel';
+import { DEFAULT_SETTINGS, SidebarSettings, readSettings } from './settings';
+import { GpuStatusItem } from './statusbar';
 
 /**
- * The plugin id; the lab extension's package name is "gpuwidget".
+ * The plugin id; the lab extension's package name is "gpuwidget", and the settings
+ * schema is labextension/schema/plugin.json.
  */
 export const PLUGIN_ID = 'gpuwidget:plugin';
 
-/**
- * The gpuwidget front-end plugin.
- *
- * For now it only announces itself; the GPU sidebar is added to the left
- * area of the lab shell (when there is one) by a later change.
- */
+const OPEN_COMMAND = 'gpuwidget:open-sidebar';
+
 const plugin: JupyterFrontEndPlugin<void> = {
   id: PLUGIN_ID,
   description: 'Shows every GPU on the machine and which notebook holds it.',
   autoStart: true,
   requires: [],
-  optional: [ILabShell],
-  activate: (app: JupyterFrontEnd, labShell: ILabShell | null): void => {
-    console.log('gpuwidget extension activated');
-    if (!labShell) {
-      // Not running inside JupyterLab's shell (e.g. Notebook 7's notebook view):
-      // there is no left area to put a sidebar in.
-      return;
+  optional: [ILayoutRestorer, IStatusBar, ISettingRegistry, IDocumentManager, IThemeManager],
+  activate: (
+    app: JupyterFrontEnd,
+    restorer: ILayoutRestorer | null,
+    statusBar: IStatusBar | null,
+    settingRegistry: ISettingRegistry | null,
+    docManager: IDocumentManager | null,
+    themeManager: IThemeManager | null
+  ): void => {
+    const serverSettings = app.serviceManager.serverSettings;
+    const api = new ServerApi(serverSettings, (url, init) =>
+      ServerConnection.makeRequest(url, init, serverSettings)
+    );
+    const model = new SidebarModel(DEFAULT_SETTINGS.interval);
+    const controller = new SidebarController(api, model);
+
+    const panel = new GpuPanel({
+      model,
+      onVisibilityChange: visible => (visible ? controller.start() : controller.stop()),
+      onRetry: () => controller.retry(),
+      openNotebook: docManager ? path => void docManager.openOrReveal(path) : null
+    });
+    panel.title.icon = gpuIcon;
+    panel.title.caption = 'GPUs';
+    // Works in any shell with a left area (JupyterLab, and Notebook 7's views).
+    app.shell.add(panel, 'left', { rank: 800 });
+    restorer?.add(panel, panel.id);
+
+    app.commands.addCommand(OPEN_COMMAND, {
+      label: 'Show GPU Sidebar',
+      execute: () => app.shell.activateById(panel.id)
+    });
+
+    if (statusBar) {
+      const item = new GpuStatusItem(model, () => void app.commands.execute(OPEN_COMMAND));
+      statusBar.registerStatusItem(`${PLUGIN_ID}:status`, { item, align: 'left', rank: 100 });
+    }
+
+    themeManager?.themeChanged.connect(() => {
+      // The new theme's CSS is in place by the next frame.
+      requestAnimationFrame(() => panel.refreshTheme());
+    });
+
+    if (settingRegistry) {
+      const apply = (settings: SidebarSettings) => {
+        controller.setInterval(settings.interval);
+        panel.setMetrics(settings.metrics);
+      };
+      settingRegistry
+        .load(PLUGIN_ID)
+        .then(settings => {
+          apply(readSettings(settings.composite as Record<string, unknown>));
+          settings.changed.connect(() =>
+            apply(readSettings(settings.composite as Record<string, unknown>))
+          );
+        })
+        .catch(reason => console.warn('gpuwidget: settings not loaded', reason));
     }
   }
 };

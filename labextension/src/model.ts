@@ -135,23 +135,29 @@ export class SeriesBuffer {
     return Number.isNaN(value) ? null : value;
   }
 
-  /** The time axis and the named columns, oldest first, in the shape charts take. */
-  aligned(names: string[]): AlignedSeries {
+  /** The times of all rows, oldest first. */
+  times(): number[] {
     const times = new Array<number>(this._length);
     for (let i = 0; i < this._length; i++) {
       times[i] = this._times[this._slot(i)];
     }
-    const result: AlignedSeries = [times];
-    for (const name of names) {
-      const column = this._columns.get(name);
-      const values = new Array<Reading>(this._length);
-      for (let i = 0; i < this._length; i++) {
-        const value = column ? column[this._slot(i)] : NaN;
-        values[i] = Number.isNaN(value) ? null : value;
-      }
-      result.push(values);
+    return times;
+  }
+
+  /** One metric's readings aligned with `times()`; null where there is none. */
+  values(name: string): Reading[] {
+    const column = this._columns.get(name);
+    const values = new Array<Reading>(this._length);
+    for (let i = 0; i < this._length; i++) {
+      const value = column ? column[this._slot(i)] : NaN;
+      values[i] = Number.isNaN(value) ? null : value;
     }
-    return result;
+    return values;
+  }
+
+  /** The time axis and the named columns, oldest first, in the shape charts take. */
+  aligned(names: string[]): AlignedSeries {
+    return [this.times(), ...names.map(name => this.values(name))];
   }
 
   private _slot(index: number): number {

@@ -1,0 +1,421 @@
+/**
+ * The GPU sidebar: one card per GPU (live charts, current values, the processes and
+ * their notebooks), then the host's CPU and memory. Thin DOM glue over the model.
+ *
+ * It tells its owner when it is shown or hidden, so the connection exists only while
+ * someone can see it; it draws at most once per animation frame.
+ */
+
+import { Message } from '@lumino/messaging';
+import { Widget } from '@lumino/widgets';
+
+import { ChartData, ChartPalette, TimeChart } from './charts';
+import { NO_VALUE, baseName, formatBytes, noGpuDetail } from './format';
+import {
+  ChartDef,
+  GPU_METRICS,
+  GpuMetric,
+  Latest,
+  deviceLabel,
+  gpuCharts,
+  hostCharts,
+  splitReported
+} from './metrics';
+import { ModelChange, SidebarModel } from './model';
+import { DeviceInfo, ProcessInfo } from './protocol';
+
+export const PANEL_ID = 'gpuwidget-sidebar';
+
+export interface PanelOptions {
+  model: SidebarModel;
+  /** Called with true when the panel becomes visible, false when hidden or detached. */
+  onVisibilityChange(visible: boolean): void;
+  /** The user asked to try the server again. */
+  onRetry(): void;
+  /** Open a notebook by its server path; null where no document manager exists. */
+  openNotebook: ((path: string) => void) | null;
+  metrics?: GpuMetric[];
+}
+
+/** The live DOM and charts of one card (a GPU, or the host). */
+interface Card {
+  id: string;
+  node: HTMLElement;
+  readout: HTMLElement | null;
+  charts: { chart: TimeChart; value: HTMLElement; host: HTMLElement }[];
+  processes: HTMLElement | null;
+}
+
+function element<K extends keyof HTMLElementTagNameMap>(
+  tag: K,
+  className: string,
+  text?: string
+): HTMLElementTagNameMap[K] {
+  const node = document.createElement(tag);
+  node.className = className;
+  if (text !== undefined) {
+    node.textContent = text;
+  }
+  return node;
+}
+
+export class GpuPanel extends Widget {
+  readonly model: SidebarModel;
+  private _options: PanelOptions;
+  private _metrics: GpuMetric[];
+  private _palette = new ChartPalette();
+  private _status = element('div', 'jp-gpuwidget-status');
+  private _notice = element('div', 'jp-gpuwidget-notice');
+  private _cardsNode = element('div', 'jp-gpuwidget-cards');
+  private _cards: Card[] = [];
+  private _layoutKey = '';
+  private _frame: number | null = null;
+  private _processesDirty = true;
+  private _resizeObserver: ResizeObserver | null = null;
+  private _unsubscribe: () => void;
+
+  constructor(options: PanelOptions) {
+    super();
+    this.id = PANEL_ID;
+    this.addClass('jp-gpuwidget-sidebar');
+    this.model = options.model;
+    this._options = options;
+    this._metrics = options.metrics ?? GPU_METRICS;
+    const header = element('header', 'jp-gpuwidget-header');
+    header.appendChild(element('h2', 'jp-gpuwidget-heading', 'GPUs'));
+    header.appendChild(this._status);
+    this.node.append(header, this._notice, this._cardsNode);
+    this._unsubscribe = this.model.subscribe(change => this._changed(change));
+  }
+
+  /** The GPU charts to show (from the settings). */
+  setMetrics(metrics: GpuMetric[]): void {
+    this._metrics = metrics;
+    this._schedule();
+  }
+
+  /** The theme changed: read its colours again and redraw. */
+  refreshTheme(): void {
+    if (!this.isVisible) {
+      return; // read on the next show
+    }
+    this._palette.refresh(this.node);
+    for (const card of this._cards) {
+      card.charts.forEach(({ chart }) => chart.redraw());
+    }
+  }
+
+  /**
+   * Bring the DOM up to date with the model now (normally called once per animation
+   * frame after a change; public so a test can time it).
+   */
+  render(): void {
+    if (this._frame !== null) {
+      cancelAnimationFrame(this._frame);
+      this._frame = null;
+    }
+    this._renderStatus();
+    const key = this._layoutSignature();
+    if (key !== this._layoutKey) {
+      this._layoutKey = key;
+      this._buildCards();
+    }
+    this._renderData();
+    if (this._processesDirty) {
+      this._processesDirty = false;
+      this._renderProcesses();
+    }
+  }
+
+  dispose(): void {
+    if (this.isDisposed) {
+      return;
+    }
+    this._unsubscribe();
+    this._resizeObserver?.disconnect();
+    this._destroyCards();
+    if (this._frame !== null) {
+      cancelAnimationFrame(this._frame);
+    }
+    super.dispose();
+  }
+
+  protected onAfterAttach(msg: Message): void {
+    super.onAfterAttach(msg);
+    this._resizeObserver = new ResizeObserver(() => this._resize());
+    this._resizeObserver.observe(this.node);
+    if (this.isVisible) {
+      this._shown();
+    }
+  }
+
+  protected onBeforeDetach(msg: Message): void {
+    this._resizeObserver?.disconnect();
+    this._resizeObserver = null;
+    this._options.onVisibilityChange(false);
+    super.onBeforeDetach(msg);
+  }
+
+  protected onAfterShow(msg: Message): void {
+    super.onAfterShow(msg);
+    this._shown();
+  }
+
+  protected onAfterHide(msg: Message): void {
+    super.onAfterHide(msg);
+    this._options.onVisibilityChange(false);
+  }
+
+  private _shown(): void {
+    this._palette.refresh(this.node);
+    this._options.onVisibilityChange(true);
+    this._processesDirty = true;
+    this._schedule();
+  }
+
+  private _changed(change: ModelChange): void {
+    if (change === 'processes' || change === 'devices') {
+      this._processesDirty = true;
+    }
+    this._schedule();
+  }
+
+  private _schedule(): void {
+    if (this._frame === null && this.isVisible) {
+      this._frame = requestAnimationFrame(() => {
+        this._frame = null;
+        this.render();
+      });
+    }
+  }
+
+  private _resize(): void {
+    for (const card of this._cards) {
+      for (const { chart, host } of card.charts) {
+        chart.setWidth(host.clientWidth);
+      }
+    }
+  }
+
+  /** What decides the cards' structure; when it changes, the cards are rebuilt. */
+  private _layoutSignature(): string {
+    const { devices, connection, series } = this.model;
+    if (connection.kind === 'missing' || !devices) {
+      return connection.kind;
+    }
+    const latest: Latest = column => series.latest(column);
+    const charts = devices.devices.map(device =>
+      splitReported(gpuCharts(device, this._metrics, latest), series).shown.map(c => c.key)
+    );
+    const host = splitReported(hostCharts(devices.host, latest), series).shown.map(c => c.key);
+    return JSON.stringify([devices.devices.map(d => [d.id, d.name]), charts, host, devices.gpu_found]);
+  }
+
+  private _renderStatus(): void {
+    const { connection, devices } = this.model;
+    let text = '';
+    switch (connection.kind) {
+      case 'stopped':
+        text = 'paused';
+        break;
+      case 'connecting':
+        text = 'connecting…';
+        break;
+      case 'live':
+        text = `live · every ${this.model.interval} s`;
+        break;
+      case 'retrying':
+        text = `reconnecting in ${Math.max(1, Math.round(connection.delayMs / 1000))} s (${connection.reason})`;
+        break;
+      case 'missing':
+        text = 'server extension missing';
+        break;
+    }
+    this._status.textContent = text;
+    this._status.dataset.state = connection.kind;
+    this.node.dataset.state = connection.kind;
+
+    this._notice.replaceChildren();
+    if (connection.kind === 'missing') {
+      this._notice.className = 'jp-gpuwidget-notice jp-gpuwidget-notice-error';
+      this._notice.append(
+        element('strong', '', 'The gpuwidget server extension is not running on this Jupyter server.'),
+        element(
+          'p',
+          '',
+          `${connection.url} answered 404. Install gpuwidget in the Python environment that runs ` +
+            'Jupyter (pip install gpuwidget), then restart the server.'
+        )
+      );
+      const retry = element('button', 'jp-Button jp-mod-styled jp-mod-accept', 'Retry');
+      retry.addEventListener('click', () => this._options.onRetry());
+      this._notice.appendChild(retry);
+    } else if (devices && (!devices.gpu_found || devices.devices.length === 0)) {
+      this._notice.className = 'jp-gpuwidget-notice jp-gpuwidget-notice-info';
+      this._notice.appendChild(element('strong', '', 'No NVIDIA GPU found'));
+      const detail = noGpuDetail(devices.message);
+      if (detail) {
+        this._notice.appendChild(element('p', 'jp-gpuwidget-reason', detail));
+      }
+      this._notice.appendChild(element('p', '', 'Showing the host only.'));
+    } else {
+      this._notice.className = 'jp-gpuwidget-notice';
+    }
+  }
+
+  private _destroyCards(): void {
+    for (const card of this._cards) {
+      card.charts.forEach(({ chart }) => chart.dispose());
+    }
+    this._cards = [];
+    this._cardsNode.replaceChildren();
+  }
+
+  private _buildCards(): void {
+    this._destroyCards();
+    const { devices, connection, series } = this.model;
+    if (!devices || connection.kind === 'missing') {
+      return;
+    }
+    const latest: Latest = column => series.latest(column);
+    for (const device of devices.devices) {
+      const { shown, unreported } = splitReported(gpuCharts(device, this._metrics, latest), series);
+      this._cards.push(this._buildCard(device.id, this._gpuTitle(device), shown, unreported, true));
+    }
+    const host = devices.host;
+    const hostTitle = host?.cpu_count ? `Host · ${host.cpu_count} CPUs` : 'Host';
+    const { shown } = splitReported(hostCharts(host, latest), series);
+    this._cards.push(this._buildCard('host', hostTitle, shown, [], false));
+    this._processesDirty = true;
+  }
+
+  private _gpuTitle(device: DeviceInfo): string {
+    return `${deviceLabel(device)} · ${device.name}${device.is_mig ? ' (MIG)' : ''}`;
+  }
+
+  private _buildCard(
+    id: string,
+    title: string,
+    charts: ChartDef[],
+    unreported: ChartDef[],
+    isGpu: boolean
+  ): Card {
+    const node = element('section', 'jp-gpuwidget-card');
+    node.dataset.device = id;
+    const header = element('div', 'jp-gpuwidget-card-header');
+    header.appendChild(element('span', 'jp-gpuwidget-card-title', title));
+    node.appendChild(header);
+    this._cardsNode.appendChild(node);
+
+    const card: Card = { id, node, readout: null, charts: [], processes: null };
+    charts.forEach((def, index) => {
+      const box = element('div', 'jp-gpuwidget-chart');
+      box.dataset.chart = def.key;
+      const label = element('div', 'jp-gpuwidget-chart-label');
+      const value = element('span', 'jp-gpuwidget-chart-value');
+      label.append(element('span', 'jp-gpuwidget-chart-title', def.title), value);
+      const host = element('div', 'jp-gpuwidget-chart-host');
+      box.append(label, host);
+      node.appendChild(box);
+      const chart = new TimeChart(def, this._palette, {
+        width: host.clientWidth,
+        showTimeAxis: index === charts.length - 1
+      });
+      host.appendChild(chart.node);
+      card.charts.push({ chart, value, host });
+    });
+    if (unreported.length) {
+      node.appendChild(
+        element(
+          'p',
+          'jp-gpuwidget-unreported',
+          `Not reported by this GPU: ${unreported.map(c => c.title).join(', ')}.`
+        )
+      );
+    }
+    if (isGpu) {
+      card.processes = element('div', 'jp-gpuwidget-processes');
+      node.appendChild(card.processes);
+    }
+    return card;
+  }
+
+  private _renderData(): void {
+    const series = this.model.series;
+    const latest: Latest = column => series.latest(column);
+    const times = series.times();
+    const xMax = series.lastTime() ?? Date.now() / 1000;
+    const xMin = xMax - this.model.historyS;
+    const columns = new Map<string, ChartData[1]>();
+    const column = (name: string) => {
+      let values = columns.get(name);
+      if (!values) {
+        values = series.values(name);
+        columns.set(name, values);
+      }
+      return values;
+    };
+    for (const card of this._cards) {
+      for (const { chart, value } of card.charts) {
+        const data: ChartData = [times, ...chart.def.lines.map(line => column(line.column))];
+        chart.setData(data, xMin, xMax);
+        value.textContent = chart.def.readout(latest);
+      }
+    }
+  }
+
+  private _renderProcesses(): void {
+    for (const card of this._cards) {
+      if (card.processes) {
+        card.processes.replaceChildren(
+          this._processTable(this.model.processes[card.id] ?? null)
+        );
+      }
+    }
+  }
+
+  private _processTable(processes: ProcessInfo[] | null): HTMLElement {
+    if (processes === null) {
+      return element('p', 'jp-gpuwidget-processes-empty', '');
+    }
+    if (processes.length === 0) {
+      return element('p', 'jp-gpuwidget-processes-empty', 'No processes on this GPU.');
+    }
+    const table = element('table', 'jp-gpuwidget-process-table');
+    const head = table.createTHead().insertRow();
+    for (const heading of ['Process', 'User', 'Memory']) {
+      head.appendChild(element('th', '', heading));
+    }
+    const body = table.createTBody();
+    const sorted = [...processes].sort((a, b) => (b.memory ?? 0) - (a.memory ?? 0));
+    for (const process of sorted) {
+      const row = body.insertRow();
+      row.insertCell().appendChild(this._processLabel(process));
+      row.insertCell().textContent = process.user;
+      const memory = row.insertCell();
+      memory.className = 'jp-gpuwidget-number';
+      memory.textContent = formatBytes(process.memory);
+    }
+    return table;
+  }
+
+  private _processLabel(process: ProcessInfo): HTMLElement {
+    const pid = process.pid !== null ? ` (${process.pid})` : '';
+    const notebook = process.notebook;
+    const open = this._options.openNotebook;
+    if (notebook && open) {
+      const link = element('button', 'jp-gpuwidget-notebook-link', baseName(notebook));
+      link.title = `Open ${notebook}${pid}`;
+      link.addEventListener('click', () => open(notebook));
+      return link;
+    }
+    if (notebook) {
+      return element('span', '', `${baseName(notebook)}${pid}`);
+    }
+    if (process.name) {
+      return element('span', '', `${process.name}${pid}`);
+    }
+    // Another user's process: the server shows only its memory.
+    return element('span', 'jp-gpuwidget-other', NO_VALUE);
+  }
+}

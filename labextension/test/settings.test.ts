@@ -1,0 +1,21 @@
+import { DEFAULT_SETTINGS, readSettings } from '../src/settings';
+
+describe('readSettings', () => {
+  it('takes the schema defaults from an empty composite', () => {
+    expect(readSettings({})).toEqual(DEFAULT_SETTINGS);
+  });
+
+  it('keeps the chosen charts in order, dropping unknown and repeated ones', () => {
+    expect(readSettings({ metrics: ['power', 'fan', 'utilization', 'power'] }).metrics).toEqual([
+      'power',
+      'utilization'
+    ]);
+    expect(readSettings({ metrics: [] }).metrics).toEqual([]);
+  });
+
+  it('clamps the interval to what the schema allows', () => {
+    expect(readSettings({ interval: 0.01 }).interval).toBe(0.5);
+    expect(readSettings({ interval: 600 }).interval).toBe(60);
+    expect(readSettings({ interval: '2' }).interval).toBe(1);
+  });
+});
