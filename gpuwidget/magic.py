@@ -26,7 +26,7 @@ class GpuWatchMagics(Magics):
 
     @cell_magic
     def gpuwatch(self, line: str, cell: str) -> Any:
-        """%%gpuwatch [--interval S] [--gpus 0,1] [--no-live] [--no-advice] [--save PATH] [--quiet]
+        """%%gpuwatch [--interval S] [--gpus 0,1] [--no-live] [--no-advice] [--tune] [--save PATH] [--quiet]
 
         Watch the GPU(s), the host and the workload while the cell runs: a live plot
         under the cell, and when it ends a summary of where the time went. The cell
@@ -38,6 +38,7 @@ class GpuWatchMagics(Magics):
           --gpus 0,1     GPUs to watch, numbered as torch numbers them (default: all visible)
           --no-live      no live plot while the cell runs
           --no-advice    summary figures only, no findings
+          --tune         after the cell, measure DataLoader settings on its loader (about 20 s)
           --save PATH    also write the run to PATH (.json, .html or .csv)
           --quiet        show nothing; the run is still recorded
         """

@@ -50,7 +50,7 @@ def make_options(interval: float | str = DEFAULT_INTERVAL_S, gpus: Sequence[int]
         gpus=_gpus(gpus),
         live=_flag("live", live),
         advice=_flag("advice", advice),
-        tune=_tune(_flag("tune", tune)),
+        tune=_flag("tune", tune),
         save=_save(save),
         quiet=_flag("quiet", quiet),
     )
@@ -97,12 +97,6 @@ def _gpus(value: Sequence[int] | str | None) -> tuple[int, ...] | None:
     if not out:
         raise OptionError("--gpus: give at least one GPU number, like 0 or 0,1")
     return tuple(out)
-
-
-def _tune(tune: bool) -> bool:
-    if tune:
-        raise OptionError("--tune: the loader tuner and batch-size probe are not available in this version")
-    return tune
 
 
 def _save(value: str | Path | None) -> str | None:

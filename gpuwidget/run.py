@@ -48,6 +48,8 @@ class Run:
     sampler: dict[str, Any] = field(default_factory=dict)
     label: str = ""
     finished: bool = False
+    # Set by --tune or the panel's Measure button: the tuner's result (not saved).
+    tuning: Any = None
 
     # ------------------------------------------------------------- conveniences
 

@@ -105,6 +105,7 @@ class Watch:
         self._live: Any = None
         self._handle: Any = None
         self._probes: Probes | None = None
+        self._objects: dict[str, Any] = {}
         self._started = 0.0
 
     def start(self) -> Run:
@@ -163,6 +164,7 @@ class Watch:
             run.trace.meta["duration_s"] = duration
             if self._probes is not None:
                 run.workload = self._probes.facts(self._user_namespace())
+                self._objects = self._probes.objects()
             run.summary = summarize(run.trace, run.workload, duration_s=duration)
             if self.options.advice:
                 run.findings = advise(run.summary, run.workload, run.machine)
@@ -176,7 +178,30 @@ class Watch:
         _last_run = run
         self._save(run)
         self._show_result(run)
+        if self.options.tune and error is None:
+            self._tune(run)
         return run
+
+    def _tune(self, run: Run) -> None:
+        """--tune: measure DataLoader settings on the cell's busiest loader, right after the run."""
+        loaders = self._objects.get("loaders") or []
+        if not loaders:
+            if self.display and _in_ipython():
+                _show_text("gpuwidget --tune: no DataLoader was iterated in this cell, nothing to tune.")
+            return
+        try:
+            from gpuwidget.advice.tuner import tune_for_run
+
+            run.tuning = tune_for_run(run, loaders[0], progress=self.display)
+        except Exception as exc:  # noqa: BLE001 - the run itself is recorded and shown already
+            log.warning("gpuwidget --tune: %s", exc)
+            if self.display and _in_ipython():
+                _show_text(f"gpuwidget --tune: could not measure the loader: {exc}")
+            return
+        if self.display and _in_ipython():
+            from IPython.display import display
+
+            display(run.tuning)
 
     def _user_namespace(self) -> Any:
         namespace = self.namespace() if callable(self.namespace) else self.namespace
@@ -219,15 +244,34 @@ class Watch:
             return
         try:
             if self._handle is not None:
-                # The static report replaces the live widget: it survives saving the
+                # The static panel replaces the live widget: it survives saving the
                 # notebook, where a widget without saved state would show an error.
                 self._handle.update(run)
             elif _in_ipython():
                 from IPython.display import display
 
                 display(run)
+            self._offer_measurement(run)
         except Exception as exc:  # noqa: BLE001
             log.warning("gpuwidget: could not show the run: %s", exc)
+
+    def _offer_measurement(self, run: Run) -> None:
+        """Under a loader finding, a button that measures its settings (clicks run after the cell)."""
+        loaders = self._objects.get("loaders") or []
+        wants_workers = any("num_workers" in f.change for f in run.findings)
+        if self.options.tune or not loaders or not wants_workers or not _in_notebook():
+            return
+        from IPython.display import display
+
+        from gpuwidget.ui.actions import measure_button
+
+        display(measure_button(run, loaders[0]))
+
+
+def _show_text(text: str) -> None:
+    from IPython.display import display
+
+    display({"text/plain": text}, raw=True)
 
 
 def _in_ipython() -> bool:
@@ -243,7 +287,7 @@ def watch(*, label: str = "", display: bool | None = None, **options: Any) -> It
     """Watch a block of code; yields its :class:`Run` (summary filled in when the block ends).
 
     Takes the same options as ``%%gpuwatch``: ``interval``, ``gpus``, ``live``, ``advice``,
-    ``save``, ``quiet``. Bad options raise ``ValueError`` before anything starts.
+    ``tune``, ``save``, ``quiet``. Bad options raise ``ValueError`` before anything starts.
     """
     caller = sys._getframe(2)  # the `with` statement's frame (1 is contextlib's __enter__)
     session = Watch(make_options(**options), label=label, display=display,

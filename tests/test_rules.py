@@ -153,6 +153,15 @@ def test_every_suggested_change_builds_a_valid_dataloader():
     assert rebuilt.num_workers == 0 and rebuilt.prefetch_factor is None
 
 
+def test_changes_to_a_loader_over_an_iterable_dataset_stay_valid():
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(torch.zeros(10, 2))
+
+    rebuilt = DataLoader(**loader_kwargs(DataLoader(Stream(), batch_size=5), {"num_workers": 1}))
+    assert rebuilt.num_workers == 1 and sum(len(batch) for batch in rebuilt) == 10
+
+
 def test_loader_code_keeps_sampling_and_collation_in_the_users_names():
     data = TensorDataset(torch.randn(64, 4))
     custom = DataLoader(data, batch_size=4, collate_fn=lambda items: items, drop_last=True)

@@ -290,6 +290,8 @@ def tune_loader(loader: Any, target_rate: float | None = None, budget_s: float =
 
     try:
         baseline = run({})
+        if baseline.error:
+            raise TuneError(f"the loader could not be measured as it is: {baseline.error}")
         best = baseline
         previous_rate = baseline.batches_per_s
         for workers in _worker_counts(max(1, loader.num_workers + (1 if loader.num_workers else 0)), cap):
@@ -327,7 +329,8 @@ def tune_loader(loader: Any, target_rate: float | None = None, budget_s: float =
 
 def _dataset_message(error: str) -> str:
     marker = "the dataset raised at item"
-    return error[error.index(marker):].splitlines()[0] if marker in error else error
+    # The last mention: a worker's traceback text also quotes the source line that raised.
+    return error[error.rindex(marker):].splitlines()[0] if marker in error else error
 
 
 def _choose(trials: list[Trial], target_rate: float | None, fastest: Trial) -> Trial:
@@ -371,3 +374,19 @@ class _Progress:
         if self._widget is not None:
             for widget in (self._widget, self._label, self._box):
                 widget.close()
+
+
+def tune_for_run(run: Any, loader: Any, budget_s: float = DEFAULT_BUDGET_S, progress: bool = True) -> TuneResult:
+    """Tune ``loader`` against what a watched run measured: its consumption rate and its cause."""
+    from gpuwidget.advice.loader import diagnose
+    from gpuwidget.advice.summary import primary_loader
+
+    facts = primary_loader(run.workload) or {}
+    compute = facts.get("compute_total_s") or 0.0
+    steps = facts.get("steps") or 0
+    # The rate the loop consumed batches when one was ready: one per compute time.
+    target = steps / compute if compute > 0 and steps else None
+    diagnosis = diagnose(run.summary, run.workload, run.machine)
+    io_bound = None if diagnosis is None or diagnosis.cause == "unknown" else diagnosis.cause == "io"
+    return tune_loader(loader, target_rate=target, budget_s=budget_s, name=facts.get("name"),
+                       dataset_name=facts.get("dataset_name"), progress=progress, io_bound=io_bound)

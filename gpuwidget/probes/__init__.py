@@ -70,6 +70,15 @@ class Probes:
             if self._data is not None:
                 self._data.finish(now())
 
+    def objects(self) -> dict[str, Any]:
+        """The live loader (busiest first) and model objects the probes saw, for measuring advice."""
+        loaders = []
+        if self._data is not None:
+            ranked = sorted(self._data.stats, key=lambda s: s.wait_total + s.compute_total, reverse=True)
+            loaders = [s.loader for s in ranked if s.loader is not None]
+        model = self._model.model() if self._model is not None else None
+        return {"loaders": loaders, "model": model}
+
     def facts(self, namespace: Mapping[str, Any] | None) -> dict[str, Any]:
         """WorkloadFacts as plain data: loaders, model, CUDA memory, torch version."""
         names = _names(namespace)

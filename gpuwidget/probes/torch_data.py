@@ -247,11 +247,15 @@ def loader_kwargs(loader: Any, change: Mapping[str, Any] | None = None) -> dict[
     """Keyword arguments that rebuild ``loader`` (same dataset, sampling and collation),
     with ``change`` applied and made valid (no ``prefetch_factor`` or ``persistent_workers``
     without workers, as torch requires)."""
+    from torch.utils.data import IterableDataset
     from torch.utils.data.sampler import BatchSampler
 
     kwargs: dict[str, Any] = {"dataset": loader.dataset}
     batch_sampler = loader.batch_sampler
-    if batch_sampler is not None and type(batch_sampler) is BatchSampler and loader.batch_size is not None:
+    if isinstance(loader.dataset, IterableDataset):
+        # An iterable dataset takes no sampler: torch fills in its own infinite one.
+        kwargs.update(batch_size=loader.batch_size, drop_last=loader.drop_last)
+    elif batch_sampler is not None and type(batch_sampler) is BatchSampler and loader.batch_size is not None:
         kwargs.update(batch_size=loader.batch_size, sampler=loader.sampler, drop_last=loader.drop_last)
     elif batch_sampler is not None:
         kwargs["batch_sampler"] = batch_sampler

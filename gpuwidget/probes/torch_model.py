@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from collections import Counter
 from collections.abc import Mapping
 from typing import Any
@@ -77,7 +78,7 @@ class ModelProbe:
             devices.add(parameter.device.type)
         tensor = _first_tensor(args)
         device_type = next(iter(devices)) if len(devices) == 1 else ("cuda" if "cuda" in devices else "cpu")
-        self._objects[key] = module
+        self._objects[key] = weakref.ref(module)  # never keep the user's model alive
         self._models[key] = {
             "class": type(module).__name__,
             "parameters": parameters,
@@ -91,11 +92,22 @@ class ModelProbe:
             "calls": 1,
         }
 
-    def facts(self, names: Mapping[int, str]) -> dict[str, Any] | None:
-        """The main model (most parameters) with its user-namespace name, or None if none ran."""
+    def _main(self) -> int | None:
         if not self._models:
             return None
-        key = max(self._models, key=lambda k: self._models[k]["parameters"])
+        return max(self._models, key=lambda k: self._models[k]["parameters"])
+
+    def model(self) -> Any:
+        """The main model object, or None."""
+        key = self._main()
+        ref = None if key is None else self._objects.get(key)
+        return None if ref is None else ref()
+
+    def facts(self, names: Mapping[int, str]) -> dict[str, Any] | None:
+        """The main model (most parameters) with its user-namespace name, or None if none ran."""
+        key = self._main()
+        if key is None:
+            return None
         facts = dict(self._models[key])
         facts["name"] = names.get(key)
         facts.update(precision_settings())

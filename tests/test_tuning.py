@@ -1,0 +1,230 @@
+"""Measured advice: the DataLoader tuner and the batch-size probe, on real torch objects (CPU)."""
+
+from __future__ import annotations
+
+import _thread
+import threading
+import time
+from collections.abc import Iterator
+
+import psutil
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
+
+import gpuwidget
+import workloads
+from gpuwidget.advice.batch_probe import probe_batch_size
+from gpuwidget.advice.tuner import TuneError, tune_loader
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def children() -> set[int]:
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+def no_new_children(before: set[int], timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not children() - before:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+# --------------------------------------------------------------------------- the tuner
+
+
+def test_tuner_feeds_a_starved_loop_and_never_touches_the_users_loader():
+    workload = workloads.cpu_heavy_transform(items=640)
+    loader = workload.loader
+    before = children()
+    result = tune_loader(loader, target_rate=40.0, budget_s=15, name="train_loader", dataset_name="train_ds",
+                         progress=False)
+    assert loader.num_workers == 0 and loader.batch_size == 16  # untouched
+    assert result.chosen.change.get("num_workers", 0) >= 1
+    assert result.speedup > 1.2
+    assert result.elapsed_s <= 15 + 5
+    assert result.code.startswith("train_loader = DataLoader(train_ds, batch_size=16, shuffle=True, num_workers=")
+    rebuilt = result.loader()
+    assert rebuilt.dataset is loader.dataset and rebuilt.batch_size == 16
+    assert rebuilt.num_workers == result.change["num_workers"]
+    text = result._repr_mimebundle_()["text/plain"]
+    assert "batches/s" in text and "chosen" in text and "as it is" in text
+    assert no_new_children(before)
+
+
+def test_tuner_picks_the_cheapest_setting_that_meets_the_target():
+    workload = workloads.slow_storage(items=640, latency=0.002)
+    # The loop needs ~10 batches/s: a couple of workers do it; the tuner must not take 8.
+    result = tune_loader(workload.loader, target_rate=10.0, budget_s=15, progress=False, io_bound=True)
+    meeting = [t for t in result.trials if not t.error and t.batches_per_s >= 1.2 * 10.0]
+    assert result.chosen in meeting
+    assert result.chosen.change.get("num_workers", 0) == min(t.change.get("num_workers", 0) for t in meeting)
+
+
+def test_tuner_refuses_what_is_not_a_dataloader():
+    with pytest.raises(TypeError, match="needs a torch.utils.data.DataLoader, not list"):
+        tune_loader([1, 2, 3])
+    with pytest.raises(ValueError, match="budget_s"):
+        tune_loader(DataLoader(TensorDataset(torch.zeros(4))), budget_s=0)
+
+
+class Exhausted(IterableDataset):
+    def __iter__(self):
+        return iter(())
+
+
+class Endless(IterableDataset):
+    def __iter__(self):
+        while True:
+            yield torch.zeros(4)
+
+
+def test_tuner_reports_an_empty_iterable_and_bounds_an_endless_one_by_batches():
+    with pytest.raises(TuneError, match="produced no batches"):
+        tune_loader(DataLoader(Exhausted(), batch_size=2), budget_s=5, progress=False)
+    before = children()
+    result = tune_loader(DataLoader(Endless(), batch_size=2), budget_s=6, progress=False)
+    assert result.elapsed_s < 15
+    assert result.chosen.batches_per_s > 0
+    assert no_new_children(before)
+
+
+class Corrupt(Dataset):
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        if index == 37:
+            raise OSError("truncated JPEG")
+        return torch.zeros(3)
+
+
+def test_a_dataset_that_raises_is_reported_with_the_item_and_workers_are_cleaned_up():
+    before = children()
+    for workers in (0, 2):
+        with pytest.raises(TuneError, match=r"item 37: OSError: truncated JPEG"):
+            tune_loader(DataLoader(Corrupt(), batch_size=4, num_workers=workers), budget_s=10, progress=False)
+    assert no_new_children(before)
+
+
+class Slow(Dataset):
+    def __len__(self) -> int:
+        return 10_000
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        time.sleep(0.005)
+        return torch.zeros(3)
+
+
+def test_interrupting_the_tuner_leaves_no_worker_processes():
+    before = children()
+    loader = DataLoader(Slow(), batch_size=8, num_workers=0)
+    timer = threading.Timer(1.5, _thread.interrupt_main)
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            tune_loader(loader, budget_s=30, progress=False)
+    finally:
+        timer.cancel()
+    assert no_new_children(before)
+
+
+def test_gpuwatch_tune_measures_the_cells_loader(ip):
+    workload = workloads.cpu_heavy_transform(items=320)
+    ip.user_ns.update(train_loader=workload.loader, train_ds=workload.loader.dataset, train=workload.train)
+    result = ip.run_cell("%%gpuwatch --tune --quiet\ntrain(train_loader)\n")
+    assert result.success
+    run = gpuwidget.last_run()
+    assert run.tuning is not None
+    assert run.tuning.name == "train_loader"
+    assert run.tuning.target_rate == pytest.approx(
+        run.workload["loaders"][0]["steps"] / run.workload["loaders"][0]["compute_total_s"])
+    assert run.tuning.code.startswith("train_loader = DataLoader(train_ds, ")
+
+
+# --------------------------------------------------------------------------- the batch-size probe
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.BatchNorm1d(256), torch.nn.ReLU(),
+                                        torch.nn.Dropout(0.2), torch.nn.Linear(256, 10))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+class MemoryLimited(torch.nn.Module):
+    """Raises torch's real out-of-memory error above a batch size, like a full GPU would."""
+
+    def __init__(self, inner: torch.nn.Module, limit: int) -> None:
+        super().__init__()
+        self.inner, self.limit = inner, limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > self.limit:
+            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {x.shape[0]} rows")
+        return self.inner(x)
+
+
+def snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    state.update({f"grad:{n}": p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    return state
+
+
+def test_probe_leaves_weights_buffers_grads_and_rng_bitwise_unchanged():
+    model = Net().eval()
+    model(torch.randn(4, 64)).sum().backward()  # the user's gradients, mid-accumulation
+    example = (torch.randn(16, 64), torch.randint(0, 10, (16,)))
+    before, rng = snapshot(model), torch.get_rng_state()
+    result = probe_batch_size(model, example, torch.nn.functional.cross_entropy, max_batch=256, budget_s=10)
+    after = snapshot(model)
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert torch.equal(rng, torch.get_rng_state())
+    assert not model.training  # the mode is restored too
+    assert result.recommended in {t.batch_size for t in result.trials}
+    assert result.largest_fitting is None  # on the CPU: no memory search
+    assert "measured on the CPU" in result._repr_mimebundle_()["text/plain"]
+
+
+def test_probe_finds_the_memory_limit_by_bisection_and_keeps_a_margin():
+    model = MemoryLimited(Net(), limit=300)
+    before = snapshot(model)
+    result = probe_batch_size(model, torch.randn(32, 64), max_batch=4096, budget_s=20, search_memory=True)
+    assert 256 <= result.largest_fitting <= 300
+    assert result.max_safe <= 0.95 * result.largest_fitting and result.max_safe % 8 == 0
+    ran_out = [t.batch_size for t in result.trials if t.samples_per_s is None]
+    assert ran_out and min(ran_out) > result.largest_fitting
+    assert all(t.batch_size % 8 == 0 for t in result.trials)
+    assert all(torch.equal(v, snapshot(model)[k]) for k, v in before.items())
+
+
+def test_probe_refuses_bad_input():
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        probe_batch_size(lambda x: x, torch.zeros(2, 2))
+    with pytest.raises(ValueError, match="max_batch"):
+        probe_batch_size(Net(), torch.zeros(2, 64), max_batch=0)
+
+
+def test_probe_restores_state_even_when_the_model_fails():
+    class Broken(Net):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            raise ValueError("shape mismatch")
+
+    model = Broken()
+    before = snapshot(model)
+    with pytest.raises(ValueError, match="shape mismatch"):
+        probe_batch_size(model, torch.zeros(8, 64), budget_s=5)
+    assert all(torch.equal(v, snapshot(model)[k]) for k, v in before.items())
