@@ -13,9 +13,10 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
 import gpuwidget
-import workloads
 from gpuwidget.advice.batch_probe import probe_batch_size
 from gpuwidget.advice.tuner import TuneError, tune_loader
+
+import workloads
 
 
 @pytest.fixture(autouse=True)
