@@ -19,7 +19,7 @@ TS_SOURCES := $(wildcard labextension/src/*.ts labextension/src/*.tsx labextensi
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 NOTEBOOK_DIR := $(if $(wildcard notebooks),notebooks/,.)
 
-.PHONY: install lab test bench lint clean distclean chromium
+.PHONY: install lab test bench lint clean distclean chromium demo
 
 install: $(STAMP) $(LABEXT)
 
@@ -65,6 +65,11 @@ chromium:
 	    echo "      Install it as root: apt-get update && apt-get install -y chromium" >&2; \
 	  fi; \
 	fi
+
+# The first two tutorials, executed headless: HTML copies in build/demo/, and the panel under
+# the starved training loop printed here, so the product can be seen working without a browser.
+demo: install
+	$(VPY) scripts/demo.py
 
 bench: install
 	@set -e; ran=0; \
