@@ -252,6 +252,11 @@ def test_periodic_stall_needs_a_regular_period():
     workload = {"loaders": [loader_facts(step_times=regular, compute=sum(regular))]}
     finding = periodic_stall.check(summary(), workload, NO_GPU)
     assert finding.evidence["period_steps"] == 10 and finding.evidence["stalls"] == 10
+    # One spurious slow step next to the pattern does not shift the period.
+    noisy = list(regular)
+    noisy[30] = 0.2
+    assert periodic_stall.check(summary(), {"loaders": [loader_facts(step_times=noisy)]}, NO_GPU) \
+        .evidence["period_steps"] == 10
     irregular = [0.01] * 100
     for i in (3, 4, 50, 97):
         irregular[i] = 0.2

@@ -65,6 +65,13 @@ def _wait_ready(lab: Lab, process: subprocess.Popen, timeout: float = 90) -> Non
     raise RuntimeError(f"jupyter lab did not start in {timeout} s:\n{lab.log.read_text()[-3000:]}")
 
 
+@pytest.fixture(autouse=True)
+def jp_asyncio_loop() -> Iterator[None]:
+    """Replaces pytest-jupyter's autouse loop fixture here: Playwright's sync API runs its own
+    event loop, which that fixture would try to close while it runs."""
+    yield None
+
+
 @pytest.fixture(scope="session")
 def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
     """JupyterLab on a free port, serving a temporary folder with the fixture notebooks."""

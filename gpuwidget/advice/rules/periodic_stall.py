@@ -57,7 +57,8 @@ def dominant_period(indices: list[int]) -> tuple[int, int, float]:
     best, agreeing = 0, 0
     for gap in counts:
         near = counts[gap] + counts.get(gap - 1, 0) + counts.get(gap + 1, 0)
-        if near > agreeing or (near == agreeing and gap < best):
+        # Most agreeing gaps; between neighbours (9 and 10 both see the cluster), the exact mode.
+        if (near, counts[gap]) > (agreeing, counts.get(best, 0)):
             best, agreeing = gap, near
     return best, agreeing, agreeing / len(gaps) if len(gaps) else 0.0
 
