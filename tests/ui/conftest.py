@@ -6,6 +6,7 @@ test`` installs it) and are skipped with a clear reason where it is missing.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -66,10 +67,12 @@ def _wait_ready(lab: Lab, process: subprocess.Popen, timeout: float = 90) -> Non
 
 
 @pytest.fixture(autouse=True)
-def jp_asyncio_loop() -> Iterator[None]:
-    """Replaces pytest-jupyter's autouse loop fixture here: Playwright's sync API runs its own
-    event loop, which that fixture would try to close while it runs."""
-    yield None
+def jp_asyncio_loop() -> Iterator[asyncio.AbstractEventLoop]:
+    """Replaces pytest-jupyter's autouse loop fixture here: its loop is the thread's current
+    one, which Playwright's sync API is running when the fixture tries to close it."""
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
 
 
 @pytest.fixture(scope="session")
