@@ -114,7 +114,17 @@ def test_01_quickstart_shows_the_panel_and_saves_and_compares_runs(tmp_path):
 
 def test_02_data_starvation_names_the_starved_loader_and_the_storage_wait(tmp_path):
     nb = execute("02-data-starvation.ipynb", tmp_path)
-    assert "dataloader-starved" in panel_rules(cell(nb, "watch-starved"))
+    starved = cell(nb, "watch-starved")
+    rules = panel_rules(starved)
+    if "dataloader-cpu-bound" in rules:
+        # The loop builds batches on one core; the host CPU (all cores) can only reach the
+        # saturation threshold when other programs load the machine meanwhile (other test
+        # suites on a shared 2-core box): then that is the right answer for this machine.
+        ((text, _),) = panels(starved)
+        host = re.search(r"host_cpu_percent=([\d.]+)", text)
+        assert host and float(host.group(1)) >= 85, text
+    else:
+        assert "dataloader-starved" in rules
     assert "io-bound" in panel_rules(cell(nb, "watch-io"))
     # The change was applied and measured, for both causes.
     assert "measured speedup:" in printed(cell(nb, "speedup"))
