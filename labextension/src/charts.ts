@@ -8,6 +8,7 @@
 
 import uPlot from 'uplot';
 
+import { formatClock } from './format';
 import { ChartDef, ColorRole, tickLabel } from './metrics';
 import { Reading } from './protocol';
 
@@ -27,6 +28,9 @@ const FILL_ALPHA = 0.18;
 export const CHART_HEIGHT = 64;
 const TIME_AXIS_HEIGHT = 22;
 const VALUE_AXIS_WIDTH = 46;
+const TIME_LABEL_HALF_WIDTH = 28;
+/** Fixed padding (top, right, bottom, left): the same plot width on every chart, room for the end labels of the y axis. */
+const PADDING: uPlot.Padding = [8, 4, 6, 0];
 
 /** Colours resolved from the theme's CSS variables. */
 export class ChartPalette {
@@ -98,6 +102,7 @@ export class TimeChart {
     const plotOptions: uPlot.Options = {
       width: Math.max(50, options.width),
       height: CHART_HEIGHT + (options.showTimeAxis ? TIME_AXIS_HEIGHT : 0),
+      padding: PADDING,
       legend: { show: false },
       cursor: { show: false, drag: { x: false, y: false } },
       select: { show: false, left: 0, top: 0, width: 0, height: 0 },
@@ -109,12 +114,26 @@ export class TimeChart {
       },
       axes: [
         {
-          show: options.showTimeAxis,
+          // Always on for its vertical grid, which lines the charts up in time; only the
+          // bottom chart of a card spends height on the labels.
           stroke: () => palette.axis,
           font: palette.font,
-          size: TIME_AXIS_HEIGHT,
+          size: options.showTimeAxis ? TIME_AXIS_HEIGHT : 0,
+          space: 60,
           grid: { stroke: () => palette.grid, width: 1 },
-          ticks: { show: false }
+          ticks: { show: false },
+          // A label centred on a tick near the right edge would not fit: uPlot would pad
+          // this chart, and only this one, to make room. Drop such labels instead.
+          filter: (u, splits) =>
+            splits.map(value =>
+              u.valToPos(value, 'x') > u.bbox.width / uPlot.pxRatio - TIME_LABEL_HALF_WIDTH
+                ? null
+                : value
+            ),
+          values: (_u, splits, _axis, _space, increment) =>
+            splits.map(value =>
+              options.showTimeAxis && value !== null ? formatClock(value, increment < 60) : ''
+            )
         },
         {
           stroke: () => palette.axis,

@@ -8,11 +8,19 @@ import { GpuApi, ServerExtensionMissing } from './api';
 import { ConnectionState, SidebarModel } from './model';
 import { parseMessage } from './protocol';
 import {
+  BROWSER_TIMERS,
   BackoffOptions,
   ReconnectingStream,
   StreamStatus,
   Timers
 } from './stream';
+
+/**
+ * How long a hidden panel keeps its connection. JupyterLab sometimes hides and shows
+ * the side panels within a frame (opening a notebook does); a reconnection would
+ * fetch the whole hour of history again.
+ */
+export const STOP_GRACE_MS = 2000;
 
 /** A socket is presumed dead after this many intervals without a frame (and never sooner than the floor). */
 const IDLE_INTERVALS = 5;
@@ -46,10 +54,13 @@ export class SidebarController {
   readonly model: SidebarModel;
   private _api: GpuApi;
   private _stream: ReconnectingStream;
+  private _timers: Timers;
+  private _stopTimer: unknown = null;
 
   constructor(api: GpuApi, model: SidebarModel, options: ControllerOptions = {}) {
     this._api = api;
     this.model = model;
+    this._timers = options.timers ?? BROWSER_TIMERS;
     this._stream = new ReconnectingStream({
       connect: () => this._connect(),
       onMessage: text => {
@@ -77,13 +88,31 @@ export class SidebarController {
     return this._stream.running;
   }
 
-  /** Start talking to the server (the panel became visible). */
+  /**
+   * The panel was shown (connect now) or hidden (disconnect after STOP_GRACE_MS,
+   * unless it is shown again first).
+   */
+  setVisible(visible: boolean): void {
+    this._cancelStop();
+    if (visible) {
+      this._stream.start();
+    } else if (this._stream.running) {
+      this._stopTimer = this._timers.setTimeout(() => {
+        this._stopTimer = null;
+        this.stop();
+      }, STOP_GRACE_MS);
+    }
+  }
+
+  /** Start talking to the server. */
   start(): void {
+    this._cancelStop();
     this._stream.start();
   }
 
-  /** Stop all traffic (the panel was hidden). The model keeps the last values. */
+  /** Stop all traffic now. The model keeps the last values. */
   stop(): void {
+    this._cancelStop();
     this._stream.stop();
   }
 
@@ -100,6 +129,13 @@ export class SidebarController {
     this.model.setRequestedInterval(seconds);
     if (this._stream.running) {
       this._stream.restart();
+    }
+  }
+
+  private _cancelStop(): void {
+    if (this._stopTimer !== null) {
+      this._timers.clearTimeout(this._stopTimer);
+      this._stopTimer = null;
     }
   }
 

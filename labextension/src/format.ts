@@ -88,6 +88,15 @@ export function formatBytesTick(bytes: number): string {
   return `${shortNumber(bytes / 1024 ** exponent)}${unit}`;
 }
 
+/** A clock time for a time axis, in the user's locale: "14:05" or "2:05 PM" (with seconds on request). */
+export function formatClock(epochS: number, seconds = false): string {
+  return new Date(epochS * 1000).toLocaleTimeString([], {
+    hour: '2-digit',
+    minute: '2-digit',
+    second: seconds ? '2-digit' : undefined
+  });
+}
+
 /** How long ago, coarsely: "just now", "40 s ago", "5 min ago", "2 h ago". */
 export function formatAge(seconds: number): string {
   if (seconds < 2) {

@@ -54,7 +54,7 @@ const plugin: JupyterFrontEndPlugin<void> = {
 
     const panel = new GpuPanel({
       model,
-      onVisibilityChange: visible => (visible ? controller.start() : controller.stop()),
+      onVisibilityChange: visible => controller.setVisible(visible),
       onRetry: () => controller.retry(),
       openNotebook: docManager ? path => void docManager.openOrReveal(path) : null
     });

@@ -40,6 +40,26 @@ export function historyCapacity(historyS: number, interval: number): number {
   return Math.max(2, Math.min(MAX_POINTS, points));
 }
 
+/** How many of the newest rows `latest()` looks through for a reading. */
+export const LATEST_LOOKBACK = 3;
+
+/** The charts never span less than this, so the first few samples are not stretched across them. */
+export const MIN_SPAN_S = 60;
+
+/**
+ * The time span the charts show: the last `historyS` seconds, or less while the
+ * history is shorter (never less than `MIN_SPAN_S`), ending at the newest row.
+ */
+export function visibleRange(
+  first: number | null,
+  last: number | null,
+  historyS: number
+): [number, number] {
+  const end = last ?? Date.now() / 1000;
+  const start = Math.max(first ?? end, end - historyS);
+  return [Math.min(start, end - MIN_SPAN_S), end];
+}
+
 /** Time axis plus one column per requested metric, oldest first; `null` where there is no reading. */
 export type AlignedSeries = [number[], ...Reading[][]];
 
@@ -125,14 +145,28 @@ export class SeriesBuffer {
     return this._length ? this._times[this._slot(this._length - 1)] : null;
   }
 
-  /** The newest row's reading of `name` (null when that row has none). */
+  /** Time of the oldest row, or null when empty. */
+  firstTime(): number | null {
+    return this._length ? this._times[this._slot(0)] : null;
+  }
+
+  /**
+   * The newest reading of `name` among the last LATEST_LOOKBACK rows, so one sample
+   * without it does not blank the number; null when none of them has one.
+   */
   latest(name: string): Reading {
     const column = this._columns.get(name);
-    if (!column || !this._length) {
+    if (!column) {
       return null;
     }
-    const value = column[this._slot(this._length - 1)];
-    return Number.isNaN(value) ? null : value;
+    const oldest = Math.max(0, this._length - LATEST_LOOKBACK);
+    for (let i = this._length - 1; i >= oldest; i--) {
+      const value = column[this._slot(i)];
+      if (!Number.isNaN(value)) {
+        return value;
+      }
+    }
+    return null;
   }
 
   /** The times of all rows, oldest first. */

@@ -21,7 +21,7 @@ import {
   hostCharts,
   splitReported
 } from './metrics';
-import { ModelChange, SidebarModel } from './model';
+import { ModelChange, SidebarModel, visibleRange } from './model';
 import { DeviceInfo, ProcessInfo } from './protocol';
 
 export const PANEL_ID = 'gpuwidget-sidebar';
@@ -143,7 +143,8 @@ export class GpuPanel extends Widget {
   protected onAfterAttach(msg: Message): void {
     super.onAfterAttach(msg);
     this._resizeObserver = new ResizeObserver(() => this._resize());
-    this._resizeObserver.observe(this.node);
+    // The cards' box, not the panel's: it narrows when a scrollbar appears.
+    this._resizeObserver.observe(this._cardsNode);
     if (this.isVisible) {
       this._shown();
     }
@@ -287,6 +288,8 @@ export class GpuPanel extends Widget {
     const { shown } = splitReported(hostCharts(host, latest), series);
     this._cards.push(this._buildCard('host', hostTitle, shown, [], false));
     this._processesDirty = true;
+    // Charts built before the cards overflowed were measured without the scrollbar.
+    this._resize();
   }
 
   private _gpuTitle(device: DeviceInfo): string {
@@ -344,8 +347,7 @@ export class GpuPanel extends Widget {
     const series = this.model.series;
     const latest: Latest = column => series.latest(column);
     const times = series.times();
-    const xMax = series.lastTime() ?? Date.now() / 1000;
-    const xMin = xMax - this.model.historyS;
+    const [xMin, xMax] = visibleRange(series.firstTime(), series.lastTime(), this.model.historyS);
     const columns = new Map<string, ChartData[1]>();
     const column = (name: string) => {
       let values = columns.get(name);

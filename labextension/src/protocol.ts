@@ -71,7 +71,8 @@ export interface SampleMessage {
 
 export interface ProcessesMessage {
   type: 'processes';
-  t: number;
+  /** null before the first scan of the GPUs' processes. */
+  t: number | null;
   gpus: Record<string, ProcessInfo[]>;
 }
 

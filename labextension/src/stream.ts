@@ -52,7 +52,8 @@ export interface Timers {
   clearTimeout(handle: unknown): void;
 }
 
-const BROWSER_TIMERS: Timers = {
+/** The window's timers. */
+export const BROWSER_TIMERS: Timers = {
   setTimeout: (callback, ms) => setTimeout(callback, ms),
   clearTimeout: handle => clearTimeout(handle as ReturnType<typeof setTimeout>)
 };

@@ -1,5 +1,5 @@
 import { GpuApi, ServerExtensionMissing } from '../src/api';
-import { SidebarController } from '../src/controller';
+import { STOP_GRACE_MS, SidebarController } from '../src/controller';
 import { SidebarModel } from '../src/model';
 import { DevicesReply } from '../src/protocol';
 import { FakeClock, FakeSocket, settle } from './fakes';
@@ -120,6 +120,39 @@ describe('SidebarController', () => {
     expect(clock.pendingCount).toBe(0);
     // The last values stay for the status bar.
     expect(model.series.length).toBe(5);
+  });
+
+  it('keeps the connection through a hide and show within the grace period', async () => {
+    const { server, clock, controller } = setup();
+    controller.setVisible(true);
+    await settle();
+    server.greet();
+    controller.setVisible(false);
+    await clock.advance(STOP_GRACE_MS / 2);
+    controller.setVisible(true);
+    await clock.advance(STOP_GRACE_MS * 2);
+    expect(server.sockets).toHaveLength(1);
+    expect(server.sockets[0].closed).toBe(false);
+    expect(server.requests).toBe(1);
+  });
+
+  it('disconnects once hidden for the grace period', async () => {
+    const { server, clock, model, controller } = setup();
+    controller.setVisible(true);
+    await settle();
+    server.greet();
+    controller.setVisible(false);
+    expect(server.sockets[0].closed).toBe(false);
+    await clock.advance(STOP_GRACE_MS);
+    expect(server.sockets[0].closed).toBe(true);
+    expect(model.connection.kind).toBe('stopped');
+  });
+
+  it('does not connect when hidden before it was ever shown', async () => {
+    const { server, clock, controller } = setup();
+    controller.setVisible(false);
+    await clock.advance(STOP_GRACE_MS * 2);
+    expect(server.requests).toBe(0);
   });
 
   it('asks for a new interval by reconnecting, only while running', async () => {

@@ -6,6 +6,7 @@ import {
   formatBytesOf,
   formatBytesTick,
   formatCelsius,
+  formatClock,
   formatPercent,
   formatRate,
   formatWattsOf,
@@ -52,6 +53,10 @@ describe('format', () => {
     expect(formatAge(40)).toBe('40 s ago');
     expect(formatAge(300)).toBe('5 min ago');
     expect(formatAge(7200)).toBe('2 h ago');
+  });
+
+  it('labels the time axis with a clock time, no date', () => {
+    expect(formatClock(1764490000)).toMatch(/^\d{1,2}:\d{2}( ?[AaPp]\.? ?[Mm]\.?)?$/);
   });
 
   it('names a notebook by its file name', () => {

@@ -1,10 +1,12 @@
 import {
   MAX_POINTS,
+  MIN_SPAN_S,
   ModelChange,
   SeriesBuffer,
   SidebarModel,
   effectiveInterval,
-  historyCapacity
+  historyCapacity,
+  visibleRange
 } from '../src/model';
 import { GiB, T0, gpuDevices, hello, history, sample } from './fixtures';
 
@@ -34,7 +36,17 @@ describe('SeriesBuffer', () => {
       [null, 100, null],
       [null, null, null]
     ]);
+  });
+
+  it('keeps showing the newest reading through a sample or two without it', () => {
+    const buffer = new SeriesBuffer(10);
+    buffer.push(T0, { 'gpu0.util': 5 });
+    buffer.push(T0 + 1, { 'gpu0.util': null });
+    buffer.push(T0 + 2, {});
+    expect(buffer.latest('gpu0.util')).toBe(5);
+    buffer.push(T0 + 3, {});
     expect(buffer.latest('gpu0.util')).toBeNull();
+    expect(buffer.latest('never.seen')).toBeNull();
   });
 
   it('does not keep a stale value in a slot it reuses', () => {
@@ -64,6 +76,20 @@ describe('SeriesBuffer', () => {
       [2, 3, 4],
       [null, 30, 40]
     ]);
+  });
+});
+
+describe('visibleRange', () => {
+  it('spans the last hour once there is an hour of data', () => {
+    expect(visibleRange(T0, T0 + 7200, 3600)).toEqual([T0 + 3600, T0 + 7200]);
+  });
+
+  it('spans only the data there is while the history is shorter', () => {
+    expect(visibleRange(T0, T0 + 600, 3600)).toEqual([T0, T0 + 600]);
+  });
+
+  it('never stretches the first samples across the whole chart', () => {
+    expect(visibleRange(T0, T0 + 3, 3600)).toEqual([T0 + 3 - MIN_SPAN_S, T0 + 3]);
   });
 });
 

@@ -33,12 +33,14 @@ SERIES_JS = f"""() => {{
 
 # 8 GPUs x 5 charts with an hour of history at 1 s, processes on gpu0, then timed redraws.
 SYNTHETIC_JS = """async ([notebook, redraws]) => {
-  const panel = %s;
+  const panel = __PANEL__;
   const model = panel.model;
+  // Mute the live feed (this machine's host samples): the synthetic GPUs are the only data.
+  const handle = model.handle.bind(model);
+  model.handle = () => {};
   const GiB = 1024 ** 3;
   const gpus = 8, points = 3600;
-  // Before the live samples' times, so the real feed still appends in order.
-  const now = Date.now() / 1000 - 60;
+  const now = Date.now() / 1000;
   const devices = {
     gpu_found: true, message: null, interval: 1, history_s: 3600,
     host: {cpu_count: 64, mem_total: 1024 * GiB},
@@ -59,9 +61,9 @@ SYNTHETIC_JS = """async ([notebook, redraws]) => {
     columns[`gpu${i}.pcie_tx`] = t.map((_, k) => wave(k, i, 15, 0, 8) * GiB);
     columns[`gpu${i}.pcie_rx`] = t.map((_, k) => wave(k, i, 25, 0, 20) * GiB);
   }
-  model.handle({type: 'hello', devices});
-  model.handle({type: 'history', t, columns});
-  model.handle({type: 'processes', t: now, gpus: {gpu0: [
+  handle({type: 'hello', devices});
+  handle({type: 'history', t, columns});
+  handle({type: 'processes', t: now, gpus: {gpu0: [
     {pid: 4242, memory: 60 * GiB, user: 'you', name: 'python', kernel_id: 'k', notebook},
     {pid: 99, memory: 20 * GiB, user: 'another user', name: null, kernel_id: null, notebook: null}]}});
   const build0 = performance.now();
@@ -72,9 +74,9 @@ SYNTHETIC_JS = """async ([notebook, redraws]) => {
   await frame();
   const script = [], frames = [];
   for (let n = 0; n < redraws; n++) {
-    const values = {'cpu.util': 50};
-    for (let i = 0; i < gpus; i++) { values[`gpu${i}.util`] = 50 + n; }
-    model.handle({type: 'sample', t: now + (n + 1) / 100, values});
+    const values = {};
+    for (const name of Object.keys(columns)) { values[name] = columns[name][n]; }
+    handle({type: 'sample', t: now + n + 1, values});
     const start = performance.now();
     panel.render();
     await Promise.resolve();  // uPlot draws in a microtask after setData
@@ -84,28 +86,38 @@ SYNTHETIC_JS = """async ([notebook, redraws]) => {
   }
   const charts = panel.node.querySelectorAll('.jp-gpuwidget-chart canvas').length;
   return {charts, points: model.series.length, build, script, frames};
-}""" % PANEL_JS
+}""".replace("__PANEL__", PANEL_JS)
 
 
-def wait_for(predicate, timeout: float, message: str, page=None):
+def wait_for(predicate, timeout: float, message: str, page):
+    """Poll `predicate`; waiting through the page lets Playwright deliver its events
+    (requests, socket closes), which a plain time.sleep would hold back."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = predicate()
         if value:
             return value
-        time.sleep(0.1)
-    if page is not None:  # leave evidence for whoever reads the failure
-        SCREENSHOTS.mkdir(parents=True, exist_ok=True)
-        page.screenshot(path=str(SCREENSHOTS / "sidebar-failure.png"))
-        message += "\nconsole:\n" + "\n".join(page.console_messages[-20:])
+        page.wait_for_timeout(100)
+    # Leave evidence for whoever reads the failure.
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(SCREENSHOTS / "sidebar-failure.png"))
+    message += "\nconsole:\n" + "\n".join(page.console_messages[-20:])
     raise AssertionError(message)
 
 
-def open_lab(page, lab) -> list[str]:
-    """Load JupyterLab; return the list that collects every gpuwidget API request and socket."""
+def open_lab(page, lab, sockets: list | None = None) -> list[str]:
+    """Load JupyterLab; return the list that collects every gpuwidget API request and socket URL
+    (the sockets themselves go to `sockets`)."""
     traffic: list[str] = []
+
+    def on_socket(ws) -> None:
+        if "/gpuwidget/api/" in ws.url:
+            traffic.append(ws.url)
+            if sockets is not None:
+                sockets.append(ws)
+
     page.on("request", lambda request: "/gpuwidget/api/" in request.url and traffic.append(request.url))
-    page.on("websocket", lambda ws: "/gpuwidget/api/" in ws.url and traffic.append(ws.url))
+    page.on("websocket", on_socket)
     page.goto(lab.page_url("lab"))
     page.wait_for_function("window.jupyterapp !== undefined", timeout=60_000)
     page.wait_for_selector(STATUS_ITEM, timeout=60_000)
@@ -119,9 +131,10 @@ def median(values: list[float]) -> float:
 
 
 def test_sidebar_shows_the_host_and_says_no_gpu_and_is_silent_when_closed(lab, page):
-    traffic = open_lab(page, lab)
+    sockets: list = []
+    traffic = open_lab(page, lab, sockets)
     # Closed: the status bar invites a click and nothing reaches the server.
-    time.sleep(2)
+    page.wait_for_timeout(2000)
     assert traffic == [], f"requests while the panel was closed: {traffic}"
     status = page.locator(STATUS_ITEM)
     assert status.inner_text() == "GPU"
@@ -140,7 +153,7 @@ def test_sidebar_shows_the_host_and_says_no_gpu_and_is_silent_when_closed(lab, p
     wait_for(lambda: re.fullmatch(r"\d+%", page.locator(HOST_CPU_VALUE).inner_text()), 30,
              "no host CPU reading in the sidebar", page)
     first = page.evaluate(SERIES_JS)
-    time.sleep(3.5)
+    page.wait_for_timeout(3500)
     later = page.evaluate(SERIES_JS)
     assert later["last"] >= first["last"] + 2, f"no new samples in 3.5 s: {first} -> {later}"
     assert later["length"] > first["length"]
@@ -156,13 +169,15 @@ def test_sidebar_shows_the_host_and_says_no_gpu_and_is_silent_when_closed(lab, p
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(SCREENSHOTS / "sidebar.png"))
 
-    # Closed again: the socket goes, nothing more is asked, the status bar keeps the last value.
+    # Closed again: the socket goes (after a 2 s grace), nothing more is asked, and the
+    # status bar keeps the last value.
+    assert len(sockets) == 1
     page.locator(TAB).click()
     page.wait_for_selector(PANEL, state="hidden", timeout=10_000)
-    time.sleep(0.5)
+    wait_for(lambda: sockets[0].is_closed(), 10, "the stream socket stayed open with the panel closed", page)
     seen = len(traffic)
     kept = status.inner_text()
-    time.sleep(3)
+    page.wait_for_timeout(3000)
     assert len(traffic) == seen, f"requests after closing: {traffic[seen:]}"
     assert status.inner_text() == kept
     assert "jp-mod-stale" in status.get_attribute("class")
@@ -215,7 +230,7 @@ def test_eight_gpus_with_an_hour_of_history_redraw_within_a_frame_budget(lab, pa
     page.evaluate("window.jupyterapp.commands.execute('apputils:change-theme', {theme: 'JupyterLab Dark'})")
     wait_for(lambda: page.evaluate("document.body.dataset.jpThemeLight") == "false", 30,
              "the dark theme did not load", page)
-    time.sleep(1.0)
+    page.wait_for_timeout(1000)
     dark_background = page.evaluate(
         "getComputedStyle(document.querySelector('.jp-gpuwidget-card')).backgroundColor")
     assert dark_background != light_background
