@@ -91,10 +91,18 @@ export class ServerApi implements GpuApi {
     this._socket = socket;
   }
 
-  /** `GET /devices`; rejects with ServerExtensionMissing on 404, ApiError on other failures. */
+  /**
+   * `GET /devices`; rejects with ServerExtensionMissing on 404, ApiError on other
+   * failures (status 0: no answer at all, e.g. the server is restarting).
+   */
   async devices(): Promise<DevicesReply> {
     const url = apiUrl(this._settings, 'devices');
-    const reply = await this._fetch(url, { method: 'GET' });
+    let reply: Response;
+    try {
+      reply = await this._fetch(url, { method: 'GET' });
+    } catch {
+      throw new ApiError(0, url, 'cannot reach the server');
+    }
     if (reply.status === 404) {
       throw new ServerExtensionMissing(url);
     }

@@ -81,6 +81,16 @@ describe('ServerApi', () => {
     expect(error.status).toBe(403);
   });
 
+  it('says plainly when the server does not answer at all', async () => {
+    const api = new ServerApi(SETTINGS, async () => {
+      throw new TypeError('Failed to fetch');
+    });
+    const error = await api.devices().catch(e => e);
+    expect(error).toBeInstanceOf(ApiError);
+    expect(error.status).toBe(0);
+    expect(error.message).toBe('cannot reach the server');
+  });
+
   it('refuses a reply that is not the devices contract', async () => {
     const api = new ServerApi(SETTINGS, async () => reply(200, { devices: 'none' }));
     await expect(api.devices()).rejects.toBeInstanceOf(ApiError);
