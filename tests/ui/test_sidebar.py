@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 import time
+import urllib.request
 
 import pytest
 
@@ -185,8 +186,17 @@ def test_sidebar_shows_the_host_and_says_no_gpu_and_is_silent_when_closed(lab, p
     assert "nothing is polled while the GPU panel is closed" in status.get_attribute("title")
     assert page.evaluate(f"{PANEL_JS}.model.connection.kind") == "stopped"
 
-    errors = [m for m in page.console_messages if m.startswith("error") and "gpuwidget" in m]
-    assert not errors, errors
+    problems = [m for m in page.console_messages if m.startswith(("error", "warning")) and "gpuwidget" in m]
+    assert not problems, problems
+
+
+def test_settings_schema_is_served(lab):
+    """The schema (labextension/schema/plugin.json) reached JupyterLab's settings service."""
+    with urllib.request.urlopen(f"{lab.url}lab/api/settings/gpuwidget:plugin?token={lab.token}") as reply:
+        settings = json.load(reply)
+    properties = settings["schema"]["properties"]
+    assert properties["interval"]["default"] == 1
+    assert properties["metrics"]["default"] == ["utilization", "memory", "power", "temperature", "pcie"]
 
 
 def test_eight_gpus_with_an_hour_of_history_redraw_within_a_frame_budget(lab, page):
