@@ -4,7 +4,7 @@
  * fixes), then the stream, reconnecting with backoff when the server goes away.
  */
 
-import { GpuApi, ServerExtensionMissing } from './api';
+import { ApiError, GpuApi, ServerExtensionMissing } from './api';
 import { ConnectionState, SidebarModel } from './model';
 import { parseMessage } from './protocol';
 import {
@@ -32,6 +32,7 @@ export interface ControllerOptions {
   random?: () => number;
 }
 
+/** The panel's connection state for a stream status; null where the model decides. */
 export function connectionFor(status: StreamStatus): ConnectionState | null {
   switch (status.kind) {
     case 'connecting':
@@ -44,9 +45,11 @@ export function connectionFor(status: StreamStatus): ConnectionState | null {
     case 'stopped':
       return { kind: 'stopped' };
     case 'fatal':
-      return status.error instanceof ServerExtensionMissing
-        ? { kind: 'missing', url: status.error.url }
-        : { kind: 'retrying', delayMs: 0, reason: String(status.error) };
+      // Only a missing server extension is fatal (isFatal below).
+      return {
+        kind: 'missing',
+        url: status.error instanceof ApiError ? status.error.url : ''
+      };
   }
 }
 
