@@ -15,7 +15,7 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 LABEXT := gpuwidget/labextension/package.json
 LABEXT_LINK := $(VENV)/share/jupyter/labextensions/gpuwidget
-TS_SOURCES := $(wildcard labextension/src/*.ts labextension/src/*.tsx labextension/style/*)
+TS_SOURCES := $(wildcard labextension/src/*.ts labextension/src/*.tsx labextension/style/* labextension/schema/*)
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 NOTEBOOK_DIR := $(if $(wildcard notebooks),notebooks/,.)
 
@@ -53,6 +53,7 @@ lab: install
 	$(VENV)/bin/jupyter lab --ip=127.0.0.1 --no-browser $(ROOT_FLAG) $(NOTEBOOK_DIR)
 
 test: install chromium
+	PATH="$(VBIN):$$PATH" jlpm test
 	$(VPY) -m pytest
 
 # Browser tests use Debian's chromium (Playwright's own browser download cannot work here).
