@@ -1,0 +1,340 @@
+"""Overhead: does a watched training loop keep >= 99 % of its unwatched throughput?
+
+The loop is deliberately Python-heavy, the worst case for a sampler thread that competes
+for the GIL: a small MLP (6 x Linear+LayerNorm+ReLU) trained with AdamW (foreach=False) on
+batches of 32 from an in-memory TensorDataset through a DataLoader with num_workers=0,
+on one torch thread; a step takes about 1.5 ms here, dominated by Python and the
+dispatcher. The watch is the public ``gpuwidget.watch(quiet=True)``, so whatever a watch
+installs (sampler thread, workload probes) is measured.
+
+Watched and unwatched runs of a fixed number of steps (about 1.2 s each) alternate in one
+process, in ABBA order (pair i runs watched first when i is odd), so drift and other
+processes' load hit both sides alike; the configurations take turns, one pair each per
+round, so a burst of load does not land on one configuration only. Each pair gives a
+ratio of throughputs watched/unwatched. Reported:
+
+* steady: the median pair ratio (the target figure), its IQR and min - max;
+* best-of: fastest unwatched run / fastest watched run (other processes' load only ever
+  slows a run down, so the fastest runs are the least disturbed);
+* CPU: the median ratio from process CPU time (all threads); steadier than wall time on a
+  busy machine, and slightly pessimistic (it counts sampler work done on another core);
+* an estimate from the parts, which other processes' load hardly moves: the probe's cost
+  per DataLoader ``next()`` (best of short runs) plus the sampler thread's CPU time as a
+  share of the watched time (with a GIL-bound loop, at most that much is taken from it);
+* an A/A control (unwatched against unwatched, same protocol): how far from 1.0 noise
+  alone moves the figures on this machine.
+
+The steady state is what is compared: inside each block (watched or not) about 0.5 s of
+steps run untimed first, so the watch's first ticks (which set up the Trace's ~150
+columns, tens of ms once per watch) are not charged to 1.2 s of steps as if they recurred;
+a training cell runs for minutes. That one-off cost is reported apart ("one-off ms": what a
+whole watched block cost beyond the steady slowdown: start, first ticks, finish), with the
+whole-block ratio of these short blocks.
+
+Configurations: the default interval (the target, 10 pairs), and for information (6 pairs
+each): the A/A control; 0.1 s (10 Hz); the default interval with 8 fake GPUs
+(tests/fakenvml.py, answering instantly: real NVML calls are C calls that release the GIL
+while they wait, so this adds our Python-side cost per GPU, not the driver's latency);
+and the default interval on a host with 500 more (idle, not ours) processes, as on a
+shared server, since finding child processes costs in proportion to the process table
+(see sampler_cost.py).
+
+    .venv/bin/python benchmarks/overhead.py [--quick] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from _common import (
+    median,
+    parse_args,
+    print_header,
+    quartiles,
+    setup_paths,
+    strangers,
+    table,
+    verdict,
+    write_json,
+)
+
+setup_paths(fake_nvml=True)
+
+TARGET_RATIO = 0.99
+
+
+def make_loop() -> Callable[[int], tuple[float, float]]:
+    """A training loop of Python-heavy CPU steps; returns run(steps) -> (wall s, CPU s)."""
+    import torch
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    inputs = torch.randn(4096, 32)
+    labels = torch.randint(0, 10, (4096,))
+    loader = DataLoader(TensorDataset(inputs, labels), batch_size=32, shuffle=True, num_workers=0)
+    layers: list[nn.Module] = []
+    for i in range(6):
+        layers += [nn.Linear(32 if i == 0 else 64, 64), nn.LayerNorm(64), nn.ReLU()]
+    model = nn.Sequential(*layers, nn.Linear(64, 10))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+    loss_fn = nn.CrossEntropyLoss()
+
+    def run(steps: int) -> tuple[float, float]:
+        """Wall seconds and process CPU seconds (all threads, the sampler's included) of ``steps``."""
+        done = 0
+        cpu = time.process_time()
+        started = time.perf_counter()
+        while done < steps:
+            for x, y in loader:  # a new iterator per epoch, as a training loop does
+                optimizer.zero_grad(set_to_none=True)
+                loss = loss_fn(model(x), y)
+                loss.backward()
+                optimizer.step()
+                done += 1
+                if done >= steps:
+                    break
+        return time.perf_counter() - started, time.process_time() - cpu
+
+    return run
+
+
+def probe_cost_us(repeats: int) -> dict[str, float]:
+    """What a watch adds to each DataLoader ``next()``, best of ``repeats`` (loader alone, no
+    model: the probe's own cost, not diluted by the step). The watch's interval is 60 s, so
+    its sampler ticks only at the start and the end."""
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import gpuwidget
+
+    loader = DataLoader(TensorDataset(torch.randn(4096, 32), torch.randint(0, 10, (4096,))),
+                        batch_size=32, num_workers=0)
+
+    def epochs(count: int = 16) -> float:
+        n = 0
+        started = time.perf_counter()
+        for _ in range(count):
+            for _batch in loader:
+                n += 1
+        return (time.perf_counter() - started) / n
+
+    plain: list[float] = []
+    probed: list[float] = []
+    epochs()
+    for _ in range(repeats):
+        plain.append(epochs())
+        with gpuwidget.watch(quiet=True, interval=60):
+            probed.append(epochs())
+    return {"next_us": 1e6 * min(plain), "probe_us": 1e6 * (min(probed) - min(plain))}
+
+
+@contextlib.contextmanager
+def no_fake() -> Iterator[None]:
+    yield
+
+
+@contextlib.contextmanager
+def crowded_host(count: int) -> Iterator[None]:
+    with strangers(count):
+        yield
+
+
+@contextlib.contextmanager
+def fake_gpus(count: int) -> Iterator[None]:
+    from fakenvml import FakeNvml
+
+    fake = FakeNvml.gpus(count)
+    fake.real_time = True  # the fake's clock follows the wall clock, as a live driver's would
+    with fake.patched():
+        yield
+
+
+@dataclass
+class Config:
+    """One configuration and the figures of its pairs so far."""
+
+    name: str
+    options: dict[str, Any] | None  # None: the A/A control, both sides unwatched
+    context: Callable[[], contextlib.AbstractContextManager[None]]
+    pairs: int
+    plain: list[float] = field(default_factory=list)  # timed-steps wall seconds, unwatched
+    watched: list[float] = field(default_factory=list)
+    ratios: list[float] = field(default_factory=list)
+    cpu_ratios: list[float] = field(default_factory=list)
+    block_ratios: list[float] = field(default_factory=list)
+    one_off_ms: list[float] = field(default_factory=list)
+    sampler_share: list[float] = field(default_factory=list)
+    tick_cpu_us: list[float] = field(default_factory=list)
+
+    def figures(self) -> dict[str, Any]:
+        q1, q3 = quartiles(self.ratios)
+        return {
+            "pairs": len(self.ratios),
+            "ratio_median": median(self.ratios),
+            "ratio_q1": q1,
+            "ratio_q3": q3,
+            "ratio_min": min(self.ratios),
+            "ratio_max": max(self.ratios),
+            "ratio_best_of": min(self.plain) / min(self.watched),
+            "ratios": self.ratios,
+            "cpu_ratio_median": median(self.cpu_ratios),
+            "cpu_ratios": self.cpu_ratios,
+            "block_ratio_median": median(self.block_ratios),
+            "one_off_ms": median(self.one_off_ms) if self.options is not None else float("nan"),
+            "sampler_cpu_share": median(self.sampler_share) if self.sampler_share else float("nan"),
+            "sampler_cpu_per_tick_us": median(self.tick_cpu_us) if self.tick_cpu_us else float("nan"),
+        }
+
+
+def one_pair(config: Config, run: Callable[[int], tuple[float, float]], steps: int, settle_steps: int,
+             watched_first: bool) -> None:
+    """One unwatched and one watched run of the same steps, in the order given."""
+    import gpuwidget
+
+    def unwatched() -> tuple[float, float, float]:
+        settle, _ = run(settle_steps)
+        inner, cpu = run(steps)
+        return inner, cpu, settle + inner
+
+    def watched() -> tuple[float, float, float]:
+        if config.options is None:
+            return unwatched()
+        outer = time.perf_counter()
+        with gpuwidget.watch(quiet=True, **config.options) as record:
+            run(settle_steps)  # the watch's first ticks (column set-up) fall in here
+            inner, cpu = run(steps)
+        block = time.perf_counter() - outer
+        stats = record.sampler
+        if stats and stats["ticks"]:
+            config.sampler_share.append(float(stats["cpu_time_s"]) / block)
+            config.tick_cpu_us.append(1e6 * float(stats["cpu_time_s"]) / int(stats["ticks"]))
+        return inner, cpu, block
+
+    with config.context():
+        if watched_first:
+            (watch, watch_cpu, watch_block), (plain, plain_cpu, plain_block) = watched(), unwatched()
+        else:
+            (plain, plain_cpu, plain_block), (watch, watch_cpu, watch_block) = unwatched(), watched()
+    config.plain.append(plain)
+    config.watched.append(watch)
+    config.ratios.append(plain / watch)  # throughput ratio = inverse time ratio
+    config.cpu_ratios.append(plain_cpu / watch_cpu)
+    config.block_ratios.append(plain_block / watch_block)
+    # What the whole block cost beyond the steady slowdown: start, first ticks, finish.
+    config.one_off_ms.append(1e3 * (watch_block - plain_block * watch / plain))
+
+
+def main() -> None:
+    args = parse_args("Throughput of a watched vs unwatched Python-heavy training loop.")
+    info = print_header("Overhead: watched / unwatched throughput of a Python-heavy CPU training loop")
+    import torch
+
+    import gpuwidget
+    from gpuwidget.options import DEFAULT_INTERVAL_S
+
+    run = make_loop()
+    run_seconds = 0.3 if args.quick else 1.2
+    settle_seconds = 0.3 if args.quick else 0.5
+    pairs = 3 if args.quick else 10  # the target configuration
+    other_pairs = 2 if args.quick else 6  # the informational ones
+    crowd = 50 if args.quick else 500
+    # Warm up: the loop itself, and one watch (first-use imports are not overhead).
+    run(300)
+    with gpuwidget.watch(quiet=True):
+        run(50)
+    step_s = min(run(300)[0] for _ in range(3)) / 300
+    steps = max(50, int(run_seconds / step_s))
+    settle_steps = max(20, int(settle_seconds / step_s))
+    print(f"  torch {torch.__version__}, 1 thread; {1e3 * step_s:.2f} ms/step unwatched; "
+          f"each run {settle_steps} untimed + {steps} timed steps; pairs in ABBA order")
+
+    default = f"default interval ({DEFAULT_INTERVAL_S:g} s)"
+    configs = [
+        Config(default, {}, no_fake, pairs),
+        Config("control: unwatched vs unwatched (A/A, the noise floor)", None, no_fake, other_pairs),
+        Config("interval 0.1 s (10 Hz)", {"interval": 0.1}, no_fake, other_pairs),
+        Config("default interval, 8 fake GPUs", {}, lambda: fake_gpus(8), other_pairs),
+        Config(f"default interval, +{crowd} idle processes on the host", {}, lambda: crowded_host(crowd),
+               other_pairs),
+    ]
+    # Round robin: each round runs one pair of every configuration (in a rotated order), so a
+    # burst of load from other processes hits all configurations rather than one.
+    for round_index in range(max(c.pairs for c in configs)):
+        shift = round_index % len(configs)
+        for config in configs[shift:] + configs[:shift]:
+            if round_index < config.pairs:
+                one_pair(config, run, steps, settle_steps, watched_first=round_index % 2 == 1)
+    results = {config.name: config.figures() for config in configs}
+    rows = []
+    for config in configs:
+        f = results[config.name]
+        control = config.options is None
+        rows.append([
+            config.name,
+            f["pairs"],
+            f"{f['ratio_median']:.4f}",
+            f"{f['ratio_q1']:.4f} - {f['ratio_q3']:.4f}",
+            f"{f['ratio_min']:.4f} - {f['ratio_max']:.4f}",
+            f"{f['ratio_best_of']:.4f}",
+            f"{f['cpu_ratio_median']:.4f}",
+            f"{f['block_ratio_median']:.4f}",
+            "-" if control else f"{f['one_off_ms']:.0f}",
+            "-" if control else f"{f['sampler_cpu_per_tick_us']:.0f}",
+            "-" if control else f"{100 * f['sampler_cpu_share']:.2f} %",
+        ])
+    print()
+    print("  steady: median wall-clock throughput ratio of the timed steps (IQR and min - max over pairs);")
+    print("  best-of: fastest unwatched run / fastest watched run; CPU: the median ratio from process CPU")
+    print("  time (all threads; counts sampler work done on the other core too, so pessimistic); whole")
+    print("  block: settle + timed steps with the watch's start and finish; one-off: what a watched block")
+    print("  cost beyond the steady slowdown; sampler: its thread CPU per tick and share of the block")
+    table(["configuration", "pairs", "steady", "IQR", "min - max", "best-of", "CPU", "whole block",
+           "one-off ms", "sampler us/tick", "sampler CPU"], rows)
+    # A load-independent estimate from the parts: the probe's cost per step (best of several
+    # short runs) and the sampler's CPU while the loop runs (its own thread CPU time; with a
+    # GIL-bound loop, at most this much time is taken from the loop).
+    probe = probe_cost_us(3 if args.quick else 9)
+    print()
+    print(f"  parts: a watch adds {probe['probe_us']:.1f} us to each DataLoader next() "
+          f"({probe['next_us']:.0f} us unwatched; best of runs), i.e. "
+          f"{100 * probe['probe_us'] / (1e6 * step_s):.2f} % of a {1e3 * step_s:.2f} ms step")
+    estimates = {}
+    for config in configs:
+        if config.options is None:
+            continue
+        share = results[config.name]["sampler_cpu_share"]
+        estimate = 1 / (1 + probe["probe_us"] / (1e6 * step_s) + share)
+        estimates[config.name] = estimate
+        print(f"  estimated ratio from the parts, {config.name}: {estimate:.4f} "
+              f"(probe {100 * probe['probe_us'] / (1e6 * step_s):.2f} % + sampler {100 * share:.2f} %)")
+    print()
+    verdicts = [
+        verdict(f"steady throughput ratio at the {default}", results[default]["ratio_median"], TARGET_RATIO,
+                higher_is_better=True, shown=f"{results[default]['ratio_median']:.4f} (IQR "
+                f"{results[default]['ratio_q1']:.4f} - {results[default]['ratio_q3']:.4f}, best-of "
+                f"{results[default]['ratio_best_of']:.4f}; A/A control "
+                f"{results[configs[1].name]['ratio_median']:.4f}; estimate from the parts "
+                f"{estimates[default]:.4f})", target_shown=f"{TARGET_RATIO}"),
+    ]
+    for config in configs[1:]:
+        if config.options is None:
+            continue
+        figures = results[config.name]
+        verdicts.append(verdict(f"steady throughput ratio, {config.name} (informational, same bar)",
+                                figures["ratio_median"], TARGET_RATIO, higher_is_better=True,
+                                shown=f"{figures['ratio_median']:.4f} (best-of {figures['ratio_best_of']:.4f})",
+                                target_shown=f"{TARGET_RATIO}"))
+    write_json(args.json, {"benchmark": "overhead", "machine": info, "quick": args.quick,
+                           "step_ms": 1e3 * step_s, "steps_per_run": steps, "settle_steps": settle_steps,
+                           "probe": probe, "estimates": estimates,
+                           "results": results, "verdicts": verdicts})
+
+
+if __name__ == "__main__":
+    main()
