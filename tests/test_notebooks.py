@@ -137,7 +137,8 @@ def test_03_precision_shows_what_the_model_probe_sees_under_cpu_autocast(tmp_pat
     assert "'autocast': {'enabled': False" in printed(cell(nb, "fp32-facts"))
     assert printed(cell(nb, "bf16-facts")) == "{'enabled': True, 'dtype': 'bfloat16', 'device_type': 'cpu'}"
     assert "recorded float32_matmul_precision: high" in printed(cell(nb, "tf32"))
-    assert re.search(r"batch 512 trains [\d.]+x as many samples per second as batch 8", printed(cell(nb, "batch-sweep")))
+    sweep = printed(cell(nb, "batch-sweep"))
+    assert re.search(r"batch 512 trains [\d.]+x as many samples per second as batch 8", sweep), sweep
     assert "GPU rules need GPU measurements" in printed(cell(nb, "gpu-findings"))
 
 
