@@ -119,6 +119,13 @@ def test_sleeping_loader_is_io_bound_with_workers_beyond_the_cores():
     assert found["io-bound"].change["num_workers"] == 8  # 4 per core, 2 cores
 
 
+def test_idle_workers_on_a_saturated_host_wait_for_cores_not_storage():
+    # Two workers that got 15% of a core each while other programs kept the host full.
+    workload = {"loaders": [loader_facts(wait=2.0, compute=0.5, workers=2, wait_cpu=None)]}
+    found = {f.rule for f in advise(summary(host=97.0, workers_cpu=30.0), workload, {**NO_GPU, "usable_cpus": 2})}
+    assert "io-bound" not in found and "dataloader-cpu-bound" in found
+
+
 def test_persistent_workers_and_prefetch_when_the_measurement_calls_for_them():
     waits = [0.001] * 90 + [0.2] * 10  # bursty
     workload = {"loaders": [loader_facts(wait=sum(waits), compute=1.0, workers=2, wait_cpu=None, epochs=3,

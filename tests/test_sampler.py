@@ -136,6 +136,19 @@ def test_host_source_reports_process_and_worker_cpu_in_si_units(monkeypatch):
     assert source.describe()["cpu_affinity"] == usable_cpu_count()
 
 
+def test_worker_cpu_counts_workers_that_ended_between_two_readings():
+    source = HostSource()
+    source.read()
+    started = time.perf_counter()
+    worker = multiprocessing.get_context("fork").Process(target=_burn, args=(0.4,))
+    worker.start()
+    worker.join()  # listed by no scan: it started and ended between two readings
+    values = source.read()
+    elapsed = time.perf_counter() - started
+    used = values["proc.workers_cpu"] / 100 * elapsed  # back to CPU seconds (over the same span)
+    assert used == pytest.approx(0.4, rel=0.35)
+
+
 def test_host_source_scans_for_children_at_most_once_a_second(monkeypatch):
     source = HostSource()
     scans = []

@@ -96,7 +96,12 @@ def diagnose(summary: Mapping[str, Any], workload: Mapping[str, Any],
     else:
         cause = "unknown"
     host = summary.get("cpu_util_mean")
-    cpu_saturated = cause == "cpu" and host is not None and host >= HOST_SATURATED_PERCENT
+    host_saturated = host is not None and host >= HOST_SATURATED_PERCENT
+    if host_saturated and cause != "cpu":
+        # Batch builders that use little CPU on a saturated host are waiting for a core, not
+        # for storage: more workers would only queue for the same cores.
+        cause = "cpu"
+    cpu_saturated = cause == "cpu" and host_saturated
 
     diagnosis = LoaderDiagnosis(
         loader=loader, wait_fraction=wait_fraction, wait_per_step=wait, compute_per_step=compute,

@@ -49,11 +49,12 @@ class HostSource:
         self._process = psutil.Process(pid if pid is not None else os.getpid())
         self._per_core = per_core
         self._with_process = process
-        self._children: dict[int, tuple[psutil.Process, float]] = {}
+        self._children: dict[int, psutil.Process] = {}
         self._children_listed = -float("inf")
         self._listed: list[psutil.Process] = []
         self._last_time: float | None = None
         self._last_proc_cpu: float | None = None
+        self._children_total: float | None = None
         self._last_io: tuple[float, tuple[float, float] | None, tuple[float, float] | None] | None = None
         self._io_rates: dict[str, float] = {}
         # Prime psutil's per-call deltas so the first read reports since construction.
@@ -123,31 +124,39 @@ class HostSource:
             if elapsed and self._last_proc_cpu is not None:
                 values["proc.cpu"] = 100.0 * (own - self._last_proc_cpu) / elapsed
             self._last_proc_cpu = own
-            workers_cpu = self._children_cpu(children)
+            # Children that ended (DataLoader workers at the end of an epoch) are not listed any
+            # more, but the kernel adds their whole CPU time to ours once they are reaped.
+            reaped = getattr(times, "children_user", 0.0) + getattr(times, "children_system", 0.0)
+            workers_cpu = self._children_cpu(children, reaped)
             values["proc.workers"] = float(len(self._children))
             if elapsed:
                 values["proc.workers_cpu"] = 100.0 * workers_cpu / elapsed
         except psutil.Error as exc:
             self._guard("process", exc)
 
-    def _children_cpu(self, children: list[psutil.Process]) -> float:
-        """CPU seconds the child processes used since the previous tick."""
-        used = 0.0
-        seen: dict[int, tuple[psutil.Process, float]] = {}
+    def _children_cpu(self, children: list[psutil.Process], reaped: float) -> float:
+        """CPU seconds the child processes used since the previous tick.
+
+        The children's total is what the live ones have used so far plus ``reaped``, the
+        kernel's count for children that ended and were waited for. When a worker ends, its
+        time moves from the first part to the second, so the total only grows by what was
+        really used; a child too short-lived to be listed still counts, through ``reaped``.
+        """
+        live = 0.0
+        seen: dict[int, psutil.Process] = {}
         for child in children:
-            known = self._children.get(child.pid)
-            # Reuse the Process object we already have: it remembers the create time,
-            # so a recycled pid is not mistaken for the old child.
-            proc = known[0] if known is not None and known[0].is_running() else child
             try:
-                times = proc.cpu_times()
+                if not child.is_running():  # ended, or its pid was reused by another process
+                    continue
+                times = child.cpu_times()
             except psutil.Error:
-                continue  # exited between listing and reading
-            total = times.user + times.system
-            previous = known[1] if known is not None and known[0] is proc else 0.0
-            used += max(0.0, total - previous)
-            seen[child.pid] = (proc, total)
+                continue  # ended between listing and reading
+            live += times.user + times.system
+            seen[child.pid] = child
         self._children = seen
+        total = live + reaped
+        used = 0.0 if self._children_total is None else max(0.0, total - self._children_total)
+        self._children_total = total
         return used
 
     def _read_memory(self, values: dict[str, float]) -> None:

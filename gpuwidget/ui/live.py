@@ -263,6 +263,10 @@ class LiveView:
                 "color:var(--jp-ui-font-color1,#222)'>" + " &nbsp;|&nbsp; ".join(parts) + "</div>")
 
 
+def _closed() -> None:
+    """What close() becomes on a widget this module already closed."""
+
+
 def _close_tree(widget: Any) -> None:
     """Close a widget, its children and their layout/style models (``close()`` alone leaks those)."""
     for child in getattr(widget, "children", ()):
@@ -272,3 +276,7 @@ def _close_tree(widget: Any) -> None:
         if model is not None and hasattr(model, "close"):
             model.close()
     widget.close()
+    # ipywidgets calls close() again from __del__; jupyter_bokeh's BokehModel.close() raises
+    # KeyError the second time (its document callback is already gone), printed as
+    # "Exception ignored in Widget.__del__" under a later cell. Once is enough.
+    widget.close = _closed

@@ -28,8 +28,9 @@ def check(summary: Mapping[str, Any], workload: Mapping[str, Any], machine: Mapp
     change = d.change
     parts = []
     if "num_workers" in change:
-        parts.append(f"use {change['num_workers']} worker processes (now {d.num_workers}) so batches are "
-                     "built while the model works")
+        workers = change["num_workers"]
+        parts.append(f"use {workers} worker process{'es' if workers != 1 else ''} (now {d.num_workers}) so "
+                     "batches are built while the model works")
     if change.get("pin_memory"):
         parts.append("pin host memory so copies to the GPU are faster and can overlap")
     if change.get("persistent_workers"):
