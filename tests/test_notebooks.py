@@ -140,6 +140,9 @@ def test_03_precision_shows_what_the_model_probe_sees_under_cpu_autocast(tmp_pat
     sweep = printed(cell(nb, "batch-sweep"))
     assert re.search(r"batch 512 trains [\d.]+x as many samples per second as batch 8", sweep), sweep
     assert "GPU rules need GPU measurements" in printed(cell(nb, "gpu-findings"))
+    probe = printed(cell(nb, "batch-probe"))
+    assert re.search(r"On cpu: batch \d+ is where doubling stops paying", probe), probe
+    assert "samples/s" in probe and "recommended" in probe
 
 
 def test_04_launch_overhead_shows_samples_per_second_growing_with_the_batch(tmp_path):
