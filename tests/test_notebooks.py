@@ -170,3 +170,5 @@ def test_06_exporting_runs_round_trips_and_writes_every_format(tmp_path):
     assert len(panels(cell(nb, "json-roundtrip"))) == 1  # a loaded run shows its panel again
     for name in ("exported.json", "report.html", "metrics.csv", "spans.csv"):
         assert (tmp_path / "runs" / name).stat().st_size > 0
+    sidebar = printed(cell(nb, "sidebar-snapshot"))
+    assert sidebar.startswith(("No running Jupyter server found", "GPUs:")), sidebar
