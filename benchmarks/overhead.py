@@ -20,7 +20,8 @@ ratio of throughputs watched/unwatched. Reported:
   busy machine, and slightly pessimistic (it counts sampler work done on another core);
 * an estimate from the parts, which other processes' load hardly moves: the probe's cost
   per DataLoader ``next()`` (best of short runs) plus the sampler thread's CPU time as a
-  share of the watched time (with a GIL-bound loop, at most that much is taken from it);
+  share of the timed steps' time (with a GIL-bound loop, at most that much is taken from
+  it);
 * an A/A control (unwatched against unwatched, same protocol): how far from 1.0 noise
   alone moves the figures on this machine.
 
@@ -65,6 +66,24 @@ from _common import (
 setup_paths(fake_nvml=True)
 
 TARGET_RATIO = 0.99
+
+# (perf_counter at the start of a sampler tick, thread CPU seconds of that tick)
+TICKS: list[tuple[float, float]] = []
+
+
+def time_sampler_ticks() -> None:
+    """Record each sampler tick's start and thread CPU time (in TICKS), so the sampler's
+    steady cost can be told from its first ticks (which set up the Trace's columns)."""
+    from gpuwidget.sampler import Sampler
+
+    original = Sampler.tick
+
+    def tick(self: Sampler) -> None:
+        started, cpu = time.perf_counter(), time.thread_time()
+        original(self)
+        TICKS.append((started, time.thread_time() - cpu))
+
+    Sampler.tick = tick  # type: ignore[method-assign]
 
 
 def make_loop() -> Callable[[int], tuple[float, float]]:
@@ -205,15 +224,18 @@ def one_pair(config: Config, run: Callable[[int], tuple[float, float]], steps: i
     def watched() -> tuple[float, float, float]:
         if config.options is None:
             return unwatched()
+        TICKS.clear()
         outer = time.perf_counter()
-        with gpuwidget.watch(quiet=True, **config.options) as record:
+        with gpuwidget.watch(quiet=True, **config.options):
             run(settle_steps)  # the watch's first ticks (column set-up) fall in here
+            t0 = time.perf_counter()
             inner, cpu = run(steps)
+            t1 = time.perf_counter()
         block = time.perf_counter() - outer
-        stats = record.sampler
-        if stats and stats["ticks"]:
-            config.sampler_share.append(float(stats["cpu_time_s"]) / block)
-            config.tick_cpu_us.append(1e6 * float(stats["cpu_time_s"]) / int(stats["ticks"]))
+        steady = [tick_cpu for started, tick_cpu in TICKS if t0 <= started < t1]
+        if steady:
+            config.sampler_share.append(sum(steady) / (t1 - t0))
+            config.tick_cpu_us.append(1e6 * sum(steady) / len(steady))
         return inner, cpu, block
 
     with config.context():
@@ -238,6 +260,7 @@ def main() -> None:
     import gpuwidget
     from gpuwidget.options import DEFAULT_INTERVAL_S
 
+    time_sampler_ticks()
     run = make_loop()
     run_seconds = 0.3 if args.quick else 1.2
     settle_seconds = 0.3 if args.quick else 0.5
@@ -293,7 +316,8 @@ def main() -> None:
     print("  best-of: fastest unwatched run / fastest watched run; CPU: the median ratio from process CPU")
     print("  time (all threads; counts sampler work done on the other core too, so pessimistic); whole")
     print("  block: settle + timed steps with the watch's start and finish; one-off: what a watched block")
-    print("  cost beyond the steady slowdown; sampler: its thread CPU per tick and share of the block")
+    print("  cost beyond the steady slowdown; sampler: thread CPU per tick and as a share of the time,")
+    print("  over the ticks of the timed steps")
     table(["configuration", "pairs", "steady", "IQR", "min - max", "best-of", "CPU", "whole block",
            "one-off ms", "sampler us/tick", "sampler CPU"], rows)
     # A load-independent estimate from the parts: the probe's cost per step (best of several

@@ -12,7 +12,9 @@ thread, so other processes' load affects it little (caches aside). Measured:
     waiting (benchmarks/gpu_check.py measures that on a GPU).
 (b) ``HostSource.read()`` (psutil): CPU, per core, the process tree, memory, disk, network,
     at 4 Hz and 10 Hz on a simulated clock (the source refreshes its child-process list
-    and disk/network counters only every so often; see ``host_clock``). Finding child
+    and disk/network counters only every so often; see ``host_clock``), and at 10 Hz in
+    real time (sleeping between reads, as the sampler thread does: caches go cold, and a
+    read costs 2-3 times as much as back to back). Finding child
     processes costs in proportion to the processes on the host (psutil's ``children()``
     reads every /proc/<pid>/stat), so it is also measured with 500 extra idle processes
     that are not ours (what a shared server looks like).
@@ -164,21 +166,29 @@ def host_clock() -> Iterator[Callable[[float], None]]:
         host_module.now = saved  # type: ignore[assignment]
 
 
-def host_cost(reads: int, interval: float, extra_processes: int = 0) -> dict[str, Any]:
+def host_cost(reads: int, interval: float, extra_processes: int = 0, real_time: bool = False) -> dict[str, Any]:
+    """Host reads at ``interval``: on the simulated clock back to back (warm caches), or in
+    real time, sleeping between reads as the sampler thread does (cold caches, dearer)."""
     import psutil
 
     from gpuwidget.sources.host import HostSource
 
-    with strangers(extra_processes), host_clock() as advance:
+    with strangers(extra_processes), (contextlib.nullcontext(None) if real_time else host_clock()) as advance:
+        def step() -> None:
+            if advance is None:
+                time.sleep(interval)
+            else:
+                advance(interval)
+
         source = HostSource()
         for _ in range(3):
-            advance(interval)
+            step()
             source.read()
-        times = per_call_us(source.read, reads, between=lambda: advance(interval))
+        times = per_call_us(source.read, reads, between=step)
         processes = len(psutil.pids())
         source.close()
     return {"processes_on_host": processes, "extra_processes": extra_processes, "interval": interval,
-            "max_us": max(times), **summary(times)}
+            "real_time": real_time, "max_us": max(times), **summary(times)}
 
 
 def host_profile(reads: int, interval: float) -> list[tuple[str, float]]:
@@ -276,7 +286,9 @@ def main() -> None:
 
     nvml = [nvml_cost(n, ticks) for n in (1, 8)]
     host = [host_cost(host_reads, interval) for interval in (DEFAULT_INTERVAL_S, 0.1)]
+    host.append(host_cost(10 if args.quick else 50, 0.1, real_time=True))
     host_crowded = [host_cost(max(40, host_reads // 4), interval, crowd) for interval in (DEFAULT_INTERVAL_S, 0.1)]
+    host_crowded.append(host_cost(10 if args.quick else 30, 0.1, crowd, real_time=True))
     profile = host_profile(max(40, host_reads // 5), 0.1)
     append = append_cost(2000 if args.quick else 20000)
     tick = tick_cost(max(100, ticks // 3))
@@ -290,10 +302,12 @@ def main() -> None:
     listed = ", ".join(f"{name.removeprefix('nvml')} {count:g}" for name, count in calls.items())
     print(f"  NVML calls per tick at 8 GPUs: {sum(calls.values()):.1f} ({listed})")
     print()
-    print("(b) HostSource.read() at a simulated cadence; us of thread CPU per read")
-    table(["case", "processes on host", "rate", "mean", "median", "max (a refresh tick)"],
+    print("(b) HostSource.read(); us of thread CPU per read; simulated clock (back to back, warm caches)")
+    print("    or real time (sleeping between reads like the sampler thread: cold caches, dearer)")
+    table(["case", "processes on host", "rate", "clock", "reads", "mean", "median", "max (a refresh tick)"],
           [[("as found" if r["extra_processes"] == 0 else f"+{r['extra_processes']} idle processes (not ours)"),
-            r["processes_on_host"], f"{1 / r['interval']:g} Hz", r["mean_us"], r["median_us"], r["max_us"]]
+            r["processes_on_host"], f"{1 / r['interval']:g} Hz", "real" if r["real_time"] else "simulated",
+            r["calls"], r["mean_us"], r["median_us"], r["max_us"]]
            for r in host + host_crowded])
     print("  where a read's time goes at 10 Hz, as found (cProfile, cumulative us per read, profiler")
     print("  overhead included):")
