@@ -40,3 +40,14 @@ def ip(_ipython_session):
     """The in-process IPython shell with ``%%gpuwatch`` registered, output captured."""
     yield _ipython_session
     _ipython_session.user_ns.pop("_gpuwidget_test", None)
+
+
+@pytest.fixture
+def one_torch_thread() -> Iterator[None]:
+    """The training loop's math on one core, as timing on a 2-core machine needs."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

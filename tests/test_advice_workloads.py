@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
 import pytest
-import torch
 from torch.utils.data import DataLoader
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
@@ -20,13 +18,7 @@ ORIGINAL_ITER = DataLoader.__iter__
 ORIGINAL_NEXT = _BaseDataLoaderIter.__next__
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    """The main loop on one core, as timing on a 2-core machine needs."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def torch_is_untouched() -> bool:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import _thread
 import threading
 import time
-from collections.abc import Iterator
 
 import psutil
 import pytest
@@ -18,13 +17,7 @@ from gpuwidget.advice.tuner import TuneError, tune_loader
 
 import workloads
 
-
-@pytest.fixture(autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def children() -> set[int]:

@@ -24,6 +24,7 @@ import numpy as np
 from gpuwidget.advice.summary import DATA_WAIT_SPAN
 from gpuwidget.clock import now
 from gpuwidget.trace import Frame, Trace
+from gpuwidget.ui.style import CPU_COLOR, PALETTE, PROCESS_COLOR, WAIT_COLOR
 
 PUSH_INTERVAL_S = 0.25
 MAX_POINTS = 2000
@@ -33,10 +34,6 @@ MIN_BAND_S = 0.002
 MERGE_GAP_S = 0.02
 MAX_BANDS = 2000
 
-PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2")
-CPU_COLOR = "#7f7f7f"
-PROCESS_COLOR = "#bcbd22"
-WAIT_COLOR = "#f4a261"
 
 _bokehjs_inlined = False
 

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from gpuwidget.advice.summary import DATA_WAIT_SPAN, gpu_indices
+from gpuwidget.ui.style import CPU_COLOR, PALETTE, WAIT_COLOR
 
 if TYPE_CHECKING:
     from gpuwidget.advice.finding import Finding
@@ -26,9 +27,6 @@ if TYPE_CHECKING:
 CHART_WIDTH = 640
 CHART_HEIGHT = 120
 CHART_POINTS = 400
-PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2")
-CPU_COLOR = "#7f7f7f"
-WAIT_COLOR = "#f4a261"
 SEVERITY_COLOR = {"critical": "#c0392b", "warn": "#d68910", "info": "#2e86c1"}
 
 

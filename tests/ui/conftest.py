@@ -116,8 +116,10 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
             process.wait(10)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser() -> Iterator[object]:
+    """Chromium for one test module. Module-scoped: Playwright's sync API keeps an event loop
+    running while it lives, which later (non-browser) tests' loops must not run into."""
     if not Path(CHROMIUM).exists():
         pytest.skip(f"browser tests need chromium at {CHROMIUM} (apt-get install -y chromium)")
     from playwright.sync_api import sync_playwright
@@ -168,3 +170,20 @@ def open_notebook(page, lab: Lab, name: str) -> None:
 def run_all_cells(page) -> None:
     """Start running every cell without waiting for them to finish."""
     page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
+
+
+def wait_for(predicate, timeout: float, message: str, page):
+    """Poll ``predicate`` until it is truthy; on time-out leave a screenshot and the console.
+
+    Waiting through the page (not time.sleep) lets Playwright deliver its events meanwhile
+    (requests, socket closes).
+    """
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        page.wait_for_timeout(100)
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(SCREENSHOTS / "failure.png"))
+    raise AssertionError(message + "\nconsole:\n" + "\n".join(page.console_messages[-20:]))

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from conftest import SCREENSHOTS, open_notebook, run_all_cells
+from conftest import SCREENSHOTS, open_notebook, run_all_cells, wait_for
 
 pytestmark = pytest.mark.browser
 
@@ -42,20 +42,6 @@ BANDS_JS = """() => {
 def cell_is_running(page) -> bool:
     prompts = page.locator(".jp-Notebook .jp-InputArea-prompt").all_inner_texts()
     return any("*" in prompt for prompt in prompts)
-
-
-def wait_for(predicate, timeout: float, message: str, page=None):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    if page is not None:  # leave evidence for whoever reads the failure
-        SCREENSHOTS.mkdir(parents=True, exist_ok=True)
-        page.screenshot(path=str(SCREENSHOTS / "failure.png"))
-        message += "\nconsole:\n" + "\n".join(page.console_messages[-20:])
-    raise AssertionError(message)
 
 
 def test_plot_data_grows_while_the_cell_runs_then_the_report_stays(lab, page):

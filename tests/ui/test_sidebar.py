@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import json
 import re
-import time
 import urllib.request
 
 import pytest
 
-from conftest import SCREENSHOTS
+from conftest import SCREENSHOTS, wait_for
 
 pytestmark = pytest.mark.browser
 
@@ -88,22 +87,6 @@ SYNTHETIC_JS = """async ([notebook, redraws]) => {
   const charts = panel.node.querySelectorAll('.jp-gpuwidget-chart canvas').length;
   return {charts, points: model.series.length, build, script, frames};
 }""".replace("__PANEL__", PANEL_JS)
-
-
-def wait_for(predicate, timeout: float, message: str, page):
-    """Poll `predicate`; waiting through the page lets Playwright deliver its events
-    (requests, socket closes), which a plain time.sleep would hold back."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        page.wait_for_timeout(100)
-    # Leave evidence for whoever reads the failure.
-    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
-    page.screenshot(path=str(SCREENSHOTS / "sidebar-failure.png"))
-    message += "\nconsole:\n" + "\n".join(page.console_messages[-20:])
-    raise AssertionError(message)
 
 
 def open_lab(page, lab, sockets: list | None = None) -> list[str]:
