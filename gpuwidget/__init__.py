@@ -19,7 +19,6 @@ from typing import Any
 from gpuwidget._labext import _jupyter_labextension_paths
 from gpuwidget.advice.finding import Finding
 from gpuwidget.run import Run
-from gpuwidget.server import _jupyter_server_extension_points
 from gpuwidget.session import last_run, watch
 
 __version__ = "0.1.0"
@@ -35,6 +34,11 @@ __all__ = [
     "load_ipython_extension",
     "watch",
 ]
+
+
+def _jupyter_server_extension_points() -> list[dict[str, str]]:
+    """Where jupyter_server finds the extension (gpuwidget.server, imported only by the server)."""
+    return [{"module": "gpuwidget.server"}]
 
 
 def tune_loader(loader: Any, target_rate: float | None = None, budget_s: float = 20.0, **kwargs: Any) -> Any:

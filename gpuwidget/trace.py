@@ -188,9 +188,13 @@ class Trace:
             if row_index == self._recent_capacity:
                 self._fold_recent()
                 row_index = self._recent_n
+            columns = self._columns
+            if len(columns) + len(values) > self._slots and any(name not in columns for name in values):
+                # Make room for every new column at once (one copy, not one per doubling).
+                needed = len(columns) + sum(name not in columns for name in values)
+                self._grow_columns(1 << (needed - 1).bit_length())
             row = self._recent_v[row_index]
             row[:] = np.nan
-            columns = self._columns
             for name, value in values.items():
                 index = columns.get(name)
                 if index is None:
@@ -221,9 +225,30 @@ class Trace:
                 stats[3] = duration
             self._version += 1
 
+    def add_spans(self, kind: str, intervals: list[tuple[float, float]]) -> None:
+        """Record many intervals of one kind under one lock (probes buffer them per tick)."""
+        if not intervals:
+            return
+        with self._lock:
+            spans = self._spans.get(kind)
+            if spans is None:
+                spans = self._spans[kind] = deque(maxlen=self._span_capacity)
+                self._span_stats[kind] = [0, 0.0, math.inf, -math.inf]
+            stats = self._span_stats[kind]
+            for start, end in intervals:
+                spans.append((start, end, None))
+                duration = end - start
+                stats[1] += duration
+                if duration < stats[2]:
+                    stats[2] = duration
+                if duration > stats[3]:
+                    stats[3] = duration
+            stats[0] += len(intervals)
+            self._version += 1
+
     def _add_column(self, name: str) -> int:
         index = len(self._columns)
-        if index == self._slots:
+        if index >= self._slots:
             self._grow_columns(self._slots * 2)
         self._columns[name] = index
         return index

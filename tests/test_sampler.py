@@ -152,11 +152,11 @@ def test_worker_cpu_counts_workers_that_ended_between_two_readings():
 def test_host_source_scans_for_children_at_most_once_a_second(monkeypatch):
     source = HostSource()
     scans = []
-    original = source._process.children
-    monkeypatch.setattr(source._process, "children", lambda **kw: scans.append(1) or original(**kw))
+    original = host._descendants
+    monkeypatch.setattr(host, "_descendants", lambda pid: scans.append(1) or original(pid))
     for _ in range(20):
         source.read()
-    assert len(scans) == 1  # psutil walks every process on the host for this: not every tick
+    assert len(scans) == 1  # not every tick: a scan reads a file per thread
     disk_reads = []
     monkeypatch.setattr(host.psutil, "disk_io_counters", lambda: disk_reads.append(1) or None)
     for _ in range(20):
@@ -164,8 +164,35 @@ def test_host_source_scans_for_children_at_most_once_a_second(monkeypatch):
     assert len(disk_reads) <= 1
 
 
+def _parent_of_a_sleeper() -> None:
+    child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(2,))
+    child.start()
+    child.join()
+
+
+def test_descendants_are_found_through_proc_as_psutil_finds_them():
+    import psutil
+
+    if host._descendants(os.getpid()) is None:
+        pytest.skip("no /proc/<pid>/task/<tid>/children on this system")
+    worker = multiprocessing.get_context("fork").Process(target=_parent_of_a_sleeper)
+    worker.start()
+    try:
+        deadline = time.monotonic() + 5
+        while len(psutil.Process().children(recursive=True)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        expected = {p.pid for p in psutil.Process().children(recursive=True)}
+        assert len(expected) >= 2  # the worker and its own child
+        assert set(host._descendants(os.getpid())) == expected
+    finally:
+        worker.terminate()
+        worker.join()
+
+
 def test_host_source_first_read_has_no_rates():
-    values = HostSource().read()
+    source = HostSource()
+    time.sleep(0.05)  # CPU counters tick at 100 Hz: give them an interval to report on
+    values = source.read()
     assert "cpu.util" in values
     assert "disk.read" not in values and "proc.cpu" not in values
 

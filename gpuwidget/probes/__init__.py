@@ -33,11 +33,15 @@ class Probes:
         self._closed = False
 
     def poll(self, _trace: Trace | None = None) -> None:
-        """Install the probes once torch is importable without importing it ourselves.
+        """Install the probes once torch is importable without importing it ourselves; once
+        installed, move what they queued into the Trace.
 
         Called at the start of the watch and then on every sampler tick (cheap: a dict lookup).
         """
-        if self._data is not None or self._closed or "torch.utils.data" not in sys.modules:
+        if self._data is not None:
+            self._data.flush()  # the spans the loop queued since the last tick
+            return
+        if self._closed or "torch.utils.data" not in sys.modules:
             return
         with self._lock:
             if self._data is not None or self._closed:

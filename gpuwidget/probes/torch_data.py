@@ -13,8 +13,11 @@ between one ``next()`` returning and the next one being called is the loop's own
 save a checkpoint is never mistaken for a starved loader. A *step* runs from the start of
 one ``next()`` to the start of the following one.
 
-Per step the wrapper costs two clock reads, one process-CPU read and a few attribute
-updates (about 2 us, see BENCHMARKS.md). Everything is restored by :meth:`uninstall`.
+The wrapper is on the loop's critical path, so per step it only reads the clock twice,
+updates a few counters and queues two spans; the spans reach the Trace in batches from
+the sampler thread (:meth:`DataLoaderProbe.flush`), and the process CPU time behind
+``wait_cpu_ratio`` is read on one step in :data:`CPU_SAMPLE_EVERY` (a system call each).
+Costs are in BENCHMARKS.md. Everything is restored by :meth:`uninstall`.
 """
 
 from __future__ import annotations
@@ -33,6 +36,9 @@ DATA_WAIT_SPAN = "loader.wait"
 STEP_SPAN = "step"
 # Per-step figures kept per loader for percentiles and stall detection (a bounded window).
 STEP_HISTORY = 20_000
+# Process CPU time is read around one next() in this many: enough to tell CPU work from
+# sleeping, without a system call on every step.
+CPU_SAMPLE_EVERY = 8
 
 
 class LoaderStats:
@@ -45,7 +51,8 @@ class LoaderStats:
         self.steps = 0
         self.samples = 0
         self.wait_total = 0.0
-        self.wait_cpu_total = 0.0
+        self.wait_cpu_total = 0.0  # process CPU seconds during the sampled waits
+        self.wait_sampled = 0.0  # wall seconds of the sampled waits
         self.compute_total = 0.0
         self.first_start: float | None = None
         self.last_end: float | None = None
@@ -73,7 +80,7 @@ class LoaderStats:
             "loop_time_s": loop_time,
             # Process CPU time while blocked in next(): ~1 per busy core when the main
             # process builds batches itself; near 0 when it sleeps on storage or workers.
-            "wait_cpu_ratio": self.wait_cpu_total / self.wait_total if self.wait_total > 0 else None,
+            "wait_cpu_ratio": self.wait_cpu_total / self.wait_sampled if self.wait_sampled > 0 else None,
             "step_times": list(self.step_times),
             "wait_times": list(self.wait_times),
         }
@@ -89,6 +96,8 @@ class DataLoaderProbe:
         self._by_loader: dict[int, LoaderStats] = {}
         self.stats: list[LoaderStats] = []
         self._originals: dict[str, Any] = {}
+        # (kind, start, end) queued by the loop's thread, moved into the Trace by flush().
+        self._queue: deque[tuple[str, float, float]] = deque()
 
     # ---------------------------------------------------------------- patching
 
@@ -103,7 +112,7 @@ class DataLoaderProbe:
         self._originals = {"iter": original_iter, "next": original_next}
         probe = self
         origin = self.trace.start_clock
-        add_span = self.trace.add_span
+        queue = self._queue.append  # thread-safe; no lock on the loop's path
         process_time = time.process_time
 
         def __iter__(loader: Any) -> Any:
@@ -116,8 +125,9 @@ class DataLoaderProbe:
             stats = probe._by_iterator.get(iterator)
             if stats is None:
                 stats = probe._register(iterator, None)
+            sample_cpu = stats.steps % CPU_SAMPLE_EVERY == 0
+            cpu_started = process_time() if sample_cpu else 0.0
             started = now()
-            cpu_started = process_time()
             try:
                 batch = original_next(iterator)
             except StopIteration:
@@ -125,16 +135,18 @@ class DataLoaderProbe:
                 if stats.pending_start is not None:
                     stats.step_times.append(started - stats.pending_start)
                     stats.compute_total += started - stats.last_end  # type: ignore[operator]
-                    add_span(STEP_SPAN, stats.pending_start - origin, started - origin)
+                    queue((STEP_SPAN, stats.pending_start - origin, started - origin))
                     stats.pending_start = None
                 raise
             ended = now()
             wait = ended - started
-            stats.wait_cpu_total += process_time() - cpu_started
+            if sample_cpu:
+                stats.wait_cpu_total += process_time() - cpu_started
+                stats.wait_sampled += wait
             if stats.pending_start is not None:
                 stats.step_times.append(started - stats.pending_start)
                 stats.compute_total += started - stats.last_end  # type: ignore[operator]
-                add_span(STEP_SPAN, stats.pending_start - origin, started - origin)
+                queue((STEP_SPAN, stats.pending_start - origin, started - origin))
             elif stats.first_start is None:
                 stats.first_start = started
             stats.pending_start = started
@@ -143,7 +155,7 @@ class DataLoaderProbe:
             stats.wait_total += wait
             stats.wait_times.append(wait)
             stats.samples += _first_dim(batch)
-            add_span(DATA_WAIT_SPAN, started - origin, ended - origin)
+            queue((DATA_WAIT_SPAN, started - origin, ended - origin))
             return batch
 
         __iter__.__wrapped__ = original_iter  # type: ignore[attr-defined]
@@ -165,10 +177,25 @@ class DataLoaderProbe:
         if _BaseDataLoaderIter.__dict__.get("__next__") is self._wrappers["next"]:
             _BaseDataLoaderIter.__next__ = self._originals["next"]  # type: ignore[method-assign]
         self.installed = False
+        self.flush()
+
+    def flush(self) -> None:
+        """Move the queued spans into the Trace (the sampler thread calls this every tick)."""
+        by_kind: dict[str, list[tuple[float, float]]] = {}
+        queue = self._queue
+        while True:
+            try:
+                kind, start, end = queue.popleft()
+            except IndexError:
+                break
+            by_kind.setdefault(kind, []).append((start, end))
+        for kind, intervals in by_kind.items():
+            self.trace.add_spans(kind, intervals)
 
     def finish(self, end: float) -> None:
         """Close each loader's step that was still open when the watch ended (a loop left by
         ``break`` or an exception): its work up to ``end`` counts as compute."""
+        self.flush()
         for stats in self.stats:
             if stats.pending_start is not None and stats.last_end is not None:
                 stats.compute_total += max(0.0, end - stats.last_end)

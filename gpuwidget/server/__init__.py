@@ -2,9 +2,9 @@
 
 jupyter_server finds the extension by the top-level module name ``gpuwidget``
 (``jupyter-config/server-config/gpuwidget.json`` enables it, and a wheel installs that
-file into ``etc/jupyter/jupyter_server_config.d``). ``gpuwidget`` re-exports
-``_jupyter_server_extension_points`` from here, which points the server at this module,
-where ``_load_jupyter_server_extension`` is called once at start-up. Routes are
+file into ``etc/jupyter/jupyter_server_config.d``). ``gpuwidget._jupyter_server_extension_points``
+points the server at this module (only the server imports it), where
+``_load_jupyter_server_extension`` is called once at start-up. Routes are
 described in docs/server-api.md.
 """
 
@@ -29,10 +29,6 @@ class GpuWidget(Configurable):
 
     interval = Float(1.0, help="Seconds between samples of the shared GPU/host sampler.").tag(config=True)
     history_s = Float(3600.0, help="Seconds of history kept and sent to a new subscriber.").tag(config=True)
-
-
-def _jupyter_server_extension_points() -> list[dict[str, str]]:
-    return [{"module": "gpuwidget.server"}]
 
 
 def _kernel_pids(serverapp: ServerApp) -> dict[str, int | None]:

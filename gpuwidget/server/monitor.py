@@ -17,6 +17,7 @@ import json
 import logging
 import math
 import threading
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +38,8 @@ PROCESSES_EVERY_S = 5.0
 # Parents walked up from a GPU process to find the kernel it belongs to (workers, shells).
 PARENT_DEPTH = 8
 ANOTHER_USER = "another user"
+# A first snapshot reads twice this far apart: utilisation is a difference of counters.
+FIRST_READING_GAP_S = 0.1
 
 Send = Callable[[str], None]
 
@@ -213,9 +216,16 @@ class Monitor:
         return json.loads(self._processes_text)
 
     def read_once(self) -> None:
-        """One synchronous reading (for a snapshot when no subscriber keeps the sampler running)."""
+        """A synchronous reading (for a snapshot when no subscriber keeps the sampler running).
+
+        Run in a worker thread. Rates need an interval, so a first reading is taken twice.
+        """
         self._ensure_sources()
-        Sampler(self._sources, self.trace, self.interval, [self._on_tick]).tick()
+        sampler = Sampler(self._sources, self.trace, self.interval, [self._on_tick])
+        if not len(self.trace):
+            sampler.tick()
+            time.sleep(FIRST_READING_GAP_S)
+        sampler.tick()
 
     # ------------------------------------------------------------- sampler thread
 

@@ -34,7 +34,8 @@ from gpuwidget.sources.base import ErrorLog, SourceError
 
 # Seconds between scans for new child processes (their CPU is still read every tick).
 CHILDREN_REFRESH_S = 1.0
-# Seconds between disk/network counter reads (rates are averaged over this span).
+# Seconds between disk/network counter reads (rates are averaged over this span), and between
+# reads of host memory (which changes slowly and costs a parse of /proc/meminfo).
 IO_REFRESH_S = 0.5
 
 
@@ -57,10 +58,10 @@ class HostSource:
         self._children_total: float | None = None
         self._last_io: tuple[float, tuple[float, float] | None, tuple[float, float] | None] | None = None
         self._io_rates: dict[str, float] = {}
-        # Prime psutil's per-call deltas so the first read reports since construction.
-        psutil.cpu_percent(percpu=per_core)
-        psutil.cpu_times_percent()
+        self._last_cores: list[tuple[float, float, float]] | None = None
         self._disabled: set[str] = set()
+        # Prime the CPU counters so the first read reports utilisation since construction.
+        self._read_cpu({})
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -80,7 +81,6 @@ class HostSource:
         self._read_cpu(values)
         if self._with_process:
             self._read_process(values, elapsed, t)
-        self._read_memory(values)
         self._read_io(values, t)
         return values
 
@@ -93,21 +93,28 @@ class HostSource:
         self._log.record(f"{group} metrics unavailable: {exc}")
 
     def _read_cpu(self, values: dict[str, float]) -> None:
+        """Utilisation per core and in all, and iowait, from one read of the CPU counters."""
         if "cpu" in self._disabled:
             return
         try:
-            if self._per_core:
-                cores = psutil.cpu_percent(percpu=True)
-                for i, util in enumerate(cores):
-                    values[f"cpu.core{i}.util"] = util
-                values["cpu.util"] = sum(cores) / len(cores) if cores else 0.0
-            else:
-                values["cpu.util"] = psutil.cpu_percent()
-            iowait = getattr(psutil.cpu_times_percent(), "iowait", None)
-            if iowait is not None:
-                values["cpu.iowait"] = iowait
+            cores = [_cpu_split(times) for times in psutil.cpu_times(percpu=True)]
         except Exception as exc:  # noqa: BLE001 - a source never raises into the sampler
             self._guard("cpu", exc)
+            return
+        previous, self._last_cores = self._last_cores, cores
+        if previous is None or len(previous) != len(cores):
+            return  # the first read (or a CPU came online): no interval to divide by yet
+        total_busy = total_wait = total_all = 0.0
+        for i, ((busy, wait, everything), (busy0, wait0, everything0)) in enumerate(zip(cores, previous)):
+            span = everything - everything0
+            if self._per_core and span > 0:
+                values[f"cpu.core{i}.util"] = 100.0 * max(0.0, busy - busy0) / span
+            total_busy += max(0.0, busy - busy0)
+            total_wait += max(0.0, wait - wait0)
+            total_all += max(0.0, span)
+        if total_all > 0:
+            values["cpu.util"] = 100.0 * total_busy / total_all
+            values["cpu.iowait"] = 100.0 * total_wait / total_all
 
     def _read_process(self, values: dict[str, float], elapsed: float | None, t: float) -> None:
         if "process" in self._disabled:
@@ -118,7 +125,7 @@ class HostSource:
                 values["proc.rss"] = float(self._process.memory_info().rss)
             if t - self._children_listed >= CHILDREN_REFRESH_S:
                 self._children_listed = t
-                self._listed = self._process.children(recursive=True)
+                self._listed = self._list_children()
             children = self._listed
             own = times.user + times.system
             if elapsed and self._last_proc_cpu is not None:
@@ -133,6 +140,27 @@ class HostSource:
                 values["proc.workers_cpu"] = 100.0 * workers_cpu / elapsed
         except psutil.Error as exc:
             self._guard("process", exc)
+
+    def _list_children(self) -> list[psutil.Process]:
+        """This process's descendants, reusing the Process objects already known.
+
+        On Linux the kernel lists each thread's children in /proc/<pid>/task/<tid>/children,
+        so finding them costs a few reads, where psutil reads every process on the host.
+        """
+        pids = _descendants(self._process.pid)
+        if pids is None:
+            return self._process.children(recursive=True)
+        known = {p.pid: p for p in self._listed}
+        listed = []
+        for pid in pids:
+            process = known.get(pid)
+            if process is None:
+                try:
+                    process = psutil.Process(pid)
+                except psutil.Error:
+                    continue
+            listed.append(process)
+        return listed
 
     def _children_cpu(self, children: list[psutil.Process], reaped: float) -> float:
         """CPU seconds the child processes used since the previous tick.
@@ -173,6 +201,7 @@ class HostSource:
         if "io" in self._disabled:
             return
         if self._last_io is None or t - self._last_io[0] >= IO_REFRESH_S:
+            self._read_memory(self._io_rates)
             try:
                 disk = psutil.disk_io_counters()
                 net = psutil.net_io_counters()
@@ -193,6 +222,38 @@ class HostSource:
                             self._io_rates[name] = max(0.0, a - b) / span
             self._last_io = current
         values.update(self._io_rates)
+
+
+def _descendants(pid: int) -> list[int] | None:
+    """Pids below ``pid`` from /proc/<pid>/task/*/children, or None where that file is missing."""
+    if not os.path.exists(f"/proc/{pid}/task/{pid}/children"):
+        return None
+    found: list[int] = []
+    stack = [pid]
+    while stack:
+        parent = stack.pop()
+        try:
+            threads = os.listdir(f"/proc/{parent}/task")
+        except OSError:
+            continue  # ended meanwhile
+        for thread in threads:
+            try:
+                with open(f"/proc/{parent}/task/{thread}/children", "rb") as fh:
+                    children = [int(child) for child in fh.read().split()]
+            except OSError:
+                continue
+            found.extend(children)
+            stack.extend(children)
+    return found
+
+
+def _cpu_split(times: Any) -> tuple[float, float, float]:
+    """(busy, iowait, total) seconds of one core, counted as psutil.cpu_percent counts them:
+    guest time is already inside user time, and iowait is not busy."""
+    total = sum(times)
+    total -= getattr(times, "guest", 0.0) + getattr(times, "guest_nice", 0.0)
+    wait = getattr(times, "iowait", 0.0)
+    return total - times.idle - wait, wait, total
 
 
 def _affinity() -> set[int]:
