@@ -14,6 +14,7 @@ from typing import Any
 from gpuwidget.advice.finding import Finding
 from gpuwidget.advice.loader import STARVED_WAIT_FRACTION, loader_code
 from gpuwidget.advice.rules._gpu import gpu_measured, gpu_speedup_bound
+from gpuwidget.advice.rules.launch_bound import PEGGED_PROCESS_PERCENT  # there, launch-bound names the cause
 from gpuwidget.advice.summary import primary_loader
 
 RULE = "small-batch"
@@ -23,8 +24,6 @@ LOW_GPU_BUSY_PERCENT = 60.0
 MEMORY_HEADROOM_FRACTION = 0.5
 # Grow the batch towards this share of GPU memory, leaving room for fragmentation.
 TARGET_MEMORY_FRACTION = 0.8
-# When the main process is this busy (percent of a core), launch-bound names the cause.
-PEGGED_PROCESS_PERCENT = 90.0
 
 
 def check(summary: Mapping[str, Any], workload: Mapping[str, Any], machine: Mapping[str, Any]) -> Finding | None:
