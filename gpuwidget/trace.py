@@ -336,25 +336,40 @@ class Trace:
         self._arch_n += rows
 
     def _coarsen_archive(self) -> None:
-        """Double the bucket width and merge the archive's buckets pairwise by the new width."""
+        """Double the bucket width and merge neighbouring buckets in place.
+
+        Works on the float32 blocks directly (one weighted-sum temporary the size of the
+        archive's means), so a long run's memory does not spike when the archive fills.
+        """
         n = self._arch_n
         self._bucket_width *= 2
+        if not n:
+            return
+        bucket = np.floor(self._arch_t[:n] / self._bucket_width)
+        starts = np.flatnonzero(np.r_[True, bucket[1:] != bucket[:-1]])
+        ends = np.r_[starts[1:] - 1, n - 1]
+        m = len(starts)
         counts = self._arch_count[:n]
-        rows = (
-            self._arch_t[:n].copy(),
-            self._arch_t_end[:n].copy(),
-            np.nan_to_num(self._arch_mean[:n].astype(np.float64) * counts),
-            self._arch_min[:n].astype(np.float64),
-            self._arch_max[:n].astype(np.float64),
-            counts.copy(),
-        )
-        self._arch_n = 0
-        self._arch_mean[:] = np.nan
-        self._arch_min[:] = np.nan
-        self._arch_max[:] = np.nan
-        self._arch_count[:] = 0
-        if n:
-            self._merge_into_archive(*rows)
+        weighted = self._arch_mean[:n] * counts  # float32 temporary
+        np.nan_to_num(weighted, copy=False)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            merged_count = np.add.reduceat(counts, starts, axis=0)
+            merged_mean = np.add.reduceat(weighted, starts, axis=0) / merged_count
+            merged_min = np.fmin.reduceat(self._arch_min[:n], starts, axis=0)
+            merged_max = np.fmax.reduceat(self._arch_max[:n], starts, axis=0)
+        del weighted
+        merged_mean[merged_count == 0] = np.nan
+        self._arch_t[:m] = bucket[starts] * self._bucket_width
+        self._arch_t_end[:m] = self._arch_t_end[ends]
+        self._arch_mean[:m] = merged_mean
+        self._arch_min[:m] = merged_min
+        self._arch_max[:m] = merged_max
+        self._arch_count[:m] = merged_count
+        self._arch_mean[m:n] = np.nan
+        self._arch_min[m:n] = np.nan
+        self._arch_max[m:n] = np.nan
+        self._arch_count[m:n] = 0
+        self._arch_n = m
 
     # ------------------------------------------------------------------ reading
 
