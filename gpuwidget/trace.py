@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import threading
 from collections import deque
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -208,26 +208,15 @@ class Trace:
             self._version += 1
 
     def add_span(self, kind: str, start: float, end: float, attrs: Mapping[str, Any] | None = None) -> None:
-        """Record an interval; cheap enough to call once per training step."""
-        with self._lock:
-            spans = self._spans.get(kind)
-            if spans is None:
-                spans = self._spans[kind] = deque(maxlen=self._span_capacity)
-                self._span_stats[kind] = [0, 0.0, math.inf, -math.inf]
-            spans.append((start, end, attrs))
-            stats = self._span_stats[kind]
-            duration = end - start
-            stats[0] += 1
-            stats[1] += duration
-            if duration < stats[2]:
-                stats[2] = duration
-            if duration > stats[3]:
-                stats[3] = duration
-            self._version += 1
+        """Record an interval."""
+        self._add_spans(kind, [(start, end, attrs)])
 
     def add_spans(self, kind: str, intervals: list[tuple[float, float]]) -> None:
         """Record many intervals of one kind under one lock (probes buffer them per tick)."""
-        if not intervals:
+        self._add_spans(kind, [(start, end, None) for start, end in intervals])
+
+    def _add_spans(self, kind: str, items: list[tuple[float, float, Mapping[str, Any] | None]]) -> None:
+        if not items:
             return
         with self._lock:
             spans = self._spans.get(kind)
@@ -235,15 +224,15 @@ class Trace:
                 spans = self._spans[kind] = deque(maxlen=self._span_capacity)
                 self._span_stats[kind] = [0, 0.0, math.inf, -math.inf]
             stats = self._span_stats[kind]
-            for start, end in intervals:
-                spans.append((start, end, None))
-                duration = end - start
+            for item in items:
+                spans.append(item)
+                duration = item[1] - item[0]
                 stats[1] += duration
                 if duration < stats[2]:
                     stats[2] = duration
                 if duration > stats[3]:
                     stats[3] = duration
-            stats[0] += len(intervals)
+            stats[0] += len(items)
             self._version += 1
 
     def _add_column(self, name: str) -> int:
@@ -514,10 +503,6 @@ class Trace:
         out.sort(key=lambda span: span.start)
         return out
 
-    def span_kinds(self) -> list[str]:
-        with self._lock:
-            return list(self._spans)
-
     def span_stats(self, kind: str) -> SpanStats | None:
         """Whole-run count and durations of a span kind, including spans no longer kept."""
         with self._lock:
@@ -553,9 +538,6 @@ class Trace:
 
     def _select(self, columns: Iterable[str] | None) -> list[str]:
         return list(self._columns) if columns is None else list(columns)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.columns)
 
     # ------------------------------------------------------------- serialising
 

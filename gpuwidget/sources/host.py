@@ -50,14 +50,14 @@ class HostSource:
         self._process = psutil.Process(pid if pid is not None else os.getpid())
         self._per_core = per_core
         self._with_process = process
-        self._children: dict[int, psutil.Process] = {}
+        self._workers = 0  # live child processes at the last reading
         self._children_listed = -float("inf")
         self._listed: list[psutil.Process] = []
         self._last_time: float | None = None
         self._last_proc_cpu: float | None = None
         self._children_total: float | None = None
         self._last_io: tuple[float, tuple[float, float] | None, tuple[float, float] | None] | None = None
-        self._io_rates: dict[str, float] = {}
+        self._slow_values: dict[str, float] = {}  # I/O rates and memory, refreshed every IO_REFRESH_S
         self._last_cores: list[tuple[float, float, float]] | None = None
         self._disabled: set[str] = set()
         # Prime the CPU counters so the first read reports utilisation since construction.
@@ -85,7 +85,7 @@ class HostSource:
         return values
 
     def close(self) -> None:
-        self._children.clear()
+        self._listed = []
 
     # One try per group: a platform without a counter loses that group, not the tick.
     def _guard(self, group: str, exc: BaseException) -> None:
@@ -135,7 +135,7 @@ class HostSource:
             # more, but the kernel adds their whole CPU time to ours once they are reaped.
             reaped = getattr(times, "children_user", 0.0) + getattr(times, "children_system", 0.0)
             workers_cpu = self._children_cpu(children, reaped)
-            values["proc.workers"] = float(len(self._children))
+            values["proc.workers"] = float(self._workers)
             if elapsed:
                 values["proc.workers_cpu"] = 100.0 * workers_cpu / elapsed
         except psutil.Error as exc:
@@ -171,7 +171,7 @@ class HostSource:
         really used; a child too short-lived to be listed still counts, through ``reaped``.
         """
         live = 0.0
-        seen: dict[int, psutil.Process] = {}
+        running = 0
         for child in children:
             try:
                 if not child.is_running():  # ended, or its pid was reused by another process
@@ -180,8 +180,8 @@ class HostSource:
             except psutil.Error:
                 continue  # ended between listing and reading
             live += times.user + times.system
-            seen[child.pid] = child
-        self._children = seen
+            running += 1
+        self._workers = running
         total = live + reaped
         used = 0.0 if self._children_total is None else max(0.0, total - self._children_total)
         self._children_total = total
@@ -201,7 +201,7 @@ class HostSource:
         if "io" in self._disabled:
             return
         if self._last_io is None or t - self._last_io[0] >= IO_REFRESH_S:
-            self._read_memory(self._io_rates)
+            self._read_memory(self._slow_values)
             try:
                 disk = psutil.disk_io_counters()
                 net = psutil.net_io_counters()
@@ -219,9 +219,9 @@ class HostSource:
                                         (("net.recv", "net.sent"), current[2], self._last_io[2])):
                     if new is not None and old is not None:
                         for name, a, b in zip(names, new, old):
-                            self._io_rates[name] = max(0.0, a - b) / span
+                            self._slow_values[name] = max(0.0, a - b) / span
             self._last_io = current
-        values.update(self._io_rates)
+        values.update(self._slow_values)
 
 
 def _descendants(pid: int) -> list[int] | None:

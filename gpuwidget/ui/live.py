@@ -24,7 +24,7 @@ import numpy as np
 from gpuwidget.advice.summary import DATA_WAIT_SPAN
 from gpuwidget.clock import now
 from gpuwidget.trace import Frame, Trace
-from gpuwidget.ui.style import CPU_COLOR, PALETTE, PROCESS_COLOR, WAIT_COLOR
+from gpuwidget.ui.style import CPU_COLOR, PALETTE, PROCESS_COLOR, WAIT_COLOR, merge_bands, percent_data, plot_columns
 
 PUSH_INTERVAL_S = 0.25
 MAX_POINTS = 2000
@@ -197,33 +197,15 @@ class LiveView:
         _close_tree(self.widget)
 
     def _columns(self) -> list[str]:
-        cols = ["cpu.util", "proc.cpu"]
-        for index in self._gpus:
-            cols += [f"gpu{index}.util", f"gpu{index}.mem_used", f"gpu{index}.mem_total"]
-        return cols
+        return plot_columns(self._gpus)
 
     def _plot_data(self, frame: Frame) -> dict[str, Any]:
-        data: dict[str, Any] = {"t": frame.t, "cpu_util": frame.mean["cpu.util"], "proc_cpu": frame.mean["proc.cpu"]}
-        with np.errstate(invalid="ignore", divide="ignore"):
-            for index in self._gpus:
-                data[f"gpu{index}_util"] = frame.mean[f"gpu{index}.util"]
-                data[f"gpu{index}_mem"] = (100.0 * frame.mean[f"gpu{index}.mem_used"]
-                                           / frame.mean[f"gpu{index}.mem_total"])
-        return data
+        return {"t": frame.t, **percent_data(frame, self._gpus)}
 
     def _push_bands(self) -> None:
         spans = self.trace.spans(DATA_WAIT_SPAN, t0=self._last_band_end)
-        left: list[float] = []
-        right: list[float] = []
-        for span in spans:
-            if span.end <= self._last_band_end:
-                continue
-            if left and span.start - right[-1] <= MERGE_GAP_S:
-                right[-1] = max(right[-1], span.end)
-            else:
-                left.append(max(span.start, self._last_band_end))
-                right.append(span.end)
-        keep = [(a, b) for a, b in zip(left, right) if b - a >= MIN_BAND_S]
+        bands = merge_bands(spans, MERGE_GAP_S, after=self._last_band_end)
+        keep = [(a, b) for a, b in bands if b - a >= MIN_BAND_S]
         if not keep:
             return
         self._last_band_end = keep[-1][1]

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import html
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from gpuwidget.advice.summary import DATA_WAIT_SPAN, gpu_indices
-from gpuwidget.ui.style import CPU_COLOR, PALETTE, WAIT_COLOR
+from gpuwidget.ui.style import CPU_COLOR, PALETTE, WAIT_COLOR, merge_bands, percent_data, plot_columns
 
 if TYPE_CHECKING:
     from gpuwidget.advice.finding import Finding
@@ -265,18 +265,16 @@ def chart_svg(run: Run, width: int = CHART_WIDTH, height: int = CHART_HEIGHT) ->
     trace = run.trace
     series: list[tuple[str, str, str, np.ndarray]] = []
     gpus = gpu_indices(trace)
-    columns = ["cpu.util"] + [c for i in gpus for c in (f"gpu{i}.util", f"gpu{i}.mem_used", f"gpu{i}.mem_total")]
-    frame = trace.plot_view(columns, CHART_POINTS)
+    frame = trace.plot_view(plot_columns(gpus, process=False), CHART_POINTS)
     if len(frame) < 2:
         return ""
     t = frame.t
-    with np.errstate(invalid="ignore", divide="ignore"):
-        for n, index in enumerate(gpus):
-            color = PALETTE[n % len(PALETTE)]
-            series.append((f"GPU{index} util", color, "", frame.mean[f"gpu{index}.util"]))
-            series.append((f"GPU{index} memory", color, "4 3",
-                           100 * frame.mean[f"gpu{index}.mem_used"] / frame.mean[f"gpu{index}.mem_total"]))
-    series.append(("CPU", CPU_COLOR, "", frame.mean["cpu.util"]))
+    data = percent_data(frame, gpus, process=False)
+    for n, index in enumerate(gpus):
+        color = PALETTE[n % len(PALETTE)]
+        series.append((f"GPU{index} util", color, "", data[f"gpu{index}_util"]))
+        series.append((f"GPU{index} memory", color, "4 3", data[f"gpu{index}_mem"]))
+    series.append(("CPU", CPU_COLOR, "", data["cpu_util"]))
     t0, t1 = float(t[0]), float(t[-1])
     span = (t1 - t0) or 1.0
     left, top, plot_w, plot_h = 34, 6, width - 34 - 8, height - 6 - 18
@@ -290,7 +288,7 @@ def chart_svg(run: Run, width: int = CHART_WIDTH, height: int = CHART_HEIGHT) ->
     parts = [f"<svg xmlns='http://www.w3.org/2000/svg' width='{width}' height='{height}' "
              f"viewBox='0 0 {width} {height}' style='display:block;font-size:10px' role='img' "
              "aria-label='utilisation over the run'>"]
-    for start, end in _merged_bands(trace.spans(DATA_WAIT_SPAN), min_width=span / plot_w):
+    for start, end in merge_bands(trace.spans(DATA_WAIT_SPAN), gap=span / plot_w):
         parts.append(f"<rect x='{x(start):.1f}' y='{top}' width='{max(x(end) - x(start), 0.5):.1f}' "
                      f"height='{plot_h}' fill='{WAIT_COLOR}' fill-opacity='0.3'/>")
     for level in (0, 50, 100):
@@ -314,16 +312,6 @@ def chart_svg(run: Run, width: int = CHART_WIDTH, height: int = CHART_HEIGHT) ->
 def _polyline(t: np.ndarray, values: np.ndarray, x: Any, y: Any) -> str:
     points = [f"{x(float(a)):.1f},{y(float(b)):.1f}" for a, b in zip(t, values) if not math.isnan(b)]
     return " ".join(points) if len(points) > 1 else ""
-
-
-def _merged_bands(spans: Iterable[Any], min_width: float) -> list[tuple[float, float]]:
-    bands: list[tuple[float, float]] = []
-    for span in spans:
-        if bands and span.start - bands[-1][1] <= min_width:
-            bands[-1] = (bands[-1][0], max(bands[-1][1], span.end))
-        else:
-            bands.append((span.start, span.end))
-    return bands
 
 
 def _short(value: Any) -> str:
