@@ -59,6 +59,7 @@ class KernelDirectory:
 
 
 def _json(value: Any) -> Any:
+    """A value JSON can carry: NaN and infinities (no reading) become null."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
     return value
@@ -192,7 +193,7 @@ class Monitor:
         start = self.trace.start_wall
         return {
             "t": [round(start + t, 3) for t in frame.t.tolist()],
-            "columns": {name: [_json(v) if v == v else None for v in values.tolist()]
+            "columns": {name: [_json(v) for v in values.tolist()]
                         for name, values in frame.mean.items()},
         }
 
