@@ -503,6 +503,11 @@ class Trace:
         out.sort(key=lambda span: span.start)
         return out
 
+    def span_kinds(self) -> list[str]:
+        """The kinds of spans recorded (``step``, ``loader.wait``, ...)."""
+        with self._lock:
+            return list(self._spans)
+
     def span_stats(self, kind: str) -> SpanStats | None:
         """Whole-run count and durations of a span kind, including spans no longer kept."""
         with self._lock:
