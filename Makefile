@@ -35,7 +35,7 @@ $(STAMP): pyproject.toml package.json yarn.lock
 	$(VPY) -m pip install "$(TORCH_SPEC)"
 	@# a link left by `jupyter-builder develop` would make pip write through it into the source tree
 	if [ -L $(LABEXT_LINK) ]; then rm $(LABEXT_LINK); fi
-	PATH="$(VBIN):$$PATH" $(VPY) -m pip install -e ".[test,dev]"
+	PATH="$(VBIN):$$PATH" $(VPY) -m pip install -e ".[test,dev]" "$(TORCH_SPEC)"
 	PATH="$(VBIN):$$PATH" $(VENV)/bin/jupyter-builder develop --overwrite . || { \
 	  echo "make: linking the lab extension failed; gpuwidget/__init__.py must re-export" >&2; \
 	  echo "      _jupyter_labextension_paths (from gpuwidget._labext)." >&2; exit 1; }
