@@ -27,8 +27,8 @@ import torch  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 import gpuwidget  # noqa: E402
-from gpuwidget.advice.batch_probe import probe_batch_size  # noqa: E402
-from gpuwidget.advice.tuner import tune_for_run  # noqa: E402
+from gpuwidget.measure.batch_probe import probe_batch_size  # noqa: E402
+from gpuwidget.measure.tuner import tune_for_run  # noqa: E402
 from gpuwidget.probes.torch_data import loader_kwargs  # noqa: E402
 
 import workloads  # noqa: E402

@@ -42,16 +42,16 @@ def _jupyter_server_extension_points() -> list[dict[str, str]]:
 
 
 def tune_loader(loader: Any, target_rate: float | None = None, budget_s: float = 20.0, **kwargs: Any) -> Any:
-    """Measure DataLoader settings for ``loader``; see :func:`gpuwidget.advice.tuner.tune_loader`."""
-    from gpuwidget.advice.tuner import tune_loader as tune
+    """Measure DataLoader settings for ``loader``; see :func:`gpuwidget.measure.tuner.tune_loader`."""
+    from gpuwidget.measure.tuner import tune_loader as tune
 
     return tune(loader, target_rate=target_rate, budget_s=budget_s, **kwargs)
 
 
 def probe_batch_size(model: Any, example_batch: Any, loss_fn: Any = None, max_batch: int = 4096,
                      **kwargs: Any) -> Any:
-    """Throughput per batch size and the largest that fits; see :mod:`gpuwidget.advice.batch_probe`."""
-    from gpuwidget.advice.batch_probe import probe_batch_size as probe
+    """Throughput per batch size and the largest that fits; see :mod:`gpuwidget.measure.batch_probe`."""
+    from gpuwidget.measure.batch_probe import probe_batch_size as probe
 
     return probe(model, example_batch, loss_fn=loss_fn, max_batch=max_batch, **kwargs)
 

@@ -190,7 +190,7 @@ class Watch:
                 _show_text("gpuwidget --tune: no DataLoader was iterated in this cell, nothing to tune.")
             return
         try:
-            from gpuwidget.advice.tuner import tune_for_run
+            from gpuwidget.measure.tuner import tune_for_run
 
             run.tuning = tune_for_run(run, loaders[0], progress=self.display)
         except Exception as exc:  # noqa: BLE001 - the run itself is recorded and shown already

@@ -12,7 +12,7 @@ from torch.nn.modules import module as nn_module
 from torch.utils.data import DataLoader, TensorDataset
 
 from gpuwidget.probes import Probes
-from gpuwidget.probes.torch_data import DataLoaderProbe, _first_dim, loader_settings
+from gpuwidget.probes.torch_data import DataLoaderProbe, first_dim, loader_settings
 from gpuwidget.probes.torch_model import TOP_LEVEL_CALLS, CudaMemoryProbe, ModelProbe
 from gpuwidget.trace import Trace
 
@@ -59,7 +59,7 @@ def test_persistent_workers_iterator_counts_epochs_without_a_step_across_them():
      ([[torch.zeros(3, 1)]], 3), ("not a tensor", 0), (torch.tensor(1.0), 1)],
 )
 def test_samples_per_batch_is_the_first_dimension_of_the_first_tensor(batch, samples):
-    assert _first_dim(batch) == samples
+    assert first_dim(batch) == samples
 
 
 def test_loader_settings_are_plain_data():

@@ -12,8 +12,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
 import gpuwidget
-from gpuwidget.advice.batch_probe import probe_batch_size
-from gpuwidget.advice.tuner import TuneError, tune_loader
+from gpuwidget.measure.batch_probe import probe_batch_size
+from gpuwidget.measure.tuner import TuneError, tune_loader
 
 import workloads
 

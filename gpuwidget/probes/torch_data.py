@@ -154,7 +154,7 @@ class DataLoaderProbe:
             stats.steps += 1
             stats.wait_total += wait
             stats.wait_times.append(wait)
-            stats.samples += _first_dim(batch)
+            stats.samples += first_dim(batch)
             queue((DATA_WAIT_SPAN, started - origin, ended - origin))
             return batch
 
@@ -221,16 +221,16 @@ class DataLoaderProbe:
         return [s.facts(names) for s in self.stats if s.steps]
 
 
-def _first_dim(batch: Any, depth: int = 0) -> int:
+def first_dim(batch: Any, depth: int = 0) -> int:
     """Samples in a batch: the first dimension of its first tensor (tuples, lists, dicts)."""
     shape = getattr(batch, "shape", None)
     if shape is not None:
         return int(shape[0]) if len(shape) else 1
     if depth < 3:
         if isinstance(batch, (list, tuple)) and batch:
-            return _first_dim(batch[0], depth + 1)
+            return first_dim(batch[0], depth + 1)
         if isinstance(batch, Mapping) and batch:
-            return _first_dim(next(iter(batch.values())), depth + 1)
+            return first_dim(next(iter(batch.values())), depth + 1)
     return 0
 
 

@@ -15,7 +15,7 @@ def measure_button(run: Any, loader: Any) -> Any:
     import ipywidgets
     from IPython.display import display
 
-    from gpuwidget.advice.tuner import tune_for_run
+    from gpuwidget.measure.tuner import tune_for_run
 
     loader_ref = weakref.ref(loader)
     button = ipywidgets.Button(description="Measure the suggested settings", icon="tachometer",

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpuwidget.clock import now
+from gpuwidget.probes.torch_data import first_dim
 from gpuwidget.ui.tables import html_table, text_table
 
 # A doubling that gains less than this is not worth its memory.
@@ -117,12 +118,6 @@ def _synthetic(example: Any, size: int, device: Any) -> Any:
     if isinstance(example, dict):
         return {key: _synthetic(value, size, device) for key, value in example.items()}
     return example
-
-
-def _first_dim(example: Any) -> int:
-    from gpuwidget.probes.torch_data import _first_dim as first
-
-    return max(1, first(example))
 
 
 # --------------------------------------------------------------------------- keeping state
@@ -241,7 +236,7 @@ def probe_batch_size(model: Any, example_batch: Any, loss_fn: Callable[..., Any]
 
     with _preserved(model):
         model.train()
-        size = max(1, min(start or _first_dim(example_batch), max_batch))
+        size = max(1, min(start or first_dim(example_batch), max_batch))
         size = _align_down(size)
         fitted: int | None = None
         failed: int | None = None
