@@ -72,3 +72,62 @@ def test_no_driver_means_host_metrics_and_a_plain_message(ip, fake_nvml):
     assert not any(c.startswith("gpu") for c in run.trace.columns)
     assert "gpu_busy_mean" not in run.summary
     assert run.trace.stats("cpu.util").count >= 2
+
+
+# ------------------------------------------------------------------ TF32: PyTorch's current switch
+
+_TF32_CELL = """%%gpuwatch --quiet --interval 0.02
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+torch.backends.cuda.matmul.fp32_precision = "tf32"
+net = torch.nn.Linear(8, 2)
+loader = DataLoader(TensorDataset(torch.randn(64, 8), torch.randn(64, 2)), batch_size=8)
+for x, y in loader:
+    net(x).sum().backward()
+"""
+
+
+@pytest.fixture
+def fp32_precision_restored():
+    """The TF32 switch is process-wide: leave it as found ("none": inherit, torch's default)."""
+    import torch
+
+    matmul = torch.backends.cuda.matmul
+    saved = matmul.fp32_precision
+    yield
+    matmul.fp32_precision = saved
+
+
+def test_setting_tf32_through_the_new_api_keeps_the_summary_and_records_it(ip, fake_nvml,
+                                                                            fp32_precision_restored):
+    import torch
+
+    fake_nvml(FakeNvml.single())
+    result = ip.run_cell(_TF32_CELL)
+    assert result.success
+    # The reproduction: torch's legacy reader raises once the new API was used.
+    with pytest.raises(RuntimeError, match="mix of the legacy and new APIs"):
+        torch.get_float32_matmul_precision()
+    run = gpuwidget.last_run()
+    assert run.summary["steps"] == 8 and run.summary["samples_per_s"] > 0
+    model = run.workload["model"]
+    assert model["tf32_api"] == "fp32_precision"
+    assert model["matmul_fp32_precision"] == "tf32" and model["cuda_matmul_allow_tf32"] is True
+    assert model["float32_matmul_precision"] == "high"
+    assert "probe_errors" not in run.workload
+
+
+def test_one_failing_probe_is_recorded_and_the_others_still_report(ip, fake_nvml, monkeypatch):
+    from gpuwidget.probes.torch_model import ModelProbe
+
+    def broken(self, names):
+        raise RuntimeError("model facts broke")
+
+    monkeypatch.setattr(ModelProbe, "facts", broken)
+    fake_nvml(FakeNvml.single())
+    assert ip.run_cell(_TF32_CELL.replace('torch.backends.cuda.matmul.fp32_precision = "tf32"\n', "")).success
+    run = gpuwidget.last_run()
+    assert run.summary["steps"] == 8
+    assert run.workload["loaders"][0]["steps"] == 8
+    assert run.workload["model"] is None
+    assert any("model facts unavailable" in e and "model facts broke" in e for e in run.workload["probe_errors"])

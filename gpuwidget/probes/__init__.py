@@ -90,15 +90,16 @@ class Probes:
         torch = sys.modules.get("torch")
         if torch is not None:
             facts["torch"] = getattr(torch, "__version__", None)
-        if self._data is not None:
-            facts["loaders"] = self._data.facts(names)
-        if self._model is not None:
-            facts["model"] = self._model.facts(names)
-        if self._cuda is not None:
+        # Each fact on its own: one probe's failure is recorded and never empties the run.
+        for key, probe, read in (("loaders", self._data, lambda p: p.facts(names)),
+                                 ("model", self._model, lambda p: p.facts(names)),
+                                 ("cuda", self._cuda, lambda p: p.facts())):
+            if probe is None:
+                continue
             try:
-                facts["cuda"] = self._cuda.facts()
+                facts[key] = read(probe)
             except Exception as exc:  # noqa: BLE001
-                self.errors.append(f"CUDA memory facts unavailable: {exc!r}")
+                self.errors.append(f"{key} facts unavailable ({type(probe).__name__}): {exc!r}")
         if self.errors:
             facts["probe_errors"] = list(self.errors)
         return facts

@@ -137,15 +137,63 @@ def _autocast_state(torch: Any, device_type: str) -> dict[str, Any]:
     return {"enabled": enabled, "dtype": dtype, "device_type": device_type}
 
 
+# torch's float32 precision names, new API (``fp32_precision``) -> legacy (``float32_matmul_precision``).
+_LEGACY_MATMUL_NAMES = {"ieee": "highest", "tf32": "high", "bf16": "medium"}
+
+
 def precision_settings() -> dict[str, Any]:
-    """Global float32 math settings: TF32 on Ampere+ makes FP32 matmuls use Tensor Cores."""
+    """Global float32 math settings: TF32 on Ampere+ makes FP32 matmuls and convolutions use Tensor Cores.
+
+    PyTorch now documents ``torch.backends.cuda.matmul.fp32_precision`` and
+    ``torch.backends.cudnn.conv.fp32_precision``; once a program sets one of them, the legacy readers
+    (``torch.get_float32_matmul_precision()``, ``matmul.allow_tf32``) raise "mix of the legacy and
+    new APIs". So the new attributes are read where they exist and the legacy ones only otherwise,
+    each read on its own: a setting that can't be read is left out, never a failed probe.
+    ``tf32_api`` says which API this torch has, so advice can be written in it.
+    """
     import torch
 
-    return {
-        "float32_matmul_precision": torch.get_float32_matmul_precision(),
-        "cuda_matmul_allow_tf32": bool(torch.backends.cuda.matmul.allow_tf32),
-        "cudnn_allow_tf32": bool(torch.backends.cudnn.allow_tf32),
-    }
+    backends: Any = torch.backends
+    matmul_node: Any = getattr(getattr(backends, "cuda", None), "matmul", None)
+    if hasattr(matmul_node, "fp32_precision"):
+        generic = _read(lambda: getattr(backends, "fp32_precision", "none"))
+        cudnn = _read(lambda: getattr(backends.cudnn, "fp32_precision", "none"))
+        matmul = _effective(_read(lambda: matmul_node.fp32_precision), generic)
+        conv = _effective(_read(lambda: backends.cudnn.conv.fp32_precision), cudnn, generic)
+        facts: dict[str, Any] = {"tf32_api": "fp32_precision", "matmul_fp32_precision": matmul,
+                                 "conv_fp32_precision": conv}
+        if matmul is not None:
+            facts["float32_matmul_precision"] = _LEGACY_MATMUL_NAMES.get(matmul, matmul)
+            facts["cuda_matmul_allow_tf32"] = matmul != "ieee"
+        if conv is not None:
+            facts["cudnn_allow_tf32"] = conv != "ieee"
+        return facts
+    facts = {"tf32_api": "legacy"}
+    for key, read in (("float32_matmul_precision", torch.get_float32_matmul_precision),
+                      ("cuda_matmul_allow_tf32", lambda: bool(backends.cuda.matmul.allow_tf32)),
+                      ("cudnn_allow_tf32", lambda: bool(backends.cudnn.allow_tf32))):
+        value = _read(read)
+        if value is not None:
+            facts[key] = value
+    return facts
+
+
+def _read(getter: Any) -> Any:
+    """One setting, or None where this torch can't say (a raising getter, a missing attribute)."""
+    try:
+        return getter()
+    except Exception:  # noqa: BLE001 - one unreadable setting must not lose the others
+        return None
+
+
+def _effective(*levels: Any) -> str | None:
+    """The precision in force: "none" at a level means "inherit from the level above"; "ieee" at the top."""
+    if levels[0] is None:
+        return None
+    for level in levels:
+        if level not in (None, "none"):
+            return str(level)
+    return "ieee"
 
 
 class CudaMemoryProbe:
