@@ -553,8 +553,8 @@ class Trace:
             archive_rows = self._arch_n
             stats = {
                 name: {"count": int(self._stats.count[j]), "total": float(self._stats.total[j]),
-                       "min": _json_float(self._stats.min[j]), "max": _json_float(self._stats.max[j]),
-                       "last": _json_float(self._stats.last[j])}
+                       "min": finite_or_none(self._stats.min[j]), "max": finite_or_none(self._stats.max[j]),
+                       "last": finite_or_none(self._stats.last[j])}
                 for name, j in self._columns.items()
             }
             arch_end = self._arch_t_end[:archive_rows].tolist()
@@ -573,12 +573,12 @@ class Trace:
             "archive_t_end": arch_end,
             "archive_count": arch_count,
             "t": frame.t.tolist(),
-            "mean": {k: _json_list(v) for k, v in frame.mean.items()},
-            "min": {k: _json_list(v[:archive_rows]) for k, v in frame.min.items()},
-            "max": {k: _json_list(v[:archive_rows]) for k, v in frame.max.items()},
+            "mean": {k: finite_list(v) for k, v in frame.mean.items()},
+            "min": {k: finite_list(v[:archive_rows]) for k, v in frame.min.items()},
+            "max": {k: finite_list(v[:archive_rows]) for k, v in frame.max.items()},
             "stats": stats,
             "spans": [s.to_dict() for s in self.spans()],
-            "span_stats": {k: [v[0], v[1], _json_float(v[2]), _json_float(v[3])] for k, v in span_stats.items()},
+            "span_stats": {k: [v[0], v[1], finite_or_none(v[2]), finite_or_none(v[3])] for k, v in span_stats.items()},
         }
 
     @classmethod
@@ -637,13 +637,24 @@ def _argfirst(values: np.ndarray, targets: np.ndarray, edges: np.ndarray, n: int
     return first
 
 
-def _json_float(value: float) -> float | None:
+def finite_or_none(value: float) -> float | None:
+    """A number JSON can carry: NaN and infinities (no reading) become None (null).
+
+    The one place that maps missing readings for JSON: saved runs, Trace.to_dict and the server.
+    """
     value = float(value)
     return value if math.isfinite(value) else None
 
 
-def _json_list(values: np.ndarray) -> list[float | None]:
-    return [None if math.isnan(v) else v for v in values.astype(float).tolist()]
+def finite_list(values: np.ndarray) -> list[float | None]:
+    """:func:`finite_or_none` over an array, vectorised (a history holds ~10^5 values)."""
+    values = np.asarray(values, dtype=float)
+    finite = np.isfinite(values)
+    if finite.all():
+        return values.tolist()  # type: ignore[no-any-return]
+    boxed = values.astype(object)
+    boxed[~finite] = None
+    return boxed.tolist()  # type: ignore[no-any-return]
 
 
 def _from_json_list(values: list[float | None]) -> np.ndarray:

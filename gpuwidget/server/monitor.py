@@ -6,6 +6,10 @@ tick the new row is turned into one JSON text and handed to the event loop, whic
 that same text to every subscriber whose rate wants this tick. Every few seconds the
 processes holding GPU memory are listed (on the sampler thread) and matched to this
 server's kernels and notebooks (whose pids and paths the event loop keeps up to date).
+
+A new subscriber's history (an hour of every column, reduced for plotting) is built in a
+worker thread, at most once per trace row, and the same bytes go to every subscriber that
+arrives before the next row: fifty reconnecting tabs cost one build, not fifty on the loop.
 """
 
 from __future__ import annotations
@@ -22,17 +26,24 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import psutil
 
 from gpuwidget.sampler import Sampler
 from gpuwidget.sources.base import Source
 from gpuwidget.sources.host import HostSource
-from gpuwidget.trace import Trace
+from gpuwidget.sources.lineage import ancestors
+from gpuwidget.sources.nvml import NvmlSource
+from gpuwidget.trace import Trace, finite_list, finite_or_none
 
 log = logging.getLogger("gpuwidget")
 
 # The history a client gets is reduced to at most this many points (spikes kept).
 HISTORY_POINTS = 2000
+# Significant digits kept in the history (relative to each column's largest value): a plot
+# 300 px high resolves 3; 4 keep the text a half of full precision's (1.6 MB, not 2.9, for
+# 8 GPUs over an hour) and its encoding a third of the time.
+HISTORY_DIGITS = 4
 # How often the process table is rebuilt (it costs a few NVML calls and psutil lookups).
 PROCESSES_EVERY_S = 5.0
 # Parents walked up from a GPU process to find the kernel it belongs to (workers, shells).
@@ -42,6 +53,17 @@ ANOTHER_USER = "another user"
 FIRST_READING_GAP_S = 0.1
 
 Send = Callable[[str], None]
+
+
+@dataclass
+class MonitorSources:
+    """The server's sources by role: the host always, the GPUs through NVML (which may find none)."""
+
+    host: HostSource
+    gpu: NvmlSource
+
+    def all(self) -> list[Source]:
+        return [self.host, self.gpu]
 
 
 @dataclass
@@ -58,13 +80,6 @@ class KernelDirectory:
     by_pid: dict[int, tuple[str, str | None]] = field(default_factory=dict)
 
 
-def _json(value: Any) -> Any:
-    """A value JSON can carry: NaN and infinities (no reading) become null."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return value
-
-
 def _message(kind: str, **fields: Any) -> str:
     return json.dumps({"type": kind, **fields}, separators=(",", ":"), allow_nan=False)
 
@@ -73,7 +88,7 @@ class Monitor:
     """One sampler for all subscribers of a Jupyter server."""
 
     def __init__(self, interval: float = 1.0, history_s: float = 3600.0,
-                 sources: Callable[[], list[Source]] | None = None,
+                 sources: Callable[[], MonitorSources] | None = None,
                  loop: asyncio.AbstractEventLoop | None = None) -> None:
         if not (interval > 0 and math.isfinite(interval)):
             raise ValueError("interval must be a positive number of seconds")
@@ -84,9 +99,14 @@ class Monitor:
         self._subscribers: dict[int, Subscriber] = {}
         self._next_id = 0
         self._lock = threading.Lock()
+        # Held while sources are built: sixteen concurrent first requests build one set (one NVML init).
+        self._sources_lock = threading.Lock()
         self._sampler: Sampler | None = None
-        self._sources: list[Source] = []
+        self._sources: MonitorSources | None = None
         self._devices: dict[str, Any] | None = None
+        # The shared history message: (trace version it was built from, bytes), and the build under way.
+        self._history_bytes: tuple[int, bytes] | None = None
+        self._history_build: tuple[int, asyncio.Future[bytes]] | None = None
         self.trace = Trace()
         self.kernels = KernelDirectory()
         self._processes_text = _message("processes", t=None, gpus={})
@@ -100,17 +120,19 @@ class Monitor:
     def running(self) -> bool:
         return self._sampler is not None and self._sampler.running
 
-    def _ensure_sources(self) -> None:
-        if not self._sources:
-            self._sources = self._make_sources()
-            self._devices = None
+    def _ensure_sources(self) -> MonitorSources:
+        with self._sources_lock:
+            if self._sources is None:
+                self._sources = self._make_sources()
+                self._devices = None
+            return self._sources
 
     def start(self) -> None:
         with self._lock:
             if self.running:
                 return
-            self._ensure_sources()
-            self._sampler = Sampler(self._sources, self.trace, self.interval, [self._on_tick])
+            sources = self._ensure_sources()
+            self._sampler = Sampler(sources.all(), self.trace, self.interval, [self._on_tick])
             self._sampler.start()
 
     def stop(self, wait: bool = True) -> None:
@@ -127,14 +149,18 @@ class Monitor:
 
     def close(self) -> None:
         self.stop()
-        for source in self._sources:
+        with self._sources_lock:
+            sources, self._sources = self._sources, None
+        for source in sources.all() if sources is not None else []:
             source.close()
-        self._sources = []
 
     # ------------------------------------------------------------- subscribers
 
     def subscribe(self, send: Send, interval: float | None = None) -> int:
-        """Register a subscriber; the first one starts the sampler. Returns a token."""
+        """Register a subscriber; the first one starts the sampler. Returns a token.
+
+        ``interval`` is a finite number of seconds (the handler refuses others with 400).
+        """
         every = 1 if not interval else max(1, math.ceil(interval / self.interval - 1e-9))
         with contextlib.suppress(RuntimeError):  # fan-out happens on the loop the subscribers live on
             self._loop = asyncio.get_running_loop()
@@ -160,14 +186,13 @@ class Monitor:
     # ------------------------------------------------------------- data
 
     def devices(self) -> dict[str, Any]:
-        """Static facts (the /devices payload)."""
-        self._ensure_sources()
-        if self._devices is None:
-            gpu = next((s for s in self._sources if s.name == "nvml"), None)
-            host = next((s for s in self._sources if s.name == "host"), None)
-            facts: dict[str, Any] = gpu.describe() if gpu is not None else {
-                "available": False, "reason": "no NVIDIA GPU found (NVML unavailable)"}
-            host_facts = host.describe() if host is not None else {}
+        """Static facts (the /devices payload). Blocking the first time (NVML start-up): call it in a thread."""
+        sources = self._ensure_sources()
+        with self._sources_lock:
+            if self._devices is not None:
+                return self._devices
+            facts = sources.gpu.describe()
+            host_facts = sources.host.describe()
             self._devices = {
                 "gpu_found": bool(facts.get("available")),
                 "message": None if facts.get("available") else facts.get("reason") or "no NVIDIA GPU found",
@@ -180,7 +205,7 @@ class Monitor:
                 "interval": self.interval,
                 "history_s": self.history_s,
             }
-        return self._devices
+            return self._devices
 
     def history(self, window_s: float | None = None) -> dict[str, Any]:
         """The last ``window_s`` seconds (at most the history kept), reduced for plotting."""
@@ -190,11 +215,9 @@ class Monitor:
             else None
         if frame is None or not len(frame):
             return {"t": [], "columns": {}}
-        start = self.trace.start_wall
         return {
-            "t": [round(start + t, 3) for t in frame.t.tolist()],
-            "columns": {name: [_json(v) for v in values.tolist()]
-                        for name, values in frame.mean.items()},
+            "t": np.round(self.trace.start_wall + frame.t, 3).tolist(),
+            "columns": {name: _for_plot(values) for name, values in frame.mean.items()},
         }
 
     def latest(self) -> dict[str, Any]:
@@ -202,13 +225,34 @@ class Monitor:
         if last is None:
             return {"t": None, "values": {}}
         t, values = last
-        return {"t": round(self.trace.start_wall + t, 3), "values": {k: _json(v) for k, v in values.items()}}
+        return {"t": round(self.trace.start_wall + t, 3), "values": {k: finite_or_none(v) for k, v in values.items()}}
 
     def hello_text(self) -> str:
         return _message("hello", devices=self.devices())
 
     def history_text(self) -> str:
         return _message("history", **self.history())
+
+    async def history_message(self) -> bytes:
+        """The history message for a new subscriber, UTF-8 encoded, built off the event loop.
+
+        Built at most once per trace row and shared: subscribers arriving in the same tick get
+        the same bytes (an hour of 8 GPUs is ~1.6 MB and ~60 ms to build). A subscriber that
+        goes away while it waits does not cancel the build the others wait on.
+        """
+        version = self.trace.version
+        if self._history_bytes is not None and self._history_bytes[0] == version:
+            return self._history_bytes[1]
+        if self._history_build is None or self._history_build[0] != version:
+            build = asyncio.get_running_loop().run_in_executor(None, self._build_history, version)
+            self._history_build = (version, build)
+        return await asyncio.shield(self._history_build[1])
+
+    def _build_history(self, version: int) -> bytes:
+        """Worker thread: encode the history once; the loop serves the same bytes until the next row."""
+        message = self.history_text().encode()
+        self._history_bytes = (version, message)
+        return message
 
     def processes_text(self) -> str:
         return self._processes_text
@@ -221,8 +265,8 @@ class Monitor:
 
         Run in a worker thread. Rates need an interval, so a first reading is taken twice.
         """
-        self._ensure_sources()
-        sampler = Sampler(self._sources, self.trace, self.interval, [self._on_tick])
+        sources = self._ensure_sources()
+        sampler = Sampler(sources.all(), self.trace, self.interval, [self._on_tick])
         if not len(self.trace):
             sampler.tick()
             time.sleep(FIRST_READING_GAP_S)
@@ -246,8 +290,8 @@ class Monitor:
             self._fan_out(text, processes)
 
     def _list_processes(self, t: float | None) -> str:
-        gpu = next((s for s in self._sources if s.name == "nvml"), None)
-        listed = gpu.processes() if gpu is not None and hasattr(gpu, "processes") else {}
+        sources = self._sources
+        listed = sources.gpu.processes() if sources is not None else {}
         gpus = {label: [self._describe_process(pid, memory) for pid, memory in rows]
                 for label, rows in listed.items()}
         self._processes_text = _message("processes", t=t, gpus=gpus)
@@ -263,14 +307,9 @@ class Monitor:
             row["user"] = "you"
             row["name"] = process.name()
             kernels = self.kernels.by_pid
-            for _ in range(PARENT_DEPTH):
-                if process.pid in kernels:
-                    row["kernel_id"], row["notebook"] = kernels[process.pid]
-                    break
-                parent = process.parent()
-                if parent is None:
-                    break
-                process = parent
+            owner = next((ancestor for ancestor in ancestors(pid, PARENT_DEPTH) if ancestor in kernels), None)
+            if owner is not None:
+                row["kernel_id"], row["notebook"] = kernels[owner]
         except (psutil.Error, KeyError):
             pass  # gone, or in another pid namespace: keep the anonymous row
         return row
@@ -306,11 +345,17 @@ class Monitor:
         self.kernels = KernelDirectory(by_pid)
 
 
-def default_sources() -> list[Source]:
-    from gpuwidget.sources.nvml import NvmlSource
-
+def default_sources() -> MonitorSources:
     # The sidebar shows neither per-core CPU nor the server process itself.
-    return [HostSource(per_core=False, process=False), NvmlSource(pids=lambda: ())]
+    return MonitorSources(HostSource(per_core=False, process=False), NvmlSource(pids=lambda: ()))
+
+
+def _for_plot(values: np.ndarray) -> list[float | None]:
+    """A history column rounded to :data:`HISTORY_DIGITS` significant digits of its largest value."""
+    finite = np.abs(values[np.isfinite(values)])
+    top = float(finite.max()) if finite.size else 0.0
+    decimals = HISTORY_DIGITS - 1 - math.floor(math.log10(top)) if top > 0 else 0
+    return finite_list(np.round(values, decimals))
 
 
 def _current_user() -> str | None:

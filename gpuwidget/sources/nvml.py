@@ -56,6 +56,8 @@ GPM_MIN_INTERVAL_S = 0.1
 POWER_LIMIT_REFRESH_S = 10.0
 # A caller's ``pids`` function may walk the process table; ask it at most this often.
 PIDS_REFRESH_S = 1.0
+# Pids walked up from a GPU process (itself included) looking for this one: workers of workers.
+ANCESTRY_DEPTH = 65
 
 KIB = 1024
 MIB = 1024 * 1024
@@ -539,22 +541,9 @@ class _OwnProcesses:
         Walking up from the few pids NVML lists is far cheaper than listing our descendants, which
         scans the whole process table.
         """
-        if pid == self._own:
-            return True
-        try:
-            import psutil
-        except ImportError:
-            return False
-        for _ in range(64):
-            try:
-                pid = psutil.Process(pid).ppid()
-            except Exception:
-                return False
-            if pid == self._own:
-                return True
-            if pid <= 1:
-                return False
-        return False
+        from gpuwidget.sources.lineage import ancestors
+
+        return self._own in ancestors(pid, ANCESTRY_DEPTH)
 
 
 # ---------------------------------------------------------------------------------------------------
