@@ -2,7 +2,7 @@
 #   make lab     JupyterLab on 127.0.0.1 with gpuwidget installed (editable), notebooks/ as root
 #   make test    the whole test suite (installs Debian's chromium first when root and missing)
 #   make bench   every benchmarks/*.py, one after the other
-#   make lint    ruff, mypy and the TypeScript type check
+#   make lint    ruff, mypy and the TypeScript lint (`jlpm lint`: prettier, eslint, tsc)
 #   make clean   build outputs (keeps .venv and node_modules); `make distclean` removes those too
 
 SHELL := /bin/bash

@@ -9,8 +9,8 @@
 
 import type { ServerConnection } from '@jupyterlab/services';
 
-import { DevicesReply, isDevicesReply } from './protocol';
-import { SocketLike } from './stream';
+import { IDevicesReply, isDevicesReply } from './protocol';
+import { ISocketLike } from './stream';
 
 /** Where the routes live, under the server's base URL. */
 export const API_PATH = 'gpuwidget/api';
@@ -21,7 +21,7 @@ export type ServerSettingsLike = Pick<
 >;
 
 export type Fetcher = (url: string, init: RequestInit) => Promise<Response>;
-export type SocketFactory = (url: string) => SocketLike;
+export type SocketFactory = (url: string) => ISocketLike;
 
 /** A reply other than 2xx. */
 export class ApiError extends Error {
@@ -39,7 +39,11 @@ export class ApiError extends Error {
 /** 404 on a gpuwidget route: the server extension is not installed or not enabled. */
 export class ServerExtensionMissing extends ApiError {
   constructor(url: string) {
-    super(404, url, `the gpuwidget server extension is not running (404 from ${url})`);
+    super(
+      404,
+      url,
+      `the gpuwidget server extension is not running (404 from ${url})`
+    );
     this.name = 'ServerExtensionMissing';
   }
 }
@@ -63,7 +67,10 @@ export function apiUrl(settings: ServerSettingsLike, route: string): string {
  * app's own kernel sockets put it (`appendToken`: a wsUrl on another host); otherwise
  * the browser's login cookie authenticates, as it does for kernels.
  */
-export function streamUrl(settings: ServerSettingsLike, intervalS: number): string {
+export function streamUrl(
+  settings: ServerSettingsLike,
+  intervalS: number
+): string {
   const query = new URLSearchParams({ interval: String(intervalS) });
   if (settings.appendToken && settings.token) {
     query.set('token', settings.token);
@@ -75,17 +82,21 @@ export function streamUrl(settings: ServerSettingsLike, intervalS: number): stri
 export const browserSocket: SocketFactory = url => new WebSocket(url);
 
 /** The routes the sidebar uses. */
-export interface GpuApi {
-  devices(): Promise<DevicesReply>;
-  openStream(intervalS: number): SocketLike;
+export interface IGpuApi {
+  devices(): Promise<IDevicesReply>;
+  openStream(intervalS: number): ISocketLike;
 }
 
-export class ServerApi implements GpuApi {
+export class ServerApi implements IGpuApi {
   private _settings: ServerSettingsLike;
   private _fetch: Fetcher;
   private _socket: SocketFactory;
 
-  constructor(settings: ServerSettingsLike, fetcher: Fetcher, socket: SocketFactory = browserSocket) {
+  constructor(
+    settings: ServerSettingsLike,
+    fetcher: Fetcher,
+    socket: SocketFactory = browserSocket
+  ) {
     this._settings = settings;
     this._fetch = fetcher;
     this._socket = socket;
@@ -95,7 +106,7 @@ export class ServerApi implements GpuApi {
    * `GET /devices`; rejects with ServerExtensionMissing on 404, ApiError on other
    * failures (status 0: no answer at all, e.g. the server is restarting).
    */
-  async devices(): Promise<DevicesReply> {
+  async devices(): Promise<IDevicesReply> {
     const url = apiUrl(this._settings, 'devices');
     let reply: Response;
     try {
@@ -107,16 +118,24 @@ export class ServerApi implements GpuApi {
       throw new ServerExtensionMissing(url);
     }
     if (!reply.ok) {
-      throw new ApiError(reply.status, url, `${url} answered ${reply.status} ${reply.statusText}`.trim());
+      throw new ApiError(
+        reply.status,
+        url,
+        `${url} answered ${reply.status} ${reply.statusText}`.trim()
+      );
     }
     const body: unknown = await reply.json();
     if (!isDevicesReply(body)) {
-      throw new ApiError(reply.status, url, `${url} answered something other than the devices reply`);
+      throw new ApiError(
+        reply.status,
+        url,
+        `${url} answered something other than the devices reply`
+      );
     }
     return body;
   }
 
-  openStream(intervalS: number): SocketLike {
+  openStream(intervalS: number): ISocketLike {
     return this._socket(streamUrl(this._settings, intervalS));
   }
 }

@@ -9,7 +9,7 @@
 import uPlot from 'uplot';
 
 import { formatClock } from './format';
-import { ChartDef, ColorRole, tickLabel } from './metrics';
+import { IChartDef, ColorRole, tickLabel } from './metrics';
 import { Reading } from './protocol';
 
 /** The JupyterLab theme variable behind each line colour. */
@@ -52,7 +52,9 @@ export class ChartPalette {
     try {
       this.axis = resolve('--jp-ui-font-color2');
       this.grid = resolve('--jp-border-color2');
-      const family = getComputedStyle(host).getPropertyValue('--jp-ui-font-family').trim();
+      const family = getComputedStyle(host)
+        .getPropertyValue('--jp-ui-font-family')
+        .trim();
       this.font = `10px ${family || 'sans-serif'}`;
       for (const role of Object.keys(COLOR_VARIABLES) as ColorRole[]) {
         const color = resolve(COLOR_VARIABLES[role]);
@@ -76,21 +78,23 @@ export class ChartPalette {
 /** "rgb(1, 2, 3)" -> "rgba(1, 2, 3, 0.2)"; other forms are returned unchanged. */
 export function withAlpha(color: string, alpha: number): string {
   const match = /^rgba?\(\s*([\d.]+)[,\s]+([\d.]+)[,\s]+([\d.]+)/.exec(color);
-  return match ? `rgba(${match[1]}, ${match[2]}, ${match[3]}, ${alpha})` : color;
+  return match
+    ? `rgba(${match[1]}, ${match[2]}, ${match[3]}, ${alpha})`
+    : color;
 }
 
 export type ChartData = [number[], ...Reading[][]];
 
-/** A uPlot chart for one ChartDef; the x range is set by the caller (the last hour). */
+/** A uPlot chart for one IChartDef; the x range is set by the caller (the last hour). */
 export class TimeChart {
-  readonly def: ChartDef;
+  readonly def: IChartDef;
   readonly node: HTMLDivElement;
   private _plot: uPlot;
   private _xMin = 0;
   private _xMax = 1;
 
   constructor(
-    def: ChartDef,
+    def: IChartDef,
     palette: ChartPalette,
     options: { width: number; showTimeAxis: boolean }
   ) {
@@ -126,13 +130,16 @@ export class TimeChart {
           // this chart, and only this one, to make room. Drop such labels instead.
           filter: (u, splits) =>
             splits.map(value =>
-              u.valToPos(value, 'x') > u.bbox.width / uPlot.pxRatio - TIME_LABEL_HALF_WIDTH
+              u.valToPos(value, 'x') >
+              u.bbox.width / uPlot.pxRatio - TIME_LABEL_HALF_WIDTH
                 ? null
                 : value
             ),
           values: (_u, splits, _axis, _space, increment) =>
             splits.map(value =>
-              options.showTimeAxis && value !== null ? formatClock(value, increment < 60) : ''
+              options.showTimeAxis && value !== null
+                ? formatClock(value, increment < 60)
+                : ''
             )
         },
         {
@@ -142,7 +149,8 @@ export class TimeChart {
           space: 20,
           grid: { stroke: () => palette.grid, width: 1 },
           ticks: { show: false },
-          values: (_u, splits) => splits.map(value => tickLabel(def.unit, value))
+          values: (_u, splits) =>
+            splits.map(value => tickLabel(def.unit, value))
         }
       ],
       series: [

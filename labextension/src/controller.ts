@@ -4,15 +4,15 @@
  * fixes), then the stream, reconnecting with backoff when the server goes away.
  */
 
-import { ApiError, GpuApi, ServerExtensionMissing } from './api';
+import { ApiError, IGpuApi, ServerExtensionMissing } from './api';
 import { ConnectionState, SidebarModel } from './model';
 import { parseMessage } from './protocol';
 import {
   BROWSER_TIMERS,
-  BackoffOptions,
+  IBackoffOptions,
   ReconnectingStream,
   StreamStatus,
-  Timers
+  ITimers
 } from './stream';
 
 /**
@@ -26,9 +26,9 @@ export const STOP_GRACE_MS = 2000;
 const IDLE_INTERVALS = 5;
 const IDLE_FLOOR_MS = 15_000;
 
-export interface ControllerOptions {
-  backoff?: BackoffOptions;
-  timers?: Timers;
+export interface IControllerOptions {
+  backoff?: IBackoffOptions;
+  timers?: ITimers;
   random?: () => number;
 }
 
@@ -41,7 +41,11 @@ export function connectionFor(status: StreamStatus): ConnectionState | null {
       // "live" once data arrives (the model says so); an open socket alone proves little.
       return null;
     case 'retrying':
-      return { kind: 'retrying', delayMs: status.delayMs, reason: status.reason };
+      return {
+        kind: 'retrying',
+        delayMs: status.delayMs,
+        reason: status.reason
+      };
     case 'stopped':
       return { kind: 'stopped' };
     case 'fatal':
@@ -55,12 +59,16 @@ export function connectionFor(status: StreamStatus): ConnectionState | null {
 
 export class SidebarController {
   readonly model: SidebarModel;
-  private _api: GpuApi;
+  private _api: IGpuApi;
   private _stream: ReconnectingStream;
-  private _timers: Timers;
+  private _timers: ITimers;
   private _stopTimer: unknown = null;
 
-  constructor(api: GpuApi, model: SidebarModel, options: ControllerOptions = {}) {
+  constructor(
+    api: IGpuApi,
+    model: SidebarModel,
+    options: IControllerOptions = {}
+  ) {
     this._api = api;
     this.model = model;
     this._timers = options.timers ?? BROWSER_TIMERS;

@@ -54,7 +54,9 @@ export function formatBytesOf(
 
 /** Bytes per second: "1.2 GB/s". */
 export function formatRate(bytesPerSecond: number | null | undefined): string {
-  return isReading(bytesPerSecond) ? `${formatBytes(bytesPerSecond)}/s` : NO_VALUE;
+  return isReading(bytesPerSecond)
+    ? `${formatBytes(bytesPerSecond)}/s`
+    : NO_VALUE;
 }
 
 export function formatPercent(percent: number | null | undefined): string {

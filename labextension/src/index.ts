@@ -15,13 +15,17 @@ import { ServerConnection } from '@jupyterlab/services';
 import { ISettingRegistry } from '@jupyterlab/settingregistry';
 import { IStatusBar } from '@jupyterlab/statusbar';
 
+// Activation builds the sidebar and its status item at once (they show the GPUs from the
+// first frame), so these modules are needed at start anyway: nothing to load lazily.
+/* eslint-disable jupyter/prefer-lazy-imports */
 import { ServerApi } from './api';
 import { SidebarController } from './controller';
 import { gpuIcon } from './icon';
 import { SidebarModel } from './model';
 import { GpuPanel } from './panel';
-import { DEFAULT_SETTINGS, SidebarSettings, readSettings } from './settings';
+import { DEFAULT_SETTINGS, ISidebarSettings, readSettings } from './settings';
 import { GpuStatusItem } from './statusbar';
+/* eslint-enable jupyter/prefer-lazy-imports */
 
 /**
  * The plugin id; the lab extension's package name is "gpuwidget", and the settings
@@ -36,7 +40,13 @@ const plugin: JupyterFrontEndPlugin<void> = {
   description: 'Shows every GPU on the machine and which notebook holds it.',
   autoStart: true,
   requires: [],
-  optional: [ILayoutRestorer, IStatusBar, ISettingRegistry, IDocumentManager, IThemeManager],
+  optional: [
+    ILayoutRestorer,
+    IStatusBar,
+    ISettingRegistry,
+    IDocumentManager,
+    IThemeManager
+  ],
   activate: (
     app: JupyterFrontEnd,
     restorer: ILayoutRestorer | null,
@@ -56,7 +66,9 @@ const plugin: JupyterFrontEndPlugin<void> = {
       model,
       onVisibilityChange: visible => controller.setVisible(visible),
       onRetry: () => controller.retry(),
-      openNotebook: docManager ? path => void docManager.openOrReveal(path) : null
+      openNotebook: docManager
+        ? path => void docManager.openOrReveal(path)
+        : null
     });
     panel.title.icon = gpuIcon;
     panel.title.caption = 'GPUs';
@@ -66,12 +78,20 @@ const plugin: JupyterFrontEndPlugin<void> = {
 
     app.commands.addCommand(OPEN_COMMAND, {
       label: 'Show GPU Sidebar',
+      describedBy: { args: { type: 'object', properties: {} } },
       execute: () => app.shell.activateById(panel.id)
     });
 
     if (statusBar) {
-      const item = new GpuStatusItem(model, () => void app.commands.execute(OPEN_COMMAND));
-      statusBar.registerStatusItem(`${PLUGIN_ID}:status`, { item, align: 'left', rank: 100 });
+      const item = new GpuStatusItem(
+        model,
+        () => void app.commands.execute(OPEN_COMMAND)
+      );
+      statusBar.registerStatusItem(`${PLUGIN_ID}:status`, {
+        item,
+        align: 'left',
+        rank: 100
+      });
     }
 
     themeManager?.themeChanged.connect(() => {
@@ -80,7 +100,7 @@ const plugin: JupyterFrontEndPlugin<void> = {
     });
 
     if (settingRegistry) {
-      const apply = (settings: SidebarSettings) => {
+      const apply = (settings: ISidebarSettings) => {
         controller.setInterval(settings.interval);
         panel.setMetrics(settings.metrics);
       };
@@ -92,7 +112,9 @@ const plugin: JupyterFrontEndPlugin<void> = {
             apply(readSettings(settings.composite as Record<string, unknown>))
           );
         })
-        .catch(reason => console.warn('gpuwidget: settings not loaded', reason));
+        .catch(reason =>
+          console.warn('gpuwidget: settings not loaded', reason)
+        );
     }
   }
 };

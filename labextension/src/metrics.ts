@@ -14,10 +14,11 @@ import {
   shortNumber
 } from './format';
 import { ConnectionState, SeriesBuffer } from './model';
-import { DeviceInfo, DevicesReply, HostInfo, Reading } from './protocol';
+import { IDeviceInfo, IDevicesReply, IHostInfo, Reading } from './protocol';
 
 /** The GPU charts a user can choose in the settings (schema: `metrics`). */
-export type GpuMetric = 'utilization' | 'memory' | 'power' | 'temperature' | 'pcie';
+export type GpuMetric =
+  'utilization' | 'memory' | 'power' | 'temperature' | 'pcie';
 
 export const GPU_METRICS: GpuMetric[] = [
   'utilization',
@@ -28,11 +29,12 @@ export const GPU_METRICS: GpuMetric[] = [
 ];
 
 /** A line's colour, by meaning; charts.ts maps each to a JupyterLab CSS variable. */
-export type ColorRole = 'busy' | 'memory' | 'power' | 'heat' | 'send' | 'receive';
+export type ColorRole =
+  'busy' | 'memory' | 'power' | 'heat' | 'send' | 'receive';
 
 export type Unit = 'percent' | 'bytes' | 'watts' | 'celsius' | 'rate';
 
-export interface ChartLine {
+export interface IChartLine {
   /** Metric name in the server's messages, e.g. `gpu0.util`. */
   column: string;
   label: string;
@@ -41,11 +43,11 @@ export interface ChartLine {
 
 export type Latest = (column: string) => Reading;
 
-export interface ChartDef {
+export interface IChartDef {
   /** Unique within the panel, e.g. `gpu0/utilization`. */
   key: string;
   title: string;
-  lines: ChartLine[];
+  lines: IChartLine[];
   unit: Unit;
   /** Top of the y scale when it is known (100%, memory size, power limit); else it follows the data. */
   yMax: number | null;
@@ -59,16 +61,16 @@ function positive(value: number | null | undefined): number | null {
 
 /** The charts of one GPU, in the settings' order of `metrics`. */
 export function gpuCharts(
-  device: DeviceInfo,
+  device: IDeviceInfo,
   metrics: GpuMetric[],
   latest: Latest
-): ChartDef[] {
+): IChartDef[] {
   const id = device.id;
   const memoryTotal =
     positive(device.memory_total) ?? positive(latest(`${id}.mem_total`));
   const powerLimit =
     positive(device.power_limit) ?? positive(latest(`${id}.power_limit`));
-  const charts: Record<GpuMetric, ChartDef> = {
+  const charts: Record<GpuMetric, IChartDef> = {
     utilization: {
       key: `${id}/utilization`,
       title: 'Utilization',
@@ -84,7 +86,10 @@ export function gpuCharts(
       unit: 'bytes',
       yMax: memoryTotal,
       readout: at =>
-        formatBytesOf(at(`${id}.mem_used`), memoryTotal ?? at(`${id}.mem_total`))
+        formatBytesOf(
+          at(`${id}.mem_used`),
+          memoryTotal ?? at(`${id}.mem_total`)
+        )
     },
     power: {
       key: `${id}/power`,
@@ -115,11 +120,16 @@ export function gpuCharts(
         `↓ ${formatRate(at(`${id}.pcie_rx`))} ↑ ${formatRate(at(`${id}.pcie_tx`))}`
     }
   };
-  return metrics.filter(metric => metric in charts).map(metric => charts[metric]);
+  return metrics
+    .filter(metric => metric in charts)
+    .map(metric => charts[metric]);
 }
 
 /** Host CPU (all cores) and memory. */
-export function hostCharts(host: HostInfo | null, latest: Latest): ChartDef[] {
+export function hostCharts(
+  host: IHostInfo | null,
+  latest: Latest
+): IChartDef[] {
   const memTotal = positive(host?.mem_total) ?? positive(latest('mem.total'));
   return [
     {
@@ -147,16 +157,19 @@ export function hostCharts(host: HostInfo | null, latest: Latest): ChartDef[] {
  * never reported is listed in `unreported` instead of being drawn empty.
  */
 export function splitReported(
-  charts: ChartDef[],
+  charts: IChartDef[],
   series: SeriesBuffer
-): { shown: ChartDef[]; unreported: ChartDef[] } {
+): { shown: IChartDef[]; unreported: IChartDef[] } {
   if (series.length === 0) {
     return { shown: charts, unreported: [] };
   }
-  const shown: ChartDef[] = [];
-  const unreported: ChartDef[] = [];
+  const shown: IChartDef[] = [];
+  const unreported: IChartDef[] = [];
   for (const chart of charts) {
-    (chart.lines.some(line => series.has(line.column)) ? shown : unreported).push(chart);
+    (chart.lines.some(line => series.has(line.column))
+      ? shown
+      : unreported
+    ).push(chart);
   }
   return { shown, unreported };
 }
@@ -178,21 +191,19 @@ export function tickLabel(unit: Unit, value: number): string {
 }
 
 /** "GPU0" for the first device. */
-export function deviceLabel(device: DeviceInfo): string {
+export function deviceLabel(device: IDeviceInfo): string {
   return `GPU${device.index}`;
 }
 
 /** "87% · 41/80 GB" for one GPU from the newest readings. */
-export function gpuReadout(
-  device: DeviceInfo,
-  latest: Latest
-): string {
+export function gpuReadout(device: IDeviceInfo, latest: Latest): string {
   const id = device.id;
-  const memoryTotal = positive(device.memory_total) ?? latest(`${id}.mem_total`);
+  const memoryTotal =
+    positive(device.memory_total) ?? latest(`${id}.mem_total`);
   return `${formatPercent(latest(`${id}.util`))} · ${formatBytesOf(latest(`${id}.mem_used`), memoryTotal)}`;
 }
 
-export interface StatusSummary {
+export interface IStatusSummary {
   text: string;
   title: string;
   /** True when the values are not being updated (panel closed or connection lost). */
@@ -200,7 +211,10 @@ export interface StatusSummary {
 }
 
 /** Why the values are not live, for the status bar's tooltip; null when they are live. */
-function staleReason(connection: ConnectionState, age: string | null): string | null {
+function staleReason(
+  connection: ConnectionState,
+  age: string | null
+): string | null {
   const from = age ? `Values from ${age}: ` : '';
   switch (connection.kind) {
     case 'live':
@@ -224,11 +238,11 @@ function staleReason(connection: ConnectionState, age: string | null): string | 
  * keeps the last values and its tooltip says how old they are.
  */
 export function statusSummary(
-  devices: DevicesReply | null,
+  devices: IDevicesReply | null,
   series: SeriesBuffer,
   connection: ConnectionState,
   nowS: number
-): StatusSummary {
+): IStatusSummary {
   const latest: Latest = column => series.latest(column);
   const lastTime = series.lastTime();
   let text: string;
@@ -245,10 +259,13 @@ export function statusSummary(
       text += ` +${others.length}`;
     }
     for (const device of devices.devices) {
-      lines.push(`${deviceLabel(device)} ${device.name}: ${gpuReadout(device, latest)}`);
+      lines.push(
+        `${deviceLabel(device)} ${device.name}: ${gpuReadout(device, latest)}`
+      );
     }
   }
-  const age = lastTime === null ? null : formatAge(Math.max(0, nowS - lastTime));
+  const age =
+    lastTime === null ? null : formatAge(Math.max(0, nowS - lastTime));
   const reason = staleReason(connection, age);
   if (reason) {
     lines.push(reason);

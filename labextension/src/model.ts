@@ -7,8 +7,8 @@
 
 import {
   Columns,
-  DevicesReply,
-  ProcessInfo,
+  IDevicesReply,
+  IProcessInfo,
   Reading,
   ServerMessage
 } from './protocol';
@@ -229,9 +229,9 @@ export type ModelListener = (change: ModelChange) => void;
  * The sidebar's state. `handle()` takes each server message; listeners hear what changed.
  */
 export class SidebarModel {
-  devices: DevicesReply | null = null;
+  devices: IDevicesReply | null = null;
   series: SeriesBuffer;
-  processes: Record<string, ProcessInfo[]> = {};
+  processes: Record<string, IProcessInfo[]> = {};
   processesTime: number | null = null;
   connection: ConnectionState = { kind: 'stopped' };
   /** The sampling interval this client asks for, seconds. */
@@ -262,7 +262,7 @@ export class SidebarModel {
   }
 
   /** New static facts (from `GET /devices` or `hello`); sizes the ring buffer for them. */
-  setDevices(devices: DevicesReply): void {
+  setDevices(devices: IDevicesReply): void {
     this.devices = devices;
     const capacity = historyCapacity(devices.history_s, this.interval);
     if (capacity !== this.series.capacity) {

@@ -12,7 +12,7 @@ import { Widget } from '@lumino/widgets';
 import { ChartData, ChartPalette, TimeChart } from './charts';
 import { NO_VALUE, baseName, formatBytes, noGpuDetail } from './format';
 import {
-  ChartDef,
+  IChartDef,
   GPU_METRICS,
   GpuMetric,
   Latest,
@@ -22,11 +22,11 @@ import {
   splitReported
 } from './metrics';
 import { ModelChange, SidebarModel, visibleRange } from './model';
-import { DeviceInfo, ProcessInfo } from './protocol';
+import { IDeviceInfo, IProcessInfo } from './protocol';
 
 export const PANEL_ID = 'gpuwidget-sidebar';
 
-export interface PanelOptions {
+export interface IPanelOptions {
   model: SidebarModel;
   /** Called with true when the panel becomes visible, false when hidden or detached. */
   onVisibilityChange(visible: boolean): void;
@@ -38,7 +38,7 @@ export interface PanelOptions {
 }
 
 /** The live DOM and charts of one card (a GPU, or the host). */
-interface Card {
+interface ICard {
   id: string;
   node: HTMLElement;
   readout: HTMLElement | null;
@@ -61,20 +61,20 @@ function element<K extends keyof HTMLElementTagNameMap>(
 
 export class GpuPanel extends Widget {
   readonly model: SidebarModel;
-  private _options: PanelOptions;
+  private _options: IPanelOptions;
   private _metrics: GpuMetric[];
   private _palette = new ChartPalette();
   private _status = element('div', 'jp-gpuwidget-status');
   private _notice = element('div', 'jp-gpuwidget-notice');
   private _cardsNode = element('div', 'jp-gpuwidget-cards');
-  private _cards: Card[] = [];
+  private _cards: ICard[] = [];
   private _layoutKey = '';
   private _frame: number | null = null;
   private _processesDirty = true;
   private _resizeObserver: ResizeObserver | null = null;
   private _unsubscribe: () => void;
 
-  constructor(options: PanelOptions) {
+  constructor(options: IPanelOptions) {
     super();
     this.id = PANEL_ID;
     this.addClass('jp-gpuwidget-sidebar');
@@ -206,10 +206,20 @@ export class GpuPanel extends Widget {
     }
     const latest: Latest = column => series.latest(column);
     const charts = devices.devices.map(device =>
-      splitReported(gpuCharts(device, this._metrics, latest), series).shown.map(c => c.key)
+      splitReported(gpuCharts(device, this._metrics, latest), series).shown.map(
+        c => c.key
+      )
     );
-    const host = splitReported(hostCharts(devices.host, latest), series).shown.map(c => c.key);
-    return JSON.stringify([devices.devices.map(d => [d.id, d.name]), charts, host, devices.gpu_found]);
+    const host = splitReported(
+      hostCharts(devices.host, latest),
+      series
+    ).shown.map(c => c.key);
+    return JSON.stringify([
+      devices.devices.map(d => [d.id, d.name]),
+      charts,
+      host,
+      devices.gpu_found
+    ]);
   }
 
   private _renderStatus(): void {
@@ -240,7 +250,11 @@ export class GpuPanel extends Widget {
     if (connection.kind === 'missing') {
       this._notice.className = 'jp-gpuwidget-notice jp-gpuwidget-notice-error';
       this._notice.append(
-        element('strong', '', 'The gpuwidget server extension is not running on this Jupyter server.'),
+        element(
+          'strong',
+          '',
+          'The gpuwidget server extension is not running on this Jupyter server.'
+        ),
         element(
           'p',
           '',
@@ -248,10 +262,17 @@ export class GpuPanel extends Widget {
             'Jupyter (pip install gpuwidget), then restart the server.'
         )
       );
-      const retry = element('button', 'jp-Button jp-mod-styled jp-mod-accept', 'Retry');
+      const retry = element(
+        'button',
+        'jp-Button jp-mod-styled jp-mod-accept',
+        'Retry'
+      );
       retry.addEventListener('click', () => this._options.onRetry());
       this._notice.appendChild(retry);
-    } else if (devices && (!devices.gpu_found || devices.devices.length === 0)) {
+    } else if (
+      devices &&
+      (!devices.gpu_found || devices.devices.length === 0)
+    ) {
       this._notice.className = 'jp-gpuwidget-notice jp-gpuwidget-notice-info';
       this._notice.appendChild(element('strong', '', 'No NVIDIA GPU found'));
       const detail = noGpuDetail(devices.message);
@@ -280,11 +301,24 @@ export class GpuPanel extends Widget {
     }
     const latest: Latest = column => series.latest(column);
     for (const device of devices.devices) {
-      const { shown, unreported } = splitReported(gpuCharts(device, this._metrics, latest), series);
-      this._cards.push(this._buildCard(device.id, this._gpuTitle(device), shown, unreported, true));
+      const { shown, unreported } = splitReported(
+        gpuCharts(device, this._metrics, latest),
+        series
+      );
+      this._cards.push(
+        this._buildCard(
+          device.id,
+          this._gpuTitle(device),
+          shown,
+          unreported,
+          true
+        )
+      );
     }
     const host = devices.host;
-    const hostTitle = host?.cpu_count ? `Host · ${host.cpu_count} CPUs` : 'Host';
+    const hostTitle = host?.cpu_count
+      ? `Host · ${host.cpu_count} CPUs`
+      : 'Host';
     const { shown } = splitReported(hostCharts(host, latest), series);
     this._cards.push(this._buildCard('host', hostTitle, shown, [], false));
     this._processesDirty = true;
@@ -292,17 +326,17 @@ export class GpuPanel extends Widget {
     this._resize();
   }
 
-  private _gpuTitle(device: DeviceInfo): string {
+  private _gpuTitle(device: IDeviceInfo): string {
     return `${deviceLabel(device)} · ${device.name}${device.is_mig ? ' (MIG)' : ''}`;
   }
 
   private _buildCard(
     id: string,
     title: string,
-    charts: ChartDef[],
-    unreported: ChartDef[],
+    charts: IChartDef[],
+    unreported: IChartDef[],
     isGpu: boolean
-  ): Card {
+  ): ICard {
     const node = element('section', 'jp-gpuwidget-card');
     node.dataset.device = id;
     const header = element('div', 'jp-gpuwidget-card-header');
@@ -310,13 +344,22 @@ export class GpuPanel extends Widget {
     node.appendChild(header);
     this._cardsNode.appendChild(node);
 
-    const card: Card = { id, node, readout: null, charts: [], processes: null };
+    const card: ICard = {
+      id,
+      node,
+      readout: null,
+      charts: [],
+      processes: null
+    };
     charts.forEach((def, index) => {
       const box = element('div', 'jp-gpuwidget-chart');
       box.dataset.chart = def.key;
       const label = element('div', 'jp-gpuwidget-chart-label');
       const value = element('span', 'jp-gpuwidget-chart-value');
-      label.append(element('span', 'jp-gpuwidget-chart-title', def.title), value);
+      label.append(
+        element('span', 'jp-gpuwidget-chart-title', def.title),
+        value
+      );
       const host = element('div', 'jp-gpuwidget-chart-host');
       box.append(label, host);
       node.appendChild(box);
@@ -347,7 +390,11 @@ export class GpuPanel extends Widget {
     const series = this.model.series;
     const latest: Latest = column => series.latest(column);
     const times = series.times();
-    const [xMin, xMax] = visibleRange(series.firstTime(), series.lastTime(), this.model.historyS);
+    const [xMin, xMax] = visibleRange(
+      series.firstTime(),
+      series.lastTime(),
+      this.model.historyS
+    );
     const columns = new Map<string, ChartData[1]>();
     const column = (name: string) => {
       let values = columns.get(name);
@@ -359,7 +406,10 @@ export class GpuPanel extends Widget {
     };
     for (const card of this._cards) {
       for (const { chart, value } of card.charts) {
-        const data: ChartData = [times, ...chart.def.lines.map(line => column(line.column))];
+        const data: ChartData = [
+          times,
+          ...chart.def.lines.map(line => column(line.column))
+        ];
         chart.setData(data, xMin, xMax);
         value.textContent = chart.def.readout(latest);
       }
@@ -376,12 +426,16 @@ export class GpuPanel extends Widget {
     }
   }
 
-  private _processTable(processes: ProcessInfo[] | null): HTMLElement {
+  private _processTable(processes: IProcessInfo[] | null): HTMLElement {
     if (processes === null) {
       return element('p', 'jp-gpuwidget-processes-empty', '');
     }
     if (processes.length === 0) {
-      return element('p', 'jp-gpuwidget-processes-empty', 'No processes on this GPU.');
+      return element(
+        'p',
+        'jp-gpuwidget-processes-empty',
+        'No processes on this GPU.'
+      );
     }
     const table = element('table', 'jp-gpuwidget-process-table');
     const head = table.createTHead().insertRow();
@@ -389,7 +443,9 @@ export class GpuPanel extends Widget {
       head.appendChild(element('th', '', heading));
     }
     const body = table.createTBody();
-    const sorted = [...processes].sort((a, b) => (b.memory ?? 0) - (a.memory ?? 0));
+    const sorted = [...processes].sort(
+      (a, b) => (b.memory ?? 0) - (a.memory ?? 0)
+    );
     for (const process of sorted) {
       const row = body.insertRow();
       row.insertCell().appendChild(this._processLabel(process));
@@ -401,12 +457,16 @@ export class GpuPanel extends Widget {
     return table;
   }
 
-  private _processLabel(process: ProcessInfo): HTMLElement {
+  private _processLabel(process: IProcessInfo): HTMLElement {
     const pid = process.pid !== null ? ` (${process.pid})` : '';
     const notebook = process.notebook;
     const open = this._options.openNotebook;
     if (notebook && open) {
-      const link = element('button', 'jp-gpuwidget-notebook-link', baseName(notebook));
+      const link = element(
+        'button',
+        'jp-gpuwidget-notebook-link',
+        baseName(notebook)
+      );
       link.title = `Open ${notebook}${pid}`;
       link.addEventListener('click', () => open(notebook));
       return link;

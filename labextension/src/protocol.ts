@@ -7,7 +7,7 @@
  */
 
 /** One GPU (or MIG instance) as `GET /devices` describes it. */
-export interface DeviceInfo {
+export interface IDeviceInfo {
   /** Metric prefix: `gpu0` for `gpu0.util`. */
   id: string;
   index: number;
@@ -20,18 +20,18 @@ export interface DeviceInfo {
   pci_bus_id?: string | null;
 }
 
-export interface HostInfo {
+export interface IHostInfo {
   cpu_count: number;
   mem_total: number;
 }
 
 /** The body of `GET /devices`, and the `devices` of the `hello` message. */
-export interface DevicesReply {
+export interface IDevicesReply {
   gpu_found: boolean;
   /** Why no GPU is shown ("no NVIDIA GPU found (...)"), or null. */
   message: string | null;
-  devices: DeviceInfo[];
-  host: HostInfo;
+  devices: IDeviceInfo[];
+  host: IHostInfo;
   /** The shared sampler's period, seconds. */
   interval: number;
   /** How much history the server keeps, seconds. */
@@ -39,7 +39,7 @@ export interface DevicesReply {
 }
 
 /** A process holding memory on a GPU; other users' processes carry only `user` and `memory`. */
-export interface ProcessInfo {
+export interface IProcessInfo {
   pid: number | null;
   memory: number | null;
   user: string;
@@ -52,35 +52,32 @@ export interface ProcessInfo {
 export type Reading = number | null;
 export type Columns = Record<string, Reading[]>;
 
-export interface HelloMessage {
+export interface IHelloMessage {
   type: 'hello';
-  devices: DevicesReply;
+  devices: IDevicesReply;
 }
 
-export interface HistoryMessage {
+export interface IHistoryMessage {
   type: 'history';
   t: number[];
   columns: Columns;
 }
 
-export interface SampleMessage {
+export interface ISampleMessage {
   type: 'sample';
   t: number;
   values: Record<string, Reading>;
 }
 
-export interface ProcessesMessage {
+export interface IProcessesMessage {
   type: 'processes';
   /** null before the first scan of the GPUs' processes. */
   t: number | null;
-  gpus: Record<string, ProcessInfo[]>;
+  gpus: Record<string, IProcessInfo[]>;
 }
 
 export type ServerMessage =
-  | HelloMessage
-  | HistoryMessage
-  | SampleMessage
-  | ProcessesMessage;
+  IHelloMessage | IHistoryMessage | ISampleMessage | IProcessesMessage;
 
 function isObject(value: unknown): value is Record<string, unknown> {
   return typeof value === 'object' && value !== null && !Array.isArray(value);
@@ -91,7 +88,7 @@ function isNumber(value: unknown): value is number {
 }
 
 /** True when `value` has the fields the sidebar relies on in a devices reply. */
-export function isDevicesReply(value: unknown): value is DevicesReply {
+export function isDevicesReply(value: unknown): value is IDevicesReply {
   return (
     isObject(value) &&
     typeof value.gpu_found === 'boolean' &&
@@ -130,19 +127,21 @@ export function parseMessage(text: string): ServerMessage | null {
   }
   switch (value.type) {
     case 'hello':
-      return isDevicesReply(value.devices) ? (value as unknown as HelloMessage) : null;
+      return isDevicesReply(value.devices)
+        ? (value as unknown as IHelloMessage)
+        : null;
     case 'history':
       return Array.isArray(value.t) && isColumns(value.columns, value.t.length)
-        ? (value as unknown as HistoryMessage)
+        ? (value as unknown as IHistoryMessage)
         : null;
     case 'sample':
       return isNumber(value.t) && isObject(value.values)
-        ? (value as unknown as SampleMessage)
+        ? (value as unknown as ISampleMessage)
         : null;
     case 'processes':
       return isObject(value.gpus) &&
         Object.values(value.gpus).every(list => Array.isArray(list))
-        ? (value as unknown as ProcessesMessage)
+        ? (value as unknown as IProcessesMessage)
         : null;
     default:
       return null;

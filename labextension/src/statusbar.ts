@@ -38,7 +38,12 @@ export class GpuStatusItem extends Widget {
   /** Redraw now (cheap: one line of text). */
   refresh(): void {
     const { devices, series, connection } = this._model;
-    const summary = statusSummary(devices, series, connection, Date.now() / 1000);
+    const summary = statusSummary(
+      devices,
+      series,
+      connection,
+      Date.now() / 1000
+    );
     this.node.textContent = summary.text;
     this.node.title = summary.title;
     this.node.classList.toggle('jp-mod-stale', summary.stale);

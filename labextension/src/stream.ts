@@ -6,7 +6,7 @@
  * Pure logic over injected sockets and timers, so jest drives it without a server.
  */
 
-export interface BackoffOptions {
+export interface IBackoffOptions {
   /** Delay before the first retry, ms. */
   initialMs: number;
   /** Longest delay between tries, ms. */
@@ -17,7 +17,7 @@ export interface BackoffOptions {
   jitter: number;
 }
 
-export const DEFAULT_BACKOFF: BackoffOptions = {
+export const DEFAULT_BACKOFF: IBackoffOptions = {
   initialMs: 500,
   maxMs: 30_000,
   factor: 2,
@@ -27,7 +27,7 @@ export const DEFAULT_BACKOFF: BackoffOptions = {
 /** Delay before retry number `attempt` (0 for the first retry). */
 export function backoffDelay(
   attempt: number,
-  options: BackoffOptions = DEFAULT_BACKOFF,
+  options: IBackoffOptions = DEFAULT_BACKOFF,
   random: () => number = Math.random
 ): number {
   const base = Math.min(
@@ -39,7 +39,7 @@ export function backoffDelay(
 }
 
 /** The part of the browser's WebSocket this module uses. */
-export interface SocketLike {
+export interface ISocketLike {
   onopen: ((event: Event) => void) | null;
   onmessage: ((event: MessageEvent) => void) | null;
   onclose: ((event: CloseEvent) => void) | null;
@@ -47,13 +47,13 @@ export interface SocketLike {
   close(code?: number, reason?: string): void;
 }
 
-export interface Timers {
+export interface ITimers {
   setTimeout(callback: () => void, ms: number): unknown;
   clearTimeout(handle: unknown): void;
 }
 
 /** The window's timers. */
-export const BROWSER_TIMERS: Timers = {
+export const BROWSER_TIMERS: ITimers = {
   setTimeout: (callback, ms) => setTimeout(callback, ms),
   clearTimeout: handle => clearTimeout(handle as ReturnType<typeof setTimeout>)
 };
@@ -65,9 +65,9 @@ export type StreamStatus =
   | { kind: 'stopped' }
   | { kind: 'fatal'; error: unknown };
 
-export interface StreamOptions {
+export interface IStreamOptions {
   /** Open a socket (may first ask the server something); a rejection is retried unless fatal. */
-  connect(): Promise<SocketLike>;
+  connect(): Promise<ISocketLike>;
   /** Every text frame, as it comes. */
   onMessage(text: string): void;
   onStatus(status: StreamStatus): void;
@@ -78,8 +78,8 @@ export interface StreamOptions {
    * without closing it) and replaced; 0 turns the watchdog off.
    */
   idleTimeoutMs?: () => number;
-  backoff?: BackoffOptions;
-  timers?: Timers;
+  backoff?: IBackoffOptions;
+  timers?: ITimers;
   random?: () => number;
 }
 
@@ -92,17 +92,17 @@ function describe(error: unknown): string {
 }
 
 export class ReconnectingStream {
-  private _options: StreamOptions;
-  private _timers: Timers;
+  private _options: IStreamOptions;
+  private _timers: ITimers;
   private _running = false;
   /** Bumped on every start and stop, so late callbacks of an old connection do nothing. */
   private _generation = 0;
   private _attempt = 0;
-  private _socket: SocketLike | null = null;
+  private _socket: ISocketLike | null = null;
   private _retryTimer: unknown = null;
   private _idleTimer: unknown = null;
 
-  constructor(options: StreamOptions) {
+  constructor(options: IStreamOptions) {
     this._options = options;
     this._timers = options.timers ?? BROWSER_TIMERS;
   }
@@ -142,7 +142,7 @@ export class ReconnectingStream {
 
   private async _connect(generation: number): Promise<void> {
     this._options.onStatus({ kind: 'connecting' });
-    let socket: SocketLike;
+    let socket: ISocketLike;
     try {
       socket = await this._options.connect();
     } catch (error) {
@@ -194,7 +194,11 @@ export class ReconnectingStream {
       }
       this._socket = null;
       this._clearTimers();
-      this._scheduleRetry(heard ? 'the server closed the connection' : 'the server refused the connection');
+      this._scheduleRetry(
+        heard
+          ? 'the server closed the connection'
+          : 'the server refused the connection'
+      );
     };
   }
 
@@ -219,7 +223,7 @@ export class ReconnectingStream {
     this._options.onStatus({ kind: 'retrying', delayMs, attempt, reason });
   }
 
-  private _armWatchdog(socket: SocketLike, generation: number): void {
+  private _armWatchdog(socket: ISocketLike, generation: number): void {
     const timeout = this._options.idleTimeoutMs?.() ?? 0;
     if (timeout <= 0) {
       return;

@@ -47,7 +47,11 @@ describe('URLs', () => {
   });
 
   it('adds the token where the app adds it to its own sockets', () => {
-    const remote = { ...SETTINGS, wsUrl: 'wss://other/base/', appendToken: true };
+    const remote = {
+      ...SETTINGS,
+      wsUrl: 'wss://other/base/',
+      appendToken: true
+    };
     expect(streamUrl(remote, 0.5)).toBe(
       'wss://other/base/gpuwidget/api/stream?interval=0.5&token=secret'
     );
@@ -63,14 +67,20 @@ describe('ServerApi', () => {
     });
     const devices = await api.devices();
     expect(devices.devices.map(d => d.id)).toEqual(['gpu0', 'gpu1']);
-    expect(urls).toEqual(['http://127.0.0.1:8888/user/ada/gpuwidget/api/devices']);
+    expect(urls).toEqual([
+      'http://127.0.0.1:8888/user/ada/gpuwidget/api/devices'
+    ]);
   });
 
   it('turns a 404 into "the server extension is missing"', async () => {
-    const api = new ServerApi(SETTINGS, async () => reply(404, { message: 'Not Found' }));
+    const api = new ServerApi(SETTINGS, async () =>
+      reply(404, { message: 'Not Found' })
+    );
     const error = await api.devices().catch(e => e);
     expect(error).toBeInstanceOf(ServerExtensionMissing);
-    expect(error.url).toBe('http://127.0.0.1:8888/user/ada/gpuwidget/api/devices');
+    expect(error.url).toBe(
+      'http://127.0.0.1:8888/user/ada/gpuwidget/api/devices'
+    );
   });
 
   it('reports other failures with their status', async () => {
@@ -92,13 +102,21 @@ describe('ServerApi', () => {
   });
 
   it('refuses a reply that is not the devices contract', async () => {
-    const api = new ServerApi(SETTINGS, async () => reply(200, { devices: 'none' }));
+    const api = new ServerApi(SETTINGS, async () =>
+      reply(200, { devices: 'none' })
+    );
     await expect(api.devices()).rejects.toBeInstanceOf(ApiError);
   });
 
   it('opens the stream socket at the stream URL', () => {
-    const api = new ServerApi(SETTINGS, async () => reply(200, {}), url => new FakeSocket(url));
+    const api = new ServerApi(
+      SETTINGS,
+      async () => reply(200, {}),
+      url => new FakeSocket(url)
+    );
     const socket = api.openStream(1) as FakeSocket;
-    expect(socket.url).toBe('ws://127.0.0.1:8888/user/ada/gpuwidget/api/stream?interval=1');
+    expect(socket.url).toBe(
+      'ws://127.0.0.1:8888/user/ada/gpuwidget/api/stream?interval=1'
+    );
   });
 });

@@ -1,19 +1,26 @@
-import { GpuApi, ServerExtensionMissing } from '../src/api';
+import { IGpuApi, ServerExtensionMissing } from '../src/api';
 import { STOP_GRACE_MS, SidebarController } from '../src/controller';
 import { SidebarModel } from '../src/model';
-import { DevicesReply } from '../src/protocol';
+import { IDevicesReply } from '../src/protocol';
 import { FakeClock, FakeSocket, settle } from './fakes';
-import { T0, gpuDevices, hello, history, noGpuDevices, sample } from './fixtures';
+import {
+  T0,
+  gpuDevices,
+  hello,
+  history,
+  noGpuDevices,
+  sample
+} from './fixtures';
 
 /** A server the test switches between up, down and "no gpuwidget routes". */
-class FakeServer implements GpuApi {
+class FakeServer implements IGpuApi {
   state: 'up' | 'down' | 'missing' = 'up';
-  reply: DevicesReply = gpuDevices();
+  reply: IDevicesReply = gpuDevices();
   sockets: FakeSocket[] = [];
   requests = 0;
   intervals: number[] = [];
 
-  async devices(): Promise<DevicesReply> {
+  async devices(): Promise<IDevicesReply> {
     this.requests += 1;
     if (this.state === 'missing') {
       throw new ServerExtensionMissing('http://h/gpuwidget/api/devices');

@@ -1,16 +1,16 @@
 /** A hand-driven clock and websocket for the connection tests. */
 
-import { SocketLike, Timers } from '../src/stream';
+import { ISocketLike, ITimers } from '../src/stream';
 
-interface Pending {
+interface IPending {
   at: number;
   callback: () => void;
 }
 
 /** Timers that fire only when the test advances time. */
-export class FakeClock implements Timers {
+export class FakeClock implements ITimers {
   now = 0;
-  private _pending = new Map<number, Pending>();
+  private _pending = new Map<number, IPending>();
   private _next = 1;
 
   setTimeout(callback: () => void, ms: number): unknown {
@@ -36,7 +36,7 @@ export class FakeClock implements Timers {
   async advance(ms: number): Promise<void> {
     const end = this.now + ms;
     for (;;) {
-      let due: [number, Pending] | null = null;
+      let due: [number, IPending] | null = null;
       for (const entry of this._pending) {
         if (entry[1].at <= end && (!due || entry[1].at < due[1].at)) {
           due = entry;
@@ -62,7 +62,7 @@ export async function settle(): Promise<void> {
   }
 }
 
-export class FakeSocket implements SocketLike {
+export class FakeSocket implements ISocketLike {
   onopen: ((event: Event) => void) | null = null;
   onmessage: ((event: MessageEvent) => void) | null = null;
   onclose: ((event: CloseEvent) => void) | null = null;

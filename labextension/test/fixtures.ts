@@ -1,10 +1,10 @@
 /** Server messages as docs/server-api.md shows them, for the tests. */
 
-import { DevicesReply, ServerMessage } from '../src/protocol';
+import { IDevicesReply, ServerMessage } from '../src/protocol';
 
 export const GiB = 1024 ** 3;
 
-export function gpuDevices(count = 1, interval = 1): DevicesReply {
+export function gpuDevices(count = 1, interval = 1): IDevicesReply {
   return {
     gpu_found: true,
     message: null,
@@ -25,7 +25,7 @@ export function gpuDevices(count = 1, interval = 1): DevicesReply {
   };
 }
 
-export function noGpuDevices(): DevicesReply {
+export function noGpuDevices(): IDevicesReply {
   return {
     gpu_found: false,
     message: 'no NVIDIA GPU found (NVML Shared Library Not Found)',
@@ -38,7 +38,7 @@ export function noGpuDevices(): DevicesReply {
 
 export const T0 = 1764490000;
 
-export function hello(devices: DevicesReply = gpuDevices()): ServerMessage {
+export function hello(devices: IDevicesReply = gpuDevices()): ServerMessage {
   return { type: 'hello', devices };
 }
 
@@ -55,6 +55,9 @@ export function history(points: number, start = T0): ServerMessage {
   };
 }
 
-export function sample(t: number, values: Record<string, number | null>): ServerMessage {
+export function sample(
+  t: number,
+  values: Record<string, number | null>
+): ServerMessage {
   return { type: 'sample', t, values };
 }

@@ -56,7 +56,9 @@ describe('format', () => {
   });
 
   it('labels the time axis with a clock time, no date', () => {
-    expect(formatClock(1764490000)).toMatch(/^\d{1,2}:\d{2}( ?[AaPp]\.? ?[Mm]\.?)?$/);
+    expect(formatClock(1764490000)).toMatch(
+      /^\d{1,2}:\d{2}( ?[AaPp]\.? ?[Mm]\.?)?$/
+    );
   });
 
   it('names a notebook by its file name', () => {
@@ -65,10 +67,12 @@ describe('format', () => {
   });
 
   it("keeps the server's reason for no GPU without repeating the headline", () => {
-    expect(noGpuDetail('no NVIDIA GPU found (NVML Shared Library Not Found)')).toBe(
-      'NVML Shared Library Not Found'
+    expect(
+      noGpuDetail('no NVIDIA GPU found (NVML Shared Library Not Found)')
+    ).toBe('NVML Shared Library Not Found');
+    expect(noGpuDetail('No NVIDIA GPU found: driver not loaded')).toBe(
+      'driver not loaded'
     );
-    expect(noGpuDetail('No NVIDIA GPU found: driver not loaded')).toBe('driver not loaded');
     expect(noGpuDetail('no NVIDIA GPU found')).toBe('');
     expect(noGpuDetail('NVML failed to start')).toBe('NVML failed to start');
     expect(noGpuDetail(null)).toBe('');

@@ -9,7 +9,10 @@ import {
 import { SeriesBuffer } from '../src/model';
 import { GiB, T0, gpuDevices, noGpuDevices } from './fixtures';
 
-function bufferWith(values: Record<string, number | null>, t = T0): SeriesBuffer {
+function bufferWith(
+  values: Record<string, number | null>,
+  t = T0
+): SeriesBuffer {
   const buffer = new SeriesBuffer(10);
   buffer.push(t, values);
   return buffer;
@@ -26,14 +29,17 @@ describe('charts', () => {
       'Temperature',
       'PCIe'
     ]);
-    expect(gpuCharts(device, ['power', 'utilization'], none).map(c => c.key)).toEqual([
-      'gpu0/power',
-      'gpu0/utilization'
-    ]);
+    expect(
+      gpuCharts(device, ['power', 'utilization'], none).map(c => c.key)
+    ).toEqual(['gpu0/power', 'gpu0/utilization']);
   });
 
   it('scales memory and power to the device limits', () => {
-    const [utilization, memory, power] = gpuCharts(gpuDevices().devices[0], GPU_METRICS, () => null);
+    const [utilization, memory, power] = gpuCharts(
+      gpuDevices().devices[0],
+      GPU_METRICS,
+      () => null
+    );
     expect(utilization.yMax).toBe(100);
     expect(memory.yMax).toBe(80 * GiB);
     expect(power.yMax).toBe(700);
@@ -49,8 +55,16 @@ describe('charts', () => {
       'gpu0.pcie_tx': 0
     });
     const at = (c: string) => series.latest(c);
-    const readouts = gpuCharts(gpuDevices().devices[0], GPU_METRICS, at).map(c => c.readout(at));
-    expect(readouts).toEqual(['87%', '41/80 GB', '250/700 W', '64 °C', '↓ 1 GB/s ↑ 0 B/s']);
+    const readouts = gpuCharts(gpuDevices().devices[0], GPU_METRICS, at).map(
+      c => c.readout(at)
+    );
+    expect(readouts).toEqual([
+      '87%',
+      '41/80 GB',
+      '250/700 W',
+      '64 °C',
+      '↓ 1 GB/s ↑ 0 B/s'
+    ]);
   });
 
   it('lists a metric the GPU never reported instead of drawing it empty', () => {
@@ -58,7 +72,11 @@ describe('charts', () => {
     const charts = gpuCharts(gpuDevices().devices[0], GPU_METRICS, () => null);
     const { shown, unreported } = splitReported(charts, series);
     expect(shown.map(c => c.title)).toEqual(['Utilization', 'Memory']);
-    expect(unreported.map(c => c.title)).toEqual(['Power', 'Temperature', 'PCIe']);
+    expect(unreported.map(c => c.title)).toEqual([
+      'Power',
+      'Temperature',
+      'PCIe'
+    ]);
   });
 
   it('keeps every chart until the first data arrives', () => {
@@ -83,14 +101,19 @@ describe('statusSummary', () => {
       title: 'GPU0 NVIDIA H200: 87% · 41/80 GB',
       stale: false
     });
-    expect(statusSummary(gpuDevices(4), series, { kind: 'live' }, T0).text).toBe(
-      'GPU0 87% · 41/80 GB +3'
-    );
+    expect(
+      statusSummary(gpuDevices(4), series, { kind: 'live' }, T0).text
+    ).toBe('GPU0 87% · 41/80 GB +3');
   });
 
   it('keeps the last values while the panel is closed, and says how old they are', () => {
     const series = bufferWith({ 'gpu0.util': 87, 'gpu0.mem_used': 41 * GiB });
-    const summary = statusSummary(gpuDevices(1), series, { kind: 'stopped' }, T0 + 300);
+    const summary = statusSummary(
+      gpuDevices(1),
+      series,
+      { kind: 'stopped' },
+      T0 + 300
+    );
     expect(summary.text).toBe('GPU0 87% · 41/80 GB');
     expect(summary.stale).toBe(true);
     expect(summary.title).toContain('Values from 5 min ago');
@@ -105,7 +128,12 @@ describe('statusSummary', () => {
   });
 
   it('invites a click before anything was read', () => {
-    const summary = statusSummary(null, new SeriesBuffer(2), { kind: 'stopped' }, T0);
+    const summary = statusSummary(
+      null,
+      new SeriesBuffer(2),
+      { kind: 'stopped' },
+      T0
+    );
     expect(summary.text).toBe('GPU');
     expect(summary.stale).toBe(true);
     expect(summary.title).toContain('open the GPU panel');

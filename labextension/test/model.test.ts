@@ -30,12 +30,14 @@ describe('SeriesBuffer', () => {
     buffer.push(T0, { 'gpu0.util': 5 });
     buffer.push(T0 + 1, { 'gpu0.util': null, 'gpu0.power': 100 });
     buffer.push(T0 + 2, {});
-    expect(buffer.aligned(['gpu0.util', 'gpu0.power', 'gpu0.pcie_tx'])).toEqual([
-      [T0, T0 + 1, T0 + 2],
-      [5, null, null],
-      [null, 100, null],
-      [null, null, null]
-    ]);
+    expect(buffer.aligned(['gpu0.util', 'gpu0.power', 'gpu0.pcie_tx'])).toEqual(
+      [
+        [T0, T0 + 1, T0 + 2],
+        [5, null, null],
+        [null, 100, null],
+        [null, null, null]
+      ]
+    );
   });
 
   it('keeps showing the newest reading through a sample or two without it', () => {
@@ -89,7 +91,10 @@ describe('visibleRange', () => {
   });
 
   it('never stretches the first samples across the whole chart', () => {
-    expect(visibleRange(T0, T0 + 3, 3600)).toEqual([T0 + 3 - MIN_SPAN_S, T0 + 3]);
+    expect(visibleRange(T0, T0 + 3, 3600)).toEqual([
+      T0 + 3 - MIN_SPAN_S,
+      T0 + 3
+    ]);
   });
 });
 
@@ -121,7 +126,9 @@ describe('SidebarModel', () => {
     const changes = recorded(model);
     model.handle(hello(gpuDevices(2)));
     model.handle(history(10));
-    model.handle(sample(T0 + 10, { 'gpu0.util': 88, 'gpu0.mem_used': 42 * GiB }));
+    model.handle(
+      sample(T0 + 10, { 'gpu0.util': 88, 'gpu0.mem_used': 42 * GiB })
+    );
     model.handle({
       type: 'processes',
       t: T0 + 10,
@@ -143,7 +150,13 @@ describe('SidebarModel', () => {
     expect(model.series.latest('gpu0.util')).toBe(88);
     expect(model.processes.gpu0[0].notebook).toBe('experiments/train.ipynb');
     expect(model.connection.kind).toBe('live');
-    expect(changes).toEqual(['devices', 'connection', 'data', 'data', 'processes']);
+    expect(changes).toEqual([
+      'devices',
+      'connection',
+      'data',
+      'data',
+      'processes'
+    ]);
   });
 
   it('sizes the buffer for an hour at the interval the server will send', () => {

@@ -8,7 +8,15 @@ import { Widget } from '@lumino/widgets';
 
 import { GpuPanel } from '../src/panel';
 import { SidebarModel } from '../src/model';
-import { GiB, T0, gpuDevices, hello, history, noGpuDevices, sample } from './fixtures';
+import {
+  GiB,
+  T0,
+  gpuDevices,
+  hello,
+  history,
+  noGpuDevices,
+  sample
+} from './fixtures';
 
 jest.mock('../src/charts', () => ({
   ChartPalette: class {
@@ -45,7 +53,9 @@ afterEach(() => {
 });
 
 const text = (panel: GpuPanel, selector: string) =>
-  Array.from(panel.node.querySelectorAll(selector)).map(node => node.textContent);
+  Array.from(panel.node.querySelectorAll(selector)).map(
+    node => node.textContent
+  );
 
 describe('GpuPanel', () => {
   it('asks to connect once shown and to disconnect once hidden', () => {
@@ -61,8 +71,12 @@ describe('GpuPanel', () => {
     model.handle(hello(noGpuDevices()));
     model.handle(sample(T0, { 'cpu.util': 12, 'mem.used': 2 * GiB }));
     panel.render();
-    expect(text(panel, '.jp-gpuwidget-notice strong')).toEqual(['No NVIDIA GPU found']);
-    expect(text(panel, '.jp-gpuwidget-reason')).toEqual(['NVML Shared Library Not Found']);
+    expect(text(panel, '.jp-gpuwidget-notice strong')).toEqual([
+      'No NVIDIA GPU found'
+    ]);
+    expect(text(panel, '.jp-gpuwidget-reason')).toEqual([
+      'NVML Shared Library Not Found'
+    ]);
     expect(text(panel, '.jp-gpuwidget-card-title')).toEqual(['Host · 2 CPUs']);
     expect(text(panel, '.jp-gpuwidget-chart-value')).toEqual(['12%', '2/8 GB']);
     panel.dispose();
@@ -70,12 +84,17 @@ describe('GpuPanel', () => {
 
   it('shows a clear message and a retry button, not charts, when the server extension is missing', () => {
     const { model, panel, retries } = mount();
-    model.setConnection({ kind: 'missing', url: '/base/gpuwidget/api/devices' });
+    model.setConnection({
+      kind: 'missing',
+      url: '/base/gpuwidget/api/devices'
+    });
     panel.render();
     expect(panel.node.querySelectorAll('.jp-gpuwidget-card')).toHaveLength(0);
     const notice = panel.node.querySelector('.jp-gpuwidget-notice')!;
     expect(notice.textContent).toContain('server extension is not running');
-    expect(notice.textContent).toContain('/base/gpuwidget/api/devices answered 404');
+    expect(notice.textContent).toContain(
+      '/base/gpuwidget/api/devices answered 404'
+    );
     notice.querySelector('button')!.click();
     expect(retries).toEqual([1]);
     panel.dispose();
@@ -92,10 +111,11 @@ describe('GpuPanel', () => {
       'Host · 16 CPUs'
     ]);
     const gpu0 = panel.node.querySelector("[data-device='gpu0']")!;
-    expect(Array.from(gpu0.querySelectorAll('.jp-gpuwidget-chart-title')).map(n => n.textContent)).toEqual([
-      'Utilization',
-      'Memory'
-    ]);
+    expect(
+      Array.from(gpu0.querySelectorAll('.jp-gpuwidget-chart-title')).map(
+        n => n.textContent
+      )
+    ).toEqual(['Utilization', 'Memory']);
     expect(gpu0.querySelector('.jp-gpuwidget-unreported')!.textContent).toBe(
       'Not reported by this GPU: Power, Temperature, PCIe.'
     );
@@ -111,14 +131,32 @@ describe('GpuPanel', () => {
       t: T0,
       gpus: {
         gpu0: [
-          { pid: 99, memory: GiB, user: 'another user', name: null, kernel_id: null, notebook: null },
-          { pid: 4242, memory: 2 * GiB, user: 'you', name: 'python', kernel_id: 'k', notebook: 'exp/train.ipynb' }
+          {
+            pid: 99,
+            memory: GiB,
+            user: 'another user',
+            name: null,
+            kernel_id: null,
+            notebook: null
+          },
+          {
+            pid: 4242,
+            memory: 2 * GiB,
+            user: 'you',
+            name: 'python',
+            kernel_id: 'k',
+            notebook: 'exp/train.ipynb'
+          }
         ]
       }
     });
     panel.render();
-    const rows = Array.from(panel.node.querySelectorAll("[data-device='gpu0'] tbody tr"));
-    expect(rows.map(row => Array.from(row.children).map(cell => cell.textContent))).toEqual([
+    const rows = Array.from(
+      panel.node.querySelectorAll("[data-device='gpu0'] tbody tr")
+    );
+    expect(
+      rows.map(row => Array.from(row.children).map(cell => cell.textContent))
+    ).toEqual([
       ['train.ipynb', 'you', '2 GB'],
       ['–', 'another user', '1 GB']
     ]);

@@ -6,10 +6,10 @@ describe('readSettings', () => {
   });
 
   it('keeps the chosen charts in order, dropping unknown and repeated ones', () => {
-    expect(readSettings({ metrics: ['power', 'fan', 'utilization', 'power'] }).metrics).toEqual([
-      'power',
-      'utilization'
-    ]);
+    expect(
+      readSettings({ metrics: ['power', 'fan', 'utilization', 'power'] })
+        .metrics
+    ).toEqual(['power', 'utilization']);
     expect(readSettings({ metrics: [] }).metrics).toEqual([]);
   });
 

@@ -15,14 +15,18 @@ describe('GpuStatusItem', () => {
     expect(item.node.classList.contains('jp-mod-stale')).toBe(true);
 
     model.handle(hello(gpuDevices(1)));
-    model.handle(sample(Date.now() / 1000, { 'gpu0.util': 87, 'gpu0.mem_used': 41 * GiB }));
+    model.handle(
+      sample(Date.now() / 1000, { 'gpu0.util': 87, 'gpu0.mem_used': 41 * GiB })
+    );
     expect(item.node.textContent).toBe('GPU0 87% · 41/80 GB');
     expect(item.node.classList.contains('jp-mod-stale')).toBe(false);
 
     model.setConnection({ kind: 'stopped' });
     expect(item.node.textContent).toBe('GPU0 87% · 41/80 GB');
     expect(item.node.classList.contains('jp-mod-stale')).toBe(true);
-    expect(item.node.title).toContain('nothing is polled while the GPU panel is closed');
+    expect(item.node.title).toContain(
+      'nothing is polled while the GPU panel is closed'
+    );
 
     item.node.click();
     expect(clicks).toEqual([1]);

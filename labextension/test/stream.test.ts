@@ -1,12 +1,17 @@
 import {
-  BackoffOptions,
+  IBackoffOptions,
   ReconnectingStream,
   StreamStatus,
   backoffDelay
 } from '../src/stream';
 import { FakeClock, FakeSocket, settle } from './fakes';
 
-const NO_JITTER: BackoffOptions = { initialMs: 500, maxMs: 8000, factor: 2, jitter: 0 };
+const NO_JITTER: IBackoffOptions = {
+  initialMs: 500,
+  maxMs: 8000,
+  factor: 2,
+  jitter: 0
+};
 
 describe('backoffDelay', () => {
   it('doubles from the initial delay up to the cap', () => {
@@ -42,7 +47,9 @@ function harness(options: { idleTimeoutMs?: number } = {}) {
     onMessage: text => messages.push(text),
     onStatus: status => statuses.push(status),
     isFatal: error => error === 'fatal',
-    idleTimeoutMs: options.idleTimeoutMs ? () => options.idleTimeoutMs! : undefined,
+    idleTimeoutMs: options.idleTimeoutMs
+      ? () => options.idleTimeoutMs!
+      : undefined,
     backoff: NO_JITTER,
     timers: clock
   });
