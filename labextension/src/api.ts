@@ -4,9 +4,10 @@
  *
  * Only types come from @jupyterlab/services here: index.ts passes in
  * `ServerConnection.makeRequest` (which adds the token and XSRF headers), so this
- * module runs in jest as it is.
+ * module runs in jest as it is. URLs are joined by JupyterLab's own `URLExt.join`.
  */
 
+import { URLExt } from '@jupyterlab/coreutils';
 import type { ServerConnection } from '@jupyterlab/services';
 
 import { IDevicesReply, isDevicesReply } from './protocol';
@@ -48,18 +49,9 @@ export class ServerExtensionMissing extends ApiError {
   }
 }
 
-/** Join URL parts with exactly one slash between them. */
-export function joinUrl(base: string, ...parts: string[]): string {
-  let url = base;
-  for (const part of parts) {
-    url = `${url.replace(/\/+$/, '')}/${part.replace(/^\/+/, '')}`;
-  }
-  return url;
-}
-
 /** `{baseUrl}gpuwidget/api/{route}` */
 export function apiUrl(settings: ServerSettingsLike, route: string): string {
-  return joinUrl(settings.baseUrl, API_PATH, route);
+  return URLExt.join(settings.baseUrl, API_PATH, route);
 }
 
 /**
@@ -75,7 +67,7 @@ export function streamUrl(
   if (settings.appendToken && settings.token) {
     query.set('token', settings.token);
   }
-  return `${joinUrl(settings.wsUrl, API_PATH, 'stream')}?${query.toString()}`;
+  return `${URLExt.join(settings.wsUrl, API_PATH, 'stream')}?${query.toString()}`;
 }
 
 /** The browser's own WebSocket. */

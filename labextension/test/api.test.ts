@@ -4,7 +4,6 @@ import {
   ServerExtensionMissing,
   ServerSettingsLike,
   apiUrl,
-  joinUrl,
   streamUrl
 } from '../src/api';
 import { FakeSocket } from './fakes';
@@ -27,11 +26,11 @@ function reply(status: number, body: unknown): Response {
 }
 
 describe('URLs', () => {
-  it('joins parts with one slash', () => {
-    expect(joinUrl('http://h/base/', '/gpuwidget/api', 'devices')).toBe(
-      'http://h/base/gpuwidget/api/devices'
-    );
-    expect(joinUrl('http://h', 'x')).toBe('http://h/x');
+  it('joins the base URL and the route with one slash, whatever the base ends with', () => {
+    const at = (baseUrl: string) => apiUrl({ ...SETTINGS, baseUrl }, 'devices');
+    expect(at('http://h/base/')).toBe('http://h/base/gpuwidget/api/devices');
+    expect(at('http://h/base')).toBe('http://h/base/gpuwidget/api/devices');
+    expect(at('http://h')).toBe('http://h/gpuwidget/api/devices');
   });
 
   it('puts the routes under a non-root base URL', () => {
