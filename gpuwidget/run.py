@@ -8,8 +8,9 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
+from gpuwidget.facts import MachineFacts, Summary, WorkloadFacts
 from gpuwidget.trace import Trace
 
 RUN_FORMAT = "gpuwidget.run/1"
@@ -39,10 +40,10 @@ class Run:
     """
 
     trace: Trace
-    summary: dict[str, Any] = field(default_factory=dict)
+    summary: Summary = field(default_factory=Summary)
     findings: list[Any] = field(default_factory=list)
-    workload: dict[str, Any] = field(default_factory=dict)
-    machine: dict[str, Any] = field(default_factory=dict)
+    workload: WorkloadFacts = field(default_factory=WorkloadFacts)
+    machine: MachineFacts = field(default_factory=MachineFacts)
     options: dict[str, Any] = field(default_factory=dict)
     error: BaseException | RunError | None = None
     sampler: dict[str, Any] = field(default_factory=dict)
@@ -96,10 +97,10 @@ class Run:
         error = data.get("error")
         return cls(
             trace=Trace.from_dict(data["trace"]),
-            summary=dict(data.get("summary") or {}),
+            summary=cast(Summary, dict(data.get("summary") or {})),
             findings=[Finding.from_dict(f) for f in data.get("findings") or []],
-            workload=dict(data.get("workload") or {}),
-            machine=dict(data.get("machine") or {}),
+            workload=cast(WorkloadFacts, dict(data.get("workload") or {})),
+            machine=cast(MachineFacts, dict(data.get("machine") or {})),
             options=dict(data.get("options") or {}),
             error=None if error is None else RunError(error["type"], error["message"]),
             sampler=dict(data.get("sampler") or {}),

@@ -14,11 +14,12 @@ import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 from gpuwidget.advice.advisor import advise
 from gpuwidget.advice.summary import summarize
 from gpuwidget.clock import now
+from gpuwidget.facts import MachineFacts, WorkloadFacts
 from gpuwidget.options import OptionError, WatchOptions, make_options
 from gpuwidget.probes import Probes
 from gpuwidget.run import Run
@@ -41,7 +42,7 @@ def last_run() -> Run:
     return _last_run
 
 
-def _gpu_source(options: WatchOptions) -> tuple[Source | None, dict[str, Any]]:
+def _gpu_source(options: WatchOptions) -> tuple[Source | None, MachineFacts]:
     """The NVML source for the chosen GPUs and the machine facts it reports.
 
     A missing driver is not an error (gpuwidget works on any laptop); asking for a GPU
@@ -66,7 +67,7 @@ def _gpu_source(options: WatchOptions) -> tuple[Source | None, dict[str, Any]]:
     return source, {"gpus": devices, "gpu_message": None}
 
 
-def machine_facts() -> dict[str, Any]:
+def machine_facts() -> MachineFacts:
     """Host facts a run is judged against (cores this process may use, memory)."""
     import psutil
 
@@ -118,7 +119,7 @@ class Watch:
             _active = self
         try:
             trace = Trace()
-            machine = {**machine_facts(), **gpu_facts}
+            machine: MachineFacts = {**machine_facts(), **gpu_facts}
             trace.meta.update({"label": self.label, "interval": self.options.interval})
             self.run = Run(trace=trace, machine=machine, options=self.options.to_dict(), label=self.label)
             self._sources = [HostSource()] + ([gpu_source] if gpu_source is not None else [])
@@ -138,7 +139,7 @@ class Watch:
             raise
         return self.run
 
-    def _show_live(self, trace: Trace, machine: dict[str, Any]) -> None:
+    def _show_live(self, trace: Trace, machine: MachineFacts) -> None:
         try:
             from IPython.display import display
 
@@ -163,7 +164,7 @@ class Watch:
             run.finished = True
             run.trace.meta["duration_s"] = duration
             if self._probes is not None:
-                run.workload = self._probes.facts(self._user_namespace())
+                run.workload = cast(WorkloadFacts, self._probes.facts(self._user_namespace()))
                 self._objects = self._probes.objects()
             run.summary = summarize(run.trace, run.workload, duration_s=duration)
             if self.options.advice:

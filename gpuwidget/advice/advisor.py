@@ -7,11 +7,10 @@ skipped; it never takes the report down with it.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
-from typing import Any
 
 from gpuwidget.advice.finding import Finding
 from gpuwidget.advice.rules import RULES
+from gpuwidget.facts import MachineFacts, Summary, WorkloadFacts
 
 log = logging.getLogger("gpuwidget")
 
@@ -24,7 +23,7 @@ def rank(findings: list[Finding]) -> list[Finding]:
                                            _SEVERITY_ORDER[f.severity]))
 
 
-def advise(summary: Mapping[str, Any], workload: Mapping[str, Any], machine: Mapping[str, Any]) -> list[Finding]:
+def advise(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> list[Finding]:
     findings: list[Finding] = []
     for rule, check in RULES.items():
         try:

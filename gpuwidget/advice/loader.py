@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from gpuwidget.advice.summary import primary_loader
+from gpuwidget.facts import LoaderFacts, MachineFacts, Summary, WorkloadFacts
 
 # The loop is starved when at least this share of its time is spent blocked in next().
 # PyTorch's profiler recommendations flag DataLoader time above 5% of a step; we ask for
@@ -48,7 +49,7 @@ DEFAULT_PREFETCH = 2
 class LoaderDiagnosis:
     """The measured state of the primary loader and the settings that would feed the loop."""
 
-    loader: dict[str, Any]
+    loader: LoaderFacts
     wait_fraction: float
     wait_per_step: float
     compute_per_step: float
@@ -71,8 +72,7 @@ class LoaderDiagnosis:
         return 1.0 / max(1e-9, 1.0 - self.wait_fraction)
 
 
-def diagnose(summary: Mapping[str, Any], workload: Mapping[str, Any],
-             machine: Mapping[str, Any]) -> LoaderDiagnosis | None:
+def diagnose(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> LoaderDiagnosis | None:
     """None when no DataLoader ran long enough to judge."""
     loader = primary_loader(workload)
     if loader is None or loader["steps"] < MIN_STEPS or not loader.get("loop_time_s"):
@@ -86,8 +86,9 @@ def diagnose(summary: Mapping[str, Any], workload: Mapping[str, Any],
     usable = int(machine.get("usable_cpus") or 1)
 
     workers_busy = None
-    if num_workers > 0 and summary.get("workers_cpu_mean") is not None:
-        workers_busy = summary["workers_cpu_mean"] / 100.0 / num_workers
+    workers_cpu = summary.get("workers_cpu_mean")
+    if num_workers > 0 and workers_cpu is not None:
+        workers_busy = workers_cpu / 100.0 / num_workers
     wait_cpu = loader.get("wait_cpu_ratio")
     if num_workers == 0 and wait_cpu is not None:
         cause = "cpu" if wait_cpu >= CPU_WORK_RATIO else ("io" if wait_cpu <= IO_WAIT_RATIO else "unknown")

@@ -8,11 +8,11 @@ is None or absent rather than a guess. Loop figures (samples/s, data wait) refer
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import numpy as np
 
+from gpuwidget.facts import LoaderFacts, Summary, WorkloadFacts
 from gpuwidget.trace import Trace
 
 # Span kinds the workload probes record (gpuwidget.probes.torch_data).
@@ -41,7 +41,7 @@ def gpu_indices(trace: Trace) -> list[int]:
     return sorted(found)
 
 
-def primary_loader(workload: Mapping[str, Any] | None) -> dict[str, Any] | None:
+def primary_loader(workload: WorkloadFacts | None) -> LoaderFacts | None:
     """The DataLoader the cell spent the most time iterating, or None."""
     loaders = (workload or {}).get("loaders") or []
     return max(loaders, key=lambda loader: loader.get("loop_time_s") or 0.0, default=None)
@@ -77,11 +77,11 @@ def idle_gaps(trace: Trace, index: int) -> list[tuple[float, float]]:
     return gaps
 
 
-def summarize(trace: Trace, workload: Mapping[str, Any] | None = None,
-              duration_s: float | None = None) -> dict[str, Any]:
+def summarize(trace: Trace, workload: WorkloadFacts | None = None,
+              duration_s: float | None = None) -> Summary:
     """The run's summary dict (keys documented in DESIGN.md's public contract)."""
     duration = trace.duration if duration_s is None else duration_s
-    summary: dict[str, Any] = {"duration_s": duration}
+    summary: Summary = {"duration_s": duration}
 
     loader = primary_loader(workload)
     loop_time = (loader or {}).get("loop_time_s") or 0.0
@@ -94,7 +94,7 @@ def summarize(trace: Trace, workload: Mapping[str, Any] | None = None,
         summary["loop_time_s"] = loop_time
         summary["data_wait_fraction"] = loader["wait_total_s"] / loop_time
         p50, p95, p99 = percentiles(loader.get("step_times") or [])
-        summary.update(step_time_p50=p50, step_time_p95=p95, step_time_p99=p99)
+        summary.update({"step_time_p50": p50, "step_time_p95": p95, "step_time_p99": p99})
         # Where the cell's time went: blocked on data, the loop's own work, and the rest
         # (set-up, evaluation outside a DataLoader, the time before the loop started).
         all_loops = sum(item.get("loop_time_s") or 0.0 for item in (workload or {}).get("loaders") or [])
@@ -105,7 +105,7 @@ def summarize(trace: Trace, workload: Mapping[str, Any] | None = None,
             "other_s": max(0.0, duration - all_loops),
         }
     else:
-        summary.update(steps=None, samples=None, samples_per_s=None, data_wait_fraction=None)
+        summary.update({"steps": None, "samples": None, "samples_per_s": None, "data_wait_fraction": None})
 
     summary["cpu_util_mean"] = _stat(trace, "cpu.util")
     summary["process_cpu_mean"] = _stat(trace, "proc.cpu")
@@ -143,12 +143,12 @@ def summarize(trace: Trace, workload: Mapping[str, Any] | None = None,
         summary["process_gpu_mem_peak"] = max(value or 0.0 for value in own_memory)
     if busy:
         summary["gpu_busy_mean"] = sum(busy.values()) / len(busy)
-        summary["gpu_busy_by_gpu"] = busy
+        summary["gpu_busy_by_gpu"] = {str(index): value for index, value in busy.items()}
         summary["gpu_idle_gaps"] = gap_count
         summary["gpu_longest_idle_s"] = longest_gap
     if mem_fraction:
         summary["peak_gpu_mem_fraction"] = max(mem_fraction.values())
-        summary["peak_gpu_mem_fraction_by_gpu"] = mem_fraction
+        summary["peak_gpu_mem_fraction_by_gpu"] = {str(index): value for index, value in mem_fraction.items()}
     return summary
 
 

@@ -23,6 +23,7 @@ import numpy as np
 
 from gpuwidget.advice.summary import DATA_WAIT_SPAN
 from gpuwidget.clock import now
+from gpuwidget.facts import MachineFacts
 from gpuwidget.trace import Frame, Trace
 from gpuwidget.ui.style import CPU_COLOR, PALETTE, PROCESS_COLOR, WAIT_COLOR, merge_bands, percent_data, plot_columns
 
@@ -102,7 +103,7 @@ def _key(column: str) -> str:
 class LiveView:
     """A live-updating plot of one Trace; ``widget`` is what gets displayed."""
 
-    def __init__(self, trace: Trace, machine: dict[str, Any], label: str = "") -> None:
+    def __init__(self, trace: Trace, machine: MachineFacts, label: str = "") -> None:
         import ipywidgets
         from bokeh.models import ColumnDataSource, Range1d
         from bokeh.models.annotations import Legend

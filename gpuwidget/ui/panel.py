@@ -13,7 +13,7 @@ from __future__ import annotations
 import html
 import math
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
@@ -91,8 +91,9 @@ def main_cause(run: Run) -> str:
     return "no cause of idle time found"
 
 
-BREAKDOWN = (("data_wait_s", "waiting for data", WAIT_COLOR), ("compute_s", "computing", "#4c78a8"),
-             ("other_s", "other", "#bab0ac"))
+BREAKDOWN: tuple[tuple[Literal["data_wait_s", "compute_s", "other_s"], str, str], ...] = (
+    ("data_wait_s", "waiting for data", WAIT_COLOR), ("compute_s", "computing", "#4c78a8"),
+    ("other_s", "other", "#bab0ac"))
 
 
 def breakdown(run: Run) -> list[tuple[str, float, float, str]]:
@@ -130,10 +131,10 @@ def gpu_lines(run: Run) -> list[str]:
         index = device["index"]
         text = f"GPU{index} {device.get('name', '')}".rstrip()
         details = []
-        if index in busy or str(index) in busy:
-            details.append(f"busy {fmt_percent(busy.get(index, busy.get(str(index))))}")
-        if index in mem or str(index) in mem:
-            details.append(f"peak memory {fmt_fraction(mem.get(index, mem.get(str(index))))}")
+        if str(index) in busy:
+            details.append(f"busy {fmt_percent(busy[str(index)])}")
+        if str(index) in mem:
+            details.append(f"peak memory {fmt_fraction(mem[str(index)])}")
         lines.append(text + (": " + ", ".join(details) if details else ": no utilisation reported"))
     return lines
 

@@ -5,8 +5,7 @@ Rule ids are stable (DESIGN.md); thresholds are named constants at the top of ea
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable
 
 from gpuwidget.advice.finding import Finding
 from gpuwidget.advice.rules import (
@@ -22,8 +21,9 @@ from gpuwidget.advice.rules import (
     periodic_stall,
     small_batch,
 )
+from gpuwidget.facts import MachineFacts, Summary, WorkloadFacts
 
-Rule = Callable[[Mapping[str, Any], Mapping[str, Any], Mapping[str, Any]], "Finding | None"]
+Rule = Callable[[Summary, WorkloadFacts, MachineFacts], "Finding | None"]
 
 RULES: dict[str, Rule] = {
     module.RULE: module.check

@@ -2,21 +2,20 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from gpuwidget.facts import MachineFacts, Summary, WorkloadFacts
 
 
-def gpu_measured(summary: Mapping[str, Any], machine: Mapping[str, Any]) -> bool:
+def gpu_measured(summary: Summary, machine: MachineFacts) -> bool:
     """GPU rules need GPU evidence: a GPU on the machine and its utilisation recorded."""
     return bool(machine.get("gpus")) and summary.get("gpu_busy_mean") is not None
 
 
-def model_on_cuda(workload: Mapping[str, Any]) -> bool:
+def model_on_cuda(workload: WorkloadFacts) -> bool:
     model = workload.get("model") or {}
     return "cuda" in (model.get("param_devices") or [])
 
 
-def capability(workload: Mapping[str, Any]) -> tuple[int, int] | None:
+def capability(workload: WorkloadFacts) -> tuple[int, int] | None:
     """Compute capability of the first CUDA device the process used (from torch)."""
     devices = ((workload.get("cuda") or {}).get("devices")) or []
     if not devices:
@@ -25,11 +24,11 @@ def capability(workload: Mapping[str, Any]) -> tuple[int, int] | None:
     return int(major), int(minor)
 
 
-def model_name(workload: Mapping[str, Any]) -> str:
+def model_name(workload: WorkloadFacts) -> str:
     return ((workload.get("model") or {}).get("name")) or "model"
 
 
-def gpu_speedup_bound(summary: Mapping[str, Any], cap: float = 10.0) -> float | None:
+def gpu_speedup_bound(summary: Summary, cap: float = 10.0) -> float | None:
     """A GPU cannot be busier than 100%: throughput can rise at most 100 / busy-percent."""
     busy = summary.get("gpu_busy_mean")
     if not busy or busy <= 0:

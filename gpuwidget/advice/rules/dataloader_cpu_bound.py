@@ -8,11 +8,9 @@ gpuwidget.advice.loader (HOST_SATURATED_PERCENT, CPU_WORK_RATIO, WORKER_BUSY).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 from gpuwidget.advice.finding import Finding
 from gpuwidget.advice.loader import diagnose
+from gpuwidget.facts import MachineFacts, Summary, WorkloadFacts
 
 RULE = "dataloader-cpu-bound"
 
@@ -27,7 +25,7 @@ for x, y in {name}:
 """
 
 
-def check(summary: Mapping[str, Any], workload: Mapping[str, Any], machine: Mapping[str, Any]) -> Finding | None:
+def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> Finding | None:
     d = diagnose(summary, workload, machine)
     if d is None or not d.starved or not d.cpu_saturated:
         return None

@@ -9,18 +9,16 @@ Thresholds live in gpuwidget.advice.loader.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 from gpuwidget.advice.finding import Finding
 from gpuwidget.advice.loader import diagnose, loader_code
+from gpuwidget.facts import MachineFacts, Summary, WorkloadFacts
 
 RULE = "dataloader-starved"
 # Above this share of the loop spent waiting, the finding is critical.
 CRITICAL_WAIT_FRACTION = 0.4
 
 
-def check(summary: Mapping[str, Any], workload: Mapping[str, Any], machine: Mapping[str, Any]) -> Finding | None:
+def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> Finding | None:
     d = diagnose(summary, workload, machine)
     # Saturated CPUs and storage waits have their own findings, which carry the change.
     if d is None or not d.starved or d.cpu_saturated or d.cause == "io" or not d.change:

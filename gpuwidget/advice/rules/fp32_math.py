@@ -7,11 +7,9 @@ with ``float32_matmul_precision == "highest"`` and no autocast, matmuls skip the
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 from gpuwidget.advice.finding import Finding
 from gpuwidget.advice.rules._gpu import capability, gpu_measured, model_name, model_on_cuda
+from gpuwidget.facts import MachineFacts, Summary, WorkloadFacts
 
 RULE = "fp32-math"
 MIN_CAPABILITY = (8, 0)
@@ -21,7 +19,7 @@ FP32_SHARE = 0.5
 TENSOR_CORE_RATIO = 8.0
 
 
-def check(summary: Mapping[str, Any], workload: Mapping[str, Any], machine: Mapping[str, Any]) -> Finding | None:
+def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> Finding | None:
     if not gpu_measured(summary, machine) or not model_on_cuda(workload):
         return None
     cap = capability(workload)

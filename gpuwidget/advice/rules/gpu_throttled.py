@@ -7,11 +7,9 @@ code does; it is a cooling, power-limit or placement matter for whoever runs the
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 from gpuwidget.advice.finding import Finding
 from gpuwidget.advice.rules._gpu import gpu_measured
+from gpuwidget.facts import MachineFacts, Summary, WorkloadFacts
 
 RULE = "gpu-throttled"
 # Share of busy samples with a throttle reason set before it is worth saying.
@@ -20,7 +18,7 @@ THROTTLED_SHARE = 0.2
 LOW_CLOCK_RATIO = 0.8
 
 
-def check(summary: Mapping[str, Any], workload: Mapping[str, Any], machine: Mapping[str, Any]) -> Finding | None:
+def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> Finding | None:
     if not gpu_measured(summary, machine):
         return None
     share = summary.get("gpu_throttle_fraction")

@@ -7,11 +7,9 @@ batches.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 from gpuwidget.advice.finding import Finding
 from gpuwidget.advice.rules._gpu import gpu_measured, model_name
+from gpuwidget.facts import MachineFacts, Summary, WorkloadFacts
 
 RULE = "gpu-unused"
 # Below this mean utilisation the GPU did essentially nothing.
@@ -23,7 +21,7 @@ BUSY_PROCESS_PERCENT = 50.0
 NO_GPU_MEMORY_BYTES = 64 * 2**20
 
 
-def check(summary: Mapping[str, Any], workload: Mapping[str, Any], machine: Mapping[str, Any]) -> Finding | None:
+def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> Finding | None:
     if not gpu_measured(summary, machine):
         return None
     model = workload.get("model") or {}

@@ -8,16 +8,14 @@ storage, or be cached after the first epoch. Thresholds live in gpuwidget.advice
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 from gpuwidget.advice.finding import Finding
 from gpuwidget.advice.loader import diagnose, loader_code
+from gpuwidget.facts import MachineFacts, Summary, WorkloadFacts
 
 RULE = "io-bound"
 
 
-def check(summary: Mapping[str, Any], workload: Mapping[str, Any], machine: Mapping[str, Any]) -> Finding | None:
+def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> Finding | None:
     d = diagnose(summary, workload, machine)
     if d is None or not d.starved or d.cause != "io":
         return None

@@ -7,12 +7,12 @@ steps (CUDA graphs, ``mode="reduce-overhead"``) or a larger batch per launch cut
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 from gpuwidget.advice.finding import Finding
 from gpuwidget.advice.loader import STARVED_WAIT_FRACTION
 from gpuwidget.advice.rules._gpu import gpu_measured, gpu_speedup_bound, model_name, model_on_cuda
+from gpuwidget.facts import MachineFacts, Summary, WorkloadFacts
 
 RULE = "launch-bound"
 # GPU busy below this while the host is pegged: the GPU waits on kernel launches.
@@ -21,7 +21,7 @@ LOW_GPU_BUSY_PERCENT = 50.0
 PEGGED_PROCESS_PERCENT = 90.0
 
 
-def check(summary: Mapping[str, Any], workload: Mapping[str, Any], machine: Mapping[str, Any]) -> Finding | None:
+def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> Finding | None:
     if not gpu_measured(summary, machine) or not model_on_cuda(workload):
         return None
     busy = summary["gpu_busy_mean"]

@@ -8,11 +8,11 @@ batch or sequence fails. PyTorch's allocator documentation recommends
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 from gpuwidget.advice.finding import Finding
 from gpuwidget.advice.rules._gpu import gpu_measured
+from gpuwidget.facts import MachineFacts, Summary, WorkloadFacts
 
 RULE = "memory-pressure"
 # Peak use at or above this share of the GPU's memory is close to out-of-memory.
@@ -21,7 +21,7 @@ NEAR_LIMIT_FRACTION = 0.92
 FRAGMENTATION_FRACTION = 0.3
 
 
-def check(summary: Mapping[str, Any], workload: Mapping[str, Any], machine: Mapping[str, Any]) -> Finding | None:
+def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> Finding | None:
     if not gpu_measured(summary, machine):
         return None
     peak = summary.get("peak_gpu_mem_fraction")

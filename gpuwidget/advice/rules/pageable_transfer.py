@@ -8,18 +8,16 @@ also starved, dataloader-starved already carries this change.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 from gpuwidget.advice.finding import Finding
 from gpuwidget.advice.loader import STARVED_WAIT_FRACTION, loader_code
 from gpuwidget.advice.rules._gpu import gpu_measured, model_on_cuda
 from gpuwidget.advice.summary import primary_loader
+from gpuwidget.facts import MachineFacts, Summary, WorkloadFacts
 
 RULE = "pageable-transfer"
 
 
-def check(summary: Mapping[str, Any], workload: Mapping[str, Any], machine: Mapping[str, Any]) -> Finding | None:
+def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> Finding | None:
     if not gpu_measured(summary, machine) or not model_on_cuda(workload):
         return None
     loader = primary_loader(workload)

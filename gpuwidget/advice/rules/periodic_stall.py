@@ -9,13 +9,12 @@ charged to the DataLoader. The gain is bounded by the share of loop time the sta
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping
-from typing import Any
 
 import numpy as np
 
 from gpuwidget.advice.finding import Finding
 from gpuwidget.advice.summary import primary_loader
+from gpuwidget.facts import MachineFacts, Summary, WorkloadFacts
 
 RULE = "periodic-stall"
 # A stall is a step longer than OUTLIER_RATIO times the median step and longer than the
@@ -63,7 +62,7 @@ def dominant_period(indices: list[int]) -> tuple[int, int, float]:
     return best, agreeing, agreeing / len(gaps) if len(gaps) else 0.0
 
 
-def check(summary: Mapping[str, Any], workload: Mapping[str, Any], machine: Mapping[str, Any]) -> Finding | None:
+def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> Finding | None:
     loader = primary_loader(workload)
     if loader is None:
         return None

@@ -8,14 +8,13 @@ bounds the gain (the GPU cannot be busier than 100%).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from typing import Any
 
 from gpuwidget.advice.finding import Finding
 from gpuwidget.advice.loader import STARVED_WAIT_FRACTION, loader_code
 from gpuwidget.advice.rules._gpu import gpu_measured, gpu_speedup_bound
 from gpuwidget.advice.rules.launch_bound import PEGGED_PROCESS_PERCENT  # there, launch-bound names the cause
 from gpuwidget.advice.summary import primary_loader
+from gpuwidget.facts import MachineFacts, Summary, WorkloadFacts
 
 RULE = "small-batch"
 # GPU busy below this (percent of time a kernel ran) means the GPU waits on the host.
@@ -26,7 +25,7 @@ MEMORY_HEADROOM_FRACTION = 0.5
 TARGET_MEMORY_FRACTION = 0.8
 
 
-def check(summary: Mapping[str, Any], workload: Mapping[str, Any], machine: Mapping[str, Any]) -> Finding | None:
+def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> Finding | None:
     if not gpu_measured(summary, machine):
         return None
     loader = primary_loader(workload)

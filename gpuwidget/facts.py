@@ -1,0 +1,202 @@
+"""The shapes of the facts that cross layers: summary, workload and machine, as TypedDicts.
+
+These are plain dicts at run time (``Run.summary``, ``Run.workload``, ``Run.machine`` and
+their JSON stay what DESIGN.md's public contract says); the types let mypy check every
+lookup a rule makes. ``total=False`` where a key may be absent: a figure the run cannot
+support (no GPU, no DataLoader seen) is missing or None, never a guess. Units are in the
+comments; percentages are 0-100, fractions 0-1.
+
+Who fills what: :func:`gpuwidget.advice.summary.summarize` a :class:`Summary`,
+:meth:`gpuwidget.probes.Probes.facts` a :class:`WorkloadFacts`, :func:`gpuwidget.session.machine_facts`
+plus the NVML source's device list a :class:`MachineFacts`. A new key goes here first, with its unit.
+
+Per-GPU maps (``gpu_busy_by_gpu``...) are keyed by the CUDA index as a string ("0"), as JSON
+writes them, so a live run and one read back with ``Run.load`` hold the same keys.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypedDict
+
+# --------------------------------------------------------------------------- workload
+
+
+class LoaderSettings(TypedDict, total=False):
+    """One DataLoader's configuration (``probes.torch_data.loader_settings``); empty when the
+    probe saw an iterator before its loader."""
+
+    batch_size: int | None
+    num_workers: int
+    pin_memory: bool
+    prefetch_factor: int | None
+    persistent_workers: bool
+    multiprocessing_context: str | None  # start method: "fork", "spawn", "forkserver"
+    drop_last: bool
+    timeout: float  # seconds
+    shuffle: bool
+    sampler: str | None  # class name
+    custom_sampler: bool
+    custom_batch_sampler: bool
+    collate_fn: str  # function or class name
+    default_collate: bool
+    dataset_type: str  # class name
+    dataset_len: int | None  # None for a dataset without len()
+    iterable_dataset: bool
+    worker_init_fn: str | None  # function name
+    batch_sampler_given: bool  # built with batch_sampler= (batch_size is None)
+    inner_batching: dict[str, Any]  # batch_size, drop_last, shuffle, plain_sampler of that batch sampler
+    generator: bool  # the loader has its own torch.Generator
+    shards_by_worker: bool | None  # IterableDataset reads get_worker_info(); None: unknown or map-style
+    dataset_code: dict[str, Any] | None  # file, function, line of the dataset's __getitem__/__iter__
+    dataset_transforms: list[str]  # the dataset's attributes holding per-sample transforms
+
+
+class LoaderFacts(TypedDict, total=False):
+    """What one DataLoader did during the watch (``probes.torch_data.LoaderStats.facts``)."""
+
+    name: str | None  # the user's variable name for the loader, when one holds it
+    dataset_name: str | None  # the user's variable name for its dataset
+    settings: LoaderSettings
+    epochs: int  # times the loader was iterated
+    steps: int  # batches taken
+    samples: int  # sum of each batch's first dimension
+    wait_total_s: float  # seconds blocked in next()
+    compute_total_s: float  # seconds between next() calls (the loop's own work)
+    loop_time_s: float  # wait_total_s + compute_total_s
+    wait_cpu_ratio: float | None  # process CPU seconds per wall second while blocked in next()
+    step_times: list[float]  # seconds per step, the latest STEP_HISTORY of them
+    wait_times: list[float]  # seconds blocked per next(), the latest STEP_HISTORY
+    owner: str | None  # framework that built or drives it: "transformers", "accelerate", "lightning"
+    built_at: dict[str, Any] | None  # file, function, line of the user's code that built it (during the watch)
+
+
+class AutocastState(TypedDict, total=False):
+    """torch.autocast as the model's first forward pass saw it."""
+
+    enabled: bool
+    dtype: str | None  # "float16", "bfloat16"; None when disabled
+    device_type: str  # "cuda", "cpu"
+
+
+# The main model (most parameters) from its first forward passes (``probes.torch_model``).
+# "class" is a keyword: the functional form spells the key as the probe writes it.
+ModelFacts = TypedDict("ModelFacts", {
+    "name": str | None,  # the user's variable name for the model
+    "class": str,  # the module's class name
+    "parameters": int,  # parameter count
+    "param_dtypes": dict[str, int],  # dtype name -> parameters of that dtype
+    "param_devices": list[str],  # device types holding parameters ("cpu", "cuda")
+    "input_dtype": str | None,
+    "input_device": str | None,
+    "autocast": AutocastState,
+    "compiled": bool,  # torch.compile'd
+    "training": bool,
+    "calls": int,  # top-level forward calls seen (at most probes.torch_model.TOP_LEVEL_CALLS)
+    "float32_matmul_precision": str,  # "highest", "high", "medium"
+    "cuda_matmul_allow_tf32": bool,
+    "cudnn_allow_tf32": bool,
+}, total=False)
+
+
+class CudaDeviceFacts(TypedDict, total=False):
+    """One CUDA device as torch reports it, with the cell's peak memory on it."""
+
+    index: int  # CUDA index (after CUDA_VISIBLE_DEVICES)
+    name: str
+    capability: list[int]  # [major, minor]
+    total_memory: int  # bytes
+    peak_allocated: int  # bytes, torch.cuda.max_memory_allocated
+    peak_reserved: int  # bytes, torch.cuda.max_memory_reserved
+
+
+class CudaFacts(TypedDict, total=False):
+    """CUDA memory of the cell (``probes.torch_model.CudaMemoryProbe``); absent without CUDA."""
+
+    devices: list[CudaDeviceFacts]
+    peak_since_cell_start: bool  # False: the peaks may predate the cell (CUDA started inside it)
+
+
+class WorkloadFacts(TypedDict, total=False):
+    """What the probes saw of the user's workload (``probes.Probes.facts``)."""
+
+    torch: str | None  # torch.__version__, None when the cell never imported torch
+    loaders: list[LoaderFacts]  # in the order first iterated
+    model: ModelFacts | None
+    cuda: CudaFacts | None
+    probe_errors: list[str]  # why a probe could not run or be removed
+    frameworks: dict[str, str]  # role ("hf_trainer", "training_args", "accelerator") -> the user's name
+
+
+# --------------------------------------------------------------------------- machine
+
+
+class GpuFacts(TypedDict, total=False):
+    """One selected GPU's static facts (``sources.nvml`` device ``describe()``)."""
+
+    id: str  # the column prefix: "gpu0"
+    index: int  # CUDA index (after CUDA_VISIBLE_DEVICES)
+    nvml_index: int  # the driver's (nvidia-smi's) number
+    uuid: str
+    name: str
+    memory_total: int | None  # bytes
+    power_limit: float | None  # watts
+    sm_clock_max: float | None  # MHz
+    is_mig: bool
+    parent_uuid: str | None
+    pci_bus_id: str | None
+    gpm: bool  # GPM metrics (SM occupancy, tensor activity) readable
+    lost: str | None  # why the GPU stopped answering, None while it answers
+
+
+class MachineFacts(TypedDict, total=False):
+    """The host and GPUs a run is judged against (``session.machine_facts`` + the NVML source)."""
+
+    cpu_count: int | None  # logical CPUs of the host
+    usable_cpus: int  # CPUs this process may run on (affinity)
+    mem_total: int  # bytes of host memory
+    pid: int  # the watched process
+    gpus: list[GpuFacts]  # empty without a GPU
+    gpu_message: str | None  # why no GPU is shown, None when there are GPUs
+
+
+# --------------------------------------------------------------------------- summary
+
+
+class TimeBreakdown(TypedDict):
+    """Where the cell's time went, seconds."""
+
+    data_wait_s: float  # blocked in next() of any loader
+    compute_s: float  # the loops' own work
+    other_s: float  # set-up, evaluation outside a DataLoader, before the first loop
+
+
+class Summary(TypedDict, total=False):
+    """A run's headline figures (``advice.summary.summarize``); DESIGN.md's public contract.
+
+    Loop figures refer to the primary loader (the one the cell iterated longest).
+    """
+
+    duration_s: float  # the watched cell, wall seconds
+    loader: str | None  # the primary loader's name
+    steps: int | None
+    samples: int | None
+    samples_per_s: float | None
+    steps_per_s: float
+    loop_time_s: float  # seconds inside the primary loader's loop
+    data_wait_fraction: float | None  # share of loop_time_s blocked in next()
+    step_time_p50: float | None  # seconds
+    step_time_p95: float | None
+    step_time_p99: float | None
+    time_breakdown: TimeBreakdown
+    cpu_util_mean: float | None  # host CPU, percent of all cores
+    process_cpu_mean: float | None  # this process, percent of one core (can exceed 100)
+    workers_cpu_mean: float | None  # its child processes (loader workers), percent of one core
+    gpu_busy_mean: float  # NVML utilisation, percent, mean over GPUs
+    gpu_busy_by_gpu: dict[str, float]  # percent per CUDA index ("0")
+    gpu_idle_gaps: int  # gaps of at least summary.IDLE_GAP_S under summary.IDLE_UTIL_PERCENT
+    gpu_longest_idle_s: float
+    gpu_throttle_fraction: float  # share of busy samples with a throttle reason set (worst GPU)
+    gpu_clock_ratio_busy: float  # SM clock / its maximum while busy (worst GPU)
+    process_gpu_mem_peak: float  # bytes this process held on a GPU, peak
+    peak_gpu_mem_fraction: float  # of total memory, worst GPU
+    peak_gpu_mem_fraction_by_gpu: dict[str, float]  # per CUDA index ("0")
