@@ -2,8 +2,11 @@
  * The sidebar's state: the devices, an hour of every metric in a ring buffer, the
  * processes, and the connection; fed by server messages, read by the views.
  *
- * Pure (no DOM, no JupyterLab): the views subscribe and redraw.
+ * Pure (no DOM, no JupyterLab): the views connect to its `changed` signal (Lumino's)
+ * and redraw.
  */
+
+import { ISignal, Signal } from '@lumino/signaling';
 
 import {
   Columns,
@@ -223,10 +226,8 @@ export type ConnectionState =
 /** What changed, so a view can skip work that is not needed. */
 export type ModelChange = 'devices' | 'data' | 'processes' | 'connection';
 
-export type ModelListener = (change: ModelChange) => void;
-
 /**
- * The sidebar's state. `handle()` takes each server message; listeners hear what changed.
+ * The sidebar's state. `handle()` takes each server message; `changed` says what changed.
  */
 export class SidebarModel {
   devices: IDevicesReply | null = null;
@@ -236,7 +237,7 @@ export class SidebarModel {
   connection: ConnectionState = { kind: 'stopped' };
   /** The sampling interval this client asks for, seconds. */
   requestedInterval: number;
-  private _listeners = new Set<ModelListener>();
+  private _changed = new Signal<this, ModelChange>(this);
 
   constructor(requestedInterval = 1) {
     this.requestedInterval = requestedInterval;
@@ -256,9 +257,9 @@ export class SidebarModel {
     return this.devices ? this.devices.history_s : 3600;
   }
 
-  subscribe(listener: ModelListener): () => void {
-    this._listeners.add(listener);
-    return () => this._listeners.delete(listener);
+  /** Emitted after every change, with what changed. */
+  get changed(): ISignal<this, ModelChange> {
+    return this._changed;
   }
 
   /** New static facts (from `GET /devices` or `hello`); sizes the ring buffer for them. */
@@ -315,8 +316,6 @@ export class SidebarModel {
   }
 
   private _emit(change: ModelChange): void {
-    for (const listener of [...this._listeners]) {
-      listener(change);
-    }
+    this._changed.emit(change);
   }
 }

@@ -72,7 +72,6 @@ export class GpuPanel extends Widget {
   private _frame: number | null = null;
   private _processesDirty = true;
   private _resizeObserver: ResizeObserver | null = null;
-  private _unsubscribe: () => void;
 
   constructor(options: IPanelOptions) {
     super();
@@ -85,7 +84,7 @@ export class GpuPanel extends Widget {
     header.appendChild(element('h2', 'jp-gpuwidget-heading', 'GPUs'));
     header.appendChild(this._status);
     this.node.append(header, this._notice, this._cardsNode);
-    this._unsubscribe = this.model.subscribe(change => this._changed(change));
+    this.model.changed.connect(this._changed, this);
   }
 
   /** The GPU charts to show (from the settings). */
@@ -131,7 +130,7 @@ export class GpuPanel extends Widget {
     if (this.isDisposed) {
       return;
     }
-    this._unsubscribe();
+    this.model.changed.disconnect(this._changed, this);
     this._resizeObserver?.disconnect();
     this._destroyCards();
     if (this._frame !== null) {
@@ -174,7 +173,7 @@ export class GpuPanel extends Widget {
     this._schedule();
   }
 
-  private _changed(change: ModelChange): void {
+  private _changed(_model: SidebarModel, change: ModelChange): void {
     if (change === 'processes' || change === 'devices') {
       this._processesDirty = true;
     }

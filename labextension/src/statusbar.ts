@@ -7,21 +7,16 @@
 import { Widget } from '@lumino/widgets';
 
 import { statusSummary } from './metrics';
-import { SidebarModel } from './model';
+import { ModelChange, SidebarModel } from './model';
 
 export class GpuStatusItem extends Widget {
   private _model: SidebarModel;
-  private _unsubscribe: () => void;
 
   constructor(model: SidebarModel, onClick: () => void) {
     super({ node: document.createElement('button') });
     this.addClass('jp-gpuwidget-statusitem');
     this._model = model;
-    this._unsubscribe = model.subscribe(change => {
-      if (change !== 'processes') {
-        this.refresh();
-      }
-    });
+    model.changed.connect(this._changed, this);
     this.node.addEventListener('click', onClick);
     // The tooltip says how old the values are: recompute it when it is about to show.
     this.node.addEventListener('mouseenter', () => this.refresh());
@@ -30,9 +25,15 @@ export class GpuStatusItem extends Widget {
 
   dispose(): void {
     if (!this.isDisposed) {
-      this._unsubscribe();
+      this._model.changed.disconnect(this._changed, this);
     }
     super.dispose();
+  }
+
+  private _changed(_model: SidebarModel, change: ModelChange): void {
+    if (change !== 'processes') {
+      this.refresh();
+    }
   }
 
   /** Redraw now (cheap: one line of text). */

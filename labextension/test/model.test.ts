@@ -117,7 +117,9 @@ describe('intervals and capacity', () => {
 describe('SidebarModel', () => {
   function recorded(model: SidebarModel): ModelChange[] {
     const changes: ModelChange[] = [];
-    model.subscribe(change => changes.push(change));
+    model.changed.connect((_, change) => {
+      changes.push(change);
+    });
     return changes;
   }
 
@@ -180,8 +182,11 @@ describe('SidebarModel', () => {
   it('stops telling a listener once it unsubscribed', () => {
     const model = new SidebarModel(1);
     const changes: ModelChange[] = [];
-    const unsubscribe = model.subscribe(change => changes.push(change));
-    unsubscribe();
+    const listener = (_: SidebarModel, change: ModelChange) => {
+      changes.push(change);
+    };
+    model.changed.connect(listener);
+    model.changed.disconnect(listener);
     model.handle(hello());
     expect(changes).toEqual([]);
   });
