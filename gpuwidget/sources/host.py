@@ -1,42 +1,79 @@
-"""Host metrics from psutil: CPU (total, per core, iowait), the kernel process tree, memory, disk, network.
+"""Host metrics from psutil and the kernel: CPU (total, per core, iowait), the process tree, pressure, memory, I/O.
 
 Names and units (one flat mapping per tick):
 
-=====================  ==========================================================
-``cpu.util``           all cores, percent 0-100
-``cpu.core{i}.util``   one core, percent 0-100
-``cpu.iowait``         share of CPU time waiting on I/O, percent (Linux)
-``proc.cpu``           this process, percent of one core (can exceed 100)
-``proc.workers_cpu``   its child processes (DataLoader workers), percent of one core
-``proc.workers``       number of live child processes
-``proc.rss``           this process's resident memory, bytes
-``mem.used``           host memory in use, bytes; ``mem.total`` bytes
-``disk.read``          bytes/s, all disks; ``disk.write`` likewise
-``net.recv``           bytes/s, all interfaces; ``net.sent`` likewise
-=====================  ==========================================================
+===========================  ====================================================================
+``cpu.util``                 all cores, percent 0-100
+``cpu.core{i}.util``         one core, percent 0-100
+``cpu.iowait``               share of CPU time waiting on I/O, percent (Linux)
+``cpu.others``               other processes (outside this process tree) on the CPUs this process
+                             may use, percent of one core (200 = two cores' worth)
+``proc.cpu``                 this process, percent of one core (up to 100 x its usable CPUs)
+``proc.run_delay``           this process's main thread (where a notebook cell's loop runs):
+                             share of wall time it was runnable but waiting for a core, percent
+``proc.workers_cpu``         its child processes (DataLoader workers), percent of one core
+``proc.workers_run_delay``   the same children: time runnable but waiting for a core, summed,
+                             percent of one core (300 = three workers each waiting all the time)
+``proc.workers``             number of live child processes
+``proc.rss``                 this process's resident memory, bytes
+``psi.cpu_some``             pressure stall information: share of wall time some runnable task
+                             on the host waited for a CPU, percent (/proc/pressure/cpu)
+``psi.io_some``              likewise, some task waited on I/O, percent (/proc/pressure/io)
+``psi.cgroup_cpu_some``      ``psi.cpu_some`` of this process's own cgroup (v2 ``cpu.pressure``)
+``mem.used``                 host memory in use, bytes; ``mem.total`` bytes
+``disk.read``                bytes/s, all disks; ``disk.write`` likewise
+``net.recv``                 bytes/s, all interfaces; ``net.sent`` likewise
+===========================  ====================================================================
 
-Rates are deltas between readings, so the first tick reports no rates. Two reads are
-costly on a busy machine and change slowly, so they are refreshed less often than every
-tick: the list of child processes (psutil walks every process on the host to find them)
-and the disk/network counters (every disk is read). Between refreshes the last value is
-reported again, so series stay continuous.
+What the process tree did comes from the kernel's per-task counters, not host totals:
+time on a core (CPU) and time runnable but queued for a core (run delay, from
+``/proc/<pid>/schedstat``; see gpuwidget.sources.schedstat); the rest of wall time it slept
+or was blocked. Where a platform lacks a counter (no schedstat, no PSI) its figure is
+absent, never 0.
+
+Rates are deltas between readings, so the first tick reports no rates; process rates are
+only formed over at least MIN_RATE_INTERVAL_S (CPU times advance in 10 ms clock ticks, so a
+rate over 1 ms could read 1000% of a core), and never exceed what the usable CPUs allow.
+Some reads are costly on a busy machine and change slowly, so they are refreshed less often
+than every tick: the list of child processes (psutil walks every process on the host to find
+them), the disk/network counters (every disk is read), memory and pressure. Between
+refreshes the last value is reported again, so series stay continuous.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Any
 
 import psutil
 
 from gpuwidget.clock import now
 from gpuwidget.sources.base import ErrorLog, SourceError
+from gpuwidget.sources.cgroup import CgroupLimits, read_limits, usable_cpus
+from gpuwidget.sources.schedstat import read_schedstat, schedstat_path
 
 # Seconds between scans for new child processes (their CPU is still read every tick).
 CHILDREN_REFRESH_S = 1.0
 # Seconds between disk/network counter reads (rates are averaged over this span), and between
 # reads of host memory (which changes slowly and costs a parse of /proc/meminfo).
 IO_REFRESH_S = 0.5
+# Shortest interval a process rate is formed over: the kernel's CPU times advance in clock
+# ticks of 10 ms (USER_HZ = 100), so over 50 ms a rate is within 20% of a core.
+MIN_RATE_INTERVAL_S = 0.05
+# Pressure stall information, host-wide (Linux 4.20+; absent where the kernel lacks PSI).
+PSI_FILES = {"psi.cpu_some": "/proc/pressure/cpu", "psi.io_some": "/proc/pressure/io"}
+
+
+@dataclass
+class _ProcessTotals:
+    """Cumulative counters of the process tree at one reading (seconds)."""
+
+    t: float
+    own_cpu: float
+    workers_cpu: float  # live children plus children already reaped
+    main_delay: float | None  # main thread's run delay; None without schedstat
+    workers_delay: float | None
 
 
 class HostSource:
@@ -53,9 +90,19 @@ class HostSource:
         self._workers = 0  # live child processes at the last reading
         self._children_listed = -float("inf")
         self._listed: list[psutil.Process] = []
-        self._last_time: float | None = None
-        self._last_proc_cpu: float | None = None
-        self._children_total: float | None = None
+        self._base: _ProcessTotals | None = None  # counters at the start of the current rate interval
+        limits = read_limits()
+        self._affinity = sorted(_affinity())
+        self._usable = usable_cpus(limits, set(self._affinity))
+        self._schedstat = read_schedstat(schedstat_path(self._process.pid)) is not None
+        self._child_delay: dict[int, float] = {}  # last run delay of each live child
+        self._gone_delay = 0.0  # run delay of children no longer listed
+        self._our_cores_busy: float | None = None  # busy cores among this process's CPUs, last tick
+        psi = dict(PSI_FILES)
+        if limits.cpu_pressure is not None:
+            psi["psi.cgroup_cpu_some"] = limits.cpu_pressure
+        self._psi_files = psi
+        self._last_psi: dict[str, tuple[float, float]] = {}
         self._last_io: tuple[float, tuple[float, float] | None, tuple[float, float] | None] | None = None
         self._slow_values: dict[str, float] = {}  # I/O rates and memory, refreshed every IO_REFRESH_S
         self._last_cores: list[tuple[float, float, float]] | None = None
@@ -68,7 +115,8 @@ class HostSource:
             "name": self.name,
             "available": True,
             "cpu_count": psutil.cpu_count(logical=True),
-            "cpu_affinity": len(_affinity()),
+            "cpu_affinity": len(self._affinity),
+            "usable_cpus": self._usable,
             "mem_total": psutil.virtual_memory().total,
             "pid": self._process.pid,
         }
@@ -76,11 +124,12 @@ class HostSource:
     def read(self) -> dict[str, float]:
         values: dict[str, float] = {}
         t = now()
-        elapsed = None if self._last_time is None else t - self._last_time
-        self._last_time = t
         self._read_cpu(values)
         if self._with_process:
-            self._read_process(values, elapsed, t)
+            self._read_process(values, t)
+            if self._our_cores_busy is not None and "proc.cpu" in values:
+                ours = values["proc.cpu"] + values.get("proc.workers_cpu", 0.0)
+                values["cpu.others"] = max(0.0, 100.0 * self._our_cores_busy - ours)
         self._read_io(values, t)
         return values
 
@@ -105,18 +154,24 @@ class HostSource:
         if previous is None or len(previous) != len(cores):
             return  # the first read (or a CPU came online): no interval to divide by yet
         total_busy = total_wait = total_all = 0.0
+        ours = set(self._affinity)
+        our_cores_busy = 0.0
         for i, ((busy, wait, everything), (busy0, wait0, everything0)) in enumerate(zip(cores, previous)):
             span = everything - everything0
-            if self._per_core and span > 0:
-                values[f"cpu.core{i}.util"] = 100.0 * max(0.0, busy - busy0) / span
+            if span > 0:
+                if self._per_core:
+                    values[f"cpu.core{i}.util"] = 100.0 * max(0.0, busy - busy0) / span
+                if i in ours:
+                    our_cores_busy += max(0.0, busy - busy0) / span
             total_busy += max(0.0, busy - busy0)
             total_wait += max(0.0, wait - wait0)
             total_all += max(0.0, span)
+        self._our_cores_busy = our_cores_busy if total_all > 0 else None
         if total_all > 0:
             values["cpu.util"] = 100.0 * total_busy / total_all
             values["cpu.iowait"] = 100.0 * total_wait / total_all
 
-    def _read_process(self, values: dict[str, float], elapsed: float | None, t: float) -> None:
+    def _read_process(self, values: dict[str, float], t: float) -> None:
         if "process" in self._disabled:
             return
         try:
@@ -126,20 +181,32 @@ class HostSource:
             if t - self._children_listed >= CHILDREN_REFRESH_S:
                 self._children_listed = t
                 self._listed = self._list_children()
-            children = self._listed
-            own = times.user + times.system
-            if elapsed and self._last_proc_cpu is not None:
-                values["proc.cpu"] = 100.0 * (own - self._last_proc_cpu) / elapsed
-            self._last_proc_cpu = own
             # Children that ended (DataLoader workers at the end of an epoch) are not listed any
             # more, but the kernel adds their whole CPU time to ours once they are reaped.
             reaped = getattr(times, "children_user", 0.0) + getattr(times, "children_system", 0.0)
-            workers_cpu = self._children_cpu(children, reaped)
+            live_cpu, workers_delay = self._children_counters(self._listed)
             values["proc.workers"] = float(self._workers)
-            if elapsed:
-                values["proc.workers_cpu"] = 100.0 * workers_cpu / elapsed
         except psutil.Error as exc:
             self._guard("process", exc)
+            return
+        main = read_schedstat(schedstat_path(self._process.pid)) if self._schedstat else None
+        totals = _ProcessTotals(t, times.user + times.system, live_cpu + reaped,
+                                None if main is None else main[1], workers_delay)
+        base = self._base
+        if base is not None and t - base.t < MIN_RATE_INTERVAL_S:
+            return  # too short to tell a rate from the counters' granularity: keep the interval open
+        self._base = totals
+        if base is None:
+            return
+        span = t - base.t
+        cores = 100.0 * self._usable  # no process tree runs on more cores than it may use
+        values["proc.cpu"] = min(cores, max(0.0, totals.own_cpu - base.own_cpu) / span * 100.0)
+        values["proc.workers_cpu"] = min(cores, max(0.0, totals.workers_cpu - base.workers_cpu) / span * 100.0)
+        if totals.main_delay is not None and base.main_delay is not None:
+            values["proc.run_delay"] = min(100.0, max(0.0, totals.main_delay - base.main_delay) / span * 100.0)
+        if totals.workers_delay is not None and base.workers_delay is not None:
+            waiting = max(0.0, totals.workers_delay - base.workers_delay) / span * 100.0
+            values["proc.workers_run_delay"] = min(100.0 * max(1, self._workers), waiting)
 
     def _list_children(self) -> list[psutil.Process]:
         """This process's descendants, reusing the Process objects already known.
@@ -162,30 +229,41 @@ class HostSource:
             listed.append(process)
         return listed
 
-    def _children_cpu(self, children: list[psutil.Process], reaped: float) -> float:
-        """CPU seconds the child processes used since the previous tick.
+    def _children_counters(self, children: list[psutil.Process]) -> tuple[float, float | None]:
+        """(CPU seconds the live children used so far, run-delay seconds of all children so far).
 
-        The children's total is what the live ones have used so far plus ``reaped``, the
-        kernel's count for children that ended and were waited for. When a worker ends, its
-        time moves from the first part to the second, so the total only grows by what was
-        really used; a child too short-lived to be listed still counts, through ``reaped``.
+        Added to the kernel's count for children that ended and were waited for (``reaped``
+        in the caller), the CPU total only grows by what was really used: when a worker ends
+        its time moves from the live part to the reaped part, and a child too short-lived to be
+        listed still counts. The kernel keeps no such count for run delay, so the last delay
+        seen of each child that disappears is kept here. One read per child: its schedstat
+        (both figures) where the kernel has it, else psutil's CPU times and no delay.
         """
         live = 0.0
         running = 0
+        delays: dict[int, float] = {}
         for child in children:
-            try:
-                if not child.is_running():  # ended, or its pid was reused by another process
-                    continue
-                times = child.cpu_times()
-            except psutil.Error:
-                continue  # ended between listing and reading
-            live += times.user + times.system
+            counters = read_schedstat(schedstat_path(child.pid)) if self._schedstat else None
+            if counters is not None:
+                # A pid reused by an unrelated process within a listing interval (1 s) would be
+                # counted here; pids are handed out in order, so that needs a wrap-around.
+                live += counters[0]
+                delays[child.pid] = counters[1]
+            else:
+                try:
+                    if self._schedstat or not child.is_running():
+                        continue  # ended (its schedstat is gone), or its pid was reused
+                    times = child.cpu_times()
+                except psutil.Error:
+                    continue  # ended between listing and reading
+                live += times.user + times.system
             running += 1
         self._workers = running
-        total = live + reaped
-        used = 0.0 if self._children_total is None else max(0.0, total - self._children_total)
-        self._children_total = total
-        return used
+        if not self._schedstat:
+            return live, None
+        self._gone_delay += sum(delay for pid, delay in self._child_delay.items() if pid not in delays)
+        self._child_delay = delays
+        return live, self._gone_delay + sum(delays.values())
 
     def _read_memory(self, values: dict[str, float]) -> None:
         if "memory" in self._disabled:
@@ -202,6 +280,7 @@ class HostSource:
             return
         if self._last_io is None or t - self._last_io[0] >= IO_REFRESH_S:
             self._read_memory(self._slow_values)
+            self._read_pressure(self._slow_values, t)
             try:
                 disk = psutil.disk_io_counters()
                 net = psutil.net_io_counters()
@@ -222,6 +301,39 @@ class HostSource:
                             self._slow_values[name] = max(0.0, a - b) / span
             self._last_io = current
         values.update(self._slow_values)
+
+
+    def _read_pressure(self, values: dict[str, float], t: float) -> None:
+        """PSI "some" shares since the previous read, from the cumulative ``total=`` microseconds."""
+        for name, path in self._psi_files.items():
+            total = psi_some_total(path)
+            if total is None:
+                continue
+            previous = self._last_psi.get(name)
+            self._last_psi[name] = (t, total)
+            if previous is not None and t > previous[0]:
+                values[name] = min(100.0, max(0.0, total - previous[1]) / (t - previous[0]) * 100.0)
+
+
+def psi_some_total(path: str) -> float | None:
+    """Seconds some task stalled, from a PSI file's ``some ... total=<us>`` line; None where absent.
+
+    Reading a PSI file raises EOPNOTSUPP where the kernel was booted with psi=0.
+    """
+    try:
+        with open(path, "rb") as fh:
+            text = fh.read()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith(b"some "):
+            for field in line.split():
+                if field.startswith(b"total="):
+                    try:
+                        return int(field[6:]) * 1e-6
+                    except ValueError:
+                        return None
+    return None
 
 
 def _descendants(pid: int) -> list[int] | None:
@@ -264,6 +376,7 @@ def _affinity() -> set[int]:
         return set(range(psutil.cpu_count() or 1))
 
 
-def usable_cpu_count() -> int:
-    """Cores this process may use, honouring affinity masks (containers, taskset)."""
-    return max(1, len(_affinity()))
+def usable_cpu_count(limits: CgroupLimits | None = None) -> int:
+    """Cores this process may use: its affinity mask (taskset) within its cgroup's limits
+    (containers; see gpuwidget.sources.cgroup), read now unless ``limits`` are given."""
+    return usable_cpus(read_limits() if limits is None else limits, _affinity())
