@@ -10,6 +10,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from gpuwidget.runfile import save_target, unwritable_reason
+
 # 4 Hz matches the live plot's refresh and NVML's own utilisation window (1/6 s to
 # 1 s depending on the GPU), so faster polling mostly repeats values; the sampler's
 # cost at this rate is measured in BENCHMARKS.md.
@@ -100,13 +102,15 @@ def _gpus(value: Sequence[int] | str | None) -> tuple[int, ...] | None:
 
 
 def _save(value: str | Path | None) -> str | None:
+    """The file to save to, checked now: a bad path is reported before the cell runs, not after it."""
     if value is None:
         return None
-    path = Path(value)
+    path = save_target(value)
     if path.suffix.lower() not in SAVE_SUFFIXES:
         raise OptionError(f"--save: use a .json, .html or .csv file name, got {str(value)!r}")
-    if path.exists() and path.is_dir():
-        raise OptionError(f"--save: {str(value)!r} is a directory")
+    reason = unwritable_reason(path)
+    if reason is not None:
+        raise OptionError(f"--save: cannot save to {str(value)!r}: {reason}")
     return str(path)
 
 

@@ -5,27 +5,39 @@ from __future__ import annotations
 import json
 import math
 import os
+import traceback
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
 from gpuwidget.facts import MachineFacts, Summary, WorkloadFacts
+from gpuwidget.report import html_document, run_html, run_text
+from gpuwidget.runfile import RUN_FORMAT, RunFormatError, check_run, read_json, save_target, write_atomic
 from gpuwidget.trace import Trace
 
-RUN_FORMAT = "gpuwidget.run/1"
+__all__ = ["RUN_FORMAT", "Run", "RunError", "RunFormatError"]
 
 
 @dataclass
 class RunError:
-    """The exception a watched cell ended with, as data that survives saving."""
+    """The exception a watched cell ended with, as data: no frames, so nothing of the cell's stays alive."""
 
     type: str
     message: str
+    traceback: str = ""
 
     @classmethod
     def from_exception(cls, exc: BaseException) -> RunError:
-        return cls(type(exc).__name__, str(exc))
+        try:
+            message = str(exc)
+        except Exception as error:  # noqa: BLE001 - a user's __str__ may raise; the run is still recorded
+            message = f"<str() failed: {error!r}>"
+        try:
+            text = "".join(traceback.format_exception(exc))
+        except Exception:  # noqa: BLE001 - same for anything in the chain
+            text = ""
+        return cls(type(exc).__name__, message, text)
 
     def __str__(self) -> str:
         return f"{self.type}: {self.message}" if self.message else self.type
@@ -35,8 +47,8 @@ class RunError:
 class Run:
     """One watched cell: its Trace, summary figures, findings, workload facts and outcome.
 
-    ``error`` holds the cell's own exception object while the session lives (so it can be
-    re-raised unchanged) and a :class:`RunError` after :meth:`load`.
+    ``error`` is a :class:`RunError` (type, message, formatted traceback): the cell's own
+    exception goes on to the user unchanged, and the Run keeps none of its frames.
     """
 
     trace: Trace
@@ -45,7 +57,7 @@ class Run:
     workload: WorkloadFacts = field(default_factory=WorkloadFacts)
     machine: MachineFacts = field(default_factory=MachineFacts)
     options: dict[str, Any] = field(default_factory=dict)
-    error: BaseException | RunError | None = None
+    error: RunError | None = None
     sampler: dict[str, Any] = field(default_factory=dict)
     label: str = ""
     finished: bool = False
@@ -65,15 +77,16 @@ class Run:
             return "running"
         if self.error is None:
             return "ok"
-        name = self.error.type if isinstance(self.error, RunError) else type(self.error).__name__
-        return "interrupted" if name == "KeyboardInterrupt" else "error"
+        return "interrupted" if self.error.type == "KeyboardInterrupt" else "error"
 
     # ------------------------------------------------------------- serialising
 
+    def __post_init__(self) -> None:
+        if isinstance(self.error, BaseException):  # never keep the frames of an exception handed in
+            self.error = RunError.from_exception(self.error)
+
     def to_dict(self) -> dict[str, Any]:
         error = self.error
-        if isinstance(error, BaseException):
-            error = RunError.from_exception(error)
         return {
             "format": RUN_FORMAT,
             "label": self.label,
@@ -83,41 +96,48 @@ class Run:
             "workload": _jsonable(self.workload),
             "machine": _jsonable(self.machine),
             "options": _jsonable(self.options),
-            "error": None if error is None else {"type": error.type, "message": error.message},
+            "error": None if error is None else {"type": error.type, "message": error.message,
+                                                 "traceback": error.traceback},
             "sampler": _jsonable(self.sampler),
             "trace": self.trace.to_dict(),
         }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Run:
-        if data.get("format") != RUN_FORMAT:
-            raise ValueError(f"not a saved gpuwidget run (format={data.get('format')!r})")
+        """Rebuild a Run from :meth:`to_dict`'s data; :class:`RunFormatError` for anything else."""
+        check_run(data)
         from gpuwidget.advice.finding import Finding
 
+        trace = data["trace"]
+        rows, archive_rows = len(trace["t"]), trace["archive_rows"]
         error = data.get("error")
-        return cls(
-            trace=Trace.from_dict(data["trace"]),
-            summary=cast(Summary, dict(data.get("summary") or {})),
-            findings=[Finding.from_dict(f) for f in data.get("findings") or []],
-            workload=cast(WorkloadFacts, dict(data.get("workload") or {})),
-            machine=cast(MachineFacts, dict(data.get("machine") or {})),
-            options=dict(data.get("options") or {}),
-            error=None if error is None else RunError(error["type"], error["message"]),
-            sampler=dict(data.get("sampler") or {}),
-            label=data.get("label", ""),
-            finished=bool(data.get("finished", True)),
-        )
+        try:
+            return cls(
+                # Capacities from the rows the file holds (the defaults are sized for a live run).
+                trace=Trace.from_dict(trace, recent_capacity=max(4, rows - archive_rows + 1),
+                                      archive_capacity=max(4, archive_rows + 1)),
+                summary=cast(Summary, dict(data.get("summary") or {})),
+                findings=[Finding.from_dict(f) for f in data.get("findings") or []],
+                workload=cast(WorkloadFacts, dict(data.get("workload") or {})),
+                machine=cast(MachineFacts, dict(data.get("machine") or {})),
+                options=dict(data.get("options") or {}),
+                error=None if error is None else RunError(error["type"], error["message"],
+                                                          error.get("traceback") or ""),
+                sampler=dict(data.get("sampler") or {}),
+                label=data.get("label") or "",
+                finished=bool(data.get("finished", True)),
+            )
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError) as exc:
+            raise RunFormatError(f"not a saved gpuwidget run: {exc}") from None
 
     def save(self, path: str | os.PathLike[str]) -> Path:
         """Write the run as JSON (``.json``), a self-contained HTML report (``.html``) or
         the trace's columns as CSV (``.csv``), chosen by the file's suffix."""
-        target = Path(path)
+        target = save_target(path)
         suffix = target.suffix.lower()
         if suffix == ".json":
             text = json.dumps(self.to_dict(), allow_nan=False)
         elif suffix in (".html", ".htm"):
-            from gpuwidget.ui.panel import html_document
-
             text = html_document(self)
         elif suffix == ".csv":
             from gpuwidget.export import trace_csv
@@ -126,23 +146,17 @@ class Run:
         else:
             raise ValueError(f"cannot save a run as {suffix or 'a file without suffix'!r}: "
                              "use .json, .html or .csv")
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(target.name + ".tmp")
-        tmp.write_text(text, encoding="utf-8")
-        tmp.replace(target)
+        write_atomic(target, text)
         return target
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Run:
-        """Read a run written by ``save(... .json)``."""
-        with open(path, encoding="utf-8") as fh:
-            return cls.from_dict(json.load(fh))
+        """Read a run written by ``save(... .json)``; :class:`RunFormatError` if the file is not one."""
+        return cls.from_dict(read_json(path))
 
     # ------------------------------------------------------------- rendering
 
     def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, Any]:
-        from gpuwidget.ui.panel import run_html, run_text
-
         return {"text/html": run_html(self), "text/plain": run_text(self)}
 
     def __repr__(self) -> str:

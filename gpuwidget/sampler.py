@@ -5,6 +5,16 @@ A tick that comes too late (the process was busy, the GIL was held by a long C c
 not made up with a burst of reads; the sampler skips to the next due time and counts
 the ticks it missed. Nothing a source or a listener does can raise into user code:
 failures are recorded on the sampler and the run goes on.
+
+Nothing a source does can hold up the caller either. Sources are only read on the
+sampler's own thread (the last reading too), and :meth:`Sampler.stop` waits a bounded
+time for it. A watchdog notices a read that does not return (an NVML call on a GPU
+falling off the bus, ``/proc`` on an overloaded node): that source is dropped with a
+message naming when it stopped answering, and a fresh sampler thread carries on with
+the others. The stuck thread is abandoned (it is a daemon) and discards whatever the
+read returns if it ever does. A thread per watch, rather than a sampler process, is
+what BENCHMARKS.md's overhead figures were measured with: it costs the loop nothing
+between ticks and needs no copy of the Trace out of shared memory.
 """
 
 from __future__ import annotations
@@ -15,6 +25,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from gpuwidget.clock import now
 from gpuwidget.sources.base import Source
@@ -26,6 +37,20 @@ Listener = Callable[[Trace], None]
 
 THREAD_NAME = "gpuwidget-sampler"
 
+# A read that has not returned after this long is a hung source. NVML queries answer in
+# milliseconds (PCIe throughput, the slowest, blocks 20 ms: JUPYTER-FACTS.md) and the host
+# source reads /proc in a few ms; 2 s is 8 ticks at the default interval, far beyond a
+# slow but living read on a loaded node.
+SOURCE_DEADLINE_S = 2.0
+# The watchdog looks this often. A look that comes much later than planned means the whole
+# interpreter was held (a long C call with the GIL): it restarts the count rather than
+# blame a source that could not run either.
+WATCHDOG_PERIOD_S = SOURCE_DEADLINE_S / 4
+WATCHDOG_LATE_S = WATCHDOG_PERIOD_S
+# stop() waits this long for the sampler thread's last reading: a watched cell must end
+# within 1 s of its own code (issue 10), and summarising and showing the run need the rest.
+STOP_DEADLINE_S = 0.5
+
 
 @dataclass
 class SamplerStats:
@@ -35,10 +60,21 @@ class SamplerStats:
     missed_ticks: int = 0
     cpu_time_s: float = 0.0
     errors: list[str] = field(default_factory=list)
+    # Sources dropped because a read never returned: {"source", "at_s", "message"}.
+    stalled: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def cpu_per_tick_s(self) -> float:
         return self.cpu_time_s / self.ticks if self.ticks else 0.0
+
+
+@dataclass(frozen=True)
+class _Read:
+    """The read in progress on a sampler thread (what the watchdog inspects)."""
+
+    thread: threading.Thread | None
+    source: Any
+    started: float
 
 
 class Sampler:
@@ -54,45 +90,86 @@ class Sampler:
         self.listeners = list(listeners)
         self.stats = SamplerStats()
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._started = False
+        self._final_tick = True
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None  # the thread whose readings count
+        self._watchdog: threading.Thread | None = None
+        self._reading: _Read | None = None
+        self._dropped: list[Any] = []
 
     @property
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    @property
+    def hung_sources(self) -> list[Source]:
+        """Sources dropped because a read never returned: close them off the caller's thread."""
+        return list(self._dropped)
+
     def start(self) -> Sampler:
-        if self._thread is not None:
+        if self._started:
             raise RuntimeError("a Sampler can be started once")
-        self._thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
-        self._thread.start()
+        self._started = True
+        with self._lock:
+            self._thread = self._spawn(self._run)
+        self._watchdog = self._spawn(self._watch)
         return self
 
     def stop(self, timeout: float | None = None, final_tick: bool = True) -> None:
-        """Stop the thread (within one interval); by default take one last reading here.
+        """Stop within ``timeout`` (default :data:`STOP_DEADLINE_S`); never reads a source here.
 
-        The last reading means even a cell shorter than one interval ends with the
-        state at its end, not only at its start.
+        With ``final_tick`` the sampler thread takes one last reading on its way out, so
+        even a cell shorter than one interval ends with the state at its end. A thread
+        still inside a read when the time is up is left behind and that source dropped.
         """
         if self._stop.is_set():
             return
+        self._final_tick = final_tick
         self._stop.set()
+        deadline = now() + (STOP_DEADLINE_S if timeout is None else timeout)
+        for thread in (self._thread, self._watchdog):
+            if thread is not None and thread is not threading.current_thread():
+                thread.join(max(0.0, deadline - now()))
         thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout if timeout is not None else max(1.0, 2 * self.interval))
-            if thread.is_alive():
+        if thread is not None and thread.is_alive():
+            reading = self._reading
+            if reading is not None and reading.thread is thread:
+                self._drop(reading)
+            else:
                 self._record("sampler thread did not stop in time")
-        if final_tick and thread is not None:
-            self.tick()
 
     def tick(self) -> None:
-        """Read every source once and append the row; never raises."""
+        """Read every source once and append the row; never raises.
+
+        Reads on the calling thread: the sampler calls it on its own, and a caller that
+        wants a synchronous reading (the server's snapshot) calls it on a worker thread.
+        """
+        self._tick(None)
+
+    # ------------------------------------------------------------- threads
+
+    def _spawn(self, target: Callable[[], None]) -> threading.Thread:
+        """Start a thread; called under ``_lock`` for a reader, which waits on it to learn it is current."""
+        thread = threading.Thread(target=target, name=THREAD_NAME, daemon=True)
+        thread.start()
+        return thread
+
+    def _tick(self, owner: threading.Thread | None) -> bool:
+        """One row; False when ``owner`` was replaced meanwhile (its reading is discarded)."""
         cpu_before = time.thread_time()
         values: dict[str, float] = {}
         for source in self.sources:
+            if source in self._dropped:
+                continue
+            self._reading = _Read(owner, source, now())
             try:
                 values.update(source.read())
             except Exception as exc:  # noqa: BLE001 - a broken source must not end the run
                 self._record(f"{getattr(source, 'name', source)!s}: {exc!r}")
+            if owner is not None and self._thread is not owner:
+                return False
+        self._reading = None
         try:
             self.trace.append(self.trace.now(), values)
         except Exception as exc:  # noqa: BLE001
@@ -104,13 +181,16 @@ class Sampler:
                 self._record(f"listener {listener!r} failed: {exc!r}")
         self.stats.ticks += 1
         self.stats.cpu_time_s += time.thread_time() - cpu_before
+        return True
 
     def _run(self) -> None:
+        with self._lock:  # start() or the watchdog records this thread as the reader first
+            me = threading.current_thread()
         interval = self.interval
-        start = now()
-        due = start
+        due = now()
         while not self._stop.is_set():
-            self.tick()
+            if not self._tick(me):
+                return
             due += interval
             late = now() - due
             if late >= interval:
@@ -119,9 +199,49 @@ class Sampler:
                 due += skipped * interval
             if self._stop.wait(max(0.0, due - now())):
                 break
+        if self._final_tick and self._thread is me:
+            self._tick(me)
+
+    def _watch(self) -> None:
+        """Drop a source whose read has been in progress for :data:`SOURCE_DEADLINE_S`."""
+        suspect: _Read | None = None
+        waited = 0.0
+        looked = now()
+        while not self._stop.wait(WATCHDOG_PERIOD_S):
+            current = now()
+            on_time = current - looked <= WATCHDOG_PERIOD_S + WATCHDOG_LATE_S
+            looked = current
+            reading = self._reading
+            if reading is None or reading is not suspect or not on_time:
+                suspect, waited = reading, 0.0
+                continue
+            waited += WATCHDOG_PERIOD_S
+            if waited >= SOURCE_DEADLINE_S and reading.thread is self._thread:
+                self._drop(reading)
+                with self._lock:
+                    if not self._stop.is_set():
+                        self._thread = self._spawn(self._run)
+                suspect, waited = None, 0.0
+
+    def _drop(self, reading: _Read) -> None:
+        """Stop reading a source that does not answer, and say so where the run shows it."""
+        with self._lock:
+            if reading.source in self._dropped:
+                return
+            self._dropped.append(reading.source)
+            name = source_label(reading.source)
+            at_s = max(0.0, reading.started - self.trace.start_clock)
+            message = f"{name} stopped answering at {at_s:.1f} s; its readings end there"
+            self.stats.stalled.append({"source": name, "at_s": at_s, "message": message})
+        self._record(message)
 
     def _record(self, message: str) -> None:
         if message not in self.stats.errors:
             log.warning("gpuwidget sampler: %s", message)
         self.stats.errors.append(message)
         del self.stats.errors[:-100]
+
+
+def source_label(source: Any) -> str:
+    """How a source is named to the user: its ``label`` if it has one (e.g. ``GPU 1``), else its name."""
+    return str(getattr(source, "label", None) or getattr(source, "name", None) or type(source).__name__)

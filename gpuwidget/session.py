@@ -22,9 +22,10 @@ from gpuwidget.clock import now
 from gpuwidget.facts import MachineFacts, WorkloadFacts
 from gpuwidget.options import OptionError, WatchOptions, make_options
 from gpuwidget.probes import Probes
-from gpuwidget.run import Run
+from gpuwidget.run import Run, RunError
 from gpuwidget.sampler import Sampler
 from gpuwidget.sources.base import Source
+from gpuwidget.sources.cgroup import read_limits
 from gpuwidget.sources.host import HostSource, usable_cpu_count
 from gpuwidget.trace import Trace
 
@@ -33,6 +34,9 @@ log = logging.getLogger("gpuwidget")
 _last_run: Run | None = None
 _active_lock = threading.Lock()
 _active: Watch | None = None
+
+# A source whose read hung is closed on a thread of this name (its close can hang as well).
+CLOSER_THREAD_NAME = "gpuwidget-closer"
 
 
 def last_run() -> Run:
@@ -51,6 +55,8 @@ def _gpu_source(options: WatchOptions) -> tuple[Source | None, MachineFacts]:
     try:
         from gpuwidget.sources.nvml import NvmlSource
     except Exception as exc:  # noqa: BLE001 - broken bindings mean "no GPU", not a crash
+        if options.gpus is not None:
+            raise OptionError(f"--gpus: there is no GPU {options.gpus[0]} here (no NVIDIA GPU found: {exc})") from None
         return None, {"gpus": [], "gpu_message": f"no NVIDIA GPU found ({exc})"}
     source = NvmlSource(gpus=options.gpus)
     facts = source.describe()
@@ -63,7 +69,10 @@ def _gpu_source(options: WatchOptions) -> tuple[Source | None, MachineFacts]:
         raise OptionError(f"--gpus: there is no GPU {missing[0]} here (visible: {visible})")
     if not facts.get("available"):
         source.close()
-        return None, {"gpus": [], "gpu_message": facts.get("reason") or "no NVIDIA GPU found"}
+        reason = facts.get("reason") or "no NVIDIA GPU found"
+        if options.gpus is not None:  # as when GPUs exist: asking for one that is not here is an error
+            raise OptionError(f"--gpus: there is no GPU {options.gpus[0]} here ({reason})")
+        return None, {"gpus": [], "gpu_message": reason}
     return source, {"gpus": devices, "gpu_message": None}
 
 
@@ -71,9 +80,12 @@ def machine_facts() -> MachineFacts:
     """Host facts a run is judged against (cores this process may use, memory)."""
     import psutil
 
+    limits = read_limits()
     return {
         "cpu_count": psutil.cpu_count(logical=True),
-        "usable_cpus": usable_cpu_count(),
+        "usable_cpus": usable_cpu_count(limits),
+        "cpu_limit": limits.cpu_limit,
+        "mem_limit": limits.mem_limit,
         "mem_total": psutil.virtual_memory().total,
         "pid": os.getpid(),
     }
@@ -158,9 +170,11 @@ class Watch:
         run = self.run
         assert run is not None, "finish() before start()"
         duration = now() - self._started
-        self._teardown()
+        interrupt = self._teardown()
         try:
-            run.error = error
+            # As data: the exception's traceback would keep the cell's frames (its tensors,
+            # its DataLoader iterators and their workers) alive as long as the Run.
+            run.error = None if error is None else RunError.from_exception(error)
             run.finished = True
             run.trace.meta["duration_s"] = duration
             if self._probes is not None:
@@ -173,14 +187,17 @@ class Watch:
                 stats = self._sampler.stats
                 run.sampler = {"ticks": stats.ticks, "missed_ticks": stats.missed_ticks,
                                "cpu_time_s": stats.cpu_time_s, "errors": stats.errors[-10:],
+                               "stalled": list(stats.stalled),
                                "source_errors": [e.to_dict() for s in self._sources for e in s.errors][-20:]}
         except Exception as exc:  # noqa: BLE001
             log.warning("gpuwidget: could not summarise the run: %s", exc)
         _last_run = run
         self._save(run)
         self._show_result(run)
-        if self.options.tune and error is None:
+        if self.options.tune and error is None and interrupt is None:
             self._tune(run)
+        if interrupt is not None:
+            raise interrupt  # a second Ctrl-C during teardown: everything is released, now honour it
         return run
 
     def _tune(self, run: Run) -> None:
@@ -208,29 +225,47 @@ class Watch:
         namespace = self.namespace() if callable(self.namespace) else self.namespace
         return namespace if namespace is not None else {}
 
-    def _teardown(self) -> None:
-        """Remove the probes, stop the sampler, close sources and the live view; safe to call twice."""
-        global _active
+    def _teardown(self) -> BaseException | None:
+        """Remove the probes, stop the sampler, close sources and the live view; safe to call twice.
+
+        Every step runs even if one fails or is interrupted (a second Ctrl-C while the cell
+        winds down), and the kernel is free for the next watch whatever happens here. An
+        interrupt is returned, not raised, so the caller records the run before honouring it.
+        """
+        interrupt: BaseException | None = None
+        try:
+            for step in (self._remove_probes, self._stop_sampler, self._close_sources, self._close_live):
+                try:
+                    step()
+                except Exception as exc:  # noqa: BLE001 - the user's cell has ended; nothing may raise into it
+                    log.warning("gpuwidget: %s failed: %s", step.__name__.strip("_").replace("_", " "), exc)
+                except BaseException as exc:  # noqa: BLE001 - KeyboardInterrupt: finish the other steps first
+                    interrupt = interrupt or exc
+        finally:
+            _release(self)
+        return interrupt
+
+    def _remove_probes(self) -> None:
         if self._probes is not None:
             self._probes.uninstall()
-        try:
-            if self._sampler is not None:
-                self._sampler.stop()
-        except Exception as exc:  # noqa: BLE001
-            log.warning("gpuwidget: stopping the sampler failed: %s", exc)
+
+    def _stop_sampler(self) -> None:
+        if self._sampler is not None:
+            self._sampler.stop()
+
+    def _close_sources(self) -> None:
+        """Close the sources; one whose read hung is closed on a thread of its own, as its close may hang too."""
+        hung = self._sampler.hung_sources if self._sampler is not None else []
         for source in self._sources:
-            try:
-                source.close()
-            except Exception as exc:  # noqa: BLE001
-                log.warning("gpuwidget: closing %s failed: %s", getattr(source, "name", source), exc)
+            if any(source is stuck for stuck in hung):
+                threading.Thread(target=_close_quietly, args=(source,), name=CLOSER_THREAD_NAME,
+                                 daemon=True).start()
+            else:
+                _close_quietly(source)
+
+    def _close_live(self) -> None:
         if self._live is not None:
-            try:
-                self._live.close()
-            except Exception as exc:  # noqa: BLE001
-                log.warning("gpuwidget: closing the live view failed: %s", exc)
-        with _active_lock:
-            if _active is self:
-                _active = None
+            self._live.close()
 
     def _save(self, run: Run) -> None:
         if not self.options.save:
@@ -267,6 +302,21 @@ class Watch:
         from gpuwidget.ui.actions import measure_button
 
         display(measure_button(run, loaders[0]))
+
+
+def _release(watch: Watch) -> None:
+    """Mark the kernel free for the next watch (if ``watch`` holds it)."""
+    global _active
+    with _active_lock:
+        if _active is watch:
+            _active = None
+
+
+def _close_quietly(source: Source) -> None:
+    try:
+        source.close()
+    except Exception as exc:  # noqa: BLE001
+        log.warning("gpuwidget: closing %s failed: %s", getattr(source, "name", source), exc)
 
 
 def _show_text(text: str) -> None:

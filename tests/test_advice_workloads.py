@@ -98,7 +98,7 @@ def test_exception_mid_loop_is_recorded_with_partial_figures_and_torch_restored(
     with pytest.raises(FloatingPointError):
         watched(workload)
     run = gpuwidget.last_run()
-    assert isinstance(run.error, FloatingPointError)
+    assert run.error is not None and run.error.type == "FloatingPointError"
     assert run.summary["steps"] == 8  # seven full steps and the one that raised
     assert torch_is_untouched()
 

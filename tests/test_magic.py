@@ -39,11 +39,15 @@ def test_user_exception_propagates_unchanged_with_one_traceback(ip, capsys):
     assert result.error_in_exec is ip.user_ns["raised_here"]
     assert not result.success
     text = out.out + out.err
-    assert text.count("TrainingBroke: loss is nan at step 7") == 1
+    # Shown once by IPython (the panel's status line names it too: "ended with TrainingBroke: ...").
+    assert text.count("Traceback (most recent call last)") == 1
+    assert text.count("\nTrainingBroke: loss is nan at step 7") == 1
     # The traceback points at the user's line, numbered as in the cell.
     assert "----> 5 raise raised_here" in text
     run = gpuwidget.last_run()
-    assert run.error is ip.user_ns["raised_here"]
+    # The Run keeps the exception as data (no frames); the user got the exception itself.
+    assert (run.error.type, run.error.message) == ("TrainingBroke", "loss is nan at step 7")
+    assert "raise raised_here" in run.error.traceback
     assert run.outcome == "error"
     assert not sampler_threads()
 
@@ -148,7 +152,7 @@ def test_watch_context_manager_yields_the_run_and_reraises(ip):
         raise boom
     assert caught.value is boom
     assert run is gpuwidget.last_run()
-    assert run.error is boom and run.finished
+    assert str(run.error) == "Boom: stop" and run.finished
 
     with gpuwidget.watch(interval=0.02, quiet=True) as run:
         pass
