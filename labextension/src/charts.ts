@@ -85,7 +85,7 @@ export function withAlpha(color: string, alpha: number): string {
 
 export type ChartData = [number[], ...Reading[][]];
 
-/** A uPlot chart for one IChartDef; the x range is set by the caller (the last hour). */
+/** A uPlot chart for one IChartDef; the x range is set by the caller (the history's span). */
 export class TimeChart {
   readonly def: IChartDef;
   readonly node: HTMLDivElement;

@@ -18,7 +18,7 @@ import {
 /**
  * How long a hidden panel keeps its connection. JupyterLab sometimes hides and shows
  * the side panels within a frame (opening a notebook does); a reconnection would
- * fetch the whole hour of history again.
+ * fetch the server's whole history again.
  */
 export const STOP_GRACE_MS = 2000;
 

@@ -1,6 +1,6 @@
 /**
- * The sidebar's state: the devices, an hour of every metric in a ring buffer, the
- * processes, and the connection; fed by server messages, read by the views.
+ * The sidebar's state: the devices, the server's history of every metric in a ring
+ * buffer, the processes, and the connection; fed by server messages, read by the views.
  *
  * Pure (no DOM, no JupyterLab): the views connect to its `changed` signal (Lumino's)
  * and redraw.
@@ -10,6 +10,7 @@ import { ISignal, Signal } from '@lumino/signaling';
 
 import {
   Columns,
+  DEFAULT_HISTORY_S,
   IDevicesReply,
   IProcessInfo,
   Reading,
@@ -241,7 +242,9 @@ export class SidebarModel {
 
   constructor(requestedInterval = 1) {
     this.requestedInterval = requestedInterval;
-    this.series = new SeriesBuffer(historyCapacity(3600, requestedInterval));
+    this.series = new SeriesBuffer(
+      historyCapacity(this.historyS, requestedInterval)
+    );
   }
 
   /** Seconds between samples as the server sends them to this client. */
@@ -252,9 +255,9 @@ export class SidebarModel {
     );
   }
 
-  /** Seconds of history the charts span. */
+  /** Seconds of history the charts span: as long as the server keeps. */
   get historyS(): number {
-    return this.devices ? this.devices.history_s : 3600;
+    return this.devices ? this.devices.history_s : DEFAULT_HISTORY_S;
   }
 
   /** Emitted after every change, with what changed. */

@@ -6,6 +6,13 @@
  * a metric a device cannot report is absent, and `null` means "no reading then".
  */
 
+/**
+ * Seconds of history the server keeps by default (`GpuWidget.history_s`,
+ * docs/server-api.md). Each server says its own in the devices reply's `history_s`;
+ * this is the length assumed until then.
+ */
+export const DEFAULT_HISTORY_S = 3600;
+
 /** One GPU (or MIG instance) as `GET /devices` describes it. */
 export interface IDeviceInfo {
   /** Metric prefix: `gpu0` for `gpu0.util`. */
@@ -34,7 +41,7 @@ export interface IDevicesReply {
   host: IHostInfo;
   /** The shared sampler's period, seconds. */
   interval: number;
-  /** How much history the server keeps, seconds. */
+  /** How much history the server keeps, seconds (DEFAULT_HISTORY_S unless configured). */
   history_s: number;
 }
 

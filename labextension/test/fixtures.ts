@@ -1,6 +1,10 @@
 /** Server messages as docs/server-api.md shows them, for the tests. */
 
-import { IDevicesReply, ServerMessage } from '../src/protocol';
+import {
+  DEFAULT_HISTORY_S,
+  IDevicesReply,
+  ServerMessage
+} from '../src/protocol';
 
 export const GiB = 1024 ** 3;
 
@@ -21,7 +25,7 @@ export function gpuDevices(count = 1, interval = 1): IDevicesReply {
     })),
     host: { cpu_count: 16, mem_total: 128 * GiB },
     interval,
-    history_s: 3600
+    history_s: DEFAULT_HISTORY_S
   };
 }
 
@@ -32,7 +36,7 @@ export function noGpuDevices(): IDevicesReply {
     devices: [],
     host: { cpu_count: 2, mem_total: 8 * GiB },
     interval: 1,
-    history_s: 3600
+    history_s: DEFAULT_HISTORY_S
   };
 }
 
