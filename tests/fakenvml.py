@@ -68,12 +68,12 @@ FIELD_FUNCTIONS: dict[str, tuple[str, ...]] = {
     ),
 }
 
-# Functions an older driver (R470-era: Ampere, no GPM) does not have.
+# Functions an older driver (R470-era: Ampere, no GPM) does not have. nvmlDeviceGetSamples is not
+# among them: real drivers have it since Kepler.
 OLD_DRIVER_MISSING = frozenset(
     {
         "nvmlDeviceGetCurrentClocksEventReasons",
         "nvmlDeviceGetMemoryInfo_v2",
-        "nvmlDeviceGetSamples",
         "nvmlDeviceGetComputeRunningProcesses_v3",
         "nvmlDeviceGetGraphicsRunningProcesses_v3",
         "nvmlGpmQueryDeviceSupport",
@@ -124,12 +124,18 @@ class FakeGpu:
     mem_util: Value = 35
     power_mw: Value = 250_000
     power_limit_mw: Value = 700_000
+    power_limit_default_mw: int = 700_000
     temperature: Value = 61
     sm_clock_mhz: Value = 1755
     sm_clock_max_mhz: int = 1980
     clock_events: Value = 0
     pcie_tx_kib: Value = 2048
     pcie_rx_kib: Value = 4096
+    pcie_gen: Value = 5  # the link now; an idle GPU drops to a lower generation to save power
+    pcie_width: Value = 16
+    pcie_gen_max: int = 5
+    pcie_width_max: int = 16
+    capability: tuple[int, int] = (9, 0)
     compute_processes: list[FakeProcess] = field(default_factory=list)
     graphics_processes: list[FakeProcess] = field(default_factory=list)
     gpm: bool = True
@@ -139,6 +145,11 @@ class FakeGpu:
     dram_active: Value = 40.0
     gpm_pcie_tx_mib: Value = 3.0
     gpm_pcie_rx_mib: Value = 5.0
+    nvlink_tx_mib: Value = 100.0
+    nvlink_rx_mib: Value = 120.0
+    # The driver records no utilisation sample while the GPU is idle: nvmlDeviceGetSamples then has
+    # nothing new (NotFound), as reported on real GPUs. True keeps recording zeros.
+    samples_while_idle: bool = False
     mig_mode: bool | None = None  # None: not MIG-capable (NotSupported)
     instances: list[FakeGpu] = field(default_factory=list)
     parent: FakeGpu | None = None
@@ -147,6 +158,7 @@ class FakeGpu:
     unsupported: set[str] = field(default_factory=set)
     no_permission: set[str] = field(default_factory=set)
     lost_at_tick: int | None = None
+    unknown_at: dict[str, set[int]] = field(default_factory=dict)  # function -> ticks answering Unknown
 
     def lost(self, tick: int) -> bool:
         if self.parent is not None and self.parent.lost(tick):
@@ -202,6 +214,8 @@ class FakeNvml:
         self._tick = 0
         self._start = time.monotonic()
         self._gpm_samples: dict[int, tuple[FakeGpu, int, float] | None] = {}
+        self.r535 = False
+        self.ever_initialised = False
         self._next_sample = 0x1000
 
     # -- scenario builders -----------------------------------------------------------------------
@@ -220,8 +234,9 @@ class FakeNvml:
 
     @classmethod
     def old_driver(cls, count: int = 1, **fields: Any) -> FakeNvml:
-        """An A100 on an R470-era driver: no GPM, GetSamples, clock event reasons, v2/v3 structs."""
-        fields = {"name": "NVIDIA A100-SXM4-40GB", "memory_total": 40 * GIB, "gpm": False, **fields}
+        """An A100 on an R470-era driver: no GPM, clock event reasons, v2 memory or v3 process structs."""
+        fields = {"name": "NVIDIA A100-SXM4-40GB", "memory_total": 40 * GIB, "gpm": False, "capability": (8, 0),
+                  **fields}
         fake = cls.gpus(count, **fields)
         fake.missing |= OLD_DRIVER_MISSING
         fake.driver_version = "470.256.02"
@@ -256,6 +271,14 @@ class FakeNvml:
                 )
             )
         return cls([parent, *(make_gpu(index) for index in range(1, 1 + extra_gpus))])
+
+    @classmethod
+    def mixed(cls) -> FakeNvml:
+        """Two models: NVML (PCI) order puts an A40 first, CUDA's default fastest-first order the H100."""
+        a40 = make_gpu(0, name="NVIDIA A40", memory_total=48 * GIB, capability=(8, 6), gpm=False,
+                       power_limit_mw=300_000, power_limit_default_mw=300_000, pcie_gen=4, pcie_gen_max=4)
+        h100 = make_gpu(1, name="NVIDIA H100 80GB HBM3", pci_bus_id="00000000:3B:00.0")
+        return cls([a40, h100])
 
     @classmethod
     def library_missing(cls) -> FakeNvml:
@@ -315,6 +338,36 @@ class FakeNvml:
         gpu = self.gpu(which)
         gpu.compute_processes = [FakeProcess(pid, used) for pid, used in compute]
         gpu.graphics_processes = [FakeProcess(pid, used) for pid, used in graphics]
+        return self
+
+    def unknown_at(self, which: int | str, function: str, *ticks: int) -> FakeNvml:
+        """``function`` answers NVML_ERROR_UNKNOWN on the device at these ticks (once each), as a
+        transient driver error does; the rest of the time it answers normally."""
+        self.gpu(which).unknown_at.setdefault(function, set()).update(ticks)
+        return self
+
+    def host_pid(self) -> int:
+        """A pid that does not exist in this test's PID namespace, as the driver reports a process
+        in a container by its host pid."""
+        for pid in range(4_000_000, 4_100_000):
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return pid
+            except PermissionError:
+                continue
+        raise RuntimeError("no free pid found")
+
+    def in_container(self, which: int | str = 0, used: int = 3 * GIB, others: int = 0) -> FakeNvml:
+        """This process in its own PID namespace: the driver lists it (and ``others`` more processes)
+        on the device by host pids that do not exist here."""
+        pid = self.host_pid()
+        return self.processes(which, compute=[(pid + n, used) for n in range(1 + others)])
+
+    def r535_process_struct(self) -> FakeNvml:
+        """An early R535 driver: the _v3 process lists are written with 32-byte entries (a field more)
+        while the bindings read 24-byte ones, so every entry after the first is misread; _v2 is right."""
+        self.r535 = True
         return self
 
     def without(self, *functions: str) -> FakeNvml:
@@ -417,6 +470,9 @@ class FakeNvml:
             self.device_calls[(name, gpu.uuid)] += 1
             if gpu.lost(tick):
                 raise pynvml.NVMLError(pynvml.NVML_ERROR_GPU_IS_LOST)
+            if tick in gpu.unknown_at.get(name, ()):
+                gpu.unknown_at[name].discard(tick)
+                raise pynvml.NVMLError(pynvml.NVML_ERROR_UNKNOWN)
             if name in gpu.unsupported:
                 raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
             if name in gpu.no_permission:
@@ -435,11 +491,17 @@ class FakeNvml:
         if self.init_error is not None:
             raise pynvml.NVMLError(self.init_error)
         self.inits += 1
+        self.ever_initialised = True
 
     def nvmlShutdown(self) -> None:
-        self._call("nvmlShutdown")
-        self.inits -= 1
-        self.shutdowns += 1
+        # nvml.h: "No error will be reported if this is called more times than nvmlInit"; only a
+        # library never initialised answers Uninitialized.
+        self.calls["nvmlShutdown"] += 1
+        if not self.ever_initialised:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_UNINITIALIZED)
+        if self.inits > 0:
+            self.inits -= 1
+            self.shutdowns += 1
 
     def nvmlErrorString(self, result: int) -> str:
         return f"NVML error {result}"
@@ -543,6 +605,8 @@ class FakeNvml:
             values = _at(gpu.util_samples, sample_tick)
             if values is None:
                 values = [_at(gpu.util, sample_tick)]
+            if not gpu.samples_while_idle and not any(values):
+                continue  # an idle GPU: the driver records nothing
             for position, value in enumerate(values):
                 stamp = _SAMPLE_BASE_US + sample_tick * _SAMPLE_TICK_US + position * 1000
                 if stamp > last_seen:
@@ -558,6 +622,30 @@ class FakeNvml:
     def nvmlDeviceGetEnforcedPowerLimit(self, gpu: FakeGpu) -> int:
         tick = self._call("nvmlDeviceGetEnforcedPowerLimit", gpu)
         return int(_at(gpu.power_limit_mw, tick))
+
+    def nvmlDeviceGetPowerManagementDefaultLimit(self, gpu: FakeGpu) -> int:
+        self._call("nvmlDeviceGetPowerManagementDefaultLimit", gpu)
+        return gpu.power_limit_default_mw
+
+    def nvmlDeviceGetCurrPcieLinkGeneration(self, gpu: FakeGpu) -> int:
+        tick = self._call("nvmlDeviceGetCurrPcieLinkGeneration", gpu)
+        return int(_at(gpu.pcie_gen, tick))
+
+    def nvmlDeviceGetCurrPcieLinkWidth(self, gpu: FakeGpu) -> int:
+        tick = self._call("nvmlDeviceGetCurrPcieLinkWidth", gpu)
+        return int(_at(gpu.pcie_width, tick))
+
+    def nvmlDeviceGetMaxPcieLinkGeneration(self, gpu: FakeGpu) -> int:
+        self._call("nvmlDeviceGetMaxPcieLinkGeneration", gpu)
+        return gpu.pcie_gen_max
+
+    def nvmlDeviceGetMaxPcieLinkWidth(self, gpu: FakeGpu) -> int:
+        self._call("nvmlDeviceGetMaxPcieLinkWidth", gpu)
+        return gpu.pcie_width_max
+
+    def nvmlDeviceGetCudaComputeCapability(self, gpu: FakeGpu) -> tuple[int, int]:
+        self._call("nvmlDeviceGetCudaComputeCapability", gpu)
+        return gpu.capability
 
     def nvmlDeviceGetTemperature(self, gpu: FakeGpu, sensor: int) -> int:
         tick = self._call("nvmlDeviceGetTemperature", gpu)
@@ -592,6 +680,8 @@ class FakeNvml:
 
     def _processes(self, name: str, gpu: FakeGpu, listed: list[FakeProcess]) -> list[Any]:
         self._call(name, gpu)
+        if self.r535 and name.endswith("_v3"):
+            return _misread_r535(gpu, listed)
         return [
             pynvml.nvmlFriendlyObject(
                 {
@@ -685,6 +775,8 @@ class FakeNvml:
             pynvml.NVML_GPM_METRIC_DRAM_BW_UTIL: gpu.dram_active,
             pynvml.NVML_GPM_METRIC_PCIE_TX_PER_SEC: gpu.gpm_pcie_tx_mib,
             pynvml.NVML_GPM_METRIC_PCIE_RX_PER_SEC: gpu.gpm_pcie_rx_mib,
+            pynvml.NVML_GPM_METRIC_NVLINK_TOTAL_TX_PER_SEC: gpu.nvlink_tx_mib,
+            pynvml.NVML_GPM_METRIC_NVLINK_TOTAL_RX_PER_SEC: gpu.nvlink_rx_mib,
         }
         for slot in range(request.numMetrics):
             metric = request.metrics[slot]
@@ -695,6 +787,23 @@ class FakeNvml:
                 metric.nvmlReturn = pynvml.NVML_SUCCESS
                 metric.value = float(_at(value, tick))
         return request
+
+
+class _ProcessInfoR535(ctypes.Structure):
+    """The 32-byte entry early R535 drivers wrote into _v3 process lists."""
+
+    _fields_ = [("pid", ctypes.c_uint), ("usedGpuMemory", ctypes.c_ulonglong), ("gpuInstanceId", ctypes.c_uint),
+                ("computeInstanceId", ctypes.c_uint), ("usedGpuCcProtectedMemory", ctypes.c_ulonglong)]
+
+
+def _misread_r535(gpu: FakeGpu, listed: list[FakeProcess]) -> list[Any]:
+    """What pynvml reads from such a list: 24-byte entries over a buffer of 32-byte ones."""
+    written = (_ProcessInfoR535 * len(listed))(
+        *(_ProcessInfoR535(p.pid, p.used_memory or 0, 0xFFFFFFFF, 0xFFFFFFFF, 0) for p in listed)
+    )
+    buffer = bytes(written) + bytes(ctypes.sizeof(pynvml.c_nvmlProcessInfo_v3_t) * len(listed))
+    read = (pynvml.c_nvmlProcessInfo_v3_t * len(listed)).from_buffer_copy(buffer)
+    return [pynvml.nvmlStructToFriendlyObject(entry) for entry in read]
 
 
 def _address(sample: Any) -> int:

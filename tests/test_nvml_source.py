@@ -85,11 +85,11 @@ def test_util_is_the_mean_of_the_drivers_samples_since_the_last_tick(fake_nvml):
     first = source.read()["gpu0.util"]  # the buffer reaches back before us: newest sample only
     fake.step()
     second = source.read()["gpu0.util"]
-    again = source.read()["gpu0.util"]  # no newer sample (NotFound): the last mean stands
+    again = source.read()["gpu0.util"]  # no newer sample (NotFound): the driver's current figure
     fake.step()
     third = source.read()["gpu0.util"]
 
-    assert (first, second, again, third) == (90.0, 30.0, 30.0, 10.0)
+    assert (first, second, again, third) == (90.0, 30.0, 5.0, 10.0)
     assert source.errors == []
 
 
@@ -310,7 +310,7 @@ def test_lost_gpu_stops_alone_with_its_error_recorded(fake_nvml):
     assert not source.closed
 
 
-def test_unknown_error_ends_the_device_too(fake_nvml, monkeypatch):
+def test_unknown_error_on_every_tick_ends_the_device_after_three(fake_nvml, monkeypatch):
     fake_nvml(FakeNvml.gpus(2))
 
     def broken(handle: object) -> int:
@@ -319,9 +319,35 @@ def test_unknown_error_ends_the_device_too(fake_nvml, monkeypatch):
     source = NvmlSource(gpus=[0])
     monkeypatch.setattr(pynvml, "nvmlDeviceGetPowerUsage", broken)
 
-    assert source.read() == {}
+    assert [source.read() for _ in range(3)] == [{}, {}, {}]
     assert source.closed  # its only GPU is gone
-    assert "Unknown Error" in source.errors[0].message
+    assert any("Unknown Error" in e.message and "lost" in e.message for e in source.errors)
+
+
+def test_unknown_error_with_the_uuid_unanswered_ends_the_device_at_once(fake_nvml, monkeypatch):
+    fake = fake_nvml(FakeNvml.gpus(2))
+    source = NvmlSource()
+    fake.unknown_at(1, "nvmlDeviceGetPowerUsage", 1).unknown_at(1, "nvmlDeviceGetUUID", 1)
+    fake.step()
+
+    assert gpu_ids(source.read()) == {"gpu0"}
+    assert source.describe()["devices"][1]["lost"]
+
+
+def test_one_unknown_error_loses_a_tick_not_the_gpu(fake_nvml):
+    fake = fake_nvml(FakeNvml.gpus(2).unknown_at(1, "nvmlDeviceGetPowerUsage", 2))
+    source = NvmlSource()
+
+    readings = ticks(source, fake, 6)
+
+    assert [gpu_ids(r) for r in readings] == [{"gpu0", "gpu1"}] * 2 + [{"gpu0"}] + [{"gpu0", "gpu1"}] * 3
+    assert not source.describe()["devices"][1]["lost"]
+    assert any("Unknown Error" in e.message and "still answers" in e.message for e in source.errors)
+
+
+def test_one_unknown_error_while_listing_gpus_does_not_leave_the_gpu_out(fake_nvml):
+    fake_nvml(FakeNvml.gpus(2).unknown_at(1, "nvmlDeviceGetName", 0))
+    assert [d["nvml_index"] for d in NvmlSource().describe()["devices"]] == [0, 1]
 
 
 def test_every_gpu_lost_closes_the_source(fake_nvml):
@@ -395,7 +421,8 @@ def test_old_driver_falls_back_and_logs_each_missing_function_once(fake_nvml, ca
     assert "gpu0.sm_active" not in last
     assert last["gpu0.pcie_tx"] == 2048 * 1024
     messages = [record.getMessage() for record in caplog.records]
-    for function in ("nvmlDeviceGetSamples", "nvmlGpmQueryDeviceSupport"):
+    assert fake.count("nvmlDeviceGetSamples") == 30  # real drivers have it since Kepler
+    for function in ("nvmlGpmQueryDeviceSupport",):
         logged = [m for m in messages if function in m]
         assert len(logged) == 1, messages
         assert "older than nvidia-ml-py" in logged[0] and "470.256.02" in logged[0]
@@ -563,3 +590,115 @@ def test_one_tick_is_cheap_against_a_zero_latency_driver(fake_nvml):
     # and a loose factor keeps slow CI machines from failing it.
     assert per_gpu_tick < 3 * 200e-6, f"{per_gpu_tick * 1e6:.0f} us per GPU per tick"
     assert math.isfinite(per_gpu_tick)
+
+
+# -- the driver as strict as the hardware (issue 15) -------------------------------------------------
+
+
+def test_idle_gpu_with_no_new_samples_reads_idle_not_its_last_busy_value(fake_nvml):
+    # The driver records no sample while the GPU is idle; the last busy mean must not repeat.
+    fake = fake_nvml(FakeNvml.single(util=[97, 97, 0, 0, 0, 0, 0, 0]))
+    source = NvmlSource()
+
+    utils = [r["gpu0.util"] for r in ticks(source, fake, 8)]
+
+    assert utils == [97.0, 97.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+    assert fake.count("nvmlDeviceGetSamples") == 8 and source.errors == []
+
+
+def test_power_limit_default_pcie_link_and_nvlink_are_reported(fake_nvml):
+    fake = fake_nvml(FakeNvml.single(power_limit_mw=500_000, pcie_gen=[1, 4], pcie_width=8))
+    source = NvmlSource()
+
+    first, second, *_ = ticks(source, fake, 12)
+
+    assert first["gpu0.power_limit"] == 500.0 and first["gpu0.power_limit_default"] == 700.0
+    assert (first["gpu0.pcie_gen"], first["gpu0.pcie_width"]) == (1.0, 8.0)
+    assert (first["gpu0.pcie_gen_max"], first["gpu0.pcie_width_max"]) == (5.0, 16.0)
+    assert second["gpu0.pcie_gen"] == 1.0  # the link is re-read once a second, not every tick
+    assert source.read()["gpu0.pcie_gen"] == 4.0
+    assert second["gpu0.nvlink_tx"] == 100.0 * 2**20 and second["gpu0.nvlink_rx"] == 120.0 * 2**20
+    device = source.describe()["devices"][0]
+    assert (device["power_limit_default"], device["pcie_gen_max"], device["capability"]) == (700.0, 5, [9, 0])
+
+
+def test_mixed_gpus_are_numbered_fastest_first_like_cuda(fake_nvml, monkeypatch):
+    fake_nvml(FakeNvml.mixed())
+    monkeypatch.delenv("CUDA_DEVICE_ORDER", raising=False)
+    source = NvmlSource()
+
+    described = source.describe()
+    assert [(d["id"], d["name"], d["nvml_index"]) for d in described["devices"]] == [
+        ("gpu0", "NVIDIA H100 80GB HBM3", 1), ("gpu1", "NVIDIA A40", 0)]
+    assert described["cuda_order"] == "guessed"
+    # An ordinal in CUDA_VISIBLE_DEVICES counts in CUDA's order too.
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    assert [d["name"] for d in NvmlSource().describe()["devices"]] == ["NVIDIA H100 80GB HBM3"]
+
+
+def test_pci_bus_id_order_keeps_nvmls_numbering(fake_nvml, monkeypatch):
+    fake_nvml(FakeNvml.mixed())
+    monkeypatch.setenv("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+    described = NvmlSource().describe()
+    assert [d["name"] for d in described["devices"]] == ["NVIDIA A40", "NVIDIA H100 80GB HBM3"]
+    assert described["cuda_order"] == "pci"
+
+
+def test_torchs_uuids_fix_the_order_once_torch_has_started_cuda(fake_nvml, monkeypatch):
+    fake = fake_nvml(FakeNvml.mixed())
+    import gpuwidget.sources.nvml as nvml_module
+
+    # torch numbers the A40 first (say, CUDA's heuristic preferred it): its UUIDs decide.
+    a40, h100 = fake.gpu(0).uuid, fake.gpu(1).uuid
+    monkeypatch.setattr(nvml_module, "_torch_uuids", lambda: [a40[4:], h100[4:]])
+    described = NvmlSource().describe()
+    assert [d["uuid"] for d in described["devices"]] == [a40, h100]
+    assert described["cuda_order"] == "torch"
+
+
+def test_in_a_container_own_memory_is_absent_not_zero_and_the_namespace_is_said(fake_nvml):
+    fake = fake_nvml(FakeNvml.single().in_container(used=3 * GIB))
+    source = NvmlSource()
+
+    reading = ticks(source, fake, 3)[-1]
+
+    assert "gpu0.proc_mem" not in reading
+    assert source.describe()["foreign_pid_namespace"] is True
+    assert sum("own PID namespace" in e.message for e in source.errors) == 1
+
+
+def test_a_nested_pid_namespace_is_matched_through_nspid(fake_nvml, monkeypatch, tmp_path):
+    fake = fake_nvml(FakeNvml.single())
+    host_pid = fake.host_pid()
+    fake.processes(0, compute=[(host_pid, 3 * GIB)])
+    status = tmp_path / "status"
+    status.write_text(f"Name:\tpython\nNSpid:\t{host_pid}\t{os.getpid()}\n")
+    import gpuwidget.sources.nvml as nvml_module
+
+    monkeypatch.setattr(nvml_module, "PROC_SELF_STATUS", str(status))
+    source = NvmlSource()
+
+    assert source.read()["gpu0.proc_mem"] == 3 * GIB
+    assert source.describe()["foreign_pid_namespace"] is True
+
+
+def test_early_r535_process_struct_is_detected_and_v2_used(fake_nvml):
+    other = os.getppid()
+    fake = fake_nvml(FakeNvml.single().r535_process_struct()
+                     .processes(0, compute=[(other, 5 * GIB), (os.getpid(), 3 * GIB)]))
+    source = NvmlSource()
+
+    reading = ticks(source, fake, 3)[-1]
+
+    assert reading["gpu0.proc_mem"] == 3 * GIB  # misread, our entry would be garbage
+    assert source.processes()["gpu0"] == sorted([(other, 5 * GIB), (os.getpid(), 3 * GIB)])
+    assert sum("R535" in e.message for e in source.errors) == 1
+    assert fake.count("nvmlDeviceGetComputeRunningProcesses_v2") >= 3
+
+
+def test_shutting_nvml_down_more_often_than_it_started_is_no_error(fake_nvml):
+    fake = fake_nvml()
+    pynvml.nvmlInit()
+    pynvml.nvmlShutdown()
+    pynvml.nvmlShutdown()  # nvml.h: no error when called more times than nvmlInit
+    assert fake.inits == 0 and fake.shutdowns == 1

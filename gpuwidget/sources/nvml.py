@@ -6,23 +6,30 @@ Every NVML call goes through one door, :meth:`_Driver.query`, which turns a fail
   tick (never reported as 0) and that function is not asked again on that device.
 * ``FunctionNotFound`` (the driver is older than the nvidia-ml-py bindings) -> absent everywhere,
   logged once with a hint that driver and bindings disagree.
-* ``GpuIsLost`` / ``Unknown`` / ``ResetRequired`` -> the device is finished: its error is recorded, it
-  stops appearing in ``read()``, the other devices go on.
+* ``GpuIsLost`` / ``ResetRequired`` -> the device is finished: its error is recorded, it stops
+  appearing in ``read()``, the other devices go on.
+* ``Unknown`` -> the device is asked for its UUID: if it answers, only that tick is lost; it is
+  declared lost after UNKNOWN_STRIKES ticks in a row fail that way (one transient error must not
+  drop a GPU for the whole session).
 
 Metrics per visible device, named ``gpu{cuda_index}.<metric>`` in SI units:
 
 =================  ==========================================================================
-``util``           % of time a kernel ran (mean of the driver's samples since the last tick)
+``util``           % of time a kernel ran (mean of the driver's samples since the last tick; when the
+                   driver has no new sample, as on an idle GPU, nvmlDeviceGetUtilizationRates)
 ``mem_util``       % of time device memory was read or written
 ``mem_used``       bytes in use; ``mem_total`` bytes
-``power``          W; ``power_limit`` W (enforced limit)
+``power``          W; ``power_limit`` W (enforced limit); ``power_limit_default`` W (the board's default)
 ``temperature``    degrees Celsius (GPU sensor)
 ``sm_clock``       Hz; ``sm_clock_max`` Hz
 ``clock_events``   bitmask of NVML clock event (throttle) reasons, as a float
 ``pcie_tx``        bytes/s sent by the GPU; ``pcie_rx`` bytes/s received
 ``proc_mem``       bytes held on the device by "our" processes (see ``pids``)
+``pcie_gen``       PCIe link generation now; ``pcie_width`` lanes now; ``pcie_gen_max``/``pcie_width_max``
+                   what the GPU and its slot allow (an idle GPU drops its link speed to save power)
 ``sm_active``      % of SMs busy (GPM, Hopper and newer); ``sm_occupancy`` % of warp slots used
 ``tensor_active``  % of time any tensor core pipe was busy (GPM); ``dram_active`` % of DRAM bandwidth
+``nvlink_tx``      bytes/s sent over NVLink (GPM); ``nvlink_rx`` bytes/s received
 =================  ==========================================================================
 
 pynvml is imported when a source is built, not when this module is imported, so ``import gpuwidget``
@@ -34,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -56,6 +64,13 @@ GPM_MIN_INTERVAL_S = 0.1
 POWER_LIMIT_REFRESH_S = 10.0
 # A caller's ``pids`` function may walk the process table; ask it at most this often.
 PIDS_REFRESH_S = 1.0
+# NVML_ERROR_UNKNOWN on this many ticks in a row (each time with the UUID query failing too)
+# declares the GPU lost; one transient error only loses that tick.
+UNKNOWN_STRIKES = 3
+# The link's generation and width change with the GPU's power state; a cheap query, re-read now and then.
+PCIE_LINK_REFRESH_S = 1.0
+# nvmlClocksEventReasonGpuIdle: nothing is running, clocks are low on purpose.
+CLOCK_EVENT_IDLE = 0x1
 # Pids walked up from a GPU process (itself included) looking for this one: workers of workers.
 ANCESTRY_DEPTH = 65
 
@@ -84,7 +99,11 @@ FAILED = Absent("failed")
 
 
 class _DeviceLost(Exception):
-    """A query found the GPU gone (GpuIsLost, Unknown, ResetRequired); the device is finished."""
+    """A query found the GPU gone (GpuIsLost, ResetRequired); the device is finished."""
+
+
+class _DeviceUnknown(_DeviceLost):
+    """A query answered NVML_ERROR_UNKNOWN: the GPU may be gone, or the error may be transient."""
 
 
 # Fallback chains: the first function the driver has wins, and the choice is remembered.
@@ -105,6 +124,8 @@ _GPM_METRICS: dict[str, tuple[str, float]] = {
     "dram_active": ("NVML_GPM_METRIC_DRAM_BW_UTIL", 1.0),
     "pcie_tx": ("NVML_GPM_METRIC_PCIE_TX_PER_SEC", float(MIB)),
     "pcie_rx": ("NVML_GPM_METRIC_PCIE_RX_PER_SEC", float(MIB)),
+    "nvlink_tx": ("NVML_GPM_METRIC_NVLINK_TOTAL_TX_PER_SEC", float(MIB)),
+    "nvlink_rx": ("NVML_GPM_METRIC_NVLINK_TOTAL_RX_PER_SEC", float(MIB)),
 }
 
 METRICS = (
@@ -114,12 +135,17 @@ METRICS = (
     "mem_total",
     "power",
     "power_limit",
+    "power_limit_default",
     "temperature",
     "sm_clock",
     "sm_clock_max",
     "clock_events",
     "pcie_tx",
     "pcie_rx",
+    "pcie_gen",
+    "pcie_width",
+    "pcie_gen_max",
+    "pcie_width_max",
     "proc_mem",
     *(name for name in _GPM_METRICS if not name.startswith("pcie")),
 )
@@ -144,11 +170,7 @@ class _Driver:
         self._missing: set[str] = set()
         self._reported: set[tuple[str | None, str]] = set()
         self._chains: dict[tuple[str, ...], str] = {}
-        self._lost = {
-            nvml.NVML_ERROR_GPU_IS_LOST,
-            nvml.NVML_ERROR_UNKNOWN,
-            nvml.NVML_ERROR_RESET_REQUIRED,
-        }
+        self._lost = {nvml.NVML_ERROR_GPU_IS_LOST, nvml.NVML_ERROR_RESET_REQUIRED}
         self._quiet = {
             nvml.NVML_ERROR_NOT_SUPPORTED: NOT_SUPPORTED,
             nvml.NVML_ERROR_NO_PERMISSION: NO_PERMISSION,
@@ -190,6 +212,8 @@ class _Driver:
             code = error.value
             if code in self._lost:
                 raise _DeviceLost(f"{name}: {error}") from error
+            if code == self.nvml.NVML_ERROR_UNKNOWN:
+                raise _DeviceUnknown(f"{name}: {error}") from error
             absent = self._quiet.get(code)
             if absent is not None:
                 if off is not None and absent is not NOT_FOUND:
@@ -228,6 +252,14 @@ class _Driver:
                 return value
         return MISSING
 
+    def chosen(self, chain: tuple[str, ...]) -> str:
+        """The function of ``chain`` in use (its first until one was picked)."""
+        return self._chains.get(chain, chain[0])
+
+    def pin(self, chain: tuple[str, ...], name: str) -> None:
+        """Use ``name`` for ``chain`` from now on (a newer function proved unreliable)."""
+        self._chains[chain] = name
+
     def report_once(self, message: str, device: str | None = None) -> None:
         key = (device, message)
         if key not in self._reported:
@@ -253,6 +285,15 @@ class _Driver:
                 "the metrics it gives are absent (install an nvidia-ml-py release matching the driver)"
             )
         self.report_once(hint)
+
+
+def _plausible(processes: Iterable[Any], memory_total: int | None) -> bool:
+    """False for a process list read with the wrong struct size: pid 0, or more memory than the GPU has."""
+    for process in processes:
+        used = process.usedGpuMemory
+        if process.pid <= 0 or (used is not None and memory_total is not None and used > memory_total):
+            return False
+    return True
 
 
 def _bindings_version() -> str:
@@ -289,6 +330,7 @@ class DeviceInfo:
     pci_bus_id: str | None = None
     mig_index: int | None = None  # position under the parent (nvmlDeviceGetMigDeviceHandleByIndex)
     cuda_index: int | None = None  # position among CUDA-visible devices; None when CUDA cannot see it
+    capability: tuple[int, int] | None = None  # CUDA compute capability (major, minor)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -326,36 +368,51 @@ def _enumerate(driver: _Driver) -> list[_Found]:
         return []
     found: list[_Found] = []
     for index in range(count):
-        try:
-            handle = driver.query("nvmlDeviceGetHandleByIndex", index)
-            if isinstance(handle, Absent):  # e.g. a GPU this container's cgroup may not open
-                continue
-            uuid = _text(driver.query("nvmlDeviceGetUUID", handle))
-            if uuid is None:
-                continue
-            pci = driver.query("nvmlDeviceGetPciInfo", handle)
-            bus_id = None if isinstance(pci, Absent) else _text(pci.busId)
-            memory = _memory_info(driver, handle, None, None)
-            mode = driver.query("nvmlDeviceGetMigMode", handle)
-            mig_enabled = not isinstance(mode, Absent) and mode[0] == nvml.NVML_DEVICE_MIG_ENABLE
-            gpu = _Found(
-                DeviceInfo(
-                    index=index,
-                    uuid=uuid,
-                    name=_text(driver.query("nvmlDeviceGetName", handle)) or "NVIDIA GPU",
-                    memory_total=None if isinstance(memory, Absent) else int(memory.total),
-                    pci_bus_id=bus_id,
-                ),
-                handle,
-                mig_enabled=mig_enabled,
-            )
-            if mig_enabled:
-                gpu.instances = _mig_instances(driver, gpu)
-        except _DeviceLost as lost:
-            driver.report_once(f"GPU {index} is lost and left out ({lost})", f"nvml{index}")
-            continue
-        found.append(gpu)
+        for attempt in range(2):
+            try:
+                gpu = _enumerate_one(driver, nvml, index)
+            except _DeviceUnknown as unknown:
+                if attempt == 0:
+                    continue  # NVML_ERROR_UNKNOWN can be transient: ask once more before leaving it out
+                driver.report_once(f"GPU {index} answered Unknown Error twice and is left out ({unknown})",
+                                   f"nvml{index}")
+            except _DeviceLost as lost:
+                driver.report_once(f"GPU {index} is lost and left out ({lost})", f"nvml{index}")
+            else:
+                if gpu is not None:
+                    found.append(gpu)
+            break
     return found
+
+
+def _enumerate_one(driver: _Driver, nvml: Any, index: int) -> _Found | None:
+    handle = driver.query("nvmlDeviceGetHandleByIndex", index)
+    if isinstance(handle, Absent):  # e.g. a GPU this container's cgroup may not open
+        return None
+    uuid = _text(driver.query("nvmlDeviceGetUUID", handle))
+    if uuid is None:
+        return None
+    pci = driver.query("nvmlDeviceGetPciInfo", handle)
+    bus_id = None if isinstance(pci, Absent) else _text(pci.busId)
+    memory = _memory_info(driver, handle, None, None)
+    mode = driver.query("nvmlDeviceGetMigMode", handle)
+    mig_enabled = not isinstance(mode, Absent) and mode[0] == nvml.NVML_DEVICE_MIG_ENABLE
+    capability = driver.query("nvmlDeviceGetCudaComputeCapability", handle, quiet=True)
+    gpu = _Found(
+        DeviceInfo(
+            index=index,
+            uuid=uuid,
+            name=_text(driver.query("nvmlDeviceGetName", handle)) or "NVIDIA GPU",
+            memory_total=None if isinstance(memory, Absent) else int(memory.total),
+            pci_bus_id=bus_id,
+            capability=None if isinstance(capability, Absent) else (int(capability[0]), int(capability[1])),
+        ),
+        handle,
+        mig_enabled=mig_enabled,
+    )
+    if mig_enabled:
+        gpu.instances = _mig_instances(driver, gpu)
+    return gpu
 
 
 def _mig_instances(driver: _Driver, parent: _Found) -> list[_Found]:
@@ -422,8 +479,65 @@ def _match_legacy_mig(entry: str, gpus: list[_Found]) -> _Found | None:
     return None
 
 
+def _cuda_order(gpus: list[_Found], device_order: str | None) -> tuple[list[_Found], str]:
+    """The physical GPUs in CUDA's enumeration order, and how that order is known.
+
+    ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` is PCI order, which is NVML's own ("pci"). Unset or
+    ``FASTEST_FIRST`` (CUDA's default) puts the device CUDA's heuristic deems fastest first and leaves
+    the rest unspecified (CUDA's documentation); identical GPUs stay in PCI order ("pci"). With mixed
+    models it is a guess, newest compute capability then most memory first ("guessed"), which
+    :func:`_torch_order` replaces by torch's own UUIDs once torch has started CUDA.
+    """
+    if (device_order or "").strip().upper() == "PCI_BUS_ID" or len({g.info.name for g in gpus}) <= 1:
+        return list(gpus), "pci"
+
+    def speed(gpu: _Found) -> tuple[int, int, int, int]:
+        major, minor = gpu.info.capability or (0, 0)
+        return (-major, -minor, -(gpu.info.memory_total or 0), gpu.info.index)
+
+    return sorted(gpus, key=speed), "guessed"
+
+
+def uuid_key(uuid: str) -> str:
+    """A UUID as NVML ("GPU-58c6...") and torch ("58c6...") spell it, made comparable."""
+    text = uuid.strip().lower()
+    for prefix in ("gpu-", "mig-"):
+        if text.startswith(prefix):
+            return text[len(prefix):]
+    return text
+
+
+def _torch_order(visible: list[_Found], torch_uuids: Sequence[str] | None) -> list[_Found] | None:
+    """``visible`` in torch's device order when torch's UUIDs name exactly these devices, else None."""
+    if not torch_uuids or len(torch_uuids) != len(visible):
+        return None
+    by_uuid = {uuid_key(device.info.uuid): device for device in visible}
+    ordered = [by_uuid.get(uuid_key(uuid)) for uuid in torch_uuids]
+    if any(device is None for device in ordered) or len({id(d) for d in ordered}) != len(visible):
+        return None
+    return [device for device in ordered if device is not None]
+
+
+def _torch_uuids() -> list[str] | None:
+    """UUIDs of torch's CUDA devices, in its order, only where torch has already started CUDA.
+
+    gpuwidget never imports torch nor starts CUDA itself (that would change the user's process:
+    a CUDA context before fork breaks DataLoader workers); a cell before has usually done both.
+    """
+    torch = sys.modules.get("torch")
+    try:
+        if torch is None or not torch.cuda.is_initialized():
+            return None
+        return [str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())]
+    except Exception:  # noqa: BLE001 - an old torch without .uuid: keep the order CUDA's rules give
+        return None
+
+
 def _cuda_visible(gpus: list[_Found], cuda_visible_devices: str | None) -> list[_Found]:
     """The devices CUDA shows, in CUDA's order, for a CUDA_VISIBLE_DEVICES value (None: unset).
+
+    ``gpus`` are the physical GPUs in CUDA's enumeration order (:func:`_cuda_order`): an ordinal in
+    CUDA_VISIBLE_DEVICES counts in that order, not NVML's.
 
     Follows CUDA's rules: entries are ordinals, ``GPU-<uuid prefix>`` or ``MIG-<uuid prefix>``
     (or the legacy ``MIG-GPU-<uuid>/<gi>/<ci>``); an invalid, unknown or ambiguous entry, or a switch
@@ -434,7 +548,7 @@ def _cuda_visible(gpus: list[_Found], cuda_visible_devices: str | None) -> list[
         chosen = list(gpus)
     else:
         chosen = []
-        by_index = {gpu.info.index: gpu for gpu in gpus}
+        by_index = dict(enumerate(gpus))
         instances = [instance for gpu in gpus for instance in gpu.instances]
         ordinals: bool | None = None
         for raw in cuda_visible_devices.split(","):
@@ -470,6 +584,15 @@ def _cuda_visible(gpus: list[_Found], cuda_visible_devices: str | None) -> list[
     return visible
 
 
+def _visible(gpus: list[_Found], cuda_visible_devices: str | None,
+             device_order: str | None) -> tuple[list[_Found], str]:
+    """CUDA's devices in CUDA's order, and how the order is known: "torch" (its UUIDs), "pci", "guessed"."""
+    ordered, how = _cuda_order(gpus, device_order)
+    visible = _cuda_visible(ordered, cuda_visible_devices)
+    exact = _torch_order(visible, _torch_uuids())
+    return (visible, how) if exact is None else (exact, "torch")
+
+
 def list_devices() -> list[DeviceInfo]:
     """Every NVIDIA device on the machine (physical GPUs, then each one's MIG instances), with
     ``cuda_index`` set for those this process's CUDA can see. Empty when NVML is unavailable."""
@@ -481,7 +604,7 @@ def list_devices() -> list[DeviceInfo]:
     try:
         driver = _Driver(nvml, ErrorLog("nvml"))
         gpus = _enumerate(driver)
-        visible = _cuda_visible(gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))
+        visible, _ = _visible(gpus, os.environ.get("CUDA_VISIBLE_DEVICES"), os.environ.get("CUDA_DEVICE_ORDER"))
         cuda_index = {id(device): position for position, device in enumerate(visible)}
         devices: list[DeviceInfo] = []
         for gpu in gpus:
@@ -503,6 +626,45 @@ def _with_cuda_index(info: DeviceInfo, position: int) -> DeviceInfo:
 # Whose GPU memory counts as ours
 
 
+# This process's pid in each PID namespace it is nested in, outermost first ("NSpid:" line).
+PROC_SELF_STATUS = "/proc/self/status"
+
+
+def namespace_pids(status_path: str | None = None) -> list[int]:
+    """This process's pids from the NSpid line, outermost namespace first; [] where Linux doesn't say.
+
+    More than one entry: this process runs in a nested PID namespace and the first entry is its pid
+    where /proc was mounted from, the numbering NVML uses when that is the host's.
+    """
+    try:
+        with open(status_path or PROC_SELF_STATUS) as status:
+            for line in status:
+                if line.startswith("NSpid:"):
+                    return [int(field) for field in line.split()[1:]]
+    except (OSError, ValueError):
+        pass
+    return []
+
+
+def pid_visible(pid: int) -> bool:
+    """Whether ``pid`` exists in this process's PID namespace (whoever owns it)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, ValueError):
+        return pid > 0  # another user's process: there, but not ours to signal
+    return True
+
+
+def foreign_pid_namespace(listed_pids: Iterable[int]) -> bool:
+    """True when the driver's pids are not this namespace's: none of the processes NVML lists on a GPU
+    exists here. NVML has no PID-namespace support: in a container it reports host pids, so the
+    container's own processes (this one included) are not recognisable by pid."""
+    pids = [pid for pid in listed_pids if pid > 0]
+    return bool(pids) and not any(pid_visible(pid) for pid in pids)
+
+
 class _OwnProcesses:
     """Answers "is this pid ours?" cheaply enough to ask every tick."""
 
@@ -512,6 +674,8 @@ class _OwnProcesses:
         self._given: frozenset[int] = frozenset()
         self._given_time = -math.inf
         self._own = os.getpid()
+        # In a nested PID namespace whose outer /proc we see, NVML's number for us is the outermost.
+        self._own_pids = {self._own, *namespace_pids()[:1]}
         self._verdicts: dict[int, bool] = {}
 
     def refresh(self, now: float) -> None:
@@ -543,7 +707,7 @@ class _OwnProcesses:
         """
         from gpuwidget.sources.lineage import ancestors
 
-        return self._own in ancestors(pid, ANCESTRY_DEPTH)
+        return pid in self._own_pids or self._own in ancestors(pid, ANCESTRY_DEPTH)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -592,8 +756,12 @@ class _Device:
         self.power_limit: float | None = None
         self.power_limit_time = -math.inf
         self.sm_clock_max: float | None = None
+        self.power_limit_default: float | None = None
+        self.pcie_link_max: tuple[float, float] | None = None  # (generation, width) the GPU and slot allow
+        self.pcie_link: tuple[float, float] | None = None  # (generation, width) now
+        self.pcie_link_time = -math.inf
+        self.unknown_strikes = 0  # ticks in a row lost to NVML_ERROR_UNKNOWN
         self.sample_time = 0  # driver timestamp (us) of the newest utilization sample seen
-        self.sample_util: float | None = None
         self.pcie: tuple[float, float] | None = None
         self.pcie_time = -math.inf
         self.procs_off = False
@@ -609,6 +777,10 @@ class _Device:
             "memory_total": self.info.memory_total,
             "power_limit": self.power_limit,
             "sm_clock_max": self.sm_clock_max,
+            "power_limit_default": self.power_limit_default,
+            "capability": None if self.info.capability is None else list(self.info.capability),
+            "pcie_gen_max": None if self.pcie_link_max is None else int(self.pcie_link_max[0]),
+            "pcie_width_max": None if self.pcie_link_max is None else int(self.pcie_link_max[1]),
             "is_mig": self.info.is_mig,
             "parent_uuid": self.info.parent_uuid,
             "pci_bus_id": self.info.pci_bus_id,
@@ -644,6 +816,8 @@ class NvmlSource:
         self.unavailable_reason: str | None = None
         self.missing: list[int] = []  # requested CUDA indexes that CUDA does not have
         self.visible_count = 0  # devices CUDA can see (before the ``gpus`` selection)
+        # How CUDA's numbering was matched to NVML's: "torch" (UUIDs), "pci" (exact), "guessed".
+        self.cuda_order: str | None = None
         self._devices: list[_Device] = []
         self._lock = threading.Lock()
         self._closed = False
@@ -651,6 +825,8 @@ class NvmlSource:
         self._cuda_visible_devices = os.environ.get("CUDA_VISIBLE_DEVICES")
         self._driver: _Driver | None = None
         self._own: _OwnProcesses | None = None
+        # NVML lists processes with pids this PID namespace doesn't have (a container): see _proc_mem.
+        self.foreign_pid_namespace = len(namespace_pids()) > 1
         self._start(gpus, pids)
 
     # -- life cycle ------------------------------------------------------------------------------
@@ -684,7 +860,9 @@ class NvmlSource:
         if not gpus_found:
             self._unavailable("no NVIDIA GPU found")
             return
-        visible = _cuda_visible(gpus_found, self._cuda_visible_devices)
+        visible, self.cuda_order = _visible(
+            gpus_found, self._cuda_visible_devices, os.environ.get("CUDA_DEVICE_ORDER")
+        )
         if not visible:
             self._unavailable(
                 f"no NVIDIA GPU visible to CUDA (CUDA_VISIBLE_DEVICES={self._cuda_visible_devices!r})"
@@ -714,6 +892,13 @@ class NvmlSource:
                 self._unavailable("every requested GPU was lost")
             return
         self.available = True
+        # Whose pids the driver reports is known from the first listing (describe() says it at once).
+        if self._own is not None:
+            self._own.refresh(_now())
+        for device in self._devices:
+            if device.lost is None:
+                with contextlib.suppress(Exception):
+                    self._proc_mem(device)
 
     def _unavailable(self, reason: str) -> None:
         self.available = False
@@ -729,6 +914,12 @@ class NvmlSource:
         )
         if not isinstance(clock_max, Absent):
             device.sm_clock_max = clock_max * MHZ
+        default = driver.query("nvmlDeviceGetPowerManagementDefaultLimit", handle, off=off, device=label)
+        if not isinstance(default, Absent):
+            device.power_limit_default = default / 1000.0
+        device.pcie_link_max = self._pcie_link(
+            device, "nvmlDeviceGetMaxPcieLinkGeneration", "nvmlDeviceGetMaxPcieLinkWidth"
+        )
         # GPM on a MIG instance is read through the parent GPU with the instance's GPU instance id.
         found = device.found
         gpm_handle = found.parent_handle if found.info.is_mig else handle
@@ -782,6 +973,8 @@ class NvmlSource:
             "driver_version": None if driver is None else driver.driver_version,
             "cuda_visible_devices": self._cuda_visible_devices,
             "visible_count": self.visible_count,
+            "cuda_order": self.cuda_order,
+            "foreign_pid_namespace": self.foreign_pid_namespace,
             "missing": list(self.missing),
             "devices": [device.describe() for device in self._devices],
         }
@@ -814,6 +1007,17 @@ class NvmlSource:
     ) -> None:
         try:
             step(device, values, now)
+            device.unknown_strikes = 0
+        except _DeviceUnknown as unknown:
+            for key in device.key.values():
+                values.pop(key, None)  # this tick's readings of the device are suspect
+            if self._confirm_lost(device):
+                self._end_device(device, str(unknown))
+            else:
+                self._require_driver().report_once(
+                    f"GPU answered Unknown Error ({unknown}); its tick was skipped, the GPU still answers",
+                    device.label,
+                )
         except _DeviceLost as lost:
             self._end_device(device, str(lost))
             for key in device.key.values():
@@ -822,6 +1026,18 @@ class NvmlSource:
             self._require_driver().report_once(
                 f"reading failed: {type(error).__name__}: {error}", device.label
             )
+
+    def _confirm_lost(self, device: _Device) -> bool:
+        """After NVML_ERROR_UNKNOWN: lost when the GPU no longer gives its UUID (a GPU off the bus
+        answers nothing), or after UNKNOWN_STRIKES ticks in a row ended that way."""
+        try:
+            answered = not isinstance(
+                self._require_driver().query("nvmlDeviceGetUUID", device.handle, quiet=True), Absent
+            )
+        except _DeviceLost:
+            answered = False
+        device.unknown_strikes += 1
+        return not answered or device.unknown_strikes >= UNKNOWN_STRIKES
 
     def _end_device(self, device: _Device, reason: str) -> None:
         device.lost = reason
@@ -861,6 +1077,18 @@ class NvmlSource:
                 device.power_limit = limit / 1000.0
         if device.power_limit is not None:
             values[key["power_limit"]] = device.power_limit
+        if device.power_limit_default is not None:
+            values[key["power_limit_default"]] = device.power_limit_default
+
+        if now - device.pcie_link_time >= PCIE_LINK_REFRESH_S:
+            device.pcie_link_time = now
+            device.pcie_link = self._pcie_link(
+                device, "nvmlDeviceGetCurrPcieLinkGeneration", "nvmlDeviceGetCurrPcieLinkWidth"
+            )
+        for link, names in ((device.pcie_link, ("pcie_gen", "pcie_width")),
+                            (device.pcie_link_max, ("pcie_gen_max", "pcie_width_max"))):
+            if link is not None:
+                values[key[names[0]]], values[key[names[1]]] = link
 
         temperature = query(
             "nvmlDeviceGetTemperature", handle, nvml.NVML_TEMPERATURE_GPU, off=off, device=label
@@ -891,12 +1119,23 @@ class NvmlSource:
         if device.pcie is not None and (device.gpm is None or not device.gpm.gives_pcie):
             values[key["pcie_tx"]], values[key["pcie_rx"]] = device.pcie
 
+    def _pcie_link(self, device: _Device, generation: str, width: str) -> tuple[float, float] | None:
+        """(generation, lanes) of the GPU's PCIe link from a pair of NVML queries; None where either fails."""
+        query = self._require_driver().query
+        gen = query(generation, device.handle, off=device.off, device=device.label)
+        lanes = query(width, device.handle, off=device.off, device=device.label)
+        if isinstance(gen, Absent) or isinstance(lanes, Absent):
+            return None
+        return float(gen), float(lanes)
+
     def _sampled_util(self, device: _Device, now: float) -> float | None:
         """Mean of the driver's utilization samples since the previous tick (finer than one poll).
 
-        The driver keeps a buffer of samples taken every 1/6 s to 1 s; NotFound means none is newer
-        than the last one we saw, so the previous mean still stands. The first call returns the whole
-        buffer, which reaches back before this source existed: only its newest sample is used.
+        The driver keeps a buffer of samples taken every 1/6 s to 1 s. NotFound (or nothing newer than
+        the last sample seen) happens when the GPU sits idle, as the driver then records nothing: the
+        previous mean must not be repeated (an idle GPU would read as busy as it last was), so None
+        sends the caller to nvmlDeviceGetUtilizationRates. The first call returns the whole buffer,
+        which reaches back before this source existed: only its newest sample is used.
         """
         driver = self._require_driver()
         nvml = driver.nvml
@@ -908,13 +1147,11 @@ class NvmlSource:
             off=device.off,
             device=device.label,
         )
-        if result is NOT_FOUND:
-            return device.sample_util
         if isinstance(result, Absent):
             return None
         value_type, samples = result
         if not samples:
-            return device.sample_util
+            return None
         member = _SAMPLE_MEMBERS.get(value_type, "uiVal")
         if device.sample_time == 0:
             newest = max(samples, key=lambda sample: sample.timeStamp)
@@ -922,13 +1159,12 @@ class NvmlSource:
         else:
             fresh = [sample for sample in samples if sample.timeStamp > device.sample_time]
             if not fresh:
-                return device.sample_util
+                return None
         device.sample_time = max(sample.timeStamp for sample in fresh)
         total = 0.0
         for sample in fresh:
             total += getattr(sample.sampleValue, member)
-        device.sample_util = total / len(fresh)
-        return device.sample_util
+        return total / len(fresh)
 
     def _listed(self, device: _Device) -> dict[int, int | None] | None:
         """Every process the driver lists on the device, with the bytes it holds (None where the
@@ -948,6 +1184,10 @@ class NvmlSource:
                 return None
             if isinstance(processes, Absent):
                 continue
+            if not _plausible(processes, device.info.memory_total):
+                processes = self._older_process_list(device, chain)
+                if processes is None:
+                    return None
             answered = True
             for process in processes:
                 # A process with both a compute and a graphics context is listed twice.
@@ -956,12 +1196,46 @@ class NvmlSource:
                 held[process.pid] = None if used is None or previous is None else max(previous, int(used))
         return held if answered else None
 
+    def _older_process_list(self, device: _Device, chain: tuple[str, ...]) -> list[Any] | None:
+        """The list again from the chain's older function, after the newer one gave a misread list.
+
+        Early R535 drivers fill nvmlDeviceGet*RunningProcesses_v3 with 32-byte entries while the
+        bindings read 24-byte ones (nvitop works around the same): every entry after the first is
+        garbage. The _v2 function has the driver's own layout. If it is missing or misread too,
+        per-process memory is left out on this device.
+        """
+        driver = self._require_driver()
+        newer, older = driver.chosen(chain), chain[-1]
+        processes = driver.query(older, device.handle, off=device.off, device=device.label, quiet=True)
+        if newer != older and not isinstance(processes, Absent) and _plausible(processes, device.info.memory_total):
+            driver.pin(chain, older)
+            driver.report_once(
+                f"{newer} and the driver disagree on the process struct (early R535: 32-byte "
+                f"entries); process memory is read with {older}", device.label,
+            )
+            return list(processes)
+        device.procs_off = True
+        driver.report_once(
+            "the driver's process list is misread by these bindings (early R535 process struct); "
+            "proc_mem is not reported", device.label,
+        )
+        return None
+
     def _proc_mem(self, device: _Device) -> float | None:
         """Bytes our processes hold on the device, or None when the driver won't say."""
         held = self._listed(device)
         if held is None:
             return None
         ours = {pid: used for pid, used in held.items() if self._own is not None and pid in self._own}
+        if not ours and foreign_pid_namespace(held):
+            # Host pids: this process's memory is among them under a number we can't know. Leave
+            # proc_mem out rather than report 0; the summary takes torch's memory_reserved instead.
+            self.foreign_pid_namespace = True
+            self._require_driver().report_once(
+                "this process runs in its own PID namespace (a container): the driver reports host pids, "
+                "so its own GPU memory is not known from NVML (torch's memory_reserved is used instead)",
+            )
+            return None
         if any(used is None for used in ours.values()):
             # MIG instances without privileges and Windows WDDM list processes without their memory.
             self._require_driver().report_once(
