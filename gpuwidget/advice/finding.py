@@ -6,6 +6,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from gpuwidget.report import finding_html, finding_text
+
 Severity = Literal["info", "warn", "critical"]
 SEVERITIES: tuple[Severity, ...] = ("info", "warn", "critical")
 
@@ -62,6 +64,4 @@ class Finding:
         )
 
     def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, Any]:
-        from gpuwidget.ui.panel import finding_html, finding_text
-
         return {"text/html": finding_html(self), "text/plain": finding_text(self)}

@@ -25,7 +25,7 @@ from typing import Any
 
 from gpuwidget.clock import now
 from gpuwidget.probes.torch_data import first_dim
-from gpuwidget.ui.tables import html_table, text_table
+from gpuwidget.report import html_table, text_table
 
 # A doubling that gains less than this is not worth its memory.
 MIN_GAIN = 0.05

@@ -23,8 +23,8 @@ import psutil
 
 from gpuwidget.advice.loader import loader_code
 from gpuwidget.clock import now
+from gpuwidget.report import html_table, text_table
 from gpuwidget.sources.host import usable_cpu_count
-from gpuwidget.ui.tables import html_table, text_table
 
 # Pick a setting whose rate is at least this multiple of the loop's consumption rate.
 MARGIN = 1.2

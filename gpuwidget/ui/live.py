@@ -22,10 +22,10 @@ from typing import Any
 import numpy as np
 
 from gpuwidget.advice.summary import DATA_WAIT_SPAN
+from gpuwidget.chart import CPU_COLOR, PALETTE, PROCESS_COLOR, WAIT_COLOR, merge_bands, percent_data, plot_columns
 from gpuwidget.clock import now
 from gpuwidget.facts import MachineFacts
 from gpuwidget.trace import Frame, Trace
-from gpuwidget.ui.style import CPU_COLOR, PALETTE, PROCESS_COLOR, WAIT_COLOR, merge_bands, percent_data, plot_columns
 
 PUSH_INTERVAL_S = 0.25
 MAX_POINTS = 2000

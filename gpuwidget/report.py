@@ -1,6 +1,10 @@
-"""The post-run panel: a Run and its Findings as HTML (with inline SVG) and as plain text.
+"""How a run reads: a Run and its Findings as HTML (with an inline SVG chart) and as plain text.
 
-Same content both ways: a headline (throughput, GPU busy, the main cause in one line),
+Every rendering lives here (the model objects render themselves through it, as Rich objects
+do with ``__rich_console__``): the run's text and HTML, its chart, the standalone HTML
+document ``Run.save('x.html')`` writes, and the small result tables of the tuner and the
+batch probe. It imports nothing from ``gpuwidget.ui``: ``run.py`` and ``advice/finding.py``
+import it at module top. Same content both ways: a headline (throughput, GPU busy, the main cause in one line),
 where the loop's time went (waiting for data / computing / other), the findings ranked by
 expected gain with their evidence, a copyable change and the gain bound, and a chart of
 the run. It is what the notebook shows when a watched cell ends, and what a saved
@@ -12,13 +16,13 @@ from __future__ import annotations
 
 import html
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
 from gpuwidget.advice.summary import DATA_WAIT_SPAN, gpu_indices
-from gpuwidget.ui.style import CPU_COLOR, PALETTE, WAIT_COLOR, merge_bands, percent_data, plot_columns
+from gpuwidget.chart import CPU_COLOR, PALETTE, WAIT_COLOR, merge_bands, percent_data, plot_columns
 
 if TYPE_CHECKING:
     from gpuwidget.advice.finding import Finding
@@ -308,6 +312,26 @@ def chart_svg(run: Run, width: int = CHART_WIDTH, height: int = CHART_HEIGHT) ->
             legend_x += 7 * len(name) + 14
     parts.append("</svg>")
     return "".join(parts)
+
+
+# ----------------------------------------------------------------- result tables
+
+
+def text_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    """Left-aligned columns as wide as their widest cell."""
+    widths = [max(len(str(row[i])) for row in [headers, *rows]) for i in range(len(headers))]
+    return ["  ".join(str(cell).ljust(width) for cell, width in zip(row, widths)).rstrip()
+            for row in [headers, *rows]]
+
+
+def html_table(headers: Sequence[str], rows: Sequence[Sequence[str]], bold: Sequence[bool] = ()) -> str:
+    """An HTML table; rows whose ``bold`` flag is set are emphasised."""
+    head = "".join(f"<th style='text-align:left;padding:2px 10px'>{html.escape(h)}</th>" for h in headers)
+    body = "".join(
+        "<tr" + (" style='font-weight:600'" if i < len(bold) and bold[i] else "") + ">"
+        + "".join(f"<td style='padding:2px 10px'>{html.escape(str(cell))}</td>" for cell in row) + "</tr>"
+        for i, row in enumerate(rows))
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
 def _polyline(t: np.ndarray, values: np.ndarray, x: Any, y: Any) -> str:

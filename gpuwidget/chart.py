@@ -1,4 +1,8 @@
-"""What the live plot and the post-run panel both draw, and in which colours.
+"""What every chart of a run draws, and in which colours: the live plot (ui/live.py) and the
+report's static chart (report.py) both read their series and colours here.
+
+It sits beside report.py, not in ui/, because the report is imported by the model (``Run``
+renders itself) and the model never imports ``gpuwidget.ui``.
 
 Both put everything on one 0-100 % axis: host CPU, optionally this process's CPU (percent
 of one core), and per GPU its utilisation and its memory in use as a share of its total.
