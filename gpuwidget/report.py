@@ -37,16 +37,21 @@ SEVERITY_COLOR = {"critical": "#c0392b", "warn": "#d68910", "info": "#2e86c1"}
 # ----------------------------------------------------------------- formatting
 
 
+def _unknown(value: float | None) -> bool:
+    """No figure to show: missing, or NaN/infinite (a run built in memory may hold them)."""
+    return value is None or not math.isfinite(value)
+
+
 def fmt_percent(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.0f}%"
+    return "n/a" if _unknown(value) else f"{value:.0f}%"
 
 
 def fmt_fraction(value: float | None) -> str:
-    return "n/a" if value is None else f"{100 * value:.0f}%"
+    return "n/a" if value is None or _unknown(value) else f"{100 * value:.0f}%"
 
 
 def fmt_seconds(value: float | None) -> str:
-    if value is None:
+    if value is None or _unknown(value):
         return "n/a"
     if value < 1:
         return f"{value * 1000:.0f} ms"
@@ -56,7 +61,7 @@ def fmt_seconds(value: float | None) -> str:
 
 
 def fmt_rate(value: float | None) -> str:
-    if value is None:
+    if value is None or _unknown(value):
         return "n/a"
     return f"{value:,.0f}/s" if value >= 100 else f"{value:.1f}/s"
 
@@ -124,10 +129,12 @@ def status_line(run: Run) -> str:
 
 
 def gpu_lines(run: Run) -> list[str]:
-    """One line per watched GPU, or the reason there is none."""
+    """One line per watched GPU, or the reason there is none; then each source that stopped answering."""
+    # "GPU 1 stopped answering at 12.4 s; its readings end there" (the sampler dropped it).
+    stalled = [str(entry.get("message")) for entry in run.sampler.get("stalled") or []]
     if not run.gpu_found:
         message = run.machine.get("gpu_message") or "no NVIDIA GPU found"
-        return [f"{message}: host metrics only"]
+        return [f"{message}: host metrics only", *stalled]
     busy = run.summary.get("gpu_busy_by_gpu") or {}
     mem = run.summary.get("peak_gpu_mem_fraction_by_gpu") or {}
     lines = []
@@ -140,7 +147,7 @@ def gpu_lines(run: Run) -> list[str]:
         if str(index) in mem:
             details.append(f"peak memory {fmt_fraction(mem[str(index)])}")
         lines.append(text + (": " + ", ".join(details) if details else ": no utilisation reported"))
-    return lines
+    return lines + stalled
 
 
 # ----------------------------------------------------------------- plain text

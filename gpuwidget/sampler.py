@@ -243,5 +243,5 @@ class Sampler:
 
 
 def source_label(source: Any) -> str:
-    """How a source is named to the user: its ``label`` if it has one (e.g. ``GPU 1``), else its name."""
-    return str(getattr(source, "label", None) or getattr(source, "name", None) or type(source).__name__)
+    """How a hung source is named to the user: what it was reading (``busy_with``, e.g. "GPU 1"), else its name."""
+    return str(getattr(source, "busy_with", None) or getattr(source, "name", None) or type(source).__name__)

@@ -7,6 +7,10 @@ degrees Celsius for temperatures), named ``<device>.<metric>`` such as
 from the mapping, never 0. ``read()`` must not raise: failures are recorded in
 ``errors`` and the source either degrades (drops the failing metric or device)
 or reports itself finished through ``closed``.
+
+A source may also keep ``busy_with``: what it is reading right now, named for the user
+(``"GPU 1"``). When a read hangs, the sampler's message names that instead of the
+source ("GPU 1 stopped answering at 12.4 s").
 """
 
 from __future__ import annotations

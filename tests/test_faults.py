@@ -1,0 +1,410 @@
+"""Faults on the kernel side: a hung metric source, a second Ctrl-C, a failed cell's memory, hostile files."""
+
+from __future__ import annotations
+
+import gc
+import json
+import threading
+import time
+import tracemalloc
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+from IPython.core.error import UsageError
+from test_run import gpu_run
+
+import gpuwidget
+from gpuwidget import runfile, sampler, session
+from gpuwidget.probes import Probes
+from gpuwidget.run import Run, RunFormatError
+from gpuwidget.sampler import Sampler
+from gpuwidget.sources.host import HostSource
+from gpuwidget.trace import Trace
+
+from fakenvml import FakeNvml
+
+MB = 1024**2
+
+
+class Hang:
+    """Makes a source method block, from its ``after``-th call, until the test ends (or ``release``)."""
+
+    def __init__(self, after: int = 1) -> None:
+        self.after = after
+        self.calls = 0
+        self.released = threading.Event()
+        self.threads: set[threading.Thread] = set()
+
+    def wrap(self, method: Callable[..., Any]) -> Callable[..., Any]:
+        def hanging(source: Any, *args: Any, **kwargs: Any) -> Any:
+            self.calls += 1
+            self.threads.add(threading.current_thread())
+            if self.calls >= self.after:
+                self.released.wait(60)
+            return method(source, *args, **kwargs)
+
+        return hanging
+
+
+@pytest.fixture
+def hang() -> Iterator[Callable[[int], Hang]]:
+    """Hangs made in a test are released when it ends, so their stuck threads can finish."""
+    made: list[Hang] = []
+
+    def make(after: int = 1) -> Hang:
+        made.append(Hang(after))
+        return made[-1]
+
+    yield make
+    for each in made:
+        each.released.set()
+
+
+class CountingSource:
+    name = "counting"
+
+    def __init__(self) -> None:
+        self.errors: list[Any] = []
+        self.reads = 0
+
+    def read(self) -> dict[str, float]:
+        self.reads += 1
+        return {"fake.reads": float(self.reads)}
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name}
+
+    def close(self) -> None:
+        pass
+
+
+class StuckGpuSource(CountingSource):
+    """A GPU source whose third read never returns (a GPU falling off the bus mid-query)."""
+
+    name = "nvml"
+
+    def __init__(self, released: threading.Event) -> None:
+        super().__init__()
+        self.released = released
+        self.busy_with: str | None = None
+
+    def read(self) -> dict[str, float]:
+        self.busy_with = "GPU 1"
+        if self.reads >= 2:
+            self.released.wait(60)
+        self.busy_with = None
+        return {"gpu1.util": float(super().read()["fake.reads"])}
+
+
+# ----------------------------------------------------------------- a hung source
+
+
+def test_hung_source_never_holds_up_the_cell_and_is_read_and_closed_off_the_users_thread(ip, hang, monkeypatch):
+    reads = hang(after=3)
+    monkeypatch.setattr(HostSource, "read", reads.wrap(HostSource.read))
+    closed_on: list[threading.Thread] = []
+    close = HostSource.close
+    monkeypatch.setattr(HostSource, "close", lambda source: (closed_on.append(threading.current_thread()),
+                                                             close(source))[1])
+
+    started = time.perf_counter()
+    result = ip.run_cell("%%gpuwatch --interval 0.05 --quiet\nimport time\ntime.sleep(0.3)\n")
+    elapsed = time.perf_counter() - started
+
+    assert result.success
+    assert elapsed < 0.3 + 1.0, f"the cell took {elapsed:.2f} s for 0.3 s of its own code"
+    assert reads.calls >= 3  # it did hang
+    assert threading.main_thread() not in reads.threads
+    assert closed_on and threading.main_thread() not in closed_on
+    run = gpuwidget.last_run()
+    [stalled] = run.sampler["stalled"]
+    assert stalled["source"] == "host" and 0.0 <= stalled["at_s"] < elapsed
+    assert f"host stopped answering at {stalled['at_s']:.1f} s" in run._repr_mimebundle_()["text/plain"]
+    assert session._active is None
+
+
+def test_source_that_stops_answering_is_dropped_by_name_and_the_others_go_on(hang, monkeypatch):
+    monkeypatch.setattr(sampler, "SOURCE_DEADLINE_S", 0.3)
+    monkeypatch.setattr(sampler, "WATCHDOG_PERIOD_S", 0.05)
+    monkeypatch.setattr(sampler, "WATCHDOG_LATE_S", 0.1)
+    released = hang().released
+    host, gpu = CountingSource(), StuckGpuSource(released)
+    running = Sampler([gpu, host], Trace(), interval=0.02).start()
+    try:
+        deadline = time.monotonic() + 5
+        while not running.stats.stalled and time.monotonic() < deadline:
+            time.sleep(0.02)
+        before = host.reads
+        time.sleep(0.3)
+        assert host.reads >= before + 5, "the other sources stopped with the hung one"
+    finally:
+        started = time.perf_counter()
+        running.stop()
+        assert time.perf_counter() - started < sampler.STOP_DEADLINE_S + 0.3
+    [stalled] = running.stats.stalled
+    assert stalled["source"] == "GPU 1"
+    assert stalled["message"].startswith("GPU 1 stopped answering at 0.0 s")
+    assert running.hung_sources == [gpu]
+    assert gpu.reads == 2  # once dropped, never asked again
+
+
+def test_stop_takes_the_last_reading_on_the_sampler_thread(monkeypatch):
+    readers: list[threading.Thread] = []
+
+    class Recording(CountingSource):
+        def read(self) -> dict[str, float]:
+            readers.append(threading.current_thread())
+            return super().read()
+
+    running = Sampler([Recording()], Trace(), interval=5.0).start()
+    time.sleep(0.05)
+    running.stop()
+    assert len(readers) == 2  # the first tick, and the last one on the way out
+    assert threading.current_thread() not in readers
+
+
+# ----------------------------------------------------------------- a second Ctrl-C
+
+
+def _interrupting(method: Callable[..., Any], before: Callable[[Any], None] = lambda _: None) -> Callable[..., Any]:
+    def interrupted(self: Any, *args: Any, **kwargs: Any) -> Any:
+        before(self)
+        raise KeyboardInterrupt
+
+    return interrupted
+
+
+@pytest.mark.parametrize("step", ["probes", "sampler", "source"])
+def test_ctrl_c_during_teardown_still_frees_the_kernel_for_the_next_watch(ip, monkeypatch, step):
+    if step == "probes":  # the interrupt lands just after the patches came off
+        uninstall = Probes.uninstall
+        monkeypatch.setattr(Probes, "uninstall", _interrupting(uninstall, uninstall))
+    elif step == "sampler":  # ...while stop() waits for the thread, which then ends on its own
+        monkeypatch.setattr(Sampler, "stop", _interrupting(Sampler.stop, lambda s: s._stop.set()))
+    else:
+        monkeypatch.setattr(HostSource, "close", _interrupting(HostSource.close))
+
+    # The cell's own Ctrl-C, then a second one while gpuwidget winds down.
+    result = ip.run_cell("%%gpuwatch --quiet --interval 0.02\nraise KeyboardInterrupt\n")
+    assert isinstance(result.error_in_exec, KeyboardInterrupt)
+    assert session._active is None
+    assert gpuwidget.last_run().outcome == "interrupted"  # recorded before the second interrupt went on
+
+    monkeypatch.undo()
+    again = ip.run_cell("%%gpuwatch --quiet --interval 0.02\nwatched_again = 1\n")
+    assert again.success and ip.user_ns.pop("watched_again") == 1
+
+
+# ----------------------------------------------------------------- a failed cell's memory
+
+FAILING_CELL = """\
+import weakref
+import numpy as np
+
+def train():
+    global held
+    big = np.ones(25_000_000)  # 200 MB, alive only in this frame
+    held = weakref.ref(big)
+    raise RuntimeError("loss diverged")
+
+train()
+"""
+
+
+def test_failed_watched_cell_frees_its_frames_after_a_later_error_as_unwatched(ip):
+    process = psutil.Process()
+    for watched in (False, True):
+        gc.collect()
+        rss_before = process.memory_info().rss
+        result = ip.run_cell(("%%gpuwatch --quiet --interval 0.05\n" if watched else "") + FAILING_CELL)
+        assert isinstance(result.error_in_exec, RuntimeError)
+        del result  # it holds the exception, as IPython's own last result does until the next cell
+        ip.run_cell("raise ValueError('an unrelated mistake')")  # IPython lets go of the first traceback
+        gc.collect()
+        assert ip.user_ns["held"]() is None, f"the 200 MB local is still alive ({watched=})"
+        assert process.memory_info().rss - rss_before < 100 * MB
+    error = gpuwidget.last_run().error
+    assert error is not None and (error.type, error.message) == ("RuntimeError", "loss diverged")
+    assert 'raise RuntimeError("loss diverged")' in error.traceback
+    for name in ("held", "train", "np", "weakref"):
+        ip.user_ns.pop(name, None)
+
+
+# ----------------------------------------------------------------- files written safely
+
+
+def test_save_never_writes_through_a_link_planted_at_a_temporary_name(tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    (tmp_path / "run.json.tmp").symlink_to(victim)  # the name Run.save used to write through
+    target = gpu_run().save(tmp_path / "run.json")
+    assert victim.read_text() == "precious"
+    assert Run.load(target).label == "In [7]"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.json", "run.json.tmp", "victim.txt"]
+
+
+def test_save_replaces_a_link_at_the_target_instead_of_following_it(tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    (tmp_path / "run.json").symlink_to(victim)
+    gpu_run().save(tmp_path / "run.json")
+    assert victim.read_text() == "precious"
+    assert not (tmp_path / "run.json").is_symlink()
+
+
+def test_concurrent_saves_to_one_path_never_share_a_temporary_file(tmp_path, monkeypatch):
+    temporaries: list[str] = []
+    mkstemp = runfile.tempfile.mkstemp
+
+    def recording(*args: Any, **kwargs: Any) -> tuple[int, str]:
+        fd, name = mkstemp(*args, **kwargs)
+        temporaries.append(name)
+        return fd, name
+
+    monkeypatch.setattr(runfile.tempfile, "mkstemp", recording)
+    run = gpu_run()
+    errors: list[BaseException] = []
+
+    def save_often() -> None:
+        try:
+            for _ in range(10):
+                run.save(tmp_path / "run.json")
+        except BaseException as exc:  # noqa: BLE001 - reported by the assertion below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=save_often) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert not errors
+    assert len(temporaries) == len(set(temporaries)) == 20
+    assert [p.name for p in tmp_path.iterdir()] == ["run.json"]  # no temporary left behind
+    assert Run.load(tmp_path / "run.json").findings == run.findings
+
+
+def test_bad_save_path_is_refused_before_the_cell_runs(ip, tmp_path):
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(UsageError, match=r"--save: cannot save to .*a_file.* is not a folder"):
+        ip.run_cell_magic("gpuwatch", f"--quiet --save {tmp_path}/a_file/run.json", "cell_ran = 1\n")
+    assert "cell_ran" not in ip.user_ns
+
+
+def test_save_through_dotdot_leaves_no_stray_folder(ip, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = ip.run_cell("%%gpuwatch --quiet --interval 0.05 --save a/../b/run.json\npass\n")
+    assert result.success
+    assert Run.load(tmp_path / "b" / "run.json").finished
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b"]
+
+
+# ----------------------------------------------------------------- files read with suspicion
+
+
+def _saved(tmp_path: Path) -> dict[str, Any]:
+    return json.loads(gpu_run().save(tmp_path / "run.json").read_text())
+
+
+def _write(tmp_path: Path, data: Any, name: str = "hostile.json") -> Path:
+    path = tmp_path / name
+    path.write_text(data if isinstance(data, str) else json.dumps(data))
+    return path
+
+
+MALFORMED: dict[str, Callable[[dict[str, Any]], Any]] = {
+    "a list": lambda d: [d],
+    "no trace": lambda d: {k: v for k, v in d.items() if k != "trace"},
+    "findings not a list": lambda d: {**d, "findings": {"rule": "x"}},
+    "finding without a rule": lambda d: {**d, "findings": [{"severity": "warn"}]},
+    "unknown severity": lambda d: {**d, "findings": [{**d["findings"][0], "severity": "doom"}]},
+    "error without a type": lambda d: {**d, "error": {"message": "m"}},
+    "summary a string": lambda d: {**d, "summary": "fast"},
+    "times as text": lambda d: {**d, "trace": {**d["trace"], "t": ["0"] * len(d["trace"]["t"])}},
+    "short column": lambda d: {**d, "trace": {**d["trace"], "mean": {
+        k: v[:-1] for k, v in d["trace"]["mean"].items()}}},
+    "stats for a column not there": lambda d: {**d, "trace": {**d["trace"], "stats": {
+        **d["trace"]["stats"], "ghost": {"count": 1, "total": 1.0, "min": 1, "max": 1, "last": 1}}}},
+    "span without an end": lambda d: {**d, "trace": {**d["trace"], "spans": [{"kind": "step", "start": 0}]}},
+    "negative rows": lambda d: {**d, "trace": {**d["trace"], "archive_rows": -1}},
+}
+
+
+@pytest.mark.parametrize("case", MALFORMED)
+def test_malformed_run_files_raise_one_clear_error(tmp_path, case):
+    path = _write(tmp_path, MALFORMED[case](_saved(tmp_path)))
+    with pytest.raises(RunFormatError, match="not a saved gpuwidget run"):
+        Run.load(path)
+
+
+def test_not_json_at_all_is_the_same_clear_error(tmp_path):
+    with pytest.raises(RunFormatError, match="not JSON"):
+        Run.load(_write(tmp_path, "{'format': "))
+    binary = tmp_path / "binary.json"
+    binary.write_bytes(b"\xff\xfe\x00{")
+    with pytest.raises(RunFormatError, match="not UTF-8"):
+        Run.load(binary)
+    assert issubclass(RunFormatError, ValueError)  # callers catching ValueError still do
+
+
+def test_sizes_written_in_a_file_never_drive_what_loading_allocates(tmp_path):
+    data = _saved(tmp_path)
+    data["trace"]["archive_rows"] = 5_000_000  # the file holds 50 rows
+    path = _write(tmp_path, data)
+    assert path.stat().st_size < 64 * 1024
+    tracemalloc.start()
+    try:
+        with pytest.raises(RunFormatError, match="archive_rows"):
+            Run.load(path)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 * MB
+
+
+def test_many_empty_columns_load_in_memory_bounded_by_the_file(tmp_path):
+    data = _saved(tmp_path)
+    trace = data["trace"]
+    columns = {f"c{i}": [None] * len(trace["t"]) for i in range(2000)}
+    for key in ("min", "max"):
+        trace[key].update({name: [None] * trace["archive_rows"] for name in columns})
+    trace["archive_count"].update({name: [0] * trace["archive_rows"] for name in columns})
+    trace["mean"].update(columns)
+    path = _write(tmp_path, data)
+    tracemalloc.start()
+    try:
+        loaded = Run.load(path)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert len(loaded.trace.columns) >= 2000
+    assert peak < 20 * path.stat().st_size, f"{peak / MB:.0f} MB for a {path.stat().st_size / MB:.1f} MB file"
+
+
+def test_non_finite_values_in_a_file_render_as_not_available(tmp_path):
+    text = gpu_run().save(tmp_path / "run.json").read_text()
+    data = json.loads(text)
+    data["summary"]["samples_per_s"] = "NAN_HERE"
+    data["summary"]["gpu_busy_mean"] = "INF_HERE"
+    text = json.dumps(data).replace('"NAN_HERE"', "NaN").replace('"INF_HERE"', "Infinity")
+    loaded = Run.load(_write(tmp_path, text))
+    assert loaded.summary["samples_per_s"] is None and loaded.summary["gpu_busy_mean"] is None
+    for shown in loaded._repr_mimebundle_().values():
+        assert "n/a" in shown and "nan" not in shown and "inf/s" not in shown
+
+
+# ----------------------------------------------------------------- --gpus without a driver
+
+
+@pytest.mark.parametrize("scenario", [FakeNvml.library_missing, FakeNvml.driver_not_loaded])
+def test_asking_for_a_gpu_without_a_driver_is_an_error_as_with_gpus(ip, fake_nvml, scenario):
+    fake_nvml(scenario())
+    with pytest.raises(UsageError, match=r"--gpus: there is no GPU 5 here \(no NVIDIA GPU found"):
+        ip.run_cell_magic("gpuwatch", "--gpus 5 --quiet", "cell_ran = 1\n")
+    assert "cell_ran" not in ip.user_ns
+    assert session._active is None
+    ip.run_cell_magic("gpuwatch", "--quiet --interval 0.05", "pass\n")  # without --gpus: host metrics
+    assert not gpuwidget.last_run().gpu_found
+
