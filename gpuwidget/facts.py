@@ -63,7 +63,8 @@ class LoaderFacts(TypedDict, total=False):
     wait_total_s: float  # seconds blocked in next()
     compute_total_s: float  # seconds between next() calls (the loop's own work)
     loop_time_s: float  # wait_total_s + compute_total_s
-    wait_cpu_ratio: float | None  # process CPU seconds per wall second while blocked in next()
+    wait_cpu_ratio: float | None  # CPU seconds of the looping thread per wall second while blocked in next()
+    wait_delay_ratio: float | None  # its run delay (runnable, waiting for a core) per wall second then
     step_times: list[float]  # seconds per step, the latest STEP_HISTORY of them
     wait_times: list[float]  # seconds blocked per next(), the latest STEP_HISTORY
     owner: str | None  # framework that built or drives it: "transformers", "accelerate", "lightning"
@@ -95,6 +96,9 @@ ModelFacts = TypedDict("ModelFacts", {
     "float32_matmul_precision": str,  # "highest", "high", "medium"
     "cuda_matmul_allow_tf32": bool,
     "cudnn_allow_tf32": bool,
+    "tf32_api": str,  # "fp32_precision" (torch's current switches) or "legacy"
+    "matmul_fp32_precision": str | None,  # effective torch.backends.cuda.matmul.fp32_precision: "ieee", "tf32"
+    "conv_fp32_precision": str | None,  # effective torch.backends.cudnn.conv.fp32_precision
 }, total=False)
 
 
@@ -107,6 +111,7 @@ class CudaDeviceFacts(TypedDict, total=False):
     total_memory: int  # bytes
     peak_allocated: int  # bytes, torch.cuda.max_memory_allocated
     peak_reserved: int  # bytes, torch.cuda.max_memory_reserved
+    uuid: str  # the device's UUID as torch gives it (no "GPU-" prefix), to match NVML's device
 
 
 class CudaFacts(TypedDict, total=False):
@@ -145,6 +150,11 @@ class GpuFacts(TypedDict, total=False):
     parent_uuid: str | None
     pci_bus_id: str | None
     gpm: bool  # GPM metrics (SM occupancy, tensor activity) readable
+    capability: list[int] | None  # CUDA compute capability [major, minor]
+    power_limit_default: float | None  # watts, the board's default power limit
+    pcie_gen_max: int | None  # PCIe generation the GPU and its slot allow
+    pcie_width_max: int | None  # PCIe lanes the GPU and its slot allow
+    foreign_pid_namespace: bool  # NVML reports pids of another PID namespace (a container)
     lost: str | None  # why the GPU stopped answering, None while it answers
 
 
@@ -152,7 +162,9 @@ class MachineFacts(TypedDict, total=False):
     """The host and GPUs a run is judged against (``session.machine_facts`` + the NVML source)."""
 
     cpu_count: int | None  # logical CPUs of the host
-    usable_cpus: int  # CPUs this process may run on (affinity)
+    usable_cpus: int  # CPUs this process may keep busy: affinity within the cgroup's limits (sources.cgroup)
+    cpu_limit: float | None  # the cgroup's CPU-time quota in cores (1.5 = 150000/100000), None: no quota
+    mem_limit: int | None  # the cgroup's memory limit, bytes; None: no limit
     mem_total: int  # bytes of host memory
     pid: int  # the watched process
     gpus: list[GpuFacts]  # empty without a GPU
@@ -191,11 +203,30 @@ class Summary(TypedDict, total=False):
     cpu_util_mean: float | None  # host CPU, percent of all cores
     process_cpu_mean: float | None  # this process, percent of one core (can exceed 100)
     workers_cpu_mean: float | None  # its child processes (loader workers), percent of one core
-    gpu_busy_mean: float  # NVML utilisation, percent, mean over GPUs
+    # Kernel counters (gpuwidget.sources.host), present only where the platform has them:
+    process_run_delay_mean: float  # main thread runnable but waiting for a core, percent of wall time
+    workers_run_delay_mean: float  # the workers' run delay summed, percent of one core
+    other_cpu_mean: float  # processes outside this tree on its CPUs, percent of one core
+    psi_cpu_some_mean: float  # host PSI: some task waited for a CPU, percent of wall time
+    psi_io_some_mean: float  # host PSI: some task waited on I/O, percent of wall time
+    psi_cgroup_cpu_some_mean: float  # this cgroup's cpu.pressure "some", percent of wall time
+    gpu_busy_mean: float  # NVML utilisation, percent, mean over the GPUs judged (gpu_busy_basis)
+    gpu_busy_basis: str  # "used": the GPUs this workload used; "visible": no sign of use, every GPU
+    gpus_used: list[int]  # CUDA indexes where this workload's processes or torch held memory
+    gpus_unused_idle: list[int]  # the other GPUs, idle (under summary.IDLE_UTIL_PERCENT)
+    gpus_unused_busy: list[int]  # the other GPUs, busy with someone else's work
+    gpu_sm_active_mean: float  # GPM SM activity, percent, mean over judged GPUs (Hopper and newer)
+    gpu_tensor_active_mean: float  # GPM tensor-pipe activity, percent, mean over judged GPUs
+    gpu_power_capped_fraction: float  # share of busy samples at the software power cap (worst GPU)
+    gpu_power_limit_ratio: float  # enforced power limit / the board's default (lowest GPU)
+    gpu_pcie_link_by_gpu: dict[str, dict[str, int]]  # pcie_gen, pcie_width (best seen), *_max, per GPU
+    gpus_pcie_degraded: list[int]  # GPUs whose link stayed below its generation or width
+    gpu_pid_namespace_foreign: bool  # the driver's pids are not this process's namespace (a container)
+    process_gpu_mem_source: str  # "nvml" (per-process list) or "torch" (memory_reserved)
     gpu_busy_by_gpu: dict[str, float]  # percent per CUDA index ("0")
     gpu_idle_gaps: int  # gaps of at least summary.IDLE_GAP_S under summary.IDLE_UTIL_PERCENT
     gpu_longest_idle_s: float
-    gpu_throttle_fraction: float  # share of busy samples with a throttle reason set (worst GPU)
+    gpu_throttle_fraction: float  # share of busy samples with a slowdown reason (thermal, HW, brake), worst GPU
     gpu_clock_ratio_busy: float  # SM clock / its maximum while busy (worst GPU)
     process_gpu_mem_peak: float  # bytes this process held on a GPU, peak
     peak_gpu_mem_fraction: float  # of total memory, worst GPU

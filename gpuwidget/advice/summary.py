@@ -12,7 +12,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from gpuwidget.facts import LoaderFacts, Summary, WorkloadFacts
+from gpuwidget.facts import CudaDeviceFacts, LoaderFacts, MachineFacts, Summary, WorkloadFacts
+from gpuwidget.sources.nvml import uuid_key
 from gpuwidget.trace import Trace
 
 # Span kinds the workload probes record (gpuwidget.probes.torch_data).
@@ -25,10 +26,14 @@ DATA_WAIT_SPAN = "loader.wait"
 IDLE_UTIL_PERCENT = 5.0
 IDLE_GAP_S = 0.5
 
-# NVML clock-event bits that mean the GPU slowed itself down: software power cap (0x4),
-# hardware slowdown (0x8), software thermal (0x20), hardware thermal (0x40) and power
-# brake (0x80). Idle (0x1) and application-clock settings (0x2) are not throttling.
-THROTTLE_BITS = 0x4 | 0x8 | 0x20 | 0x40 | 0x80
+# NVML clock-event bits (nvml.h, nvmlClocksEventReason*) that mean the GPU slowed itself down:
+# hardware slowdown (0x8), software thermal (0x20), hardware thermal (0x40), hardware power brake (0x80).
+SLOWDOWN_BITS = 0x8 | 0x20 | 0x40 | 0x80
+# Software power cap (0x4): the GPU holds its power limit. A busy H100 at its default limit sits
+# there as a matter of course; it is a slowdown only when the enforced limit is below the default.
+POWER_CAP_BIT = 0x4
+# GPU idle (0x1): clocks are low because nothing runs. Application clocks (0x2) are a setting.
+CLOCK_EVENT_IDLE = 0x1
 # Clock figures are judged only on samples where the GPU was doing work.
 BUSY_UTIL_PERCENT = 50.0
 
@@ -78,8 +83,11 @@ def idle_gaps(trace: Trace, index: int) -> list[tuple[float, float]]:
 
 
 def summarize(trace: Trace, workload: WorkloadFacts | None = None,
-              duration_s: float | None = None) -> Summary:
-    """The run's summary dict (keys documented in DESIGN.md's public contract)."""
+              duration_s: float | None = None, machine: MachineFacts | None = None) -> Summary:
+    """The run's summary dict (keys documented in DESIGN.md's public contract and facts.Summary).
+
+    ``machine`` (the NVML source's device list) lets torch's devices be matched to NVML's by UUID.
+    """
     duration = trace.duration if duration_s is None else duration_s
     summary: Summary = {"duration_s": duration}
 
@@ -107,66 +115,231 @@ def summarize(trace: Trace, workload: WorkloadFacts | None = None,
     else:
         summary.update({"steps": None, "samples": None, "samples_per_s": None, "data_wait_fraction": None})
 
-    summary["cpu_util_mean"] = _stat(trace, "cpu.util")
-    summary["process_cpu_mean"] = _stat(trace, "proc.cpu")
-    summary["workers_cpu_mean"] = _stat(trace, "proc.workers_cpu")
+    summary.update(host_figures(trace))
 
-    busy: dict[int, float] = {}
-    mem_fraction: dict[int, float] = {}
-    longest_gap = 0.0
-    gap_count = 0
-    for index in gpu_indices(trace):
-        util = _stat(trace, f"gpu{index}.util")
-        if util is not None:
-            busy[index] = util
-            gaps = idle_gaps(trace, index)
-            gap_count += len(gaps)
-            longest_gap = max([longest_gap] + [end - start for start, end in gaps])
-        used = _stat(trace, f"gpu{index}.mem_used", "max")
-        total = _stat(trace, f"gpu{index}.mem_total", "max")
-        if used is not None and total:
-            mem_fraction[index] = used / total
-    cuda = (workload or {}).get("cuda") or {}
-    for device in cuda.get("devices") or []:
-        # The allocator's own peak is exact where NVML polling could miss a short spike.
-        if device.get("total_memory"):
-            peak = device["peak_reserved"] / device["total_memory"]
-            mem_fraction[device["index"]] = max(mem_fraction.get(device["index"], 0.0), peak)
-    throttle = [t for t in (_throttling(trace, index) for index in busy) if t is not None]
-    if throttle:
-        summary["gpu_throttle_fraction"] = max(fraction for fraction, _ in throttle)
-        ratios = [ratio for _, ratio in throttle if ratio is not None]
-        if ratios:
-            summary["gpu_clock_ratio_busy"] = min(ratios)
-    own_memory = [_stat(trace, f"gpu{index}.proc_mem", "max") for index in gpu_indices(trace)]
-    if any(value is not None for value in own_memory):
-        summary["process_gpu_mem_peak"] = max(value or 0.0 for value in own_memory)
-    if busy:
-        summary["gpu_busy_mean"] = sum(busy.values()) / len(busy)
-        summary["gpu_busy_by_gpu"] = {str(index): value for index, value in busy.items()}
-        summary["gpu_idle_gaps"] = gap_count
-        summary["gpu_longest_idle_s"] = longest_gap
-    if mem_fraction:
-        summary["peak_gpu_mem_fraction"] = max(mem_fraction.values())
-        summary["peak_gpu_mem_fraction_by_gpu"] = {str(index): value for index, value in mem_fraction.items()}
+    summary.update(gpu_figures(trace, workload, machine))
     return summary
 
 
-def _throttling(trace: Trace, index: int) -> tuple[float, float | None] | None:
-    """(share of busy samples with a throttle bit set, mean SM clock / max clock while busy).
+def gpu_figures(trace: Trace, workload: WorkloadFacts | None = None,
+                machine: MachineFacts | None = None) -> Summary:
+    """The GPU figures, judged on the GPUs this workload used; the others are listed apart.
 
-    Read from the samples still held at full resolution: a bitmask has no meaningful mean.
+    A node's seven idle GPUs must not dilute the one that trained: ``gpu_busy_mean``, idle gaps,
+    memory, throttling and SM activity come from the GPUs the workload used (its processes held
+    memory there per NVML, or torch allocated there). Without any sign of use (the work ran on the
+    CPU, or nothing says where) every GPU is judged, and ``gpu_busy_basis`` says which it was.
+    """
+    indices = gpu_indices(trace)
+    torch_devices = torch_devices_by_gpu(workload, machine)
+    used = gpus_used(trace, indices, torch_devices)
+    judged = used or indices
+    figures: Summary = {}
+    busy = {index: value for index in indices if (value := _stat(trace, f"gpu{index}.util")) is not None}
+    judged_busy = [busy[index] for index in judged if index in busy]
+    if judged_busy:
+        gaps = [gap for index in judged if index in busy for gap in idle_gaps(trace, index)]
+        figures["gpu_busy_mean"] = sum(judged_busy) / len(judged_busy)
+        figures["gpu_busy_by_gpu"] = {str(index): value for index, value in busy.items()}
+        figures["gpu_busy_basis"] = "used" if used else "visible"
+        figures["gpu_idle_gaps"] = len(gaps)
+        figures["gpu_longest_idle_s"] = max([0.0] + [end - start for start, end in gaps])
+    if indices:
+        figures["gpus_used"] = used
+        unused = [index for index in indices if used and index not in used]
+        figures["gpus_unused_idle"] = [i for i in unused if busy.get(i, 0.0) < IDLE_UTIL_PERCENT]
+        figures["gpus_unused_busy"] = [i for i in unused if busy.get(i, 0.0) >= IDLE_UTIL_PERCENT]
+    figures.update(_activity(trace, judged))
+    figures.update(_memory(trace, judged, torch_devices))
+    figures.update(_clocks(trace, [index for index in judged if index in busy]))
+    figures.update(_own_memory(trace, indices, torch_devices, machine))
+    figures.update(_pcie_links(trace, judged))
+    return figures
+
+
+def torch_devices_by_gpu(workload: WorkloadFacts | None, machine: MachineFacts | None) -> dict[int, CudaDeviceFacts]:
+    """torch's CUDA devices keyed by the trace's GPU number: by UUID where both sides know it (NVML's
+    numbering is a guess on mixed-model hosts), else by CUDA index (the numbering both follow)."""
+    by_uuid = {uuid_key(gpu["uuid"]): gpu["index"] for gpu in (machine or {}).get("gpus") or []
+               if gpu.get("uuid") and gpu.get("index") is not None}
+    devices: dict[int, CudaDeviceFacts] = {}
+    for device in ((workload or {}).get("cuda") or {}).get("devices") or []:
+        uuid = device.get("uuid")
+        index = by_uuid.get(uuid_key(str(uuid))) if uuid else None
+        devices[device["index"] if index is None else int(index)] = device
+    return devices
+
+
+def gpus_used(trace: Trace, indices: Sequence[int], torch_devices: dict[int, CudaDeviceFacts]) -> list[int]:
+    """GPUs this workload used: its processes held memory there (NVML) or torch reserved memory there."""
+    used = {index for index in indices if (_stat(trace, f"gpu{index}.proc_mem", "max") or 0.0) > 0}
+    used |= {index for index, device in torch_devices.items() if (device.get("peak_reserved") or 0) > 0}
+    return sorted(used)
+
+
+def _activity(trace: Trace, judged: Sequence[int]) -> Summary:
+    """GPM's SM and tensor-pipe activity (Hopper and newer), mean over the judged GPUs that have it."""
+    figures: Summary = {}
+    for metric, key in (("sm_active", "gpu_sm_active_mean"), ("tensor_active", "gpu_tensor_active_mean")):
+        values = [value for index in judged if (value := _stat(trace, f"gpu{index}.{metric}")) is not None]
+        if values:
+            figures[key] = sum(values) / len(values)  # type: ignore[literal-required]
+    return figures
+
+
+def _memory(trace: Trace, judged: Sequence[int], torch_devices: dict[int, CudaDeviceFacts]) -> Summary:
+    fraction: dict[int, float] = {}
+    for index in judged:
+        used = _stat(trace, f"gpu{index}.mem_used", "max")
+        total = _stat(trace, f"gpu{index}.mem_total", "max")
+        if used is not None and total:
+            fraction[index] = used / total
+    for index, device in torch_devices.items():
+        # The allocator's own peak is exact where NVML polling could miss a short spike.
+        if device.get("total_memory") and (index in judged or not judged):
+            peak = device["peak_reserved"] / device["total_memory"]
+            fraction[index] = max(fraction.get(index, 0.0), peak)
+    if not fraction:
+        return {}
+    return {"peak_gpu_mem_fraction": max(fraction.values()),
+            "peak_gpu_mem_fraction_by_gpu": {str(index): value for index, value in fraction.items()}}
+
+
+def _clocks(trace: Trace, judged: Sequence[int]) -> Summary:
+    """Slowdown and power-cap shares of busy samples and the clock ratio (worst GPU), and the
+    enforced power limit over the board's default (lowest)."""
+    figures: Summary = {}
+    throttle = [t for t in (_throttling(trace, index) for index in judged) if t is not None]
+    if throttle:
+        figures["gpu_throttle_fraction"] = max(slowdown for slowdown, _, _ in throttle)
+        figures["gpu_power_capped_fraction"] = max(capped for _, capped, _ in throttle)
+        ratios = [ratio for _, _, ratio in throttle if ratio is not None]
+        if ratios:
+            figures["gpu_clock_ratio_busy"] = min(ratios)
+    limits = []
+    for index in judged:
+        enforced = _stat(trace, f"gpu{index}.power_limit", "min")
+        default = _stat(trace, f"gpu{index}.power_limit_default", "max")
+        if enforced is not None and default:
+            limits.append(enforced / default)
+    if limits:
+        figures["gpu_power_limit_ratio"] = min(limits)
+    return figures
+
+
+def _own_memory(trace: Trace, indices: Sequence[int], torch_devices: dict[int, CudaDeviceFacts],
+                machine: MachineFacts | None) -> Summary:
+    """Peak GPU memory of this process (one GPU), from NVML, or from torch where NVML can't know it.
+
+    NVML has no PID-namespace support: in a container it lists this process under its host pid, so
+    its memory reads 0 or is left out. Then torch's own memory_reserved stands in, and the summary
+    says the namespace is foreign.
+    """
+    listed = [value for index in indices if (value := _stat(trace, f"gpu{index}.proc_mem", "max")) is not None]
+    nvml_peak = max(listed) if listed else None
+    reserved = [device.get("peak_reserved") or 0 for device in torch_devices.values()]
+    torch_peak = float(max(reserved)) if reserved else None
+    foreign = any(gpu.get("foreign_pid_namespace") for gpu in (machine or {}).get("gpus") or [])
+    foreign = foreign or bool(torch_peak and nvml_peak == 0)
+    figures: Summary = {}
+    if foreign:
+        figures["gpu_pid_namespace_foreign"] = True
+    if torch_peak is not None and (foreign or nvml_peak is None):
+        figures["process_gpu_mem_peak"] = torch_peak
+        figures["process_gpu_mem_source"] = "torch"
+    elif nvml_peak is not None:
+        figures["process_gpu_mem_peak"] = nvml_peak
+        figures["process_gpu_mem_source"] = "nvml"
+    return figures
+
+
+def _pcie_links(trace: Trace, judged: Sequence[int]) -> Summary:
+    """Each judged GPU's PCIe link at its best during the run against what it allows; an idle GPU
+    trains its link down to save power, so only a GPU that was busy at some point is judged."""
+    links: dict[str, dict[str, int]] = {}
+    for index in judged:
+        figures = {name: _stat(trace, f"gpu{index}.{name}", "max")
+                   for name in ("pcie_gen", "pcie_width", "pcie_gen_max", "pcie_width_max", "util")}
+        if any(figures[name] is None for name in ("pcie_gen", "pcie_width", "pcie_gen_max", "pcie_width_max")):
+            continue
+        if (figures["util"] or 0.0) < BUSY_UTIL_PERCENT:
+            continue
+        links[str(index)] = {name: int(value or 0) for name, value in figures.items() if name != "util"}
+    if not links:
+        return {}
+    degraded = [int(index) for index, link in links.items()
+                if link["pcie_gen"] < link["pcie_gen_max"] or link["pcie_width"] < link["pcie_width_max"]]
+    return {"gpu_pcie_link_by_gpu": links, "gpus_pcie_degraded": degraded}
+
+
+def gpu_scope_note(summary: Summary) -> str | None:
+    """One line on the GPUs the figures leave out: "GPUs 1-7 were idle and unused by this kernel"."""
+    parts = []
+    for indices, what in ((summary.get("gpus_unused_idle") or [], "idle and unused by this kernel"),
+                          (summary.get("gpus_unused_busy") or [], "busy with other work, not this kernel's")):
+        if indices:
+            parts.append(f"{_gpu_list(indices)} {'was' if len(indices) == 1 else 'were'} {what}")
+    return "; ".join(parts) + "." if parts else None
+
+
+def _gpu_list(indices: Sequence[int]) -> str:
+    """[1, 2, 3, 5] -> "GPUs 1-3, 5"; [4] -> "GPU 4"."""
+    runs: list[list[int]] = []
+    for index in sorted(indices):
+        if runs and index == runs[-1][-1] + 1:
+            runs[-1].append(index)
+        else:
+            runs.append([index])
+    text = ", ".join(f"{run[0]}-{run[-1]}" if len(run) > 2 else ", ".join(map(str, run)) for run in runs)
+    return f"GPU{'s' if len(indices) > 1 else ''} {text}"
+
+
+# Host columns (gpuwidget.sources.host) -> summary keys, each the mean over the run. The CPU
+# figures are always present (None without readings); the kernel counters only where the
+# platform has them (schedstat, PSI), so a missing counter is an absent key, never 0.
+HOST_MEANS = {"cpu.util": "cpu_util_mean", "proc.cpu": "process_cpu_mean", "proc.workers_cpu": "workers_cpu_mean"}
+HOST_MEANS_WHERE_MEASURED = {
+    "proc.run_delay": "process_run_delay_mean",
+    "proc.workers_run_delay": "workers_run_delay_mean",
+    "cpu.others": "other_cpu_mean",
+    "psi.cpu_some": "psi_cpu_some_mean",
+    "psi.io_some": "psi_io_some_mean",
+    "psi.cgroup_cpu_some": "psi_cgroup_cpu_some_mean",
+}
+
+
+def host_figures(trace: Trace) -> Summary:
+    """The host and process-tree figures of the summary: CPU use, run delay, pressure (units in facts.Summary)."""
+    figures: Summary = {}
+    for column, key in HOST_MEANS.items():
+        figures[key] = _stat(trace, column)  # type: ignore[literal-required]
+    for column, key in HOST_MEANS_WHERE_MEASURED.items():
+        value = _stat(trace, column)
+        if value is not None:
+            figures[key] = value  # type: ignore[literal-required]
+    return figures
+
+
+def _throttling(trace: Trace, index: int) -> tuple[float, float, float | None] | None:
+    """(share of busy samples with a slowdown bit set, share with the power-cap bit set, mean SM clock
+    over its maximum on those samples), or None when the GPU was never busy.
+
+    Read from the samples still held at full resolution: a bitmask has no meaningful mean. Samples
+    with the idle bit are left out: an idle GPU's low clocks are on purpose, not throttling.
     """
     columns = [f"gpu{index}.util", f"gpu{index}.clock_events", f"gpu{index}.sm_clock", f"gpu{index}.sm_clock_max"]
     frame = trace.recent_since(-np.inf, columns)
     util, events = frame.mean[columns[0]], frame.mean[columns[1]]
+    known = ~np.isnan(events)
+    bits = np.where(known, np.nan_to_num(events), 0).astype(np.int64)
     with np.errstate(invalid="ignore"):
-        busy = util >= BUSY_UTIL_PERCENT
+        busy = (util >= BUSY_UTIL_PERCENT) & ((bits & CLOCK_EVENT_IDLE) == 0)
     if not busy.any():
         return None
-    known = busy & ~np.isnan(events)
-    fraction = float(np.mean((events[known].astype(np.int64) & THROTTLE_BITS) != 0)) if known.any() else 0.0
+    judged = busy & known
+    slowdown = float(np.mean((bits[judged] & SLOWDOWN_BITS) != 0)) if judged.any() else 0.0
+    capped = float(np.mean((bits[judged] & POWER_CAP_BIT) != 0)) if judged.any() else 0.0
     with np.errstate(invalid="ignore", divide="ignore"):
         ratio = frame.mean[columns[2]][busy] / frame.mean[columns[3]][busy]
     ratio = ratio[~np.isnan(ratio)]
-    return fraction, (float(np.mean(ratio)) if len(ratio) else None)
+    return slowdown, capped, (float(np.mean(ratio)) if len(ratio) else None)

@@ -221,6 +221,7 @@ class CudaMemoryProbe:
         devices = []
         for index in range(torch.cuda.device_count()):
             properties = torch.cuda.get_device_properties(index)
+            uuid = getattr(properties, "uuid", None)  # to match NVML's device by UUID (mixed-GPU hosts)
             devices.append({
                 "index": index,
                 "name": properties.name,
@@ -228,5 +229,6 @@ class CudaMemoryProbe:
                 "total_memory": int(properties.total_memory),
                 "peak_allocated": int(torch.cuda.max_memory_allocated(index)),
                 "peak_reserved": int(torch.cuda.max_memory_reserved(index)),
+                **({} if uuid is None else {"uuid": str(uuid)}),
             })
         return {"devices": devices, "peak_since_cell_start": self.reset_at_start}

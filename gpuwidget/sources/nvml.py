@@ -976,7 +976,10 @@ class NvmlSource:
             "cuda_order": self.cuda_order,
             "foreign_pid_namespace": self.foreign_pid_namespace,
             "missing": list(self.missing),
-            "devices": [device.describe() for device in self._devices],
+            "devices": [
+                {**device.describe(), "foreign_pid_namespace": self.foreign_pid_namespace}
+                for device in self._devices
+            ],
         }
 
     # -- one tick ----------------------------------------------------------------------------------
