@@ -84,6 +84,7 @@ export class GpuPanel extends Widget {
     header.appendChild(element('h2', 'jp-gpuwidget-heading', 'GPUs'));
     header.appendChild(this._status);
     this.node.append(header, this._notice, this._cardsNode);
+    // With this widget as thisArg, Widget.dispose() disconnects it (Signal.clearData).
     this.model.changed.connect(this._changed, this);
   }
 
@@ -130,7 +131,6 @@ export class GpuPanel extends Widget {
     if (this.isDisposed) {
       return;
     }
-    this.model.changed.disconnect(this._changed, this);
     this._resizeObserver?.disconnect();
     this._destroyCards();
     if (this._frame !== null) {

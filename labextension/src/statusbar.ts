@@ -16,18 +16,12 @@ export class GpuStatusItem extends Widget {
     super({ node: document.createElement('button') });
     this.addClass('jp-gpuwidget-statusitem');
     this._model = model;
+    // With this widget as thisArg, Widget.dispose() disconnects it (Signal.clearData).
     model.changed.connect(this._changed, this);
     this.node.addEventListener('click', onClick);
     // The tooltip says how old the values are: recompute it when it is about to show.
     this.node.addEventListener('mouseenter', () => this.refresh());
     this.refresh();
-  }
-
-  dispose(): void {
-    if (!this.isDisposed) {
-      this._model.changed.disconnect(this._changed, this);
-    }
-    super.dispose();
   }
 
   private _changed(_model: SidebarModel, change: ModelChange): void {

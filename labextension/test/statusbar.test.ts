@@ -32,4 +32,15 @@ describe('GpuStatusItem', () => {
     expect(clicks).toEqual([1]);
     item.dispose();
   });
+
+  it('stops following the model once disposed', () => {
+    const model = new SidebarModel(1);
+    const item = new GpuStatusItem(model, () => undefined);
+    model.handle(hello(gpuDevices(1)));
+    model.handle(sample(Date.now() / 1000, { 'gpu0.util': 87 }));
+    const shown = item.node.textContent;
+    item.dispose();
+    model.handle(sample(Date.now() / 1000, { 'gpu0.util': 12 }));
+    expect(item.node.textContent).toBe(shown);
+  });
 });
