@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
-from gpuwidget.advice.summary import DATA_WAIT_SPAN, gpu_indices
+from gpuwidget.advice.summary import DATA_WAIT_SPAN, gpu_indices, gpu_scope_notes
 from gpuwidget.chart import CPU_COLOR, PALETTE, WAIT_COLOR, merge_bands, percent_data, plot_columns
 
 if TYPE_CHECKING:
@@ -147,7 +147,7 @@ def gpu_lines(run: Run) -> list[str]:
         if str(index) in mem:
             details.append(f"peak memory {fmt_fraction(mem[str(index)])}")
         lines.append(text + (": " + ", ".join(details) if details else ": no utilisation reported"))
-    return lines + stalled
+    return lines + gpu_scope_notes(run.summary) + stalled
 
 
 # ----------------------------------------------------------------- plain text

@@ -282,6 +282,20 @@ def gpu_scope_note(summary: Summary) -> str | None:
     return "; ".join(parts) + "." if parts else None
 
 
+def gpu_scope_notes(summary: Summary) -> list[str]:
+    """What a reader must know to read the GPU figures: GPUs left out, a foreign PID namespace, a slow link."""
+    notes = [note] if (note := gpu_scope_note(summary)) else []
+    if summary.get("gpu_pid_namespace_foreign"):
+        notes.append("This process runs in its own PID namespace (a container): the driver reports host pids, "
+                     "so its GPU memory is torch's memory_reserved.")
+    links = summary.get("gpu_pcie_link_by_gpu") or {}
+    for index in summary.get("gpus_pcie_degraded") or []:
+        link = links.get(str(index)) or {}
+        notes.append(f"GPU {index}'s PCIe link ran at Gen{link.get('pcie_gen')} x{link.get('pcie_width')} of "
+                     f"Gen{link.get('pcie_gen_max')} x{link.get('pcie_width_max')}: host-device copies are slower.")
+    return notes
+
+
 def _gpu_list(indices: Sequence[int]) -> str:
     """[1, 2, 3, 5] -> "GPUs 1-3, 5"; [4] -> "GPU 4"."""
     runs: list[list[int]] = []

@@ -1,8 +1,35 @@
-"""Facts the GPU rules share: was a GPU measured, where did the model run, its capability."""
+"""Facts the GPU rules share: was a GPU measured, how hard it worked, where the model ran, its capability."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from gpuwidget.facts import MachineFacts, Summary, WorkloadFacts
+
+# DCGM's profiling-metrics guidance: SM activity of 0.8 or more is needed to use a GPU well, below
+# 0.5 its use is ineffective. NVML's utilisation is the share of time *any* kernel ran (one tiny
+# kernel counts as 100%), so where GPM gives SM activity (Hopper and newer) the rules judge that.
+SM_ACTIVE_LOW_PERCENT = 50.0
+
+
+class Busy(NamedTuple):
+    """How hard the judged GPUs worked, percent, and which counter says so (named in evidence)."""
+
+    percent: float
+    signal: str  # "sm_active" (GPM) or "utilisation" (NVML)
+
+    @property
+    def evidence(self) -> dict[str, float | str]:
+        key = "sm_active_percent" if self.signal == "sm_active" else "gpu_busy_percent"
+        return {"signal": self.signal, key: round(self.percent, 1)}
+
+
+def busy(summary: Summary) -> Busy:
+    """GPM's SM activity where the GPU has it, NVML's utilisation otherwise (call after gpu_measured)."""
+    sm_active = summary.get("gpu_sm_active_mean")
+    if sm_active is not None:
+        return Busy(sm_active, "sm_active")
+    return Busy(summary["gpu_busy_mean"], "utilisation")
 
 
 def gpu_measured(summary: Summary, machine: MachineFacts) -> bool:
@@ -29,8 +56,11 @@ def model_name(workload: WorkloadFacts) -> str:
 
 
 def gpu_speedup_bound(summary: Summary, cap: float = 10.0) -> float | None:
-    """A GPU cannot be busier than 100%: throughput can rise at most 100 / busy-percent."""
-    busy = summary.get("gpu_busy_mean")
-    if not busy or busy <= 0:
+    """A GPU cannot be busier than 100%: throughput can rise at most 100 / busy-percent (SM activity
+    where GPM has it)."""
+    if summary.get("gpu_busy_mean") is None:
         return None
-    return round(min(cap, max(1.0, 100.0 / busy)), 2)
+    percent = busy(summary).percent
+    if percent <= 0:
+        return None
+    return round(min(cap, max(1.0, 100.0 / percent)), 2)

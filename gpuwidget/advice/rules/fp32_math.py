@@ -1,22 +1,32 @@
 """fp32-math: FP32 weights on an Ampere-or-newer GPU with no autocast and TF32 off.
 
-Since Ampere (compute capability 8.0) Tensor Cores run TF32 and BF16 matrix math at many
-times FP32's rate (A100: 156 TF32 / 312 BF16 vs 19.5 FP32 TFLOPS, NVIDIA's datasheet);
-with ``float32_matmul_precision == "highest"`` and no autocast, matmuls skip them.
+Since Ampere (compute capability 8.0) Tensor Cores run TF32 and BF16 matrix math faster than the
+FP32 units, by a ratio that depends on the chip (dense figures from NVIDIA's datasheets, below);
+with TF32 off (``fp32_precision == "ieee"``, legacy ``float32_matmul_precision == "highest"``) and no
+autocast, matmuls skip them. Where GPM reports tensor-pipe activity (Hopper and newer), tensor pipes
+already busy mean the Tensor Cores are in use and there is nothing to say.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from gpuwidget.advice.finding import Finding
-from gpuwidget.advice.rules._gpu import capability, gpu_measured, model_name, model_on_cuda
-from gpuwidget.facts import MachineFacts, Summary, WorkloadFacts
+from gpuwidget.advice.rules._gpu import busy, capability, gpu_measured, model_name, model_on_cuda
+from gpuwidget.facts import MachineFacts, ModelFacts, Summary, WorkloadFacts
 
 RULE = "fp32-math"
 MIN_CAPABILITY = (8, 0)
 # Share of parameters in float32 above which the model counts as FP32.
 FP32_SHARE = 0.5
-# TF32 vs FP32 peak on A100: an upper bound for the matmul share of busy GPU time.
-TENSOR_CORE_RATIO = 8.0
+# Dense TF32 Tensor Core peak over FP32 peak, per compute capability (NVIDIA datasheets; the
+# doubled "with sparsity" figures do not apply to training): A100 156/19.5 = 8x; A40 74.8/37.4 and
+# A10 62.5/31.2 = 2x; L40S 183/91.6 and L4 60/30.3 = 2x; H100 SXM 494.7/67 = 7.4x.
+TF32_OVER_FP32 = {(8, 0): 8.0, (8, 6): 2.0, (8, 9): 2.0, (9, 0): 7.4}
+# Another chip: the smallest ratio above, so the gain is never overstated.
+DEFAULT_TF32_OVER_FP32 = 2.0
+# GPM tensor-pipe activity at or above this share of time: the Tensor Cores already carry work.
+TENSOR_ACTIVE_IN_USE_PERCENT = 10.0
 
 
 def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> Finding | None:
@@ -30,25 +40,57 @@ def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> F
     total = sum(dtypes.values())
     if not total or dtypes.get("float32", 0) / total < FP32_SHARE:
         return None
-    if (model.get("autocast") or {}).get("enabled") or model.get("float32_matmul_precision") != "highest":
+    if (model.get("autocast") or {}).get("enabled") or _matmul_tf32(model):
         return None
-    busy = summary["gpu_busy_mean"] / 100.0
-    bound = 1.0 / (1.0 - busy * (1.0 - 1.0 / TENSOR_CORE_RATIO))
+    tensor_active = summary.get("gpu_tensor_active_mean")
+    if tensor_active is not None and tensor_active >= TENSOR_ACTIVE_IN_USE_PERCENT:
+        return None
+    ratio = TF32_OVER_FP32.get(cap, DEFAULT_TF32_OVER_FP32)
+    worked = busy(summary)
+    # Amdahl: at most the busy share of the time speeds up, by at most the chip's ratio.
+    share = worked.percent / 100.0
+    bound = 1.0 / (1.0 - share * (1.0 - 1.0 / ratio))
     name = model_name(workload)
+    conv_off = model.get("cudnn_allow_tf32") is False
+    evidence: dict[str, Any] = {
+        "param_dtypes": dtypes, "autocast": False, "capability": f"{cap[0]}.{cap[1]}",
+        "float32_matmul_precision": model.get("float32_matmul_precision"),
+        "cudnn_allow_tf32": model.get("cudnn_allow_tf32"), "tf32_over_fp32": ratio,
+        **worked.evidence, "gpu_busy_percent": round(summary["gpu_busy_mean"], 1),
+    }
+    if tensor_active is not None:
+        evidence["tensor_active_percent"] = round(tensor_active, 1)
     return Finding(
         rule=RULE,
         severity="warn",
         title=f"FP32 math skips the Tensor Cores (compute capability {cap[0]}.{cap[1]})",
-        evidence={"param_dtypes": dtypes, "autocast": False,
-                  "float32_matmul_precision": model.get("float32_matmul_precision"),
-                  "capability": f"{cap[0]}.{cap[1]}", "gpu_busy_percent": round(100 * busy, 1)},
+        evidence=evidence,
         suggestion=("The model's weights are float32, autocast is off and TF32 is disabled, so matrix math "
-                    "runs on the FP32 units. Allow TF32 (one line, tiny precision change) or train under "
-                    "bfloat16 autocast (larger gain, keeps FP32 master weights)."),
-        change={"float32_matmul_precision": "high", "autocast_dtype": "bfloat16"},
-        code=('torch.set_float32_matmul_precision("high")  # TF32 on Tensor Cores\n'
-              "# or, in the training step:\n"
-              'with torch.autocast("cuda", dtype=torch.bfloat16):\n'
-              f"    loss = loss_fn({name}(x), y)"),
+                    f"runs on the FP32 units. On this GPU TF32 Tensor Cores are up to {ratio:g}x faster: allow "
+                    "TF32 (one line, tiny precision change) or train under bfloat16 autocast (larger gain, keeps "
+                    "FP32 master weights)."
+                    + (" cuDNN's TF32 is off too, which slows convolutions the same way." if conv_off else "")),
+        change={"float32_matmul_precision": "high", "autocast_dtype": "bfloat16",
+                **({"cudnn_allow_tf32": True} if conv_off else {})},
+        code=_tf32_code(model, conv_off) + ("# or, in the training step:\n"
+                                            'with torch.autocast("cuda", dtype=torch.bfloat16):\n'
+                                            f"    loss = loss_fn({name}(x), y)"),
         expected_speedup=round(bound, 2),
     )
+
+
+def _matmul_tf32(model: ModelFacts) -> bool:
+    """TF32 allowed for matmuls, by whichever API the probe could read."""
+    allowed = model.get("cuda_matmul_allow_tf32")
+    if allowed is not None:
+        return bool(allowed)
+    return model.get("float32_matmul_precision", "highest") != "highest"
+
+
+def _tf32_code(model: ModelFacts, conv_off: bool) -> str:
+    """TF32 on, in the API this torch has: mixing the legacy and new switches makes torch raise."""
+    if model.get("tf32_api") == "fp32_precision":
+        return ('torch.backends.cuda.matmul.fp32_precision = "tf32"  # TF32 on Tensor Cores\n'
+                + ('torch.backends.cudnn.conv.fp32_precision = "tf32"\n' if conv_off else ""))
+    return ('torch.set_float32_matmul_precision("high")  # TF32 on Tensor Cores\n'
+            + ("torch.backends.cudnn.allow_tf32 = True\n" if conv_off else ""))

@@ -1,5 +1,8 @@
 """launch-bound: the GPU idles while the Python process is pegged and data wait is low.
 
+"Idle" is judged on GPM's SM activity where the GPU has it: a loop of tiny kernels keeps NVML's
+utilisation high (some kernel is always running) while most SMs sit idle.
+
 Each step launches many small kernels and the host cannot issue them fast enough: the
 GPU waits on Python and the CUDA launch path. Fusing work (torch.compile), replaying whole
 steps (CUDA graphs, ``mode="reduce-overhead"``) or a larger batch per launch cut that cost.
@@ -11,7 +14,14 @@ from typing import Any
 
 from gpuwidget.advice.finding import Finding
 from gpuwidget.advice.loader import STARVED_WAIT_FRACTION
-from gpuwidget.advice.rules._gpu import gpu_measured, gpu_speedup_bound, model_name, model_on_cuda
+from gpuwidget.advice.rules._gpu import (
+    SM_ACTIVE_LOW_PERCENT,
+    busy,
+    gpu_measured,
+    gpu_speedup_bound,
+    model_name,
+    model_on_cuda,
+)
 from gpuwidget.facts import MachineFacts, Summary, WorkloadFacts
 
 RULE = "launch-bound"
@@ -24,10 +34,11 @@ PEGGED_PROCESS_PERCENT = 90.0
 def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> Finding | None:
     if not gpu_measured(summary, machine) or not model_on_cuda(workload):
         return None
-    busy = summary["gpu_busy_mean"]
+    worked = busy(summary)
+    low = SM_ACTIVE_LOW_PERCENT if worked.signal == "sm_active" else LOW_GPU_BUSY_PERCENT
     process = summary.get("process_cpu_mean")
     wait = summary.get("data_wait_fraction") or 0.0
-    if busy >= LOW_GPU_BUSY_PERCENT or process is None or process < PEGGED_PROCESS_PERCENT:
+    if worked.percent >= low or process is None or process < PEGGED_PROCESS_PERCENT:
         return None
     if wait >= STARVED_WAIT_FRACTION:
         return None
@@ -43,9 +54,11 @@ def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> F
     return Finding(
         rule=RULE,
         severity="warn",
-        title=f"The GPU waits on Python: {busy:.0f}% busy while the process uses {process:.0f}% of a core",
-        evidence={"gpu_busy_percent": round(busy, 1), "process_cpu_percent": round(process, 1),
-                  "data_wait_fraction": round(wait, 3), "compiled": compiled},
+        title=(f"The GPU waits on Python: {'SMs active' if worked.signal == 'sm_active' else 'busy'} "
+               f"{worked.percent:.0f}% while the process uses {process:.0f}% of a core"),
+        evidence={**worked.evidence, "gpu_busy_percent": round(summary["gpu_busy_mean"], 1),
+                  "process_cpu_percent": round(process, 1), "data_wait_fraction": round(wait, 3),
+                  "compiled": compiled},
         suggestion=("The main process is saturated launching work and the loop is not waiting for data, "
                     "yet the GPU is idle most of the time: each step is many small kernels. "
                     + ("Compile with mode='reduce-overhead' to replay steps as CUDA graphs, "

@@ -1,0 +1,164 @@
+"""GPU rules read NVIDIA's counters for what they mean: SM activity over utilisation, the chip's own
+TF32 ratio, slowdown bits over the power cap, and several GPUs only where the work was meant to spread."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from gpuwidget.advice.rules import fp32_math, gpu_imbalance, gpu_throttled, launch_bound, small_batch
+
+H100 = {"gpus": [{"index": 0, "name": "NVIDIA H100"}], "usable_cpus": 8}
+
+
+def loader(batch: int = 32) -> dict[str, Any]:
+    return {"name": "train_loader", "steps": 100, "samples": 100 * batch, "wait_total_s": 0.0,
+            "compute_total_s": 1.0, "loop_time_s": 1.0, "step_times": [0.01] * 100,
+            "settings": {"batch_size": batch, "num_workers": 2}}
+
+
+def model(**extra: Any) -> dict[str, Any]:
+    return {"name": "net", "class": "Net", "param_devices": ["cuda"], "param_dtypes": {"float32": 1000},
+            "autocast": {"enabled": False}, "float32_matmul_precision": "highest",
+            "cuda_matmul_allow_tf32": False, "cudnn_allow_tf32": True, **extra}
+
+
+def cuda(capability: tuple[int, int]) -> dict[str, Any]:
+    return {"devices": [{"index": 0, "capability": list(capability), "total_memory": 100,
+                         "peak_allocated": 10, "peak_reserved": 10}]}
+
+
+def summary(busy: float, **extra: Any) -> dict[str, Any]:
+    return {"gpu_busy_mean": busy, "process_cpu_mean": 50.0, "data_wait_fraction": 0.0,
+            "peak_gpu_mem_fraction": 0.2, **extra}
+
+
+# ------------------------------------------------------------------ SM activity (GPM) before utilisation
+
+
+def test_launch_bound_sees_tiny_kernels_that_keep_utilisation_high():
+    workload = {"loaders": [loader()], "model": model()}
+    tiny_kernels = summary(97.0, gpu_sm_active_mean=18.0, process_cpu_mean=100.0)
+    finding = launch_bound.check(tiny_kernels, workload, H100)
+    assert finding is not None
+    assert finding.evidence["signal"] == "sm_active" and finding.evidence["sm_active_percent"] == 18.0
+    assert finding.expected_speedup == pytest.approx(100 / 18, rel=0.01)
+    # Without GPM the same loop reads 97% busy and nothing can be said.
+    assert launch_bound.check(summary(97.0, process_cpu_mean=100.0), workload, H100) is None
+
+
+@pytest.mark.parametrize(("util", "sm_active", "fires"), [(95.0, 49.9, True), (95.0, 50.0, False), (40.0, 85.0, False)])
+def test_small_batch_judges_sm_activity_where_gpm_has_it(util, sm_active, fires):
+    finding = small_batch.check(summary(util, gpu_sm_active_mean=sm_active), {"loaders": [loader()]}, H100)
+    assert (finding is not None) is fires
+    if finding:
+        assert finding.evidence["signal"] == "sm_active" and "SMs" in finding.title
+
+
+def test_small_batch_says_utilisation_is_its_signal_without_gpm():
+    finding = small_batch.check(summary(40.0), {"loaders": [loader()]}, H100)
+    assert finding is not None and finding.evidence["signal"] == "utilisation"
+
+
+# ------------------------------------------------------------------ fp32-math: the chip's own ratio
+
+
+@pytest.mark.parametrize(("capability", "ratio"), [((8, 0), 8.0), ((8, 6), 2.0), ((8, 9), 2.0), ((9, 0), 7.4),
+                                                   ((12, 0), 2.0)])
+def test_fp32_math_gain_uses_the_chips_tf32_ratio(capability, ratio):
+    finding = fp32_math.check(summary(80.0), {"model": model(), "cuda": cuda(capability)}, H100)
+    assert finding is not None and finding.evidence["tf32_over_fp32"] == ratio
+    assert finding.expected_speedup == pytest.approx(1 / (1 - 0.8 * (1 - 1 / ratio)), rel=0.01)
+
+
+def test_fp32_math_on_an_a40_claims_far_less_than_an_a100():
+    a40 = fp32_math.check(summary(80.0), {"model": model(), "cuda": cuda((8, 6))}, H100)
+    a100 = fp32_math.check(summary(80.0), {"model": model(), "cuda": cuda((8, 0))}, H100)
+    assert a40.expected_speedup == pytest.approx(1.67, abs=0.01) and a100.expected_speedup > 3
+
+
+def test_fp32_math_is_silent_when_tensor_pipes_already_work():
+    workload = {"model": model(), "cuda": cuda((9, 0))}
+    assert fp32_math.check(summary(80.0, gpu_tensor_active_mean=35.0), workload, H100) is None
+    finding = fp32_math.check(summary(80.0, gpu_tensor_active_mean=0.5, gpu_sm_active_mean=60.0), workload, H100)
+    assert finding is not None and finding.evidence["tensor_active_percent"] == 0.5
+    assert finding.evidence["signal"] == "sm_active"
+
+
+def test_fp32_math_code_uses_the_tf32_api_the_users_torch_has_and_covers_convolutions():
+    new_api = model(tf32_api="fp32_precision", cudnn_allow_tf32=False)
+    finding = fp32_math.check(summary(80.0), {"model": new_api, "cuda": cuda((9, 0))}, H100)
+    assert 'torch.backends.cuda.matmul.fp32_precision = "tf32"' in finding.code
+    assert 'torch.backends.cudnn.conv.fp32_precision = "tf32"' in finding.code
+    assert "set_float32_matmul_precision" not in finding.code  # mixing the APIs makes torch raise
+    assert "convolutions" in finding.suggestion
+
+
+def test_fp32_math_code_runs_as_pasted_on_this_torch():
+    import torch
+
+    saved = torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision
+    new_api = model(tf32_api="fp32_precision", cudnn_allow_tf32=False)
+    code = fp32_math.check(summary(80.0), {"model": new_api, "cuda": cuda((9, 0))}, H100).code
+    try:
+        exec(code.split("# or")[0], {"torch": torch})
+        assert torch.backends.cuda.matmul.fp32_precision == "tf32"
+    finally:
+        torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision = saved
+
+
+def test_fp32_math_is_silent_when_tf32_is_on_through_the_new_api():
+    workload = {"model": model(tf32_api="fp32_precision", cuda_matmul_allow_tf32=True), "cuda": cuda((9, 0))}
+    assert fp32_math.check(summary(80.0), workload, H100) is None
+
+
+# ------------------------------------------------------------------ gpu-throttled: not the power cap alone
+
+
+def test_power_cap_at_the_default_limit_is_not_throttling():
+    busy_h100 = summary(98.0, gpu_throttle_fraction=0.0, gpu_power_capped_fraction=0.9,
+                        gpu_power_limit_ratio=1.0, gpu_clock_ratio_busy=0.72)
+    assert gpu_throttled.check(busy_h100, {}, H100) is None
+
+
+def test_a_lowered_power_limit_at_its_cap_is_named():
+    lowered = summary(98.0, gpu_throttle_fraction=0.0, gpu_power_capped_fraction=0.9,
+                      gpu_power_limit_ratio=0.6, gpu_clock_ratio_busy=0.7)
+    finding = gpu_throttled.check(lowered, {}, H100)
+    assert finding is not None and "60% of its default" in finding.title
+    assert finding.evidence["power_limit_over_default"] == 0.6
+
+
+@pytest.mark.parametrize(("share", "fires"), [(0.2, True), (0.19, False)])
+def test_thermal_or_hardware_slowdown_is_named_at_the_cap_too(share, fires):
+    hot = summary(98.0, gpu_throttle_fraction=share, gpu_power_capped_fraction=0.9, gpu_power_limit_ratio=1.0,
+                  gpu_clock_ratio_busy=0.9)
+    assert (gpu_throttled.check(hot, {}, H100) is not None) is fires
+
+
+# ------------------------------------------------------------------ gpu-imbalance
+
+
+def test_one_process_on_one_gpu_of_eight_is_no_imbalance():
+    one_of_eight = summary(98.0, gpus_used=[0], gpus_unused_idle=[1, 2, 3, 4, 5, 6, 7],
+                           gpu_busy_by_gpu={"0": 98.0, **{str(i): 0.0 for i in range(1, 8)}})
+    assert gpu_imbalance.check(one_of_eight, {"model": model()}, H100) is None
+
+
+def test_data_parallel_with_idle_gpus_is_named():
+    partial = summary(90.0, gpus_used=[0, 1], gpus_unused_idle=[2, 3],
+                      gpu_busy_by_gpu={"0": 92.0, "1": 88.0, "2": 0.0, "3": 0.0})
+    finding = gpu_imbalance.check(partial, {"model": model(**{"class": "DataParallel"})}, H100)
+    assert finding is not None and finding.rule == "gpu-imbalance"
+    assert finding.code == "net = torch.nn.DataParallel(net.module)  # every visible GPU"
+    assert finding.expected_speedup == 2.0
+
+
+@pytest.mark.parametrize(("quiet", "fires"), [(60.0, True), (60.1, False)])
+def test_used_gpus_doing_unequal_work_are_named(quiet, fires):
+    uneven = summary(80.0, gpus_used=[0, 1], gpu_busy_by_gpu={"0": 90.0, "1": quiet})
+    finding = gpu_imbalance.check(uneven, {"model": model(**{"class": "DataParallel"})}, H100)
+    assert (finding is not None) is fires
+    if finding:
+        assert finding.evidence["spread_percent"] == 30.0
