@@ -53,7 +53,8 @@ def test_starved_loader_is_named_with_a_worker_change_in_the_users_names():
     finding = next(f for f in run.findings if f.rule == "dataloader-starved")
     assert run.findings[0] is finding  # the largest gain comes first
     assert finding.change["num_workers"] >= 1
-    assert finding.code.startswith("train_loader = DataLoader(train_ds, batch_size=16, shuffle=True, num_workers=")
+    assert finding.code.splitlines()[-1].startswith(
+        "train_loader = DataLoader(train_ds, batch_size=16, shuffle=True, num_workers=")
     assert finding.evidence["data_wait_fraction"] >= 0.3
     assert finding.expected_speedup == pytest.approx(1 / (1 - run.summary["data_wait_fraction"]), rel=0.02)
     assert run.summary["samples"] == 480 and run.summary["steps"] == 30
@@ -123,7 +124,7 @@ def test_magic_names_the_loader_from_the_notebook_namespace(ip):
     assert run.workload["loaders"][0]["name"] == "my_loader"
     assert run.workload["model"]["name"] == "net"
     finding = next(f for f in run.findings if f.rule == "dataloader-starved")
-    assert finding.code.startswith("my_loader = DataLoader(my_data, ")
+    assert finding.code.splitlines()[-1].startswith("my_loader = DataLoader(my_data, ")
     assert torch_is_untouched()
 
 

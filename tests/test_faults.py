@@ -408,3 +408,79 @@ def test_asking_for_a_gpu_without_a_driver_is_an_error_as_with_gpus(ip, fake_nvm
     ip.run_cell_magic("gpuwatch", "--quiet --interval 0.05", "pass\n")  # without --gpus: host metrics
     assert not gpuwidget.last_run().gpu_found
 
+
+
+# ----------------------------------------------------------------- measurements leave the user's state
+
+
+def _rng_states() -> tuple[Any, ...]:
+    import random
+
+    import numpy as np
+    import torch
+
+    return torch.get_rng_state(), np.random.get_state()[1].copy(), random.getstate()
+
+
+def _same_rng(before: tuple[Any, ...], after: tuple[Any, ...]) -> bool:
+    return bool(before[0].equal(after[0]) and (before[1] == after[1]).all() and before[2] == after[2])
+
+
+class DrawingDataset:
+    """A dataset whose items draw from NumPy's and Python's generators, as augmentations do."""
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, index: int) -> Any:
+        import random
+
+        import numpy as np
+        import torch
+
+        return torch.full((4,), float(index) + random.random() + float(np.random.rand()))
+
+
+def test_tuner_leaves_torch_numpy_and_python_random_state_as_they_were(one_torch_thread):
+    from torch.utils.data import DataLoader
+
+    loader = DataLoader(DrawingDataset(), batch_size=8, shuffle=True)  # type: ignore[arg-type]
+    before = _rng_states()
+    gpuwidget.tune_loader(loader, budget_s=4)
+    assert _same_rng(before, _rng_states())
+
+
+def test_batch_probe_leaves_numpy_and_python_random_state_as_they_were(one_torch_thread):
+    import torch
+
+    model, example = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Dropout(0.5)), torch.randn(8, 16)
+    before = _rng_states()
+    gpuwidget.probe_batch_size(model, example, max_batch=32, budget_s=3)
+    assert _same_rng(before, _rng_states())
+
+
+@pytest.mark.parametrize("budget", [float("nan"), float("inf"), 0, -1, "10"])
+def test_batch_probe_refuses_a_budget_that_is_not_a_positive_time(budget):
+    import torch
+
+    with pytest.raises(ValueError, match="budget_s must be a positive number of seconds"):
+        gpuwidget.probe_batch_size(torch.nn.Linear(4, 4), torch.zeros(2, 4), budget_s=budget)
+
+
+def test_cpu_memory_search_stops_short_of_the_memory_available(one_torch_thread, monkeypatch):
+    import torch
+
+    from gpuwidget.measure import batch_probe
+    from gpuwidget.measure.host_memory import peak_resident
+
+    available = 96 * MB  # as if the machine had this much left
+    monkeypatch.setattr(batch_probe, "available_bytes", lambda: available)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 10))
+    with peak_resident() as probe_memory:
+        result = gpuwidget.probe_batch_size(model, torch.randn(8, 256), max_batch=1 << 20, budget_s=30,
+                                            search_memory=True)
+    ran = max(t.batch_size for t in result.trials if t.samples_per_s is not None)
+    assert 256 <= ran < 1 << 20, "the search never grew, or was stopped by max_batch"
+    assert result.largest_fitting == ran
+    assert any("host memory available" in note for note in result.notes)
+    assert probe_memory.peak - probe_memory.before < available

@@ -9,8 +9,8 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from gpuwidget.advice.advisor import advise, rank
+from gpuwidget.advice.code import loader_code
 from gpuwidget.advice.finding import Finding
-from gpuwidget.advice.loader import loader_code
 from gpuwidget.advice.rules import (
     RULES,
     dataloader_starved,
@@ -174,7 +174,8 @@ def test_loader_code_keeps_sampling_and_collation_in_the_users_names():
     custom = DataLoader(data, batch_size=4, collate_fn=lambda items: items, drop_last=True)
     facts = {"name": "val_loader", "dataset_name": None, "settings": loader_settings(custom)}
     code = loader_code(facts, {"num_workers": 3, "persistent_workers": True})
-    assert code == ("val_loader = DataLoader(val_loader.dataset, batch_size=4, drop_last=True, "
+    assert code == ("from torch.utils.data import DataLoader\n"
+                    "val_loader = DataLoader(val_loader.dataset, batch_size=4, drop_last=True, "
                     "collate_fn=val_loader.collate_fn, num_workers=3, persistent_workers=True)")
 
 

@@ -1,8 +1,8 @@
 """What the DataLoader measurements say: is the loop starved, why, and which settings fix it.
 
 Shared by the three loader rules (``dataloader-starved``, ``dataloader-cpu-bound``,
-``io-bound``) so they agree on one diagnosis, and by the code generator that writes the
-suggested DataLoader line in the user's own names.
+``io-bound``) so they agree on one diagnosis; the code they offer is written by
+gpuwidget.advice.code.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ class LoaderDiagnosis:
 
     @property
     def name(self) -> str:
-        return self.loader.get("name") or "loader"
+        return self.loader.get("name") or "the DataLoader"
 
     @property
     def expected_speedup(self) -> float:
@@ -178,44 +178,3 @@ def _change(d: LoaderDiagnosis, settings: Mapping[str, Any], workload: Mapping[s
     if _uses_cuda(workload, machine) and not settings.get("pin_memory"):
         change["pin_memory"] = True
     return change
-
-
-# ------------------------------------------------------------------ code in the user's names
-
-
-def loader_code(loader: Mapping[str, Any], change: Mapping[str, Any]) -> str:
-    """A DataLoader line that rebuilds the user's loader with ``change`` applied.
-
-    Uses the user's names where they are known (``train_loader``, ``train_ds``) and keeps
-    what must not change: sampling, batching and collation.
-    """
-    name = loader.get("name") or "loader"
-    settings = {**(loader.get("settings") or {}), **change}
-    dataset = loader.get("dataset_name") or f"{name}.dataset"
-    args = [dataset]
-    if settings.get("custom_batch_sampler"):
-        args.append(f"batch_sampler={name}.batch_sampler")
-    else:
-        args.append(f"batch_size={settings.get('batch_size')!r}")
-        if settings.get("custom_sampler"):
-            args.append(f"sampler={name}.sampler")
-        elif settings.get("shuffle"):
-            args.append("shuffle=True")
-        if settings.get("drop_last"):
-            args.append("drop_last=True")
-    if not settings.get("default_collate", True):
-        args.append(f"collate_fn={name}.collate_fn")
-    if settings.get("worker_init_fn"):
-        args.append(f"worker_init_fn={name}.worker_init_fn")
-    workers = int(settings.get("num_workers") or 0)
-    args.append(f"num_workers={workers}")
-    if settings.get("pin_memory"):
-        args.append("pin_memory=True")
-    if workers > 0:
-        if settings.get("prefetch_factor") not in (None, DEFAULT_PREFETCH):
-            args.append(f"prefetch_factor={settings['prefetch_factor']}")
-        if settings.get("persistent_workers"):
-            args.append("persistent_workers=True")
-        if settings.get("multiprocessing_context"):
-            args.append(f"multiprocessing_context={settings['multiprocessing_context']!r}")
-    return f"{name} = DataLoader({', '.join(args)})"

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpuwidget.clock import now
+from gpuwidget.measure.host_memory import available_bytes, peak_resident, resident_bytes
+from gpuwidget.measure.rng import preserved_rng
 from gpuwidget.probes.torch_data import first_dim
 from gpuwidget.report import html_table, text_table
 
@@ -39,6 +41,9 @@ WARMUP_STEPS = 1
 TIMED_STEPS = 3
 MIN_TIMED_S = 0.2
 DEFAULT_BUDGET_S = 30.0
+# A CPU memory search uses at most this share of the memory available, leaving the rest to the
+# machine and to the prediction's error (activations grow with the batch, allocator slack not).
+HOST_MEMORY_SHARE = 0.8
 
 
 @dataclass
@@ -131,21 +136,17 @@ def _preserved(model: Any) -> Iterator[None]:
     state = {name: tensor.detach().clone() for name, tensor in model.state_dict(keep_vars=True).items()}
     grads = {name: None if p.grad is None else p.grad.detach().clone() for name, p in model.named_parameters()}
     training = model.training
-    cpu_rng = torch.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            current = model.state_dict(keep_vars=True)
-            for name, saved in state.items():
-                current[name].copy_(saved)
-        for name, parameter in model.named_parameters():
-            parameter.grad = grads.get(name)
-        model.train(training)
-        torch.set_rng_state(cpu_rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
+    with preserved_rng():
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                current = model.state_dict(keep_vars=True)
+                for name, saved in state.items():
+                    current[name].copy_(saved)
+            for name, parameter in model.named_parameters():
+                parameter.grad = grads.get(name)
+            model.train(training)
 
 
 # --------------------------------------------------------------------------- probing
@@ -190,6 +191,8 @@ def probe_batch_size(model: Any, example_batch: Any, loss_fn: Callable[..., Any]
         raise TypeError(f"probe_batch_size needs a torch.nn.Module, not {type(model).__name__}")
     if not (isinstance(max_batch, int) and max_batch >= 1):
         raise ValueError(f"max_batch must be a positive integer, not {max_batch!r}")
+    if not (isinstance(budget_s, (int, float)) and budget_s > 0 and math.isfinite(budget_s)):
+        raise ValueError(f"budget_s must be a positive number of seconds, not {budget_s!r}")
     parameter = next(model.parameters(), None)
     device = torch.device(device) if device is not None else (
         parameter.device if parameter is not None else torch.device("cpu"))
@@ -197,75 +200,144 @@ def probe_batch_size(model: Any, example_batch: Any, loss_fn: Callable[..., Any]
     search = cuda if search_memory is None else search_memory
     started = now()
     deadline = started + budget_s
-    trials: dict[int, SizeTrial] = {}
     notes: list[str] = []
     if not cuda:
         notes.append("No CUDA device: the throughput curve was measured on the CPU"
                      + ("." if search else "; memory was not searched."))
 
-    def run(size: int) -> SizeTrial:
-        trial = SizeTrial(size)
-        if cuda:
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(device)
-        try:
-            batch = _synthetic(example_batch, size, device)
-            for _ in range(WARMUP_STEPS):
-                _step(model, batch, loss_fn)
-            if cuda:
-                torch.cuda.synchronize(device)
-            t0 = now()
-            steps = 0
-            while steps < TIMED_STEPS or now() - t0 < MIN_TIMED_S:
-                _step(model, batch, loss_fn)
-                steps += 1
-                if cuda:
-                    torch.cuda.synchronize(device)
-            trial.samples_per_s = steps * size / (now() - t0)
-            if cuda:
-                trial.peak_memory = int(torch.cuda.max_memory_allocated(device))
-        except torch.OutOfMemoryError:
-            trial.samples_per_s = None
-            model.zero_grad(set_to_none=True)
-            if cuda:
-                torch.cuda.empty_cache()
-        finally:
-            batch = None
-        trials[size] = trial
-        return trial
+    # On the CPU nothing raises out-of-memory (Linux overcommits): sizes are bounded by prediction.
+    host = _HostBound(notes) if search and not cuda else None
+
+    def measure(size: int) -> SizeTrial:
+        if host is None:
+            return _time_size(model, example_batch, loss_fn, size, device)
+        return host.measure(size, lambda: _time_size(model, example_batch, loss_fn, size, device))
 
     with _preserved(model):
         model.train()
-        size = max(1, min(start or first_dim(example_batch), max_batch))
-        size = _align_down(size)
-        fitted: int | None = None
-        failed: int | None = None
-        while now() < deadline:
-            trial = run(size)
-            if trial.samples_per_s is None:
-                failed = size
-                break
-            fitted = size
-            if size >= max_batch or (_stopped_paying(trials) and not search):
-                break
-            size = min(2 * size, max_batch)
-        # Bisect between the last size that fit and the first that did not.
-        while failed is not None and fitted is not None and failed - fitted > max(1, fitted // 16) \
-                and now() < deadline:
-            middle = (fitted + failed) // 2
-            if _align_down(middle) > fitted:
-                middle = _align_down(middle)
-            if run(middle).samples_per_s is None:
-                failed = middle
-            else:
-                fitted = middle
+        first = _align_down(max(1, min(start or first_dim(example_batch), max_batch)))
+        trials, fitted, failed = search_sizes(measure, first, max_batch, search, lambda: now() >= deadline)
         if now() >= deadline:
             notes.append(f"Stopped at the {budget_s:.0f} s budget.")
     if fitted is None:
-        raise RuntimeError(f"even a batch of {size} ran out of memory on {device}")
+        raise RuntimeError(f"even a batch of {first} ran out of memory on {device}")
     recommended = _recommend(trials)
     return BatchProbeResult(sorted(trials.values(), key=lambda t: t.batch_size),
                             fitted if failed is not None else None, recommended, str(device), now() - started, notes)
+
+
+def _time_size(model: Any, example_batch: Any, loss_fn: Callable[..., Any] | None, size: int,
+               device: Any) -> SizeTrial:
+    """Samples/s of forward and backward at one batch size (and its peak memory on CUDA); a size
+    that runs out of memory is a trial without a rate."""
+    import torch
+
+    cuda = device.type == "cuda"
+    trial = SizeTrial(size)
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    try:
+        batch = _synthetic(example_batch, size, device)
+        for _ in range(WARMUP_STEPS):
+            _step(model, batch, loss_fn)
+        if cuda:
+            torch.cuda.synchronize(device)
+        t0 = now()
+        steps = 0
+        while steps < TIMED_STEPS or now() - t0 < MIN_TIMED_S:
+            _step(model, batch, loss_fn)
+            steps += 1
+            if cuda:
+                torch.cuda.synchronize(device)
+        trial.samples_per_s = steps * size / (now() - t0)
+        if cuda:
+            trial.peak_memory = int(torch.cuda.max_memory_allocated(device))
+    except torch.OutOfMemoryError:
+        trial.samples_per_s = None
+        model.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.empty_cache()
+    finally:
+        batch = None
+    return trial
+
+
+class _HostBound:
+    """Runs CPU trials only where the memory they are predicted to need is available.
+
+    A trial's need is its peak resident memory above the process's size when the probe
+    began. A larger size is predicted to need the largest smaller size's need scaled by
+    the sizes' ratio: activations grow with the batch, and counting the fixed part
+    (weights' gradients) as growing too errs on the side of stopping early. A size
+    predicted not to fit counts as one that ran out of memory, so the search bisects below it.
+    """
+
+    def __init__(self, notes: list[str]) -> None:
+        self.notes = notes
+        self.baseline = resident_bytes()
+        self.room = HOST_MEMORY_SHARE * available_bytes()
+        self.needs: dict[int, int] = {}  # size -> bytes above the baseline at its peak
+        self.refused = False
+
+    def predicted(self, size: int) -> float:
+        below = [s for s in self.needs if s < size]
+        if not below or size <= max(self.needs):
+            return 0.0  # the first size, or one below a size that ran
+        largest = max(below)
+        return self.needs[largest] * size / largest
+
+    def measure(self, size: int, run: Callable[[], SizeTrial]) -> SizeTrial:
+        need = self.predicted(size)
+        # Memory taken since the probe began (trials' cache) is the probe's own, usable again.
+        held = max(0, resident_bytes() - self.baseline)
+        room = min(self.room, HOST_MEMORY_SHARE * (available_bytes() + held))
+        if need > room:
+            if not self.refused:
+                self.refused = True
+                self.notes.append(f"Memory search bounded by the host memory available: a batch of {size} would "
+                                  f"need about {need / 2**30:.2f} GiB, {room / 2**30:.2f} GiB can be used.")
+            return SizeTrial(size)
+        with peak_resident() as resident:
+            trial = run()
+        self.needs[size] = resident.peak - self.baseline
+        return trial
+
+
+def search_sizes(measure: Callable[[int], SizeTrial], first: int, max_batch: int, search_memory: bool,
+                 expired: Callable[[], bool]) -> tuple[dict[int, SizeTrial], int | None, int | None]:
+    """The search over ``measure(size) -> SizeTrial``: (trials by size, largest that fit, first that failed).
+
+    Doubling from ``first`` until a size runs out of memory, reaches ``max_batch``, or (unless
+    ``search_memory``) doubling stops paying; then bisecting between the last size that fit and
+    the first that did not, to within a sixteenth. Stops wherever ``expired()``.
+    """
+    trials: dict[int, SizeTrial] = {}
+
+    def fits(size: int) -> bool:
+        trials[size] = measure(size)
+        return trials[size].samples_per_s is not None
+
+    size = first
+    fitted: int | None = None
+    failed: int | None = None
+    while not expired():
+        if not fits(size):
+            failed = size
+            break
+        fitted = size
+        if size >= max_batch or (_stopped_paying(trials) and not search_memory):
+            break
+        size = min(2 * size, max_batch)
+    while failed is not None and fitted is not None and failed - fitted > max(1, fitted // 16) and not expired():
+        middle = (fitted + failed) // 2
+        if _align_down(middle) > fitted:
+            middle = _align_down(middle)
+        if fits(middle):
+            fitted = middle
+        else:
+            failed = middle
+    return trials, fitted, failed
 
 
 def _stopped_paying(trials: dict[int, SizeTrial]) -> bool:

@@ -15,14 +15,15 @@ from __future__ import annotations
 import contextlib
 import html
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import psutil
 
-from gpuwidget.advice.loader import loader_code
+from gpuwidget.advice.code import loader_code
 from gpuwidget.clock import now
+from gpuwidget.measure.rng import preserved_rng
 from gpuwidget.report import html_table, text_table
 from gpuwidget.sources.host import usable_cpu_count
 
@@ -241,18 +242,22 @@ def _worker_counts(start: int, cap: int) -> list[int]:
     return [n for n in counts if n >= start] or counts[-1:]
 
 
+# Told after each trial: the trial and the seconds since the search began (ui.progress shows it).
+TrialCallback = Callable[[Trial, float], None]
+
+
 def tune_loader(loader: Any, target_rate: float | None = None, budget_s: float = DEFAULT_BUDGET_S,
-                name: str | None = None, progress: bool = True, io_bound: bool | None = None,
+                name: str | None = None, progress: TrialCallback | None = None, io_bound: bool | None = None,
                 dataset_name: str | None = None) -> TuneResult:
     """Measure DataLoader settings for ``loader`` and choose the cheapest that feeds the loop.
 
     ``target_rate`` is the batches per second the training loop consumes when data is
     ready (``%%gpuwatch`` measures it); without it the fastest setting found is chosen.
     ``budget_s`` bounds the whole search; ``name`` and ``dataset_name`` are used in the code
-    line (``train_loader = DataLoader(train_ds, ...)``). Returns a :class:`TuneResult`; ``.loader()``
-    builds the chosen DataLoader. Raises ``TypeError`` for anything but a DataLoader and
-    :class:`TuneError` when the loader cannot be measured (empty, or its dataset raises:
-    the message names the item).
+    line (``train_loader = DataLoader(train_ds, ...)``); ``progress`` is told of each trial.
+    Returns a :class:`TuneResult`; ``.loader()`` builds the chosen DataLoader. Raises
+    ``TypeError`` for anything but a DataLoader and :class:`TuneError` when the loader cannot
+    be measured (empty, or its dataset raises: the message names the item).
     """
     _check(loader)
     if not (budget_s > 0 and math.isfinite(budget_s)):
@@ -261,61 +266,20 @@ def tune_loader(loader: Any, target_rate: float | None = None, budget_s: float =
         raise ValueError(f"target_rate must be positive batches per second, not {target_rate!r}")
     started = now()
     deadline = started + budget_s
-    cores = usable_cpu_count()
     # Storage waits overlap, CPU work does not: search beyond the cores only for the former.
     per_core = {True: 4, False: 1, None: 2}[io_bound]
-    cap = min(MAX_WORKERS, per_core * cores)
-    bar = _Progress(budget_s) if progress else None
-    trials: list[Trial] = []
+    cap = min(MAX_WORKERS, per_core * usable_cpu_count())
 
-    def run(change: dict[str, Any]) -> Trial:
-        trial = Trial(change)
-        workers = int(change.get("num_workers", loader.num_workers))
-        warmup = max(1, WARMUP_BATCHES_PER_WORKER * workers)
-        try:
-            rate, first, cpu, memory = _measure(_candidate(loader, change), MEASURE_BATCHES, warmup, deadline)
-        except TuneError:
-            raise
-        except Exception as exc:  # a setting can fail (e.g. too many open files): note it, go on
-            trial.error = f"{type(exc).__name__}: {exc}"
-            # A worker's DatasetItemError comes back wrapped in its traceback's text.
-            if isinstance(exc, DatasetItemError) or "the dataset raised at item" in trial.error:
-                raise TuneError(_dataset_message(trial.error)) from exc
-        else:
-            trial.batches_per_s, trial.first_batch_s, trial.cpu_percent, trial.memory_bytes = rate, first, cpu, memory
-        trials.append(trial)
-        if bar is not None:
-            bar.update(now() - started, trial)
+    def measure(change: dict[str, Any]) -> Trial:
+        trial = _trial(loader, change, deadline)
+        if progress is not None:
+            progress(trial, now() - started)
         return trial
 
-    try:
-        baseline = run({})
-        if baseline.error:
-            raise TuneError(f"the loader could not be measured as it is: {baseline.error}")
-        best = baseline
-        previous_rate = baseline.batches_per_s
-        for workers in _worker_counts(max(1, loader.num_workers + (1 if loader.num_workers else 0)), cap):
-            if now() > deadline:
-                break
-            trial = run({"num_workers": workers})
-            if trial.error:
-                break
-            if trial.batches_per_s > best.batches_per_s:
-                best = trial
-            enough = target_rate is not None and trial.batches_per_s >= MARGIN * target_rate
-            if enough or (previous_rate and trial.batches_per_s < (1 + MIN_GAIN) * previous_rate
-                          and workers > max(2, loader.num_workers)):
-                break
-            previous_rate = max(previous_rate, trial.batches_per_s)
-        fastest_workers = int(best.change.get("num_workers", loader.num_workers))
-        if fastest_workers > 0 and now() < deadline:
-            prefetch = run({"num_workers": fastest_workers, "prefetch_factor": 4})
-            if not prefetch.error and prefetch.batches_per_s > (1 + MIN_GAIN) * best.batches_per_s:
-                best = prefetch
-    finally:
-        if bar is not None:
-            bar.close()
-    chosen = _choose(trials, target_rate, best)
+    # Each trial iterates a loader (drawing its sampler's and workers' seeds): the user's RNG stays as it was.
+    with preserved_rng():
+        trials, fastest = search_workers(measure, loader.num_workers, cap, target_rate, lambda: now() > deadline)
+    chosen = _choose(trials, target_rate, fastest)
     extra = {}
     if chosen.change.get("num_workers", loader.num_workers) and not loader.persistent_workers:
         # Workers otherwise restart (and re-import, re-open files) at every epoch.
@@ -325,6 +289,66 @@ def tune_loader(loader: Any, target_rate: float | None = None, budget_s: float =
     facts = {"name": name or "loader", "dataset_name": dataset_name, "settings": loader_settings(loader)}
     return TuneResult(loader, name or "loader", trials, chosen, target_rate, budget_s, now() - started, facts,
                       extra)
+
+
+def _trial(loader: Any, change: dict[str, Any], deadline: float) -> Trial:
+    """Time one setting on a new loader built like ``loader``; a setting that fails is a Trial with
+    its error, a dataset that raises or a loader with nothing to time a :class:`TuneError`."""
+    trial = Trial(change)
+    workers = int(change.get("num_workers", loader.num_workers))
+    warmup = max(1, WARMUP_BATCHES_PER_WORKER * workers)
+    try:
+        rate, first, cpu, memory = _measure(_candidate(loader, change), MEASURE_BATCHES, warmup, deadline)
+    except TuneError:
+        raise
+    except Exception as exc:  # a setting can fail (e.g. too many open files): note it, go on
+        trial.error = f"{type(exc).__name__}: {exc}"
+        # A worker's DatasetItemError comes back wrapped in its traceback's text.
+        if isinstance(exc, DatasetItemError) or "the dataset raised at item" in trial.error:
+            raise TuneError(_dataset_message(trial.error)) from exc
+    else:
+        trial.batches_per_s, trial.first_batch_s, trial.cpu_percent, trial.memory_bytes = rate, first, cpu, memory
+    return trial
+
+
+def search_workers(measure: Callable[[dict[str, Any]], Trial], workers_now: int, cap: int,
+                   target_rate: float | None, expired: Callable[[], bool]) -> tuple[list[Trial], Trial]:
+    """The search over ``measure(change) -> Trial``: (every trial in order, the fastest).
+
+    The loader as it is first, then worker counts upwards from one more than it has, until
+    one reaches the target with :data:`MARGIN`, more workers stop gaining :data:`MIN_GAIN`,
+    a setting fails or time is up (``expired()``); last, a deeper prefetch for the fastest.
+    """
+    trials: list[Trial] = []
+
+    def run(change: dict[str, Any]) -> Trial:
+        trials.append(measure(change))
+        return trials[-1]
+
+    baseline = run({})
+    if baseline.error:
+        raise TuneError(f"the loader could not be measured as it is: {baseline.error}")
+    best = baseline
+    previous_rate = baseline.batches_per_s
+    for workers in _worker_counts(max(1, workers_now + (1 if workers_now else 0)), cap):
+        if expired():
+            break
+        trial = run({"num_workers": workers})
+        if trial.error:
+            break
+        if trial.batches_per_s > best.batches_per_s:
+            best = trial
+        enough = target_rate is not None and trial.batches_per_s >= MARGIN * target_rate
+        if enough or (previous_rate and trial.batches_per_s < (1 + MIN_GAIN) * previous_rate
+                      and workers > max(2, workers_now)):
+            break
+        previous_rate = max(previous_rate, trial.batches_per_s)
+    fastest_workers = int(best.change.get("num_workers", workers_now))
+    if fastest_workers > 0 and not expired():
+        prefetch = run({"num_workers": fastest_workers, "prefetch_factor": 4})
+        if not prefetch.error and prefetch.batches_per_s > (1 + MIN_GAIN) * best.batches_per_s:
+            best = prefetch
+    return trials, best
 
 
 def _dataset_message(error: str) -> str:
@@ -343,40 +367,8 @@ def _choose(trials: list[Trial], target_rate: float | None, fastest: Trial) -> T
     return min(good, key=lambda t: (t.change.get("num_workers", 0), t.change.get("prefetch_factor", 2)))
 
 
-class _Progress:
-    """A progress bar (ipywidgets in a notebook, nothing elsewhere) over the time budget."""
-
-    def __init__(self, budget_s: float) -> None:
-        self._widget = None
-        try:
-            from IPython import get_ipython
-
-            shell = get_ipython()
-            if shell is None or getattr(shell, "kernel", None) is None:
-                return
-            import ipywidgets
-            from IPython.display import display
-
-            self._widget = ipywidgets.FloatProgress(value=0.0, min=0.0, max=budget_s,
-                                                    description="tuning", bar_style="info")
-            self._label = ipywidgets.Label("")
-            self._box = ipywidgets.HBox([self._widget, self._label])
-            display(self._box)
-        except Exception:  # noqa: BLE001 - no progress bar is fine
-            self._widget = None
-
-    def update(self, elapsed: float, trial: Trial) -> None:
-        if self._widget is not None:
-            self._widget.value = min(elapsed, self._widget.max)
-            self._label.value = f"{trial.label}: {trial.batches_per_s:.1f} batches/s"
-
-    def close(self) -> None:
-        if self._widget is not None:
-            for widget in (self._widget, self._label, self._box):
-                widget.close()
-
-
-def tune_for_run(run: Any, loader: Any, budget_s: float = DEFAULT_BUDGET_S, progress: bool = True) -> TuneResult:
+def tune_for_run(run: Any, loader: Any, budget_s: float = DEFAULT_BUDGET_S,
+                 progress: TrialCallback | None = None) -> TuneResult:
     """Tune ``loader`` against what a watched run measured: its consumption rate and its cause."""
     from gpuwidget.advice.loader import diagnose
     from gpuwidget.advice.summary import primary_loader

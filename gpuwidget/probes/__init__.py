@@ -87,6 +87,14 @@ class Probes:
         """WorkloadFacts as plain data: loaders, model, CUDA memory, torch version."""
         names = _names(namespace)
         facts: dict[str, Any] = {"torch": None, "loaders": [], "model": None, "cuda": None}
+        if self._data is not None:
+            from gpuwidget.probes import origin
+
+            # accelerate's prepared loader runs a plain DataLoader inside it: the user's name
+            # for the wrapper names that one; Trainer and Accelerator names go into suggestions.
+            for wrapped, wrapper_name in origin.wrapped_loaders(namespace).items():
+                names.setdefault(wrapped, wrapper_name)
+            facts["frameworks"] = origin.framework_names(namespace)
         torch = sys.modules.get("torch")
         if torch is not None:
             facts["torch"] = getattr(torch, "__version__", None)

@@ -2,10 +2,16 @@
 
 While a watch is active, two class attributes of torch are wrapped:
 
-* ``DataLoader.__iter__``, to know which loader an iterator belongs to (and count epochs);
+* ``DataLoader.__init__``, to know where a loader built during the watch was built (the
+  user's file and function, and the framework that built it: see gpuwidget.probes.origin);
+* ``DataLoader.__iter__``, to know which loader an iterator belongs to;
 * ``_BaseDataLoaderIter.__next__``, the single ``next()`` of every DataLoader iterator
   (single- and multi-process, and those inside Lightning or Hugging Face trainers), to
   time the call.
+
+An epoch is an iterator that yielded a batch: ``enumerate(tqdm(loader))`` asks for an
+iterator it never uses. accelerate's loaders fetch one batch ahead of the loop, so a loop
+left early took one batch fewer than the loader fetched.
 
 Only the time actually spent blocked in ``next()`` counts as waiting for data. The time
 between one ``next()`` returning and the next one being called is the loop's own work
@@ -23,6 +29,7 @@ Costs are in BENCHMARKS.md. Everything is restored by :meth:`uninstall`.
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 import weakref
 from collections import deque
@@ -30,6 +37,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from gpuwidget.clock import now
+from gpuwidget.probes import origin as origins
 from gpuwidget.trace import Trace
 
 DATA_WAIT_SPAN = "loader.wait"
@@ -59,6 +67,14 @@ class LoaderStats:
         self.pending_start: float | None = None  # start of the step whose next() returned last
         self.step_times: deque[float] = deque(maxlen=STEP_HISTORY)
         self.wait_times: deque[float] = deque(maxlen=STEP_HISTORY)
+        self.built: dict[str, Any] | None = None  # origin.stack_origin where the loader was built
+        self.iterated: dict[str, Any] | None = None  # ... and where it was first iterated
+        self.last_batch_samples = 0
+        self.exhausted = False  # the current iterator has raised StopIteration
+
+    @property
+    def owner(self) -> str | None:
+        return origins.owner(self.built, self.iterated)
 
     @property
     def loader(self) -> Any:
@@ -83,6 +99,8 @@ class LoaderStats:
             "wait_cpu_ratio": self.wait_cpu_total / self.wait_sampled if self.wait_sampled > 0 else None,
             "step_times": list(self.step_times),
             "wait_times": list(self.wait_times),
+            "owner": self.owner,
+            "built_at": (self.built or {}).get("site"),
         }
 
 
@@ -96,6 +114,8 @@ class DataLoaderProbe:
         self._by_loader: dict[int, LoaderStats] = {}
         self.stats: list[LoaderStats] = []
         self._originals: dict[str, Any] = {}
+        # loader -> where it was built (loaders built while the watch runs).
+        self._built: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
         # (kind, start, end) queued by the loop's thread, moved into the Trace by flush().
         self._queue: deque[tuple[str, float, float]] = deque()
 
@@ -107,18 +127,24 @@ class DataLoaderProbe:
 
         if self.installed:
             return
+        original_init = DataLoader.__init__
         original_iter = DataLoader.__iter__
         original_next = _BaseDataLoaderIter.__next__
-        self._originals = {"iter": original_iter, "next": original_next}
+        self._originals = {"init": original_init, "iter": original_iter, "next": original_next}
         probe = self
         origin = self.trace.start_clock
         queue = self._queue.append  # thread-safe; no lock on the loop's path
         process_time = time.process_time
 
+        def __init__(loader: Any, *args: Any, **kwargs: Any) -> None:
+            original_init(loader, *args, **kwargs)
+            with contextlib.suppress(Exception):  # never break the user's code
+                probe._built[loader] = origins.stack_origin(sys._getframe(1))
+
         def __iter__(loader: Any) -> Any:
             iterator = original_iter(loader)
             with contextlib.suppress(Exception):  # never break the user's loop
-                probe._register(iterator, loader)
+                probe._register(iterator, loader, sys._getframe(1))
             return iterator
 
         def __next__(iterator: Any) -> Any:
@@ -131,6 +157,7 @@ class DataLoaderProbe:
             try:
                 batch = original_next(iterator)
             except StopIteration:
+                stats.exhausted = True
                 # The call that ends an epoch closes the last step.
                 if stats.pending_start is not None:
                     stats.step_times.append(started - stats.pending_start)
@@ -147,20 +174,26 @@ class DataLoaderProbe:
                 stats.step_times.append(started - stats.pending_start)
                 stats.compute_total += started - stats.last_end  # type: ignore[operator]
                 queue((STEP_SPAN, stats.pending_start - origin, started - origin))
-            elif stats.first_start is None:
-                stats.first_start = started
+            else:
+                stats.epochs += 1  # the first batch of an iterator: an epoch that ran
+                stats.exhausted = False
+                if stats.first_start is None:
+                    stats.first_start = started
             stats.pending_start = started
             stats.last_end = ended
             stats.steps += 1
             stats.wait_total += wait
             stats.wait_times.append(wait)
-            stats.samples += first_dim(batch)
+            stats.last_batch_samples = first_dim(batch)
+            stats.samples += stats.last_batch_samples
             queue((DATA_WAIT_SPAN, started - origin, ended - origin))
             return batch
 
+        __init__.__wrapped__ = original_init  # type: ignore[attr-defined]
         __iter__.__wrapped__ = original_iter  # type: ignore[attr-defined]
         __next__.__wrapped__ = original_next  # type: ignore[attr-defined]
-        self._wrappers = {"iter": __iter__, "next": __next__}
+        self._wrappers = {"init": __init__, "iter": __iter__, "next": __next__}
+        DataLoader.__init__ = __init__  # type: ignore[method-assign,assignment]
         DataLoader.__iter__ = __iter__  # type: ignore[method-assign]
         _BaseDataLoaderIter.__next__ = __next__  # type: ignore[method-assign,assignment]
         self.installed = True
@@ -172,6 +205,8 @@ class DataLoaderProbe:
         from torch.utils.data import DataLoader
         from torch.utils.data.dataloader import _BaseDataLoaderIter
 
+        if DataLoader.__dict__.get("__init__") is self._wrappers["init"]:
+            DataLoader.__init__ = self._originals["init"]  # type: ignore[method-assign]
         if DataLoader.__dict__.get("__iter__") is self._wrappers["iter"]:
             DataLoader.__iter__ = self._originals["iter"]  # type: ignore[method-assign]
         if _BaseDataLoaderIter.__dict__.get("__next__") is self._wrappers["next"]:
@@ -197,6 +232,10 @@ class DataLoaderProbe:
         ``break`` or an exception): its work up to ``end`` counts as compute."""
         self.flush()
         for stats in self.stats:
+            if stats.owner == "accelerate" and not stats.exhausted and stats.steps:
+                # Left early: accelerate had fetched one batch ahead that the loop never took.
+                stats.steps -= 1
+                stats.samples -= stats.last_batch_samples
             if stats.pending_start is not None and stats.last_end is not None:
                 stats.compute_total += max(0.0, end - stats.last_end)
                 stats.step_times.append(end - stats.pending_start)
@@ -204,14 +243,15 @@ class DataLoaderProbe:
                                     end - self.trace.start_clock, {"open": True})
                 stats.pending_start = None
 
-    def _register(self, iterator: Any, loader: Any) -> LoaderStats:
+    def _register(self, iterator: Any, loader: Any, caller: Any = None) -> LoaderStats:
         key = id(loader) if loader is not None else id(iterator)
         stats = self._by_loader.get(key)
         if stats is None or (loader is not None and stats.loader is not loader):
             stats = self._by_loader[key] = LoaderStats(loader)
             self.stats.append(stats)
-        if loader is not None:
-            stats.epochs += 1
+            if loader is not None:
+                stats.built = self._built.get(loader)
+                stats.iterated = origins.stack_origin(caller) if caller is not None else None
         # A reused (persistent-workers) iterator starts a new epoch: no step spans across it.
         stats.pending_start = None
         self._by_iterator[iterator] = stats
@@ -236,7 +276,7 @@ def first_dim(batch: Any, depth: int = 0) -> int:
 
 def loader_settings(loader: Any) -> dict[str, Any]:
     """The DataLoader's configuration as plain data (what a suggestion must keep or change)."""
-    from torch.utils.data import IterableDataset, RandomSampler, SequentialSampler
+    from torch.utils.data import IterableDataset, RandomSampler
     from torch.utils.data.sampler import BatchSampler
 
     dataset = loader.dataset
@@ -248,7 +288,8 @@ def loader_settings(loader: Any) -> dict[str, Any]:
     sampler = getattr(loader, "sampler", None)
     custom_batch_sampler = batch_sampler is not None and type(batch_sampler) is not BatchSampler
     context = loader.multiprocessing_context
-    return {
+    iterable = isinstance(dataset, IterableDataset)
+    settings = {
         "batch_size": loader.batch_size,
         "num_workers": loader.num_workers,
         "pin_memory": bool(loader.pin_memory),
@@ -259,15 +300,38 @@ def loader_settings(loader: Any) -> dict[str, Any]:
         "timeout": loader.timeout,
         "shuffle": isinstance(sampler, RandomSampler),
         "sampler": type(sampler).__name__ if sampler is not None else None,
-        "custom_sampler": sampler is not None and not isinstance(sampler, (RandomSampler, SequentialSampler)),
+        "custom_sampler": sampler is not None and not _plain_sampler(sampler),
         "custom_batch_sampler": custom_batch_sampler,
+        # Built with batch_sampler= (accelerate and the HF Trainer do): batch_size is None.
+        "batch_sampler_given": loader.batch_size is None and batch_sampler is not None,
+        "generator": loader.generator is not None,
         "collate_fn": getattr(loader.collate_fn, "__name__", type(loader.collate_fn).__name__),
         "default_collate": getattr(loader.collate_fn, "__name__", "") == "default_collate",
         "dataset_type": type(dataset).__name__,
         "dataset_len": dataset_len,
-        "iterable_dataset": isinstance(dataset, IterableDataset),
+        "iterable_dataset": iterable,
+        "shards_by_worker": origins.shards_by_worker(dataset, loader.worker_init_fn) if iterable else None,
         "worker_init_fn": getattr(loader.worker_init_fn, "__name__", None),
+        **origins.dataset_facts(dataset),
     }
+    # The batching a framework wrapped (accelerate's BatchSamplerShard keeps the original).
+    inner = getattr(batch_sampler, "batch_sampler", batch_sampler)
+    if settings["batch_sampler_given"] and type(inner) is BatchSampler:
+        settings["inner_batching"] = {"batch_size": inner.batch_size, "drop_last": bool(inner.drop_last),
+                                      "shuffle": isinstance(inner.sampler, RandomSampler),
+                                      "plain_sampler": _plain_sampler(inner.sampler)}
+    return settings
+
+
+def _plain_sampler(sampler: Any) -> bool:
+    """A sampler that ``shuffle=True`` or ``shuffle=False`` rebuilds exactly."""
+    from torch.utils.data import RandomSampler, SequentialSampler
+
+    if type(sampler) is SequentialSampler:
+        return True
+    return (isinstance(sampler, RandomSampler) and type(sampler).__module__.startswith(("torch.", "accelerate."))
+            and not sampler.replacement and getattr(sampler, "_num_samples", None) is None
+            and getattr(sampler, "generator", None) is None)
 
 
 def loader_kwargs(loader: Any, change: Mapping[str, Any] | None = None) -> dict[str, Any]:

@@ -8,21 +8,12 @@ gpuwidget.advice.loader (HOST_SATURATED_PERCENT, CPU_WORK_RATIO, WORKER_BUSY).
 
 from __future__ import annotations
 
+from gpuwidget.advice.code import cache_code
 from gpuwidget.advice.finding import Finding
 from gpuwidget.advice.loader import diagnose
 from gpuwidget.facts import MachineFacts, Summary, WorkloadFacts
 
 RULE = "dataloader-cpu-bound"
-
-CODE = """\
-# Build each sample once, ahead of training, and keep it (decoded, resized) in memory:
-cached = [dataset[i] for i in range(len(dataset))]
-# ...or move the expensive transforms to the GPU, on whole batches:
-from torchvision.transforms import v2
-gpu_augment = v2.Compose([v2.RandomResizedCrop(224), v2.RandomHorizontalFlip()])
-for x, y in {name}:
-    x = gpu_augment(x.to(device, non_blocking=True))
-"""
 
 
 def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> Finding | None:
@@ -40,6 +31,6 @@ def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> F
                     "samples, preprocess once ahead of training, or run the augmentations on the GPU "
                     "(torchvision transforms v2 on batched tensors, or NVIDIA DALI)."),
         change={},
-        code=CODE.format(name=d.name),
+        code=cache_code(d.loader),
         expected_speedup=round(d.expected_speedup, 2),
     )

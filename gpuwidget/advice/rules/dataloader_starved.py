@@ -9,8 +9,9 @@ Thresholds live in gpuwidget.advice.loader.
 
 from __future__ import annotations
 
+from gpuwidget.advice.code import loader_code
 from gpuwidget.advice.finding import Finding
-from gpuwidget.advice.loader import diagnose, loader_code
+from gpuwidget.advice.loader import diagnose
 from gpuwidget.facts import MachineFacts, Summary, WorkloadFacts
 
 RULE = "dataloader-starved"
@@ -44,7 +45,7 @@ def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> F
         suggestion=(f"Each step waited {1000 * d.wait_per_step:.1f} ms for a batch and then computed for "
                     f"{1000 * d.compute_per_step:.1f} ms. " + _sentence("; ".join(parts))),
         change=change,
-        code=loader_code(d.loader, change),
+        code=loader_code(d.loader, change, workload),
         expected_speedup=round(d.expected_speedup, 2),
     )
 

@@ -8,8 +8,9 @@ storage, or be cached after the first epoch. Thresholds live in gpuwidget.advice
 
 from __future__ import annotations
 
+from gpuwidget.advice.code import loader_code
 from gpuwidget.advice.finding import Finding
-from gpuwidget.advice.loader import diagnose, loader_code
+from gpuwidget.advice.loader import diagnose
 from gpuwidget.facts import MachineFacts, Summary, WorkloadFacts
 
 RULE = "io-bound"
@@ -35,6 +36,6 @@ def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> F
                     f"overlap, {workers} workers (more than the {d.usable_cpus} cores) hide them; copying the "
                     "data to local disk or memory, or caching samples after the first epoch, removes them."),
         change=dict(d.change),
-        code=loader_code(d.loader, d.change),
+        code=loader_code(d.loader, d.change, workload),
         expected_speedup=round(d.expected_speedup, 2),
     )

@@ -8,8 +8,9 @@ also starved, dataloader-starved already carries this change.
 
 from __future__ import annotations
 
+from gpuwidget.advice.code import loader_code
 from gpuwidget.advice.finding import Finding
-from gpuwidget.advice.loader import STARVED_WAIT_FRACTION, loader_code
+from gpuwidget.advice.loader import STARVED_WAIT_FRACTION
 from gpuwidget.advice.rules._gpu import gpu_measured, model_on_cuda
 from gpuwidget.advice.summary import primary_loader
 from gpuwidget.facts import MachineFacts, Summary, WorkloadFacts
@@ -35,6 +36,7 @@ def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> F
         suggestion=("The model is on the GPU but the loader returns batches in pageable memory, so each copy "
                     "is staged and blocks. Pin them and copy without blocking."),
         change=change,
-        code=loader_code(loader, change) + f"\nfor x, y in {name}:\n    x = x.to(device, non_blocking=True)",
+        code=(loader_code(loader, change, workload)
+              + "\n# and copy each batch without blocking: .to(device, non_blocking=True)"),
         expected_speedup=None,
     )

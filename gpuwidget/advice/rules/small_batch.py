@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import math
 
+from gpuwidget.advice.code import loader_code
 from gpuwidget.advice.finding import Finding
-from gpuwidget.advice.loader import STARVED_WAIT_FRACTION, loader_code
+from gpuwidget.advice.loader import STARVED_WAIT_FRACTION
 from gpuwidget.advice.rules._gpu import gpu_measured, gpu_speedup_bound
 from gpuwidget.advice.rules.launch_bound import PEGGED_PROCESS_PERCENT  # there, launch-bound names the cause
 from gpuwidget.advice.summary import primary_loader
@@ -53,6 +54,6 @@ def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> F
                     "more work per launch; scale the learning rate with it (linearly, with warm-up) to keep "
                     "the same training dynamics."),
         change=change,
-        code=loader_code(loader, change),
+        code=loader_code(loader, change, workload),
         expected_speedup=gpu_speedup_bound(summary),
     )

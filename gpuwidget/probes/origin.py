@@ -1,0 +1,178 @@
+"""Where a DataLoader came from: the user's code that built it and the framework that owns it.
+
+A suggestion can only rebind a name the user has, or else it must speak the owning
+framework's terms (Hugging Face ``TrainingArguments``, ``accelerator.prepare``, a
+LightningModule's ``train_dataloader``) or point at the line that built the loader. These
+helpers read that from the Python stack when a loader is built or first iterated (a few
+dozen frame lookups, once per loader, never per batch), and from the user's namespace.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import linecache
+from collections.abc import Mapping
+from types import FrameType
+from typing import Any
+
+# Top-level packages of the frameworks that build or drive DataLoaders themselves.
+FRAMEWORKS = {"transformers": "transformers", "accelerate": "accelerate", "pytorch_lightning": "lightning",
+              "lightning": "lightning", "lightning_fabric": "lightning"}
+# Frames of these packages are never "the user's code" (torch builds loaders for itself too).
+LIBRARIES = {"torch", "gpuwidget", "tqdm", *FRAMEWORKS}
+# How far up the stack to look: deeper than any framework's fit loop seen.
+MAX_FRAMES = 80
+# Attributes a torchvision-style dataset keeps its per-sample transforms in.
+TRANSFORM_ATTRIBUTES = ("transform", "transforms", "augment", "augmentation")
+# User objects whose names a suggestion may use: (module prefix, class name) -> role.
+FRAMEWORK_OBJECTS = {
+    ("transformers.trainer", "Trainer"): "hf_trainer",
+    ("transformers.training_args", "TrainingArguments"): "training_args",
+    ("accelerate.accelerator", "Accelerator"): "accelerator",
+    ("pytorch_lightning.trainer.trainer", "Trainer"): "lightning_trainer",
+    ("lightning.pytorch.trainer.trainer", "Trainer"): "lightning_trainer",
+}
+
+
+def stack_origin(frame: FrameType | None) -> dict[str, Any]:
+    """The innermost frame of user code above ``frame`` (file, function, line), the frameworks
+    between it and ``frame`` (``inner``: they built the object) and those above it (``outer``:
+    they called the user's code, as Lightning calls ``train_dataloader``)."""
+    site: dict[str, Any] | None = None
+    inner: list[str] = []
+    outer: list[str] = []
+    for _ in range(MAX_FRAMES):
+        if frame is None:
+            break
+        package = str(frame.f_globals.get("__name__", "")).split(".")[0]
+        framework = FRAMEWORKS.get(package)
+        if framework is not None:
+            found = outer if site is not None else inner
+            if framework not in found:
+                found.append(framework)
+        elif site is None and package not in LIBRARIES:
+            code = frame.f_code
+            site = {"file": code.co_filename, "function": getattr(code, "co_qualname", code.co_name),
+                    "line": frame.f_lineno}
+        frame = frame.f_back
+    return {"site": site, "inner": inner, "outer": outer}
+
+
+def owner(built: Mapping[str, Any] | None, iterated: Mapping[str, Any] | None) -> str | None:
+    """The framework that owns the loader: "transformers", "accelerate", "lightning" or None."""
+    built_inner = (built or {}).get("inner") or []
+    built_outer = (built or {}).get("outer") or []
+    iterated_inner = (iterated or {}).get("inner") or []
+    iterated_outer = (iterated or {}).get("outer") or []
+    if "transformers" in built_inner:
+        return "transformers"
+    if "accelerate" in built_inner or "accelerate" in iterated_inner:
+        return "accelerate"
+    if "lightning" in built_outer or "lightning" in iterated_outer:
+        return "lightning"
+    return None
+
+
+def framework_names(namespace: Mapping[str, Any] | None) -> dict[str, str]:
+    """role -> the user's name for a Trainer, TrainingArguments, Accelerator in the namespace."""
+    found: dict[str, str] = {}
+    for name, value in (namespace or {}).items():
+        if name.startswith("_"):
+            continue
+        for cls in type(value).__mro__:
+            role = FRAMEWORK_OBJECTS.get((cls.__module__, cls.__name__))
+            if role is not None:
+                found.setdefault(role, name)
+                break
+    return found
+
+
+def wrapped_loaders(namespace: Mapping[str, Any] | None) -> dict[int, str]:
+    """id(inner DataLoader) -> the user's name for the object wrapping it (accelerate's
+    prepared loaders delegate to a plain DataLoader, ``base_dataloader``, which is what runs)."""
+    found: dict[int, str] = {}
+    for name, value in (namespace or {}).items():
+        if name.startswith("_"):
+            continue
+        base = _base_dataloader(value)
+        if base is not None:
+            found.setdefault(id(base), name)
+    return found
+
+
+def _base_dataloader(value: Any) -> Any:
+    try:
+        return vars(value).get("base_dataloader") if hasattr(value, "__dict__") else None
+    except TypeError:
+        return None
+
+
+def shards_by_worker(dataset: Any, worker_init_fn: Any = None) -> bool | None:
+    """For an IterableDataset: does it split its items between worker processes?
+
+    torch gives every worker a full copy of an IterableDataset; unless ``__iter__`` (or the
+    loader's ``worker_init_fn``) reads ``get_worker_info()``, each worker yields every item.
+    True/False from the source; None when the source cannot be read.
+    """
+    sources = []
+    for function in (getattr(type(dataset), "__iter__", None), worker_init_fn):
+        if function is None:
+            continue
+        try:
+            sources.append(inspect.getsource(function))
+        except (OSError, TypeError):
+            return None
+    return any("get_worker_info" in source for source in sources)
+
+
+def code_location(function: Any) -> dict[str, Any] | None:
+    """file, function and first line of ``function``'s source, or None (built-in, C code)."""
+    try:
+        lines, line = inspect.getsourcelines(function)
+        file = inspect.getsourcefile(function)
+    except (OSError, TypeError):
+        return None
+    if file is None:
+        return None
+    return {"file": file, "function": getattr(function, "__qualname__", str(function)), "line": line}
+
+
+def dataset_facts(dataset: Any) -> dict[str, Any]:
+    """Where the dataset builds a sample, and which of its attributes hold per-sample transforms."""
+    from torch.utils.data import IterableDataset
+
+    method = "__iter__" if isinstance(dataset, IterableDataset) else "__getitem__"
+    transforms = [name for name in TRANSFORM_ATTRIBUTES if callable(getattr(dataset, name, None))]
+    return {"dataset_code": code_location(getattr(type(dataset), method, None)),
+            "dataset_transforms": transforms}
+
+
+def call_with_keywords(site: Mapping[str, Any], keywords: Mapping[str, Any]) -> str | None:
+    """The source of the ``DataLoader(...)`` call at ``site`` with ``keywords`` set (added or
+    replaced), as one line; None when the source cannot be read or holds no such call."""
+    source = "".join(linecache.getlines(site["file"]))
+    if not source:
+        return None
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return None
+    line = site["line"]
+    calls = [node for node in ast.walk(tree) if isinstance(node, ast.Call)
+             and node.lineno <= line <= (node.end_lineno or node.lineno) and _called_name(node).endswith("DataLoader")]
+    if not calls:
+        return None
+    call = max(calls, key=lambda node: (node.lineno, node.col_offset))  # the innermost
+    kept = [keyword for keyword in call.keywords if keyword.arg not in keywords]
+    call.keywords = kept + [ast.keyword(arg=key, value=ast.Constant(value)) for key, value in keywords.items()]
+    return ast.unparse(call)
+
+
+def _called_name(call: ast.Call) -> str:
+    func = call.func
+    if isinstance(func, ast.Name):
+        return func.id
+    if isinstance(func, ast.Attribute):
+        return func.attr
+    return ""

@@ -1,0 +1,126 @@
+"""Advice on training code written the way real frameworks write it (Lightning, Hugging Face,
+accelerate, torchvision-style transforms, IterableDatasets, tqdm): every ``.code`` runs as
+pasted in the user's namespace and keeps the samples, and the probes see the real loop."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+import gpuwidget
+from gpuwidget.advice.code import loader_code
+from gpuwidget.advice.summary import primary_loader
+
+import frameworks
+
+CASES = {case.name: case for case in frameworks.cases()}
+WORKER_CHANGE = {"num_workers": 2, "persistent_workers": True}
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def ran(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """Each case run once per module: name -> (namespace, Run)."""
+    results: dict[str, tuple[dict[str, Any], gpuwidget.Run]] = {}
+
+    def get(name: str) -> tuple[dict[str, Any], gpuwidget.Run]:
+        case = CASES[name]
+        if not frameworks.available(case):
+            pytest.skip(f"{case.frameworks} not installed")
+        if name not in results:
+            results[name] = frameworks.run_case(case, str(tmp_path_factory.mktemp("case")))
+        return results[name]
+
+    return get
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_every_loader_finding_runs_as_pasted_and_keeps_the_samples(ran, name):
+    case = CASES[name]
+    namespace, run = ran(name)
+    findings = frameworks.loader_findings(run)
+    assert findings, f"no loader finding on a starved loop: {[f.rule for f in run.findings]}"
+    loader = primary_loader(run.workload)
+    # The worker change too, whichever loader rule the host's load let fire.
+    codes = [f.code for f in findings] + [loader_code(loader, WORKER_CHANGE, run.workload)]
+    for code in codes:
+        result = frameworks.check_code(code, namespace, case)
+        assert result.error is None, f"{code}\nraised {result.error}"
+        assert result.same_samples is not False, f"{code}\nchanged the samples"
+        if result.executable and case.loader is not None and "num_workers=2" in code:
+            assert result.changed, f"{code}\nran but left the loader as it was"
+
+
+def test_batch_sampler_loader_keeps_its_batch_sampler(ran):
+    _, run = ran("batch_sampler= loader")
+    code = loader_code(primary_loader(run.workload), WORKER_CHANGE, run.workload)
+    assert "batch_sampler=train_loader.batch_sampler" in code and "batch_size" not in code
+
+
+@pytest.mark.parametrize("name", ["IterableDataset, sharded", "IterableDataset, not sharded"])
+def test_iterable_dataset_is_given_no_sampler(ran, name):
+    _, run = ran(name)
+    code = loader_code(primary_loader(run.workload), WORKER_CHANGE, run.workload)
+    assert "sampler" not in code and "shuffle" not in code
+
+
+def test_unsharded_iterable_dataset_is_told_to_shard_before_adding_workers(ran):
+    _, run = ran("IterableDataset, not sharded")
+    assert primary_loader(run.workload)["settings"]["shards_by_worker"] is False
+    code = loader_code(primary_loader(run.workload), WORKER_CHANGE, run.workload)
+    assert "every worker would yield every sample" in code and "get_worker_info" in code
+    _, sharded = ran("IterableDataset, sharded")
+    assert primary_loader(sharded.workload)["settings"]["shards_by_worker"] is True
+
+
+def test_framework_loaders_are_changed_in_the_frameworks_terms(ran):
+    _, run = ran("accelerate")
+    code = loader_code(primary_loader(run.workload), WORKER_CHANGE, run.workload)
+    assert code.splitlines()[-1].startswith("train_dl = accelerator.prepare(DataLoader(train_ds, batch_size=8, ")
+    _, run = ran("Hugging Face Trainer")
+    assert primary_loader(run.workload)["owner"] == "transformers"
+    code = loader_code(primary_loader(run.workload), WORKER_CHANGE, run.workload)
+    assert "trainer.args.dataloader_num_workers = 2" in code and "DataLoader(" not in code
+
+
+@pytest.mark.parametrize(("name", "function"), [("Lightning Trainer", "train_dataloader"),
+                                                ("loader from an imported function", "make_loader")])
+def test_loader_built_in_a_function_is_changed_where_it_is_built(ran, name, function):
+    _, run = ran(name)
+    loader = primary_loader(run.workload)
+    assert loader["name"] is None and loader["built_at"]["file"].endswith("frameworks.py")
+    code = loader_code(loader, WORKER_CHANGE, run.workload)
+    assert f"{function}() (frameworks.py, line " in code
+    assert "num_workers=2, persistent_workers=True)" in code and "shuffle=True" in code
+
+
+def test_cpu_bound_code_caches_before_the_random_augmentation(ran):
+    from gpuwidget.advice.code import cache_code
+
+    _, run = ran("torchvision-style transforms")
+    code = cache_code(primary_loader(run.workload))
+    assert "Images.__getitem__ (frameworks.py" in code and "before self.transform" in code
+
+
+def test_tqdm_pass_is_one_epoch(ran):
+    _, run = ran("tqdm")
+    assert primary_loader(run.workload)["epochs"] == 1
+    assert not any(f.change.get("persistent_workers") for f in run.findings)
+
+
+def test_storage_bound_loops_sleep_while_waiting(ran):
+    for name in ("batch_sampler= loader", "dict batches", "accelerate"):
+        _, run = ran(name)
+        assert primary_loader(run.workload)["wait_cpu_ratio"] < 0.25, name
+
+
+def test_accelerate_loop_left_early_counts_the_batches_it_took(ran):
+    namespace, _ = ran("accelerate")
+    exec("with gpuwidget.watch(display=False) as run:\n"
+         "    for step, (x, y) in enumerate(train_dl):\n"
+         "        if step == 3:\n"
+         "            break\n", namespace)
+    loader = primary_loader(namespace["run"].workload)
+    assert loader["steps"] == 4 and loader["samples"] == 32
