@@ -12,7 +12,7 @@ import math
 from gpuwidget.advice.code import loader_code
 from gpuwidget.advice.finding import Finding
 from gpuwidget.advice.loader import STARVED_WAIT_FRACTION
-from gpuwidget.advice.rules._gpu import gpu_measured, gpu_speedup_bound
+from gpuwidget.advice.rules._gpu import SM_ACTIVE_LOW_PERCENT, busy, gpu_measured, gpu_speedup_bound
 from gpuwidget.advice.rules.launch_bound import PEGGED_PROCESS_PERCENT  # there, launch-bound names the cause
 from gpuwidget.advice.summary import primary_loader
 from gpuwidget.facts import MachineFacts, Summary, WorkloadFacts
@@ -30,10 +30,11 @@ def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> F
     if not gpu_measured(summary, machine):
         return None
     loader = primary_loader(workload)
-    busy = summary["gpu_busy_mean"]
+    worked = busy(summary)
+    low = SM_ACTIVE_LOW_PERCENT if worked.signal == "sm_active" else LOW_GPU_BUSY_PERCENT
     memory = summary.get("peak_gpu_mem_fraction")
     wait = summary.get("data_wait_fraction") or 0.0
-    if loader is None or busy >= LOW_GPU_BUSY_PERCENT or memory is None or memory >= MEMORY_HEADROOM_FRACTION:
+    if loader is None or worked.percent >= low or memory is None or memory >= MEMORY_HEADROOM_FRACTION:
         return None
     if wait >= STARVED_WAIT_FRACTION or (summary.get("process_cpu_mean") or 0) >= PEGGED_PROCESS_PERCENT:
         return None
@@ -43,14 +44,18 @@ def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> F
     factor = 2 ** max(1, int(math.log2(TARGET_MEMORY_FRACTION / max(memory, 1e-3))))
     new_batch = max(8, int(batch * factor) // 8 * 8)
     change = {"batch_size": new_batch}
+    sm = worked.signal == "sm_active"
+    idle_what = "GPU's SMs" if sm else "GPU"
+    busy_what = "GPU's SMs were active" if sm else "GPU was busy"
     return Finding(
         rule=RULE,
         severity="warn",
-        title=f"Batches of {batch} leave the GPU idle {100 - busy:.0f}% of the time",
-        evidence={"gpu_busy_percent": round(busy, 1), "peak_gpu_mem_fraction": round(memory, 3),
-                  "batch_size": batch, "data_wait_fraction": round(wait, 3)},
-        suggestion=(f"The GPU was busy {busy:.0f}% of the time and used at most {100 * memory:.0f}% of its "
-                    f"memory, and the loop was not waiting for data. A batch of {new_batch} gives each step "
+        title=f"Batches of {batch} leave the {idle_what} idle {100 - worked.percent:.0f}% of the time",
+        evidence={**worked.evidence, "gpu_busy_percent": round(summary["gpu_busy_mean"], 1),
+                  "peak_gpu_mem_fraction": round(memory, 3), "batch_size": batch,
+                  "data_wait_fraction": round(wait, 3)},
+        suggestion=(f"The {busy_what} {worked.percent:.0f}% of the time and it used at most {100 * memory:.0f}% "
+                    f"of its memory, and the loop was not waiting for data. A batch of {new_batch} gives each step "
                     "more work per launch; scale the learning rate with it (linearly, with warm-up) to keep "
                     "the same training dynamics."),
         change=change,
