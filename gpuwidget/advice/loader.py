@@ -23,17 +23,31 @@ from gpuwidget.facts import LoaderFacts, MachineFacts, Summary, WorkloadFacts
 STARVED_WAIT_FRACTION = 0.10
 # Fewer steps than this say nothing reliable about a loop.
 MIN_STEPS = 5
-# Process CPU seconds per wall second while blocked in next() with num_workers=0: the main
-# process builds each batch itself, so >= 0.5 means batch building is CPU work, <= 0.25
-# means it mostly sleeps (storage, network).
+# The batch builders are the looping thread while it is blocked in next() (num_workers=0)
+# or the worker processes. Per wall second, each builder is on a core (CPU), runnable but
+# queued for a core (run delay, /proc/<pid>/schedstat), or asleep (storage, network).
+# On a core at least half the time: CPU work; at most a quarter: mostly not computing.
 CPU_WORK_RATIO = 0.5
 IO_WAIT_RATIO = 0.25
-# Share of a core each worker process used (num_workers > 0): busy workers are CPU-bound,
-# idle ones while the loop waits are waiting on storage. Same cut-offs as above.
+# Builders asleep at most this share of the time are not waiting on storage: what they do
+# not spend on a core they spend queued for one (CPU work on cores other processes hold).
+# A storage-bound builder keeps sleeping its storage latency however busy the host is: with
+# two busy processes on this 2-core machine it slept ~65% and queued ~30% (benchmarks/).
+CPU_ASLEEP_MAX = 0.25
+# The same cut-offs per worker process (num_workers > 0), as a share of one core each.
 WORKER_BUSY = 0.5
 WORKER_IDLE = 0.25
-# Host CPU (all cores) at or above this mean is saturated: more workers cannot help.
+# Host CPU (all cores) at or above this mean is saturated: when the builders do CPU work,
+# more workers cannot help. It does not make sleeping builders CPU-bound.
 HOST_SATURATED_PERCENT = 85.0
+# Other processes contend for the cores when the loop's thread or its batch builders spent
+# at least this share of wall time runnable but waiting for a core: the same 10% as a starved
+# loop (STARVED_WAIT_FRACTION), the share of time worth acting on...
+CONTENTION_DELAY_FRACTION = 0.10
+# ...while processes outside this process tree kept at least half a core busy on the CPUs it
+# may use (less cannot queue it measurably; its own workers queueing for each other are not
+# contention but too many workers).
+OTHER_CORES_MIN = 0.5
 # Workers are sized to produce batches this much faster than the loop consumes them.
 WORKER_MARGIN = 1.2
 # Storage-bound loading overlaps waits, not CPU: workers beyond the core count help, up to
@@ -61,10 +75,23 @@ class LoaderDiagnosis:
     workers_busy: float | None
     change: dict[str, Any] = field(default_factory=dict)
     evidence: dict[str, Any] = field(default_factory=dict)
+    # Kernel counters (None where the platform lacks them): share of wall time the builders
+    # and the loop's thread were runnable but waiting for a core; cores other processes held.
+    builder_delay: float | None = None
+    loop_delay: float | None = None
+    other_cores: float | None = None
+    contended: bool = False
 
     @property
     def name(self) -> str:
         return self.loader.get("name") or "the DataLoader"
+
+    @property
+    def time_lost_to_contention(self) -> float | None:
+        """The larger share of wall time the loop's thread or the batch builders were ready to
+        run but waited for a core; None without run-delay counters."""
+        measured = [share for share in (self.loop_delay, self.builder_delay) if share is not None]
+        return max(measured) if measured else None
 
     @property
     def expected_speedup(self) -> float:
@@ -90,29 +117,51 @@ def diagnose(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -
     if num_workers > 0 and workers_cpu is not None:
         workers_busy = workers_cpu / 100.0 / num_workers
     wait_cpu = loader.get("wait_cpu_ratio")
-    if num_workers == 0 and wait_cpu is not None:
-        cause = "cpu" if wait_cpu >= CPU_WORK_RATIO else ("io" if wait_cpu <= IO_WAIT_RATIO else "unknown")
-    elif workers_busy is not None:
-        cause = "cpu" if workers_busy >= WORKER_BUSY else ("io" if workers_busy <= WORKER_IDLE else "unknown")
-    else:
-        cause = "unknown"
     host = summary.get("cpu_util_mean")
     host_saturated = host is not None and host >= HOST_SATURATED_PERCENT
-    if host_saturated and cause != "cpu":
-        # Batch builders that use little CPU on a saturated host are waiting for a core, not
-        # for storage: more workers would only queue for the same cores.
-        cause = "cpu"
+    if num_workers == 0:
+        busy, builder_delay = wait_cpu, loader.get("wait_delay_ratio")
+        cause = _cause(busy, builder_delay, host_saturated, CPU_WORK_RATIO, IO_WAIT_RATIO)
+    else:
+        workers_delay = summary.get("workers_run_delay_mean")
+        builder_delay = None if workers_delay is None else workers_delay / 100.0 / num_workers
+        cause = _cause(workers_busy, builder_delay, host_saturated, WORKER_BUSY, WORKER_IDLE)
     cpu_saturated = cause == "cpu" and host_saturated
+    loop_delay = summary.get("process_run_delay_mean")
+    others = summary.get("other_cpu_mean")
 
     diagnosis = LoaderDiagnosis(
         loader=loader, wait_fraction=wait_fraction, wait_per_step=wait, compute_per_step=compute,
         starved=wait_fraction >= STARVED_WAIT_FRACTION, cause=cause, cpu_saturated=cpu_saturated,
         num_workers=num_workers, usable_cpus=usable, workers_busy=workers_busy,
+        builder_delay=builder_delay, loop_delay=None if loop_delay is None else loop_delay / 100.0,
+        other_cores=None if others is None else others / 100.0,
     )
+    lost = diagnosis.time_lost_to_contention
+    diagnosis.contended = (lost is not None and lost >= CONTENTION_DELAY_FRACTION
+                           and diagnosis.other_cores is not None and diagnosis.other_cores >= OTHER_CORES_MIN)
     diagnosis.evidence = _evidence(diagnosis, host, wait_cpu)
     if diagnosis.starved:
         diagnosis.change = _change(diagnosis, settings, workload, machine)
     return diagnosis
+
+
+def _cause(busy: float | None, delay: float | None, host_saturated: bool, cpu_work: float,
+           idle: float) -> str:
+    """"cpu", "io" or "unknown" from what the batch builders did per wall second (see CPU_WORK_RATIO).
+
+    Without run-delay counters (not Linux), builders that use little CPU on a saturated host
+    may be asleep or queued for a core: that is not told apart, so it stays "unknown".
+    """
+    if busy is None:
+        return "unknown"
+    if busy >= cpu_work:
+        return "cpu"
+    if delay is not None:
+        if 1.0 - busy - delay <= CPU_ASLEEP_MAX:
+            return "cpu"  # hardly ever asleep: queued for the cores it needs
+        return "io" if busy <= idle else "unknown"
+    return "io" if busy <= idle and not host_saturated else "unknown"
 
 
 def _evidence(d: LoaderDiagnosis, host: float | None, wait_cpu: float | None) -> dict[str, Any]:
@@ -130,6 +179,8 @@ def _evidence(d: LoaderDiagnosis, host: float | None, wait_cpu: float | None) ->
         evidence["worker_busy_fraction"] = round(d.workers_busy, 2)
     if wait_cpu is not None and d.num_workers == 0:
         evidence["cpu_while_waiting"] = round(wait_cpu, 2)
+    if d.builder_delay is not None:
+        evidence["builder_run_delay_fraction"] = round(d.builder_delay, 3)
     return evidence
 
 

@@ -21,8 +21,11 @@ one ``next()`` to the start of the following one.
 
 The wrapper is on the loop's critical path, so per step it only reads the clock twice,
 updates a few counters and queues two spans; the spans reach the Trace in batches from
-the sampler thread (:meth:`DataLoaderProbe.flush`), and the process CPU time behind
-``wait_cpu_ratio`` is read on one step in :data:`CPU_SAMPLE_EVERY` (a system call each).
+the sampler thread (:meth:`DataLoaderProbe.flush`), and the looping thread's CPU time and
+run delay behind ``wait_cpu_ratio`` and ``wait_delay_ratio`` are read on one step in
+:data:`CPU_SAMPLE_EVERY` (a small file read each; gpuwidget.sources.schedstat), never on the
+first step (it starts workers and warms lazy imports and caches, so it is not the loader's
+steady state).
 Costs are in BENCHMARKS.md. Everything is restored by :meth:`uninstall`.
 """
 
@@ -30,7 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import sys
-import time
 import weakref
 from collections import deque
 from collections.abc import Mapping
@@ -38,6 +40,7 @@ from typing import Any
 
 from gpuwidget.clock import now
 from gpuwidget.probes import origin as origins
+from gpuwidget.sources.schedstat import thread_counters
 from gpuwidget.trace import Trace
 
 DATA_WAIT_SPAN = "loader.wait"
@@ -59,7 +62,8 @@ class LoaderStats:
         self.steps = 0
         self.samples = 0
         self.wait_total = 0.0
-        self.wait_cpu_total = 0.0  # process CPU seconds during the sampled waits
+        self.wait_cpu_total = 0.0  # CPU seconds of the looping thread during the sampled waits
+        self.wait_delay_total: float | None = 0.0  # its run delay then (None: no schedstat here)
         self.wait_sampled = 0.0  # wall seconds of the sampled waits
         self.compute_total = 0.0
         self.first_start: float | None = None
@@ -94,9 +98,12 @@ class LoaderStats:
             "wait_total_s": self.wait_total,
             "compute_total_s": self.compute_total,
             "loop_time_s": loop_time,
-            # Process CPU time while blocked in next(): ~1 per busy core when the main
-            # process builds batches itself; near 0 when it sleeps on storage or workers.
+            # CPU time of the thread blocked in next(): ~1 when it builds batches itself
+            # (num_workers=0), near 0 when it sleeps on storage or on workers. Its run delay:
+            # the share it was ready to run but other tasks held the cores.
             "wait_cpu_ratio": self.wait_cpu_total / self.wait_sampled if self.wait_sampled > 0 else None,
+            "wait_delay_ratio": (self.wait_delay_total / self.wait_sampled
+                                 if self.wait_sampled > 0 and self.wait_delay_total is not None else None),
             "step_times": list(self.step_times),
             "wait_times": list(self.wait_times),
             "owner": self.owner,
@@ -134,7 +141,7 @@ class DataLoaderProbe:
         probe = self
         origin = self.trace.start_clock
         queue = self._queue.append  # thread-safe; no lock on the loop's path
-        process_time = time.process_time
+        counters = thread_counters
 
         def __init__(loader: Any, *args: Any, **kwargs: Any) -> None:
             original_init(loader, *args, **kwargs)
@@ -151,8 +158,8 @@ class DataLoaderProbe:
             stats = probe._by_iterator.get(iterator)
             if stats is None:
                 stats = probe._register(iterator, None)
-            sample_cpu = stats.steps % CPU_SAMPLE_EVERY == 0
-            cpu_started = process_time() if sample_cpu else 0.0
+            sample_cpu = stats.steps % CPU_SAMPLE_EVERY == 1  # never step 0: warm-up, worker start
+            cpu_started, delay_started = counters() if sample_cpu else (0.0, None)
             started = now()
             try:
                 batch = original_next(iterator)
@@ -168,8 +175,12 @@ class DataLoaderProbe:
             ended = now()
             wait = ended - started
             if sample_cpu:
-                stats.wait_cpu_total += process_time() - cpu_started
+                cpu_ended, delay_ended = counters()
+                stats.wait_cpu_total += cpu_ended - cpu_started
                 stats.wait_sampled += wait
+                if stats.wait_delay_total is not None:
+                    stats.wait_delay_total = (None if delay_ended is None or delay_started is None
+                                              else stats.wait_delay_total + delay_ended - delay_started)
             if stats.pending_start is not None:
                 stats.step_times.append(started - stats.pending_start)
                 stats.compute_total += started - stats.last_end  # type: ignore[operator]
