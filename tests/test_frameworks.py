@@ -124,3 +124,13 @@ def test_accelerate_loop_left_early_counts_the_batches_it_took(ran):
          "            break\n", namespace)
     loader = primary_loader(namespace["run"].workload)
     assert loader["steps"] == 4 and loader["samples"] == 32
+
+
+@pytest.mark.parametrize(("name", "model_class"), [("torchvision-style transforms", "Sequential"),
+                                                   ("Lightning Trainer", "Classifier"),
+                                                   ("Hugging Face Trainer", "GPT2LMHeadModel")])
+def test_the_model_is_the_trained_module_under_the_users_name(ran, name, model_class):
+    """Not a transform called per sample, nor the submodule a training_step calls first."""
+    _, run = ran(name)
+    model = run.workload["model"]
+    assert model["class"] == model_class and model["name"] == "model"

@@ -3,14 +3,21 @@ CUDA peak memory and device capability for the cell.
 
 Global module hooks (``register_module_forward_pre_hook``) see every ``nn.Module`` call;
 only *top-level* calls (not nested in another module's forward) are looked at, for the
-first :data:`TOP_LEVEL_CALLS` of them, and then the hooks remove themselves, so a long
-training loop pays nothing after its first steps. The model is the top-level module
-with the most parameters (a loss module or a transform is also a Module, but small).
+first :data:`TOP_LEVEL_CALLS` of them with trainable parameters, and then the hooks remove
+themselves, so a long training loop pays nothing after its first steps.
+
+The model is the module being trained: the one whose parameters changed in place during
+the watch (an optimizer step bumps each tensor's version counter), not merely the first
+or the largest one called. A transform (an ``nn.Module`` called in ``__getitem__``) has no
+trainable parameters and does not use up the budget; a submodule called from a method of
+another module (a LightningModule's ``training_step`` calls ``self.encoder``) stands for
+that module, which is what the user trains and names.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 import weakref
 from collections import Counter
@@ -18,6 +25,10 @@ from collections.abc import Mapping
 from typing import Any
 
 TOP_LEVEL_CALLS = 16
+# Top-level calls looked at in all, trainable or not (transforms run per sample).
+MAX_CALLS = 4096
+# Frames above a module call searched for a method of another module (training_step).
+OWNER_FRAMES = 4
 
 
 class ModelProbe:
@@ -28,8 +39,10 @@ class ModelProbe:
         self._handles: list[Any] = []
         self._local = threading.local()
         self._seen = 0
+        self._calls = 0
         self._models: dict[int, dict[str, Any]] = {}
         self._objects: dict[int, Any] = {}
+        self._versions: dict[int, int] = {}  # trainable parameters' version counters when first seen
 
     def install(self) -> None:
         if self.installed:
@@ -57,16 +70,19 @@ class ModelProbe:
 
     def _after(self, module: Any, args: tuple[Any, ...], output: Any) -> None:
         self._local.depth = max(0, getattr(self._local, "depth", 1) - 1)
-        if self._seen >= TOP_LEVEL_CALLS and self._local.depth == 0:
+        if (self._seen >= TOP_LEVEL_CALLS or self._calls >= MAX_CALLS) and self._local.depth == 0:
             self.uninstall()
 
     def _look(self, module: Any, args: tuple[Any, ...]) -> None:
         import torch
 
-        self._seen += 1
+        self._calls += 1
+        module = _owner(module, sys._getframe(3))  # 3: _before, Module._call_impl, its caller
         key = id(module)
         if key in self._models:
             self._models[key]["calls"] += 1
+            if self._versions[key] >= 0:
+                self._seen += 1
             return
         dtypes: Counter[str] = Counter()
         devices: set[str] = set()
@@ -76,6 +92,10 @@ class ModelProbe:
             parameters += count
             dtypes[str(parameter.dtype).replace("torch.", "")] += count
             devices.add(parameter.device.type)
+        trainable = [p for p in module.parameters() if p.requires_grad]
+        self._versions[key] = sum(p._version for p in trainable) if trainable else -1
+        if trainable:
+            self._seen += 1
         tensor = _first_tensor(args)
         device_type = next(iter(devices)) if len(devices) == 1 else ("cuda" if "cuda" in devices else "cpu")
         self._objects[key] = weakref.ref(module)  # never keep the user's model alive
@@ -92,10 +112,21 @@ class ModelProbe:
             "calls": 1,
         }
 
+    def _trained(self, key: int) -> bool:
+        """Its trainable parameters were updated in place since it was first seen."""
+        ref = self._objects.get(key)
+        module = None if ref is None else ref()
+        if module is None or self._versions.get(key, -1) < 0:
+            return False
+        return sum(p._version for p in module.parameters() if p.requires_grad) > self._versions[key]
+
     def _main(self) -> int | None:
+        """The trained module with the most parameters; without training (inference), the
+        module with the most trainable parameters, then the most parameters."""
         if not self._models:
             return None
-        return max(self._models, key=lambda k: self._models[k]["parameters"])
+        return max(self._models, key=lambda k: (self._trained(k), self._versions.get(k, -1) >= 0,
+                                                self._models[k]["parameters"]))
 
     def model(self) -> Any:
         """The main model object, or None."""
@@ -112,6 +143,23 @@ class ModelProbe:
         facts["name"] = names.get(key)
         facts.update(precision_settings())
         return facts
+
+
+def _owner(module: Any, frame: Any) -> Any:
+    """The module whose method made this top-level call (a LightningModule's training_step
+    calling ``self.encoder``), or ``module`` itself when called from other code."""
+    from torch import nn
+
+    for _ in range(OWNER_FRAMES):
+        if frame is None:
+            break
+        if not str(frame.f_globals.get("__name__", "")).startswith("torch."):
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, nn.Module) and owner is not module:
+                return owner
+            return module
+        frame = frame.f_back
+    return module
 
 
 def _first_tensor(value: Any, depth: int = 0) -> Any:
