@@ -109,7 +109,7 @@ def main() -> None:
         result.update(change=with_change.change, advised_samples_per_s=advised, sweep=sweep,
                       best_num_workers=best_workers, ratio_to_best=ratio,
                       baseline_samples_per_s=sweep.get(workload.loader.num_workers))
-        tuned = tune_for_run(run, workload.loader, budget_s=TUNER_BUDGET_S, progress=False)
+        tuned = tune_for_run(run, workload.loader, budget_s=TUNER_BUDGET_S)
         tuned_rate = throughput(workload, tuned.loader(), repeats)
         tuner_ratio = tuned_rate / sweep[best_workers]
         result.update(tuner_change=tuned.change, tuner_samples_per_s=tuned_rate, tuner_ratio=tuner_ratio,

@@ -208,9 +208,11 @@ class Watch:
                 _show_text("gpuwidget --tune: no DataLoader was iterated in this cell, nothing to tune.")
             return
         try:
-            from gpuwidget.measure.tuner import tune_for_run
+            from gpuwidget.measure.tuner import DEFAULT_BUDGET_S, tune_for_run
+            from gpuwidget.ui.progress import tuning_progress
 
-            run.tuning = tune_for_run(run, loaders[0], progress=self.display)
+            with tuning_progress(DEFAULT_BUDGET_S, self.display and _in_notebook()) as progress:
+                run.tuning = tune_for_run(run, loaders[0], DEFAULT_BUDGET_S, progress)
         except Exception as exc:  # noqa: BLE001 - the run itself is recorded and shown already
             log.warning("gpuwidget --tune: %s", exc)
             if self.display and _in_ipython():

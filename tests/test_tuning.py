@@ -5,6 +5,7 @@ from __future__ import annotations
 import _thread
 import threading
 import time
+from collections.abc import Callable
 
 import psutil
 import pytest
@@ -12,8 +13,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
 import gpuwidget
-from gpuwidget.measure.batch_probe import probe_batch_size
-from gpuwidget.measure.tuner import TuneError, tune_loader
+from gpuwidget.measure.batch_probe import SizeTrial, _recommend, probe_batch_size, search_sizes
+from gpuwidget.measure.tuner import Trial, TuneError, _choose, search_workers, tune_loader
 
 import workloads
 
@@ -40,8 +41,7 @@ def test_tuner_feeds_a_starved_loop_and_never_touches_the_users_loader():
     workload = workloads.cpu_heavy_transform(items=640)
     loader = workload.loader
     before = children()
-    result = tune_loader(loader, target_rate=40.0, budget_s=15, name="train_loader", dataset_name="train_ds",
-                         progress=False)
+    result = tune_loader(loader, target_rate=40.0, budget_s=15, name="train_loader", dataset_name="train_ds")
     assert loader.num_workers == 0 and loader.batch_size == 16  # untouched
     assert result.chosen.change.get("num_workers", 0) >= 1
     assert result.speedup > 1.2
@@ -58,7 +58,7 @@ def test_tuner_feeds_a_starved_loop_and_never_touches_the_users_loader():
 def test_tuner_picks_the_cheapest_setting_that_meets_the_target():
     workload = workloads.slow_storage(items=640, latency=0.002)
     # The loop needs ~10 batches/s: a couple of workers do it; the tuner must not take 8.
-    result = tune_loader(workload.loader, target_rate=10.0, budget_s=15, progress=False, io_bound=True)
+    result = tune_loader(workload.loader, target_rate=10.0, budget_s=15, io_bound=True)
     meeting = [t for t in result.trials if not t.error and t.batches_per_s >= 1.2 * 10.0]
     assert result.chosen in meeting
     assert result.chosen.change.get("num_workers", 0) == min(t.change.get("num_workers", 0) for t in meeting)
@@ -84,9 +84,9 @@ class Endless(IterableDataset):
 
 def test_tuner_reports_an_empty_iterable_and_bounds_an_endless_one_by_batches():
     with pytest.raises(TuneError, match="produced no batches"):
-        tune_loader(DataLoader(Exhausted(), batch_size=2), budget_s=5, progress=False)
+        tune_loader(DataLoader(Exhausted(), batch_size=2), budget_s=5)
     before = children()
-    result = tune_loader(DataLoader(Endless(), batch_size=2), budget_s=6, progress=False)
+    result = tune_loader(DataLoader(Endless(), batch_size=2), budget_s=6)
     assert result.elapsed_s < 15
     assert result.chosen.batches_per_s > 0
     assert no_new_children(before)
@@ -106,7 +106,7 @@ def test_a_dataset_that_raises_is_reported_with_the_item_and_workers_are_cleaned
     before = children()
     for workers in (0, 2):
         with pytest.raises(TuneError, match=r"item 37: OSError: truncated JPEG"):
-            tune_loader(DataLoader(Corrupt(), batch_size=4, num_workers=workers), budget_s=10, progress=False)
+            tune_loader(DataLoader(Corrupt(), batch_size=4, num_workers=workers), budget_s=10)
     assert no_new_children(before)
 
 
@@ -126,7 +126,7 @@ def test_interrupting_the_tuner_leaves_no_worker_processes():
     timer.start()
     try:
         with pytest.raises(KeyboardInterrupt):
-            tune_loader(loader, budget_s=30, progress=False)
+            tune_loader(loader, budget_s=30)
     finally:
         timer.cancel()
     assert no_new_children(before)
@@ -222,3 +222,102 @@ def test_probe_restores_state_even_when_the_model_fails():
     with pytest.raises(ValueError, match="shape mismatch"):
         probe_batch_size(model, torch.zeros(8, 64), budget_s=5)
     assert all(torch.equal(v, snapshot(model)[k]) for k, v in before.items())
+
+
+# --------------------------------------------------------------------------- the searches, over a fake measure
+
+
+def fake_loader(rate_of: Callable[[int], float], fail_at: int | None = None
+                ) -> tuple[Callable[[dict], Trial], list[dict]]:
+    """A measure(change) -> Trial whose batches/s is ``rate_of(workers)``; the calls are recorded."""
+    calls: list[dict] = []
+
+    def measure(change: dict) -> Trial:
+        calls.append(dict(change))
+        workers = change.get("num_workers", 0)
+        if workers == fail_at:
+            return Trial(change, error="OSError: too many open files")
+        return Trial(change, batches_per_s=rate_of(workers) * (1.5 if "prefetch_factor" in change else 1.0))
+
+    return measure, calls
+
+
+def never() -> bool:
+    return False
+
+
+def test_worker_search_stops_at_the_first_count_that_feeds_the_loop_with_margin():
+    measure, calls = fake_loader(lambda workers: 5.0 + 10.0 * workers)
+    trials, fastest = search_workers(measure, workers_now=0, cap=32, target_rate=25.0, expired=never)
+    # 3 workers give 35 >= 1.2 x 25; then one deeper prefetch for the fastest, which beats it.
+    assert calls == [{}, {"num_workers": 1}, {"num_workers": 2}, {"num_workers": 3},
+                     {"num_workers": 3, "prefetch_factor": 4}]
+    assert fastest.change == {"num_workers": 3, "prefetch_factor": 4}
+    assert _choose(trials, 25.0, fastest).change == {"num_workers": 3}  # the cheapest that is enough
+
+
+def test_worker_search_stops_where_more_workers_stop_helping():
+    measure, calls = fake_loader(lambda workers: 10.0 * min(max(workers, 1), 2))
+    trials, fastest = search_workers(measure, workers_now=0, cap=32, target_rate=None, expired=never)
+    assert [c.get("num_workers") for c in calls] == [None, 1, 2, 3, 2]  # 3 gained nothing: stop
+    assert fastest.change == {"num_workers": 2, "prefetch_factor": 4}
+
+
+def test_worker_search_starts_above_the_loaders_own_count_and_respects_the_cap():
+    measure, calls = fake_loader(lambda workers: 10.0 * workers)
+    search_workers(measure, workers_now=4, cap=8, target_rate=None, expired=never)
+    assert [c.get("num_workers") for c in calls] == [None, 6, 8, 8]
+
+
+def test_worker_search_ends_at_a_failing_setting_and_at_the_deadline():
+    measure, calls = fake_loader(lambda workers: 10.0 * workers + 1, fail_at=3)
+    trials, fastest = search_workers(measure, workers_now=0, cap=32, target_rate=None, expired=never)
+    assert [c.get("num_workers") for c in calls] == [None, 1, 2, 3, 2]
+    assert fastest.change == {"num_workers": 2, "prefetch_factor": 4}
+
+    measure, calls = fake_loader(lambda workers: 10.0 * workers + 1)
+    search_workers(measure, workers_now=0, cap=32, target_rate=None, expired=lambda: len(calls) >= 2)
+    assert calls == [{}, {"num_workers": 1}]
+
+
+def test_worker_search_refuses_a_loader_that_fails_as_it_is():
+    measure, _ = fake_loader(lambda workers: 1.0, fail_at=0)
+    with pytest.raises(TuneError, match="could not be measured as it is"):
+        search_workers(measure, workers_now=0, cap=4, target_rate=None, expired=never)
+
+
+def fake_model(limit: int, saturates_at: int) -> tuple[Callable[[int], SizeTrial], list[int]]:
+    """A measure(size) -> SizeTrial: out of memory above ``limit``, samples/s flat from ``saturates_at``."""
+    sizes: list[int] = []
+
+    def measure(size: int) -> SizeTrial:
+        sizes.append(size)
+        return SizeTrial(size, samples_per_s=None if size > limit else 100.0 * min(size, saturates_at))
+
+    return measure, sizes
+
+
+def test_size_search_doubles_until_doubling_stops_paying_unless_asked_for_memory():
+    measure, sizes = fake_model(limit=300, saturates_at=64)
+    trials, fitted, failed = search_sizes(measure, 32, 4096, search_memory=False, expired=never)
+    assert sizes == [32, 64, 128, 256] and (fitted, failed) == (256, None)  # two doublings gained nothing
+    assert _recommend(trials) == 64
+
+
+def test_size_search_bisects_to_the_memory_limit_on_aligned_sizes():
+    measure, sizes = fake_model(limit=300, saturates_at=64)
+    trials, fitted, failed = search_sizes(measure, 32, 4096, search_memory=True, expired=never)
+    assert sizes[:5] == [32, 64, 128, 256, 512]
+    assert fitted is not None and failed is not None
+    assert fitted <= 300 < failed and failed - fitted <= max(1, fitted // 16)
+    assert all(size % 8 == 0 for size in sizes)
+
+
+def test_size_search_stops_at_max_batch_and_at_the_deadline():
+    measure, sizes = fake_model(limit=10_000, saturates_at=10_000)
+    _, fitted, failed = search_sizes(measure, 32, 100, search_memory=True, expired=never)
+    assert sizes == [32, 64, 100] and (fitted, failed) == (100, None)
+
+    measure, sizes = fake_model(limit=10_000, saturates_at=10_000)
+    _, fitted, _ = search_sizes(measure, 32, 4096, search_memory=True, expired=lambda: len(sizes) >= 3)
+    assert sizes == [32, 64, 128] and fitted == 128

@@ -15,7 +15,8 @@ def measure_button(run: Any, loader: Any) -> Any:
     import ipywidgets
     from IPython.display import display
 
-    from gpuwidget.measure.tuner import tune_for_run
+    from gpuwidget.measure.tuner import DEFAULT_BUDGET_S, tune_for_run
+    from gpuwidget.ui.progress import tuning_progress
 
     loader_ref = weakref.ref(loader)
     button = ipywidgets.Button(description="Measure the suggested settings", icon="tachometer",
@@ -32,7 +33,8 @@ def measure_button(run: Any, loader: Any) -> Any:
                 print("The loader no longer exists; run the watched cell again.")
                 return
             try:
-                run.tuning = tune_for_run(run, current)
+                with tuning_progress(DEFAULT_BUDGET_S, show=True) as progress:
+                    run.tuning = tune_for_run(run, current, DEFAULT_BUDGET_S, progress)
             except Exception as exc:  # noqa: BLE001 - shown to the user, not raised into the widget
                 print(f"Could not measure: {exc}")
                 button.disabled = False
