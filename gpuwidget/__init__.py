@@ -9,19 +9,38 @@ In a notebook::
         ...
 
 Elsewhere: ``with gpuwidget.watch() as run: ...``, then ``gpuwidget.last_run()``.
-Importing this package is cheap: torch, bokeh and NVML are only loaded when used.
+Importing this package is cheap: torch, bokeh and NVML are only loaded when used, and the
+measuring functions (``tune_loader``, ``probe_batch_size``) when first looked up (PEP 562).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from gpuwidget._labext import _jupyter_labextension_paths
 from gpuwidget.advice.finding import Finding
 from gpuwidget.run import Run
 from gpuwidget.session import last_run, watch
 
-__version__ = "0.1.0"
+if TYPE_CHECKING:
+    from gpuwidget.measure.batch_probe import probe_batch_size
+    from gpuwidget.measure.tuner import tune_loader
+
+try:
+    # Written by hatch's version hook at build/install time (from package.json), not tracked.
+    from gpuwidget._version import __version__
+except ImportError:  # a source tree never built: the installed metadata, if there is any
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        __version__ = version("gpuwidget")
+    except PackageNotFoundError:
+        __version__ = "0+unknown"
+
+# Public names re-exported from the module that defines them, imported on first use.
+_LAZY = {"tune_loader": "gpuwidget.measure.tuner", "probe_batch_size": "gpuwidget.measure.batch_probe"}
+
 __all__ = [
     "Finding",
     "Run",
@@ -41,19 +60,18 @@ def _jupyter_server_extension_points() -> list[dict[str, str]]:
     return [{"module": "gpuwidget.server"}]
 
 
-def tune_loader(loader: Any, target_rate: float | None = None, budget_s: float = 20.0, **kwargs: Any) -> Any:
-    """Measure DataLoader settings for ``loader``; see :func:`gpuwidget.measure.tuner.tune_loader`."""
-    from gpuwidget.measure.tuner import tune_loader as tune
+def __getattr__(name: str) -> Any:
+    """``gpuwidget.tune_loader`` and ``gpuwidget.probe_batch_size``: the functions themselves."""
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'gpuwidget' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
 
-    return tune(loader, target_rate=target_rate, budget_s=budget_s, **kwargs)
 
-
-def probe_batch_size(model: Any, example_batch: Any, loss_fn: Any = None, max_batch: int = 4096,
-                     **kwargs: Any) -> Any:
-    """Throughput per batch size and the largest that fits; see :mod:`gpuwidget.measure.batch_probe`."""
-    from gpuwidget.measure.batch_probe import probe_batch_size as probe
-
-    return probe(model, example_batch, loss_fn=loss_fn, max_batch=max_batch, **kwargs)
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
 
 
 def load_bokehjs() -> None:
