@@ -134,3 +134,21 @@ def test_the_model_is_the_trained_module_under_the_users_name(ran, name, model_c
     _, run = ran(name)
     model = run.workload["model"]
     assert model["class"] == model_class and model["name"] == "model"
+
+
+def test_batch_probe_runs_a_lightning_module_without_forward_and_a_hf_dict_batch(ran):
+    import torch
+
+    from gpuwidget.measure.batch_probe import probe_batch_size
+
+    module = frameworks.lightning_module(frameworks.SlowItems(latency=0))
+    x, y = frameworks.item(0)
+    result = probe_batch_size(module, (x.repeat(8, 1), y.repeat(8)), max_batch=16, budget_s=3)
+    assert all(t.samples_per_s for t in result.trials)
+
+    namespace, _ = ran("Hugging Face Trainer")
+    ids = torch.randint(0, 32, (4, 8))
+    labels = ids.clone()
+    labels[:, :2] = -100  # the ignore index a collator pads labels with
+    result = probe_batch_size(namespace["model"], {"input_ids": ids, "labels": labels}, max_batch=16, budget_s=3)
+    assert all(t.samples_per_s for t in result.trials)

@@ -116,8 +116,13 @@ def _synthetic(example: Any, size: int, device: Any) -> Any:
             return torch.randn(shape, dtype=example.dtype, device=device)
         if example.dtype == torch.bool:
             return torch.zeros(shape, dtype=torch.bool, device=device)
-        low, high = (int(example.min()), int(example.max()) + 1) if example.numel() else (0, 1)
-        return torch.randint(low, max(high, low + 1), shape, dtype=example.dtype, device=device)
+        if not example.numel():
+            return torch.zeros(shape, dtype=example.dtype, device=device)
+        # Values drawn from the example's own: token ids stay in the vocabulary, and labels
+        # keep their ignore index (-100) without inventing other negative classes.
+        values = example.detach().flatten().to(device)
+        picks = torch.randint(0, values.numel(), shape, device=device)
+        return values[picks]
     if isinstance(example, (list, tuple)):
         return type(example)(_synthetic(item, size, device) for item in example)
     if isinstance(example, dict):
@@ -153,12 +158,17 @@ def _preserved(model: Any) -> Iterator[None]:
 
 
 def _step(model: Any, batch: Any, loss_fn: Callable[..., Any] | None) -> None:
-    inputs = batch[0] if isinstance(batch, (list, tuple)) and len(batch) > 1 else batch
-    output = model(**inputs) if isinstance(inputs, dict) else model(inputs)
-    if loss_fn is not None and isinstance(batch, (list, tuple)) and len(batch) > 1:
-        loss = loss_fn(output, batch[1])
+    if loss_fn is None and callable(getattr(model, "training_step", None)):
+        # A LightningModule: training_step is its step (it may have no forward at all).
+        loss = _as_loss(model.training_step(batch, 0))
     else:
-        loss = _as_loss(output)
+        inputs = batch[0] if isinstance(batch, (list, tuple)) and len(batch) > 1 else batch
+        # A dict batch (Hugging Face) goes in as keywords, labels included: the model returns its loss.
+        output = model(**inputs) if isinstance(inputs, dict) else model(inputs)
+        if loss_fn is not None and isinstance(batch, (list, tuple)) and len(batch) > 1:
+            loss = loss_fn(output, batch[1])
+        else:
+            loss = _as_loss(output)
     loss.backward()
     model.zero_grad(set_to_none=True)
 
@@ -167,7 +177,7 @@ def _as_loss(output: Any) -> Any:
     if hasattr(output, "loss") and output.loss is not None:  # Hugging Face model outputs
         return output.loss
     if isinstance(output, dict):
-        output = next(iter(output.values()))
+        output = output["loss"] if "loss" in output else next(iter(output.values()))
     if isinstance(output, (list, tuple)):
         output = output[0]
     return output.float().mean()
@@ -179,8 +189,10 @@ def probe_batch_size(model: Any, example_batch: Any, loss_fn: Callable[..., Any]
     """Measure throughput per batch size on ``model`` and find the largest size that fits.
 
     ``example_batch`` is one batch as the loader yields it (a tensor, or a tuple/list/dict of
-    tensors: inputs first, then targets); ``loss_fn(output, target)`` is used when given,
-    else the mean of the output. The user's model, gradients and RNG are left exactly as
+    tensors: inputs first, then targets; a dict goes to the model as keywords, so a Hugging
+    Face model given ``labels`` returns its own loss); ``loss_fn(output, target)`` is used when
+    given, else the model's loss or the mean of its output. A LightningModule runs its
+    ``training_step(batch, 0)`` (it may have no ``forward``). The user's model, gradients and RNG are left exactly as
     they were. Sizes grow from ``start`` (default: the example's size) by doubling, then
     bisect on out-of-memory. ``search_memory`` (default: on CUDA) keeps doubling past the
     point where throughput stops improving, to find the largest size that fits.
