@@ -152,3 +152,20 @@ def test_batch_probe_runs_a_lightning_module_without_forward_and_a_hf_dict_batch
     labels[:, :2] = -100  # the ignore index a collator pads labels with
     result = probe_batch_size(namespace["model"], {"input_ids": ids, "labels": labels}, max_batch=16, budget_s=3)
     assert all(t.samples_per_s for t in result.trials)
+
+
+def test_tuner_does_not_count_an_unsharded_streams_copies_as_throughput():
+    from torch.utils.data import DataLoader
+
+    from gpuwidget.measure.tuner import tune_loader
+
+    stream = DataLoader(frameworks.Stream(n=512, latency=0.003), batch_size=8)
+    result = tune_loader(stream, budget_s=8, io_bound=True)
+    as_it_is, *with_workers = result.trials
+    assert with_workers, "no worker count was measured"
+    # Each worker reads the whole stream: 4 workers deliver 4x the batches but no new data.
+    for trial in with_workers:
+        assert trial.error or trial.batches_per_s < 1.5 * as_it_is.batches_per_s, trial
+    sharded = tune_loader(DataLoader(frameworks.ShardedStream(n=512, latency=0.003), batch_size=8), budget_s=8,
+                          io_bound=True)
+    assert sharded.chosen.batches_per_s > 1.5 * sharded.trials[0].batches_per_s

@@ -307,8 +307,23 @@ def _trial(loader: Any, change: dict[str, Any], deadline: float) -> Trial:
         if isinstance(exc, DatasetItemError) or "the dataset raised at item" in trial.error:
             raise TuneError(_dataset_message(trial.error)) from exc
     else:
-        trial.batches_per_s, trial.first_batch_s, trial.cpu_percent, trial.memory_bytes = rate, first, cpu, memory
+        # Batches every worker repeats are not throughput: only one copy in `copies` is new data.
+        copies = _copies_per_batch(loader, workers)
+        trial.batches_per_s, trial.first_batch_s, trial.cpu_percent, trial.memory_bytes = (
+            rate / copies, first, cpu, memory)
     return trial
+
+
+def _copies_per_batch(loader: Any, workers: int) -> int:
+    """How many workers yield each batch: all of them for an IterableDataset that does not
+    split its items with get_worker_info() (torch gives each worker a full copy), else one."""
+    from torch.utils.data import IterableDataset
+
+    from gpuwidget.probes.origin import shards_by_worker
+
+    if workers < 2 or not isinstance(loader.dataset, IterableDataset):
+        return 1
+    return workers if shards_by_worker(loader.dataset, loader.worker_init_fn) is False else 1
 
 
 def search_workers(measure: Callable[[dict[str, Any]], Trial], workers_now: int, cap: int,
