@@ -27,7 +27,7 @@ from gpuwidget.probes.torch_data import loader_kwargs, loader_settings
 
 STABLE_IDS = {"dataloader-starved", "dataloader-cpu-bound", "io-bound", "small-batch", "memory-pressure",
               "fp32-math", "launch-bound", "periodic-stall", "pageable-transfer", "gpu-throttled", "gpu-unused",
-              "gpu-imbalance"}
+              "gpu-imbalance", "cpu-contention"}
 H100 = {"gpus": [{"index": 0, "name": "NVIDIA H100"}], "usable_cpus": 8}
 NO_GPU = {"gpus": [], "usable_cpus": 8}
 
@@ -120,11 +120,20 @@ def test_sleeping_loader_is_io_bound_with_workers_beyond_the_cores():
     assert found["io-bound"].change["num_workers"] == 8  # 4 per core, 2 cores
 
 
-def test_idle_workers_on_a_saturated_host_wait_for_cores_not_storage():
-    # Two workers that got 15% of a core each while other programs kept the host full.
+def test_workers_queued_for_cores_on_a_saturated_host_do_cpu_work_on_cores_others_hold():
+    # Two workers on a core 15% of the time and queued for one 70% while other programs
+    # kept 1.5 cores busy: CPU work (hardly asleep), and contention from outside.
+    workload = {"loaders": [loader_facts(wait=2.0, compute=0.5, workers=2, wait_cpu=None)]}
+    busy = summary(host=97.0, workers_cpu=30.0, workers_run_delay_mean=140.0, other_cpu_mean=150.0)
+    found = {f.rule for f in advise(busy, workload, {**NO_GPU, "usable_cpus": 2})}
+    assert "io-bound" not in found and {"dataloader-cpu-bound", "cpu-contention"} <= found
+
+
+def test_idle_workers_on_a_saturated_host_without_run_delay_counters_are_not_called_storage_bound():
+    # Without schedstat (not Linux) a worker queued for a core looks like one asleep.
     workload = {"loaders": [loader_facts(wait=2.0, compute=0.5, workers=2, wait_cpu=None)]}
     found = {f.rule for f in advise(summary(host=97.0, workers_cpu=30.0), workload, {**NO_GPU, "usable_cpus": 2})}
-    assert "io-bound" not in found and "dataloader-cpu-bound" in found
+    assert not found & {"io-bound", "dataloader-cpu-bound", "cpu-contention"}
 
 
 def test_persistent_workers_and_prefetch_when_the_measurement_calls_for_them():

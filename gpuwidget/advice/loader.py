@@ -31,9 +31,11 @@ CPU_WORK_RATIO = 0.5
 IO_WAIT_RATIO = 0.25
 # Builders asleep at most this share of the time are not waiting on storage: what they do
 # not spend on a core they spend queued for one (CPU work on cores other processes hold).
-# A storage-bound builder keeps sleeping its storage latency however busy the host is: with
-# two busy processes on this 2-core machine it slept ~65% and queued ~30% (benchmarks/).
-CPU_ASLEEP_MAX = 0.25
+# A storage-bound builder keeps sleeping its storage latency however busy the host is.
+# Measured on this 2-core machine with two or four unrelated busy processes (6 ms storage
+# reads, batch 16): storage-bound builders slept 67-89% of the time (main thread or 4
+# workers); CPU-bound ones 2-30% (workers also sleep while their prefetch queue is full).
+CPU_ASLEEP_MAX = 0.5
 # The same cut-offs per worker process (num_workers > 0), as a share of one core each.
 WORKER_BUSY = 0.5
 WORKER_IDLE = 0.25
@@ -81,6 +83,8 @@ class LoaderDiagnosis:
     loop_delay: float | None = None
     other_cores: float | None = None
     contended: bool = False
+    # The speed-up expected from `change` (expected_gain), at most expected_speedup.
+    gain: float = 1.0
 
     @property
     def name(self) -> str:
@@ -143,6 +147,9 @@ def diagnose(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -
     diagnosis.evidence = _evidence(diagnosis, host, wait_cpu)
     if diagnosis.starved:
         diagnosis.change = _change(diagnosis, settings, workload, machine)
+        diagnosis.gain = expected_gain(diagnosis, diagnosis.change, main_uses_cpu=not machine.get("gpus"))
+        diagnosis.evidence["expected_gain"] = round(diagnosis.gain, 2)
+        diagnosis.evidence["upper_bound_speedup"] = round(diagnosis.expected_speedup, 2)
     return diagnosis
 
 
@@ -203,6 +210,32 @@ def workers_needed(d: LoaderDiagnosis) -> int:
     needed = max(1, math.ceil(WORKER_MARGIN * production_time(d) / d.compute_per_step))
     cap = min(MAX_WORKERS, IO_WORKERS_PER_CORE * d.usable_cpus) if d.cause == "io" else d.usable_cpus
     return max(1, min(needed, cap))
+
+
+def expected_gain(d: LoaderDiagnosis, change: Mapping[str, Any], main_uses_cpu: bool = True) -> float:
+    """The speed-up ``change`` should bring: the step as measured (wait + compute) over the step
+    with its workers, from the measured production and consumption times.
+
+    With ``w`` workers a batch arrives every ``production_time / w`` seconds and the loop takes
+    one every ``compute`` seconds, so a step lasts the longer of the two. Building batches on
+    the CPU (cause "cpu" or "unknown") also cannot go faster than the cores allow: all workers
+    together get at most ``usable_cpus`` cores, less the core the loop itself computes on when
+    there is no GPU to compute on (``main_uses_cpu``). Settings that add no producer (pinning,
+    persistence) are not modelled: 1.0. Never above the no-waiting bound, never below 1.
+    """
+    workers = int(change.get("num_workers", d.num_workers) or 0)
+    if workers <= d.num_workers:
+        return 1.0
+    production = production_time(d)
+    step_now = d.wait_per_step + d.compute_per_step
+    step = max(d.compute_per_step, production / workers)
+    if d.cause != "io":
+        cores = d.usable_cpus - (d.compute_per_step / step_now if main_uses_cpu else 0.0)
+        step = max(step, production / max(1.0, cores))
+        if main_uses_cpu:
+            # One step's CPU work, the batch and the loop's own compute, over all usable cores.
+            step = max(step, (production + d.compute_per_step) / d.usable_cpus)
+    return min(d.expected_speedup, max(1.0, step_now / step))
 
 
 def _uses_cuda(workload: Mapping[str, Any], machine: Mapping[str, Any]) -> bool:

@@ -49,6 +49,7 @@ from typing import Any
 import psutil
 
 from gpuwidget.clock import now
+from gpuwidget.facts import MachineFacts
 from gpuwidget.sources.base import ErrorLog, SourceError
 from gpuwidget.sources.cgroup import CgroupLimits, read_limits, usable_cpus
 from gpuwidget.sources.schedstat import read_schedstat, schedstat_path
@@ -91,7 +92,7 @@ class HostSource:
         self._children_listed = -float("inf")
         self._listed: list[psutil.Process] = []
         self._base: _ProcessTotals | None = None  # counters at the start of the current rate interval
-        limits = read_limits()
+        limits = self._limits = read_limits()
         self._affinity = sorted(_affinity())
         self._usable = usable_cpus(limits, set(self._affinity))
         self._schedstat = read_schedstat(schedstat_path(self._process.pid)) is not None
@@ -111,12 +112,16 @@ class HostSource:
         self._read_cpu({})
 
     def describe(self) -> dict[str, Any]:
+        return {"name": self.name, "available": True, "cpu_affinity": len(self._affinity), **self.machine_facts()}
+
+    def machine_facts(self) -> MachineFacts:
+        """The host facts a run is judged against (the host's part of MachineFacts): CPUs, those
+        the watched process may keep busy within its cgroup's limits, memory, the process."""
         return {
-            "name": self.name,
-            "available": True,
             "cpu_count": psutil.cpu_count(logical=True),
-            "cpu_affinity": len(self._affinity),
             "usable_cpus": self._usable,
+            "cpu_limit": self._limits.cpu_limit,
+            "mem_limit": self._limits.mem_limit,
             "mem_total": psutil.virtual_memory().total,
             "pid": self._process.pid,
         }
@@ -193,20 +198,21 @@ class HostSource:
         totals = _ProcessTotals(t, times.user + times.system, live_cpu + reaped,
                                 None if main is None else main[1], workers_delay)
         base = self._base
-        if base is not None and t - base.t < MIN_RATE_INTERVAL_S:
-            return  # too short to tell a rate from the counters' granularity: keep the interval open
-        self._base = totals
         if base is None:
+            self._base = totals
             return
         span = t - base.t
+        if span < MIN_RATE_INTERVAL_S:
+            return  # too short to tell a rate from the counters' granularity: keep the interval open
         cores = 100.0 * self._usable  # no process tree runs on more cores than it may use
-        values["proc.cpu"] = min(cores, max(0.0, totals.own_cpu - base.own_cpu) / span * 100.0)
-        values["proc.workers_cpu"] = min(cores, max(0.0, totals.workers_cpu - base.workers_cpu) / span * 100.0)
-        if totals.main_delay is not None and base.main_delay is not None:
-            values["proc.run_delay"] = min(100.0, max(0.0, totals.main_delay - base.main_delay) / span * 100.0)
-        if totals.workers_delay is not None and base.workers_delay is not None:
-            waiting = max(0.0, totals.workers_delay - base.workers_delay) / span * 100.0
-            values["proc.workers_run_delay"] = min(100.0 * max(1, self._workers), waiting)
+        self._base = _ProcessTotals(
+            t,
+            _rate(values, "proc.cpu", totals.own_cpu, base.own_cpu, span, cores) or 0.0,
+            _rate(values, "proc.workers_cpu", totals.workers_cpu, base.workers_cpu, span, cores) or 0.0,
+            _rate(values, "proc.run_delay", totals.main_delay, base.main_delay, span, 100.0),
+            _rate(values, "proc.workers_run_delay", totals.workers_delay, base.workers_delay, span,
+                  100.0 * max(1, self._workers)),
+        )
 
     def _list_children(self) -> list[psutil.Process]:
         """This process's descendants, reusing the Process objects already known.
@@ -313,6 +319,26 @@ class HostSource:
             self._last_psi[name] = (t, total)
             if previous is not None and t > previous[0]:
                 values[name] = min(100.0, max(0.0, total - previous[1]) / (t - previous[0]) * 100.0)
+
+
+def _rate(values: dict[str, float], name: str, total: float | None, base: float | None, span: float,
+          cap: float) -> float | None:
+    """Put the rate of a cumulative counter since ``base`` into ``values`` (percent of one core,
+    at most ``cap``) and return the counter's new base.
+
+    A child found by the once-a-second scan brings all the time it used since it started
+    into one tick; reporting it at once would read as more cores than the machine has, and
+    clipping it would lose it from the run's means. What is over the cap is carried into
+    the following ticks instead (the base only advances by what was reported). The base
+    never moves back: a child's time that leaves the live part before the kernel adds it to
+    the reaped part is not counted twice when it arrives there.
+    """
+    if total is None or base is None:
+        return total
+    used = max(0.0, total - base)
+    reported = min(used, cap / 100.0 * span)
+    values[name] = 100.0 * reported / span
+    return base + reported
 
 
 def psi_some_total(path: str) -> float | None:

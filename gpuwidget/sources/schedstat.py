@@ -15,6 +15,7 @@ absent, never 0.
 from __future__ import annotations
 
 import os
+import time
 
 THREAD_SELF = "/proc/thread-self/schedstat"
 
@@ -39,3 +40,12 @@ def read_schedstat(path: str = THREAD_SELF) -> tuple[float, float] | None:
     if len(fields) < 2:
         return None
     return int(fields[0]) * 1e-9, int(fields[1]) * 1e-9
+
+
+def thread_counters() -> tuple[float, float | None]:
+    """The calling thread's (CPU seconds, run-delay seconds); the delay is None where the
+    kernel has no schedstat (then the CPU time is ``time.thread_time()``)."""
+    counters = read_schedstat(THREAD_SELF)
+    if counters is None:
+        return time.thread_time(), None
+    return counters

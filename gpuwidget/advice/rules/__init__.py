@@ -9,9 +9,11 @@ from collections.abc import Callable
 
 from gpuwidget.advice.finding import Finding
 from gpuwidget.advice.rules import (
+    cpu_contention,
     dataloader_cpu_bound,
     dataloader_starved,
     fp32_math,
+    gpu_imbalance,
     gpu_throttled,
     gpu_unused,
     io_bound,
@@ -29,6 +31,6 @@ RULES: dict[str, Rule] = {
     module.RULE: module.check
     for module in (
         dataloader_starved, dataloader_cpu_bound, io_bound, small_batch, memory_pressure, fp32_math,
-        launch_bound, periodic_stall, pageable_transfer, gpu_throttled, gpu_unused,
+        launch_bound, periodic_stall, pageable_transfer, gpu_throttled, gpu_unused, cpu_contention, gpu_imbalance,
     )
 }

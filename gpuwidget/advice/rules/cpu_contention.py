@@ -1,0 +1,92 @@
+"""cpu-contention: other processes hold the cores the loop and its batch builders need.
+
+On a shared GPU server other users' jobs often fill the cores. The loop's thread and the
+DataLoader's builders are then ready to run but queued for a core (the kernel's run delay,
+/proc/<pid>/schedstat), while processes outside this process tree keep the cores busy. That
+is the machine, not the code: the finding names the share of time lost and who to look at.
+It does not replace the loader's own finding: a storage-bound loader still gains from more
+workers (they wait on storage, and need little CPU to do it), a CPU-bound one still needs
+cheaper batches. Thresholds live in gpuwidget.advice.loader (CONTENTION_DELAY_FRACTION,
+OTHER_CORES_MIN).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gpuwidget.advice.finding import Finding
+from gpuwidget.advice.loader import LoaderDiagnosis, diagnose
+from gpuwidget.facts import MachineFacts, Summary, WorkloadFacts
+
+RULE = "cpu-contention"
+# Above this share of wall time lost to waiting for a core, the finding is critical (as a
+# loop starved 40% of the time is: dataloader_starved.CRITICAL_WAIT_FRACTION, rounded down).
+CRITICAL_LOST_FRACTION = 0.3
+
+# Runs as pasted in the notebook: the busiest processes outside this one, like `top`.
+CODE = """\
+# Who holds the cores: the busiest processes outside this kernel, over one second (like `top`).
+import os, time, psutil
+def _cpu(process):
+    try:
+        return process.cpu_percent(None)
+    except psutil.Error:  # it ended meanwhile
+        return 0.0
+_mine = {os.getpid(), *(child.pid for child in psutil.Process().children(recursive=True))}
+_others = [p for p in psutil.process_iter(["name", "username"]) if p.pid not in _mine]
+[_cpu(p) for p in _others]
+time.sleep(1)
+for _percent, _pid, _name, _user in sorted(((_cpu(p), p.pid, p.info["name"], p.info["username"])
+                                            for p in _others), reverse=True)[:5]:
+    print(f"{_percent:5.0f}% of a core  pid {_pid}  {_name}  ({_user})")
+"""
+
+
+def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> Finding | None:
+    d = diagnose(summary, workload, machine)
+    lost = None if d is None else d.time_lost_to_contention
+    if d is None or not d.starved or not d.contended or lost is None:
+        return None
+    others = d.other_cores or 0.0
+    evidence: dict[str, Any] = {
+        "run_delay_fraction": round(lost, 3),
+        "other_cpu_cores": round(others, 2),
+        "usable_cpus": d.usable_cpus,
+        "data_wait_fraction": round(d.wait_fraction, 3),
+    }
+    if d.loop_delay is not None:
+        evidence["loop_run_delay_fraction"] = round(d.loop_delay, 3)
+    if d.builder_delay is not None:
+        evidence["builder_run_delay_fraction"] = round(d.builder_delay, 3)
+    if summary.get("cpu_util_mean") is not None:
+        evidence["host_cpu_percent"] = round(summary["cpu_util_mean"] or 0.0, 1)
+    pressure = summary.get("psi_cgroup_cpu_some_mean", summary.get("psi_cpu_some_mean"))
+    if pressure is not None:
+        evidence["psi_cpu_some_percent"] = round(pressure, 1)
+    if d.cause == "io":
+        still = ("The batches still wait on storage, so more workers still help (io-bound): waiting "
+                 "workers need little CPU. ")
+    elif d.cause == "cpu":
+        still = "Building batches is CPU work, and the cores it needs are taken: make batches cheaper too. "
+    else:
+        still = ""
+    return Finding(
+        rule=RULE,
+        severity="critical" if lost >= CRITICAL_LOST_FRACTION else "warn",
+        title=f"Other processes hold the cores ({100 * lost:.0f}% of the time lost waiting for one)",
+        evidence=evidence,
+        suggestion=(f"Processes outside this one kept {others:.1f} cores busy on the {d.usable_cpus} CPUs it may "
+                    f"use, and {_who(d)} ready to run but waited for a core {100 * lost:.0f}% of the time. "
+                    f"That is the machine, not the code. {still}Run when the machine is quieter, ask who runs "
+                    "the busy processes (the code lists them), reserve cores for this job (a CPU request for "
+                    "the pod, a scheduler's CPU allocation, taskset), or lower the others' priority (renice)."),
+        change={},
+        code=CODE,
+        expected_speedup=round(1.0 / max(1e-9, 1.0 - lost), 2),
+    )
+
+
+def _who(d: LoaderDiagnosis) -> str:
+    if d.builder_delay is not None and d.builder_delay >= (d.loop_delay or 0.0):
+        return "the loop's batch builders were" if d.num_workers == 0 else f"its {d.num_workers} loader workers were"
+    return "the training loop was"
