@@ -1,8 +1,10 @@
-"""A Jupyter server with gpuwidget's extension over a fake NVML, for benchmarks/server_load.py.
+"""A Jupyter server with gpuwidget's extension over a fake NVML, for benchmarks/server_load.py and stream_churn.py.
 
-Run as a subprocess: ``python benchmarks/_server_under_load.py PORT TOKEN GPUS INTERVAL OUT``.
-It measures the event loop's scheduling lag (a callback due every 10 ms) while it serves,
-and writes the lags (seconds) as JSON to OUT when it receives SIGTERM.
+Run as a subprocess: ``python benchmarks/_server_under_load.py PORT TOKEN GPUS INTERVAL OUT [HISTORY_S]``.
+It measures the event loop's scheduling lag (a callback due every 10 ms) while it serves, and
+writes as JSON to OUT when it receives SIGTERM: the lags (seconds, with the wall time each was
+measured at), the number of stream subscribers every 0.25 s, and when each stream socket whose
+URL names a ``client`` opened and closed. With HISTORY_S the server starts with that much history.
 """
 
 from __future__ import annotations
@@ -16,13 +18,39 @@ from _common import setup_paths
 
 setup_paths(fake_nvml=True)
 
+from stream_clients import fill_history  # noqa: E402
+
 from fakenvml import FakeNvml  # noqa: E402
 
 LAG_PERIOD_S = 0.01
+SUBSCRIBERS_PERIOD_S = 0.25
+
+
+def record_stream_events(events: list[tuple[str, str, float]]) -> None:
+    """Note when each labelled stream socket (``?client=LABEL``) opens and closes."""
+    from gpuwidget.server.handlers import StreamHandler
+
+    opened, closed = StreamHandler.open, StreamHandler.on_close
+
+    async def open_(self: StreamHandler, *args: object, **kwargs: object) -> None:
+        label = self.get_query_argument("client", None)
+        if label:
+            events.append((label, "open", time.time()))
+        await opened(self, *args, **kwargs)
+
+    def on_close(self: StreamHandler) -> None:
+        label = self.get_query_argument("client", None)
+        if label:
+            events.append((label, "close", time.time()))
+        closed(self)
+
+    StreamHandler.open = open_  # type: ignore[method-assign]
+    StreamHandler.on_close = on_close  # type: ignore[method-assign]
 
 
 def main() -> None:
     port, token, gpus, interval, out = sys.argv[1:6]
+    history_s = float(sys.argv[6]) if len(sys.argv) > 6 else 0.0
     fake = FakeNvml.gpus(int(gpus))
     fake.real_time = True
     with fake.patched():
@@ -35,19 +63,29 @@ def main() -> None:
             "--ServerApp.jpserver_extensions={'gpuwidget': True}", f"--GpuWidget.interval={interval}",
             "--allow-root", "--ServerApp.log_level=WARN",
         ])
+        monitor = app.web_app.settings["gpuwidget_monitor"]
+        if history_s:
+            fill_history(monitor, history_s, float(interval))
+        events: list[tuple[str, str, float]] = []
+        record_stream_events(events)
         lags: list[float] = []
+        lag_times: list[float] = []
+        subscribers: list[tuple[float, int]] = []
         expected = [time.perf_counter() + LAG_PERIOD_S]
 
         def tick() -> None:
             now = time.perf_counter()
             lags.append(max(0.0, now - expected[0]))
+            lag_times.append(time.time())
             expected[0] = now + LAG_PERIOD_S
 
         PeriodicCallback(tick, LAG_PERIOD_S * 1000).start()
+        PeriodicCallback(lambda: subscribers.append((time.time(), monitor.subscribers)),
+                         SUBSCRIBERS_PERIOD_S * 1000).start()
 
         def finish(*_: object) -> None:
             with open(out, "w") as fh:
-                json.dump({"lags": lags}, fh)
+                json.dump({"lags": lags, "lag_times": lag_times, "subscribers": subscribers, "events": events}, fh)
             IOLoop.current().add_callback_from_signal(app.stop)
 
         signal.signal(signal.SIGTERM, finish)

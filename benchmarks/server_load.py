@@ -12,6 +12,7 @@ and the bytes each client receives. Targets: < 2% of one core, loop lag p99 < 10
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -21,6 +22,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +55,35 @@ def wait_ready(port: int, process: subprocess.Popen) -> None:
     raise RuntimeError("the server did not start")
 
 
+@contextlib.contextmanager
+def server_under_load(gpus: int, interval: float, history_s: float = 0.0,
+                      ) -> Iterator[tuple[int, subprocess.Popen, dict[str, Any]]]:
+    """A Jupyter server with gpuwidget over ``gpus`` fake GPUs in a subprocess: (port, process, report).
+
+    ``report`` is filled, once the block ends and the server stopped, with what the server
+    recorded (event-loop lags, subscriber counts, stream socket events; see _server_under_load.py).
+    """
+    port = free_port()
+    report: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "server.json"
+        env = {**os.environ, "JUPYTER_RUNTIME_DIR": tmp, "JUPYTER_CONFIG_DIR": tmp}
+        server = subprocess.Popen(
+            [sys.executable, str(HERE / "_server_under_load.py"), str(port), TOKEN, str(gpus), str(interval),
+             str(out), str(history_s)], cwd=tmp, env=env)
+        try:
+            wait_ready(port, server)
+            yield port, server, report
+        finally:
+            server.send_signal(signal.SIGTERM)
+            try:
+                server.wait(15)
+            except subprocess.TimeoutExpired:
+                server.kill()
+        if out.exists():
+            report.update(json.loads(out.read_text()))
+
+
 async def client(port: int, seconds: float, received: list[int], samples: list[int]) -> None:
     from tornado.websocket import websocket_connect
 
@@ -81,32 +112,18 @@ def main() -> None:
     args = parse_args(__doc__.splitlines()[0], [("--seconds", {"type": float, "default": 30.0})])
     info = print_header("Server stream: CPU, event-loop lag and bytes with 10 clients at 10 Hz, 8 fake GPUs")
     seconds = 5.0 if args.quick else args.seconds
-    port = free_port()
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "lags.json"
-        env = {**os.environ, "JUPYTER_RUNTIME_DIR": tmp, "JUPYTER_CONFIG_DIR": tmp}
-        server = subprocess.Popen(
-            [sys.executable, str(HERE / "_server_under_load.py"), str(port), TOKEN, str(GPUS), str(INTERVAL),
-             str(out)], cwd=tmp, env=env)
-        try:
-            wait_ready(port, server)
-            process = psutil.Process(server.pid)
-            time.sleep(1.0)  # start-up work settles
-            idle_before = sum(process.cpu_times()[:2])
-            time.sleep(3.0)
-            idle_cpu = (sum(process.cpu_times()[:2]) - idle_before) / 3.0
-            before = sum(process.cpu_times()[:2])
-            started = time.perf_counter()
-            received, samples = asyncio.run(load(port, seconds))
-            elapsed = time.perf_counter() - started
-            busy_cpu = (sum(process.cpu_times()[:2]) - before) / elapsed
-        finally:
-            server.send_signal(signal.SIGTERM)
-            try:
-                server.wait(15)
-            except subprocess.TimeoutExpired:
-                server.kill()
-        lags = np.asarray(json.loads(out.read_text())["lags"]) if out.exists() else np.asarray([np.nan])
+    with server_under_load(GPUS, INTERVAL) as (port, server, report):
+        process = psutil.Process(server.pid)
+        time.sleep(1.0)  # start-up work settles
+        idle_before = sum(process.cpu_times()[:2])
+        time.sleep(3.0)
+        idle_cpu = (sum(process.cpu_times()[:2]) - idle_before) / 3.0
+        before = sum(process.cpu_times()[:2])
+        started = time.perf_counter()
+        received, samples = asyncio.run(load(port, seconds))
+        elapsed = time.perf_counter() - started
+        busy_cpu = (sum(process.cpu_times()[:2]) - before) / elapsed
+    lags = np.asarray(report.get("lags") or [np.nan])
     per_client_bps = float(np.mean(received)) / elapsed
     stream_cpu = max(0.0, busy_cpu - idle_cpu)
     rate = float(np.mean(samples)) / elapsed

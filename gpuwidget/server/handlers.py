@@ -2,13 +2,17 @@
 
 Every route is authenticated (``@web.authenticated`` / ``@ws_authenticated``) and
 authorized against the resource ``gpuwidget``; a cross-origin request is refused with 403.
-Blocking reads (NVML start-up, a one-off sample) run in a worker thread, never on the loop.
+Blocking reads (NVML start-up, a one-off sample, the history) run in a worker thread, never
+on the loop. A stream socket is pinged and dropped when the browser stops answering, and what
+waits for a slow reader is bounded (:mod:`gpuwidget.server.outbox`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import math
 from typing import Any
 
 from jupyter_server.auth.decorator import authorized, ws_authenticated
@@ -16,13 +20,48 @@ from jupyter_server.base.handlers import APIHandler, JupyterHandler
 from jupyter_server.base.websocket import WebSocketMixin
 from jupyter_server.utils import ensure_async
 from tornado import web
-from tornado.websocket import WebSocketClosedError, WebSocketHandler
+from tornado.websocket import WebSocketHandler
 
 from gpuwidget.server.monitor import Monitor
+from gpuwidget.server.outbox import Outbox
 from gpuwidget.server.static import AUTH_RESOURCE
 
+log = logging.getLogger("gpuwidget")
 
-class _ApiHandler(APIHandler):
+# The slowest rate a subscriber may ask for: an hour, the span of the history it gets first.
+MAX_STREAM_INTERVAL_S = 3600.0
+# Stream sockets are pinged at Jupyter's ``ws_ping_interval`` (ms), at most this far apart, and
+# closed when a pong does not come back within as long: a browser that vanished (sleep, lost
+# network) is let go within 2 x 15 s, plus tornado's 5 s wait for a closing handshake.
+STREAM_PING_MAX_MS = 15_000
+
+
+def seconds_argument(handler: web.RequestHandler, name: str, upper: float = math.inf) -> float | None:
+    """A query argument in seconds: absent -> None; not a finite number in [0, ``upper``] -> 400."""
+    raw = handler.get_query_argument(name, None)
+    if raw is None:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        raise web.HTTPError(400, f"{name} must be a number of seconds, not {raw!r}") from None
+    if not (math.isfinite(value) and 0 <= value <= upper):
+        raise web.HTTPError(400, f"{name} must be between 0 and {upper:g} seconds, not {raw!r}")
+    return value
+
+
+class _MonitorHandler(web.RequestHandler):
+    """What every gpuwidget route shares: the server's one Monitor, and a worker thread for blocking calls."""
+
+    @property
+    def monitor(self) -> Monitor:
+        return self.settings["gpuwidget_monitor"]  # type: ignore[no-any-return]
+
+    async def in_thread(self, function: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(None, function, *args)
+
+
+class _ApiHandler(APIHandler, _MonitorHandler):
     """JSON routes: origin checked first (403, not jupyter_server's 404), then auth."""
 
     auth_resource = AUTH_RESOURCE
@@ -33,13 +72,6 @@ class _ApiHandler(APIHandler):
         await JupyterHandler.prepare(self)
         if not self.check_origin():
             raise web.HTTPError(403, "cross-origin request refused")
-
-    @property
-    def monitor(self) -> Monitor:
-        return self.settings["gpuwidget_monitor"]
-
-    async def in_thread(self, function: Any, *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(None, function, *args)
 
 
 class DevicesHandler(_ApiHandler):
@@ -53,65 +85,81 @@ class SnapshotHandler(_ApiHandler):
     @web.authenticated
     @authorized
     async def get(self) -> None:
-        raw = self.get_query_argument("window", None)
-        try:
-            window = None if raw is None else float(raw)
-        except ValueError:
-            raise web.HTTPError(400, f"window must be a number of seconds, not {raw!r}") from None
+        window = seconds_argument(self, "window")
         monitor = self.monitor
         devices = await self.in_thread(monitor.devices)
         if not monitor.running:
             await self.in_thread(monitor.read_once)
         await self.finish(json.dumps({
             "devices": devices,
-            "history": monitor.history(window),
+            "history": await self.in_thread(monitor.history, window),
             "latest": monitor.latest(),
             "processes": monitor.processes(),
         }))
 
 
-class StreamHandler(WebSocketMixin, WebSocketHandler, JupyterHandler):  # type: ignore[misc]
-    """Samples at the subscriber's rate, after a hello and the last hour of history."""
+class StreamHandler(WebSocketMixin, WebSocketHandler, JupyterHandler, _MonitorHandler):  # type: ignore[misc]
+    """Samples at the subscriber's rate, after a hello and the last hour of history.
+
+    Pings are tornado's own (its ping closes a socket whose pong is late); jupyter_server's
+    mixin keeps its origin check and auth. The mixin states the ping interval in milliseconds
+    where tornado reads seconds, so the two properties below say it in tornado's unit.
+    """
 
     auth_resource = AUTH_RESOURCE
     _token: int | None = None
+    _interval: float | None = None
+    _outbox: Outbox | None = None
+    _gone = False
 
     @property
-    def monitor(self) -> Monitor:
-        return self.settings["gpuwidget_monitor"]
+    def ping_interval(self) -> float:
+        """Seconds between pings (tornado's unit); 0 (Jupyter's ``ws_ping_interval=0``) disables them."""
+        return min(float(super().ping_interval), STREAM_PING_MAX_MS) / 1000
+
+    @property
+    def ping_timeout(self) -> float:
+        """Seconds a pong may take; tornado allows no more than the interval."""
+        return min(float(super().ping_timeout) / 1000, self.ping_interval)
 
     @ws_authenticated
     async def get(self, *args: Any, **kwargs: Any) -> None:
         allowed = await ensure_async(self.authorizer.is_authorized(self, self.current_user, "read", AUTH_RESOURCE))
         if not allowed:
             raise web.HTTPError(403)
-        raw = self.get_query_argument("interval", None)
-        try:
-            self._interval = None if raw is None else float(raw)
-        except ValueError:
-            raise web.HTTPError(400, f"interval must be a number of seconds, not {raw!r}") from None
-        if self._interval is not None and not self._interval > 0:
+        self._interval = seconds_argument(self, "interval", MAX_STREAM_INTERVAL_S)
+        if self._interval == 0:
             raise web.HTTPError(400, "interval must be positive")
-        await asyncio.get_running_loop().run_in_executor(None, self.monitor.devices)  # NVML start-up
+        await self.in_thread(self.monitor.devices)  # NVML start-up
         await super().get(*args, **kwargs)
 
     async def open(self, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
         monitor = self.monitor
-        self._send(monitor.hello_text())
-        self._send(monitor.history_text())
-        self._send(monitor.processes_text())
+        outbox = self._outbox = Outbox(self.write_message, self._close_behind)
+        outbox.send(monitor.hello_text(), droppable=False)
+        history = await monitor.history_message()
+        if self._gone or outbox.closed:
+            return  # left while the history was built: never subscribed
+        outbox.send(history, droppable=False)
+        outbox.send(monitor.processes_text(), droppable=False)
         self._token = monitor.subscribe(self._send, self._interval)
 
     def _send(self, text: str) -> None:
-        try:
-            self.write_message(text)
-        except WebSocketClosedError:
-            self._leave()
+        assert self._outbox is not None
+        self._outbox.send(text)
+        if self._outbox.closed:
+            self._leave()  # closed under us (ping timeout, reset): stop writing now, not at on_close
+
+    def _close_behind(self, code: int, reason: str) -> None:
+        log.info("gpuwidget: closing a stream client from %s: %s", self.request.remote_ip, reason)
+        self._leave()
+        self.close(code, reason)
 
     def on_message(self, message: str | bytes) -> None:
         pass  # the client has nothing to say
 
     def on_close(self) -> None:
+        self._gone = True
         self._leave()
 
     def _leave(self) -> None:

@@ -1,0 +1,141 @@
+"""The sidebar stream under churn: 50 tabs reconnecting 100 times each, 10 that never read, 8 fake GPUs, 1 h of history.
+
+A real Jupyter server with gpuwidget's extension runs in a subprocess over the fake NVML,
+sampling every second, with an hour of history already kept. Ten raw websocket clients
+connect and never read a byte (a frozen or vanished browser: no reads, no pongs); fifty
+clients each connect, read the hello and the history, and disconnect, a hundred times.
+Measured: the server's event-loop lag while they churn (a callback due every 10 ms inside
+the server), its RSS before, at peak and once every client has gone, and how long each
+stalled client stayed subscribed. Targets: lag p99 < 10 ms, RSS back within 20 MB of the
+start, every stalled client closed within 60 s.
+
+    .venv/bin/python benchmarks/stream_churn.py [--quick] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import numpy as np
+import psutil
+from _common import parse_args, print_header, setup_paths, table, verdict, write_json
+from server_load import TOKEN, server_under_load
+
+setup_paths(fake_nvml=True)
+
+from stream_clients import RawClient  # noqa: E402
+
+GPUS = 8
+INTERVAL_S = 1.0  # the extension's default
+HISTORY_S = 3600.0
+TABS, CYCLES, STALLED = 50, 100, 10
+STALLED_LIMIT_S = 60.0  # a stalled client must be let go within a minute
+# After the tabs are done, how long to wait for the stalled clients to be let go before reading RSS.
+SETTLE_S = 75.0
+RSS_PERIOD_S = 0.5
+
+
+def stream_path(label: str) -> str:
+    return f"/gpuwidget/api/stream?token={TOKEN}&client={label}"
+
+
+async def tab(port: int, index: int, cycles: int, sizes: list[int]) -> None:
+    from tornado.websocket import websocket_connect
+
+    for cycle in range(cycles):
+        ws = await websocket_connect(f"ws://127.0.0.1:{port}{stream_path(f'tab-{index}-{cycle}')}",
+                                     max_message_size=64 * 2**20)
+        hello = await ws.read_message()
+        history = await ws.read_message()
+        assert isinstance(hello, str) and hello.startswith('{"type":"hello"'), hello
+        assert isinstance(history, str) and history.startswith('{"type":"history"')
+        sizes.append(len(history))
+        ws.close()
+
+
+async def churn(port: int, tabs: int, cycles: int, stalled: int, settle_s: float, process: psutil.Process,
+                rss: list[tuple[float, int]]) -> dict[str, Any]:
+    """Run the tabs beside the stalled clients, then wait ``settle_s`` from the start for the server to let go."""
+    async def watch_rss() -> None:
+        while True:
+            rss.append((time.time(), process.memory_info().rss))
+            await asyncio.sleep(RSS_PERIOD_S)
+
+    watcher = asyncio.ensure_future(watch_rss())
+    frozen = [await RawClient.connect(port, stream_path(f"stalled-{n}"), receive_buffer=4096) for n in range(stalled)]
+    sizes: list[int] = []
+    started = time.time()
+    await asyncio.gather(*(tab(port, n, cycles, sizes) for n in range(tabs)))
+    ended = time.time()
+    await asyncio.sleep(max(0.0, started + settle_s - time.time()))
+    watcher.cancel()
+    rss_end = process.memory_info().rss
+    for client in frozen:
+        client.abort()
+    return {"started": started, "ended": ended, "rss_end": rss_end, "history_bytes": float(np.median(sizes)),
+            "connections": len(sizes)}
+
+
+def stalled_durations(events: list[list[Any]]) -> list[float]:
+    """Seconds each stalled client stayed open (inf for one never closed)."""
+    opened: dict[str, float] = {}
+    closed: dict[str, float] = {}
+    for label, kind, at in events:
+        if label.startswith("stalled-"):
+            (opened if kind == "open" else closed)[label] = at
+    return [closed.get(label, float("inf")) - at for label, at in sorted(opened.items())]
+
+
+def main() -> None:
+    args = parse_args(__doc__.splitlines()[0])
+    info = print_header("Server stream under churn: 50 tabs x 100 reconnects, 10 stalled clients, 8 fake GPUs, 1 h")
+    tabs, cycles, stalled, settle = (10, 5, 2, 0.0) if args.quick else (TABS, CYCLES, STALLED, SETTLE_S)
+    rss: list[tuple[float, int]] = []
+    with server_under_load(GPUS, INTERVAL_S, HISTORY_S) as (port, server, report):
+        process = psutil.Process(server.pid)
+        time.sleep(2.0)  # start-up work settles
+        rss_start = process.memory_info().rss
+        run = asyncio.run(churn(port, tabs, cycles, stalled, settle, process, rss))
+    rss_end = run["rss_end"]
+    lag_times = np.asarray(report.get("lag_times") or [np.nan])
+    lags = np.asarray(report.get("lags") or [np.nan])
+    during = lags[(lag_times >= run["started"]) & (lag_times <= run["ended"])]
+    if not len(during):
+        during = np.asarray([np.nan])
+    held = stalled_durations(report.get("events") or []) if not args.quick else []
+    rss_peak = max(value for _, value in rss) if rss else rss_start
+    grown_mb = (rss_end - rss_start) / 2**20
+    seconds = run["ended"] - run["started"]
+    p50, p99, worst = (1e3 * float(np.percentile(during, q)) for q in (50, 99, 100))
+    rows: list[list[Any]] = [
+        ["connections served (hello + history each)", f"{run['connections']} in {seconds:.1f} s"],
+        ["history message (median bytes)", f"{run['history_bytes']:,.0f}"],
+        ["event-loop lag p50 / p99 / max while churning (ms)", f"{p50:.2f} / {p99:.2f} / {worst:.2f}"],
+        ["server RSS start / peak / after (MB)",
+         f"{rss_start / 2**20:.0f} / {rss_peak / 2**20:.0f} / {rss_end / 2**20:.0f}"],
+        ["stalled clients let go after (s, each)",
+         ", ".join(f"{s:.1f}" for s in held) if held else "not measured (--quick)"],
+    ]
+    print()
+    table(["figure", "value"], rows)
+    verdicts = [
+        verdict("event-loop lag p99 while 50 tabs churn", p99, 10.0, higher_is_better=False,
+                shown=f"{p99:.2f} ms", target_shown="10 ms"),
+        verdict("server RSS once every client left, over its start", grown_mb, 20.0, higher_is_better=False,
+                shown=f"{grown_mb:+.1f} MB", target_shown="20 MB"),
+    ]
+    if held:
+        verdicts.append(verdict("longest a stalled client stayed subscribed", max(held), STALLED_LIMIT_S,
+                                higher_is_better=False, shown=f"{max(held):.1f} s", target_shown="60 s"))
+    write_json(args.json, {"machine": info, "tabs": tabs, "cycles": cycles, "stalled": stalled,
+                           "connections": run["connections"], "seconds": seconds,
+                           "history_bytes": run["history_bytes"],
+                           "lag_ms": {"p50": p50, "p99": p99, "max": worst},
+                           "rss_mb": {"start": rss_start / 2**20, "peak": rss_peak / 2**20, "end": rss_end / 2**20},
+                           "stalled_held_s": held, "verdicts": verdicts})
+
+
+if __name__ == "__main__":
+    main()

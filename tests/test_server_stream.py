@@ -1,0 +1,278 @@
+"""The stream survives slow, dead and churning browsers (a real Jupyter server, loopback clients)."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import logging
+import threading
+import time
+
+import pytest
+from stream_clients import OPCODE_CLOSE, OPCODE_PING, RawClient, close_reason, fill_history
+from test_server import get_json, read_until
+from tornado.httpclient import HTTPClientError
+
+from fakenvml import FakeNvml
+
+pytestmark = pytest.mark.server
+
+# Stream sockets here are pinged every 200 ms (Jupyter's setting is in milliseconds).
+PING_MS = 200
+
+
+@pytest.fixture
+def ping_ms() -> int:
+    return PING_MS
+
+
+@pytest.fixture
+def interval_s() -> float:
+    return 0.05
+
+
+@pytest.fixture
+def jp_server_config(ping_ms, interval_s):
+    return {
+        "ServerApp": {"jpserver_extensions": {"gpuwidget": True}, "allow_unauthenticated_access": False,
+                      "tornado_settings": {"ws_ping_interval": ping_ms}},
+        "GpuWidget": {"interval": interval_s},
+    }
+
+
+@pytest.fixture
+def monitor(jp_serverapp):
+    monitor = jp_serverapp.web_app.settings["gpuwidget_monitor"]
+    yield monitor
+    monitor.close()
+
+
+@pytest.fixture
+def connect_raw(http_server, jp_http_port, jp_base_url, jp_auth_header):
+    """Connect a :class:`RawClient` (``http_server`` starts the server jp_fetch would start)."""
+    clients: list[RawClient] = []
+
+    async def connect(receive_buffer: int | None = None, query: str = "") -> RawClient:
+        client = await RawClient.connect(jp_http_port, f"{jp_base_url}gpuwidget/api/stream{query}",
+                                         jp_auth_header, receive_buffer)
+        clients.append(client)
+        return client
+
+    yield connect
+    for client in clients:
+        client.abort()
+
+
+async def wait_until(condition, timeout: float, step: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        await asyncio.sleep(step)
+    return condition()
+
+
+def outboxes(monitor) -> list:
+    """The live subscribers' outboxes (each subscriber's send is its handler's bound ``_send``)."""
+    return [subscriber.send.__self__._outbox for subscriber in list(monitor._subscribers.values())]
+
+
+# ------------------------------------------------------------------------------------------ pings
+
+
+async def test_a_browser_that_stops_answering_pings_is_closed_and_unsubscribed(connect_raw, monitor):
+    client = await connect_raw()
+    assert await wait_until(lambda: monitor.subscribers == 1, 10)
+    started = time.monotonic()
+    pings = 0
+    while True:  # read everything, answer nothing: a browser whose network went away mid-stream
+        opcode, payload = await asyncio.wait_for(client.frame(), 10)
+        pings += opcode == OPCODE_PING
+        if opcode == OPCODE_CLOSE:
+            break
+    closed_after = time.monotonic() - started
+    assert pings >= 1
+    assert close_reason(payload)[1] == "ping timed out"
+    # A ping 0.2 s in, 0.2 s for its pong: closed within a second, not tornado's 30000 "seconds".
+    assert closed_after < 2.0
+    assert await wait_until(lambda: monitor.subscribers == 0, 2.0)
+
+
+async def test_a_browser_that_answers_pings_stays_subscribed(jp_ws_fetch, monitor):
+    ws = await jp_ws_fetch("gpuwidget", "api", "stream")
+    try:
+        first = await read_until(ws, "sample")
+        deadline = time.monotonic() + 8 * PING_MS / 1000
+        while time.monotonic() < deadline:  # eight pings, each answered while tornado's client reads
+            last = await read_until(ws, "sample")
+        assert last["t"] > first["t"] + 1.0 and monitor.subscribers == 1
+    finally:
+        ws.close()
+
+
+@pytest.mark.parametrize("ping_ms", [30_000])
+async def test_the_ping_interval_is_given_to_tornado_in_seconds_and_capped(jp_serverapp, ping_ms):
+    from gpuwidget.server.handlers import STREAM_PING_MAX_MS, StreamHandler
+
+    handler = StreamHandler.__new__(StreamHandler)
+    handler.application = jp_serverapp.web_app
+    # Jupyter's default 30000 (ms) as tornado would have read it: 8 h 20 min between pings.
+    assert handler.ping_interval == STREAM_PING_MAX_MS / 1000 == 15.0
+    assert 0 < handler.ping_timeout <= handler.ping_interval
+
+
+# ------------------------------------------------------------------------------ slow consumers
+
+
+# No pings: the backlog alone must let the client go. Samples at 100 Hz fill the kernel's ~3 MB of
+# socket buffers in seconds.
+@pytest.mark.parametrize(("ping_ms", "interval_s"), [(0, 0.01)])
+async def test_a_client_that_stops_reading_has_samples_dropped_then_is_closed(
+        connect_raw, fake_nvml, monitor, monkeypatch, caplog):
+    from gpuwidget.server import outbox
+
+    monkeypatch.setattr(outbox, "STALLED_CLOSE_S", 1.0)
+    fake = FakeNvml.gpus(8)
+    fake.real_time = True
+    fake_nvml(fake)
+    monitor.close()
+    fill_history(monitor)  # a 1.6 MB first message: more than the kernel's socket buffers hold
+    await connect_raw(receive_buffer=4096)  # never reads
+    assert await wait_until(lambda: monitor.subscribers == 1, 10)
+    [box] = outboxes(monitor)
+    most_unsent = 0
+
+    def dropping() -> bool:
+        nonlocal most_unsent
+        most_unsent = max(most_unsent, box.unsent)
+        return box.dropped > 0
+
+    with caplog.at_level(logging.INFO, logger="gpuwidget"):
+        assert await wait_until(dropping, 15, step=0.01), "the kernel's buffers never filled"
+        assert await wait_until(lambda: monitor.subscribers == 0, 5.0)
+    assert most_unsent <= outbox.MAX_UNSENT
+    assert box.closed and "too far behind" in caplog.text
+
+
+# --------------------------------------------------------------------------------------- churn
+
+
+async def test_fifty_reconnecting_tabs_share_history_built_off_the_event_loop(
+        jp_ws_fetch, fake_nvml, monitor, monkeypatch):
+    fake = FakeNvml.gpus(8)
+    fake.real_time = True
+    fake_nvml(fake)
+    monitor.close()
+    assert fill_history(monitor) > 8 * 8  # every GPU's columns
+    loop_thread = threading.current_thread()
+    build_threads: list[threading.Thread] = []
+    build = monitor._build_history
+
+    def counted(version: int) -> bytes:
+        build_threads.append(threading.current_thread())
+        return build(version)
+
+    monkeypatch.setattr(monitor, "_build_history", counted)
+    lags: list[float] = []
+
+    async def probe() -> None:  # the event loop's lateness for a 10 ms sleep
+        while True:
+            started = time.perf_counter()
+            await asyncio.sleep(0.01)
+            lags.append(time.perf_counter() - started - 0.01)
+
+    async def tab() -> int:
+        ws = await jp_ws_fetch("gpuwidget", "api", "stream")
+        try:
+            assert (await ws.read_message()).startswith('{"type":"hello"')
+            history = await ws.read_message()
+            assert history.startswith('{"type":"history"')
+            return len(history)
+        finally:
+            ws.close()
+
+    lag_probe = asyncio.ensure_future(probe())
+    ticks = monitor.trace.version
+    try:
+        sizes = [size for _ in range(2) for size in await asyncio.gather(*(tab() for _ in range(50)))]
+    finally:
+        lag_probe.cancel()
+    rows_meanwhile = monitor.trace.version - ticks
+    assert min(sizes) > 500_000  # an hour of 8 GPUs, reduced for plotting
+    assert loop_thread not in build_threads
+    assert len(build_threads) <= rows_meanwhile + 2  # one build per row at most, not one per tab
+    # Unshared and on the loop this was 100 builds of ~60 ms: seconds of stall.
+    assert max(lags) < 1.0, f"event loop stalled {max(lags):.2f} s"
+
+
+async def test_clients_vanishing_mid_history_leave_no_unretrieved_task_errors(
+        connect_raw, fake_nvml, monitor):
+    fake = FakeNvml.gpus(8)
+    fake.real_time = True
+    fake_nvml(fake)
+    monitor.close()
+    fill_history(monitor)
+    loop = asyncio.get_running_loop()
+    reported: list[str] = []
+    previous = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _loop, context: reported.append(context["message"]))
+    try:
+        clients = [await connect_raw(receive_buffer=4096) for _ in range(10)]
+        await wait_until(lambda: monitor.subscribers == 10, 10)
+        for client in clients:
+            client.abort()  # the 1.6 MB history is still being written to each
+        assert await wait_until(lambda: monitor.subscribers == 0, 10)
+        await asyncio.sleep(0.2)
+        gc.collect()
+        await asyncio.sleep(0.1)
+    finally:
+        loop.set_exception_handler(previous)
+    assert not [message for message in reported if "never retrieved" in message]
+
+
+# ----------------------------------------------------------------------------- bad requests, once
+
+
+@pytest.mark.parametrize("interval", ["inf", "-inf", "nan", "-1", "0", "1e300", "3601"])
+async def test_a_stream_interval_that_is_not_a_usable_number_of_seconds_is_refused(
+        jp_ws_fetch, monitor, interval):
+    with pytest.raises(HTTPClientError) as caught:
+        await jp_ws_fetch("gpuwidget", "api", "stream", params={"interval": interval})
+    assert caught.value.code == 400
+    assert monitor.subscribers == 0
+
+
+@pytest.mark.parametrize("window", ["nan", "inf", "-5"])
+async def test_a_snapshot_window_that_is_not_a_number_of_seconds_is_refused(jp_fetch, monitor, window):
+    with pytest.raises(HTTPClientError) as caught:
+        await jp_fetch("gpuwidget", "api", "snapshot", params={"window": window})
+    assert caught.value.code == 400
+
+
+async def test_sixteen_concurrent_first_requests_start_nvml_once(jp_fetch, fake_nvml, monitor):
+    fake = FakeNvml.gpus(2)
+    fake_nvml(fake)
+    monitor.close()  # forget sources built before the fake was installed
+    fake.reset_counts()
+    replies = await asyncio.gather(*(get_json(jp_fetch, "devices") for _ in range(16)))
+    assert all(len(reply["devices"]) == 2 for reply in replies)
+    assert fake.count("nvmlInitWithFlags") + fake.count("nvmlInit") == 1
+    monitor.close()
+    assert fake.inits == 0  # nothing leaked: the one init was shut down
+
+
+def test_history_keeps_four_significant_digits_and_nulls_for_gaps():
+    from gpuwidget.server.monitor import Monitor
+    from gpuwidget.trace import Trace
+
+    monitor = Monitor(interval=1.0, history_s=100.0)
+    trace = Trace(start_clock=0.0, start_wall=1000.0)
+    trace.append(1.0, {"gpu0.mem_used": 81_234_567_890.0, "gpu0.util": 37.298767})
+    trace.append(2.0, {"gpu0.util": 12.0})
+    trace.now = lambda: 3.0  # type: ignore[method-assign]
+    monitor.trace = trace
+    history = json.loads(monitor.history_text())
+    assert history["t"] == [1001.0, 1002.0]
+    assert history["columns"]["gpu0.mem_used"] == [81_230_000_000.0, None]  # a missing reading is null
+    assert history["columns"]["gpu0.util"] == [37.3, 12.0]
