@@ -416,7 +416,7 @@ class FakeNvml:
     @contextlib.contextmanager
     def patched(self) -> Iterator[FakeNvml]:
         """Replace pynvml's functions (and freeze NvmlSource's clock) until the block ends."""
-        import gpuwidget.sources.nvml as nvml_source
+        import gpuwidget.sources.nvml.source as nvml_source
 
         saved: dict[tuple[Any, str], Any] = {}
 

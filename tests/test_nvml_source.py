@@ -646,11 +646,11 @@ def test_pci_bus_id_order_keeps_nvmls_numbering(fake_nvml, monkeypatch):
 
 def test_torchs_uuids_fix_the_order_once_torch_has_started_cuda(fake_nvml, monkeypatch):
     fake = fake_nvml(FakeNvml.mixed())
-    import gpuwidget.sources.nvml as nvml_module
+    import gpuwidget.sources.nvml.devices as nvml_devices
 
     # torch numbers the A40 first (say, CUDA's heuristic preferred it): its UUIDs decide.
     a40, h100 = fake.gpu(0).uuid, fake.gpu(1).uuid
-    monkeypatch.setattr(nvml_module, "_torch_uuids", lambda: [a40[4:], h100[4:]])
+    monkeypatch.setattr(nvml_devices, "_torch_uuids", lambda: [a40[4:], h100[4:]])
     described = NvmlSource().describe()
     assert [d["uuid"] for d in described["devices"]] == [a40, h100]
     assert described["cuda_order"] == "torch"
@@ -673,9 +673,9 @@ def test_a_nested_pid_namespace_is_matched_through_nspid(fake_nvml, monkeypatch,
     fake.processes(0, compute=[(host_pid, 3 * GIB)])
     status = tmp_path / "status"
     status.write_text(f"Name:\tpython\nNSpid:\t{host_pid}\t{os.getpid()}\n")
-    import gpuwidget.sources.nvml as nvml_module
+    import gpuwidget.sources.nvml.processes as nvml_processes
 
-    monkeypatch.setattr(nvml_module, "PROC_SELF_STATUS", str(status))
+    monkeypatch.setattr(nvml_processes, "PROC_SELF_STATUS", str(status))
     source = NvmlSource()
 
     assert source.read()["gpu0.proc_mem"] == 3 * GIB

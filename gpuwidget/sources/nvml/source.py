@@ -1,16 +1,4 @@
-"""NVIDIA GPU metrics through NVML: the only module in gpuwidget that talks to the driver (via pynvml).
-
-Every NVML call goes through one door, :meth:`_Driver.query`, which turns a failure into a value:
-
-* ``NotSupported`` / ``NoPermission`` -> an :class:`Absent` sentinel; the metric is left out of the
-  tick (never reported as 0) and that function is not asked again on that device.
-* ``FunctionNotFound`` (the driver is older than the nvidia-ml-py bindings) -> absent everywhere,
-  logged once with a hint that driver and bindings disagree.
-* ``GpuIsLost`` / ``ResetRequired`` -> the device is finished: its error is recorded, it stops
-  appearing in ``read()``, the other devices go on.
-* ``Unknown`` -> the device is asked for its UUID: if it answers, only that tick is lost; it is
-  declared lost after UNKNOWN_STRIKES ticks in a row fail that way (one transient error must not
-  drop a GPU for the whole session).
+"""The NVML source: per-GPU metrics for the devices CUDA shows this process, one cheap NVML pass per tick.
 
 Metrics per visible device, named ``gpu{cuda_index}.<metric>`` in SI units:
 
@@ -32,8 +20,8 @@ Metrics per visible device, named ``gpu{cuda_index}.<metric>`` in SI units:
 ``nvlink_tx``      bytes/s sent over NVLink (GPM); ``nvlink_rx`` bytes/s received
 =================  ==========================================================================
 
-pynvml is imported when a source is built, not when this module is imported, so ``import gpuwidget``
-stays fast on machines with or without a GPU.
+A lost GPU (GpuIsLost, ResetRequired; Unknown when the UUID no longer answers, or UNKNOWN_STRIKES
+ticks in a row) ends that device with its error recorded; the other devices go on.
 """
 
 from __future__ import annotations
@@ -41,14 +29,31 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from gpuwidget.sources.base import ErrorLog, SourceError
+from gpuwidget.sources.nvml.devices import _enumerate, _Found, _visible
+from gpuwidget.sources.nvml.driver import (
+    _CLOCK_EVENTS,
+    _COMPUTE_PROCESSES,
+    _GRAPHICS_PROCESSES,
+    FAILED,
+    KIB,
+    MHZ,
+    MIB,
+    NO_PERMISSION,
+    Absent,
+    _DeviceLost,
+    _DeviceUnknown,
+    _Driver,
+    _load_pynvml,
+    _memory_info,
+    _text,
+)
+from gpuwidget.sources.nvml.processes import _OwnProcesses, _plausible, foreign_pid_namespace, namespace_pids
 
 # Tests freeze time by replacing this (tests/fakenvml.py).
 _now: Callable[[], float] = time.monotonic
@@ -62,56 +67,11 @@ PCIE_REFRESH_S = 1.0
 GPM_MIN_INTERVAL_S = 0.1
 # The enforced power limit changes only when an administrator sets it; re-read it now and then.
 POWER_LIMIT_REFRESH_S = 10.0
-# A caller's ``pids`` function may walk the process table; ask it at most this often.
-PIDS_REFRESH_S = 1.0
 # NVML_ERROR_UNKNOWN on this many ticks in a row (each time with the UUID query failing too)
 # declares the GPU lost; one transient error only loses that tick.
 UNKNOWN_STRIKES = 3
 # The link's generation and width change with the GPU's power state; a cheap query, re-read now and then.
 PCIE_LINK_REFRESH_S = 1.0
-# nvmlClocksEventReasonGpuIdle: nothing is running, clocks are low on purpose.
-CLOCK_EVENT_IDLE = 0x1
-# Pids walked up from a GPU process (itself included) looking for this one: workers of workers.
-ANCESTRY_DEPTH = 65
-
-KIB = 1024
-MIB = 1024 * 1024
-MHZ = 1e6
-
-
-class Absent:
-    """Why an NVML query has no value; compare by identity with the module's sentinels."""
-
-    __slots__ = ("reason",)
-
-    def __init__(self, reason: str) -> None:
-        self.reason = reason
-
-    def __repr__(self) -> str:
-        return f"<absent: {self.reason}>"
-
-
-NOT_SUPPORTED = Absent("not supported")
-NO_PERMISSION = Absent("insufficient permissions")
-MISSING = Absent("function not found (driver older than the bindings)")
-NOT_FOUND = Absent("not found")
-FAILED = Absent("failed")
-
-
-class _DeviceLost(Exception):
-    """A query found the GPU gone (GpuIsLost, ResetRequired); the device is finished."""
-
-
-class _DeviceUnknown(_DeviceLost):
-    """A query answered NVML_ERROR_UNKNOWN: the GPU may be gone, or the error may be transient."""
-
-
-# Fallback chains: the first function the driver has wins, and the choice is remembered.
-_CLOCK_EVENTS = ("nvmlDeviceGetCurrentClocksEventReasons", "nvmlDeviceGetCurrentClocksThrottleReasons")
-_COMPUTE_PROCESSES = ("nvmlDeviceGetComputeRunningProcesses_v3", "nvmlDeviceGetComputeRunningProcesses_v2")
-_GRAPHICS_PROCESSES = ("nvmlDeviceGetGraphicsRunningProcesses_v3", "nvmlDeviceGetGraphicsRunningProcesses_v2")
-
-_MEMORY_V2 = "nvmlDeviceGetMemoryInfo_v2"
 
 # nvmlValueType_t -> the c_nvmlValue_t member that holds a sample of that type.
 _SAMPLE_MEMBERS = {0: "dVal", 1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5: "siVal", 6: "usVal"}
@@ -127,6 +87,22 @@ _GPM_METRICS: dict[str, tuple[str, float]] = {
     "nvlink_tx": ("NVML_GPM_METRIC_NVLINK_TOTAL_TX_PER_SEC", float(MIB)),
     "nvlink_rx": ("NVML_GPM_METRIC_NVLINK_TOTAL_RX_PER_SEC", float(MIB)),
 }
+
+# Metrics that take one NVML call each: (metric, function, its constant arguments by pynvml name,
+# scale from NVML's unit to SI, how often to ask in seconds: 0 every tick, inf once at start). Facts
+# that rarely or never change are asked seldom and their last value is repeated every tick.
+_READS: tuple[tuple[str, str, tuple[str, ...], float, float], ...] = (
+    ("power", "nvmlDeviceGetPowerUsage", (), 1e-3, 0.0),  # mW
+    ("temperature", "nvmlDeviceGetTemperature", ("NVML_TEMPERATURE_GPU",), 1.0, 0.0),  # degrees C
+    ("sm_clock", "nvmlDeviceGetClockInfo", ("NVML_CLOCK_SM",), MHZ, 0.0),  # MHz
+    ("sm_clock_max", "nvmlDeviceGetMaxClockInfo", ("NVML_CLOCK_SM",), MHZ, math.inf),
+    ("power_limit", "nvmlDeviceGetEnforcedPowerLimit", (), 1e-3, POWER_LIMIT_REFRESH_S),  # mW
+    ("power_limit_default", "nvmlDeviceGetPowerManagementDefaultLimit", (), 1e-3, math.inf),  # mW
+    ("pcie_gen", "nvmlDeviceGetCurrPcieLinkGeneration", (), 1.0, PCIE_LINK_REFRESH_S),
+    ("pcie_width", "nvmlDeviceGetCurrPcieLinkWidth", (), 1.0, PCIE_LINK_REFRESH_S),  # lanes
+    ("pcie_gen_max", "nvmlDeviceGetMaxPcieLinkGeneration", (), 1.0, math.inf),
+    ("pcie_width_max", "nvmlDeviceGetMaxPcieLinkWidth", (), 1.0, math.inf),
+)
 
 METRICS = (
     "util",
@@ -149,565 +125,6 @@ METRICS = (
     "proc_mem",
     *(name for name in _GPM_METRICS if not name.startswith("pcie")),
 )
-
-
-def _load_pynvml() -> Any:
-    import pynvml
-
-    return pynvml
-
-
-# ---------------------------------------------------------------------------------------------------
-# The one door to the driver
-
-
-class _Driver:
-    """Calls NVML functions by name and turns every failure into a sentinel, a log line or _DeviceLost."""
-
-    def __init__(self, nvml: Any, log: ErrorLog) -> None:
-        self.nvml = nvml
-        self._log = log
-        self._missing: set[str] = set()
-        self._reported: set[tuple[str | None, str]] = set()
-        self._chains: dict[tuple[str, ...], str] = {}
-        self._lost = {nvml.NVML_ERROR_GPU_IS_LOST, nvml.NVML_ERROR_RESET_REQUIRED}
-        self._quiet = {
-            nvml.NVML_ERROR_NOT_SUPPORTED: NOT_SUPPORTED,
-            nvml.NVML_ERROR_NO_PERMISSION: NO_PERMISSION,
-            nvml.NVML_ERROR_NOT_FOUND: NOT_FOUND,
-        }
-        # Raised instead of FunctionNotFound by pynvml's unversioned wrappers; older bindings lack it.
-        self._mismatch: type[Exception] | tuple[()] = getattr(nvml, "NVMLLibraryMismatchError", ())
-        self.driver_version: str | None = None
-        self.memory_v2 = lambda handle: nvml.nvmlDeviceGetMemoryInfo(handle, nvml.nvmlMemory_v2)
-
-    def query(
-        self,
-        name: str,
-        *args: Any,
-        off: dict[str, Absent] | None = None,
-        device: str | None = None,
-        quiet: bool = False,
-        via: Callable[..., Any] | None = None,
-    ) -> Any:
-        """``pynvml.<name>(*args)``, or an :class:`Absent` saying why not; raises only _DeviceLost.
-
-        ``off`` is the device's memory of functions that answered NotSupported or NoPermission: they
-        are not asked again. ``quiet`` leaves failures unlogged for a caller that has a fallback.
-        ``via`` calls something else under this name (a pynvml function with a version argument).
-        """
-        if off is not None:
-            known = off.get(name)
-            if known is not None:
-                return known
-        if name in self._missing:
-            return MISSING
-        function = via or getattr(self.nvml, name, None)
-        if function is None:
-            self._missing_function(name, quiet, lacking="bindings")
-            return MISSING
-        try:
-            return function(*args)
-        except self.nvml.NVMLError as error:
-            code = error.value
-            if code in self._lost:
-                raise _DeviceLost(f"{name}: {error}") from error
-            if code == self.nvml.NVML_ERROR_UNKNOWN:
-                raise _DeviceUnknown(f"{name}: {error}") from error
-            absent = self._quiet.get(code)
-            if absent is not None:
-                if off is not None and absent is not NOT_FOUND:
-                    off[name] = absent
-                return absent
-            if code == self.nvml.NVML_ERROR_FUNCTION_NOT_FOUND:
-                self._missing_function(name, quiet, lacking="driver")
-                return MISSING
-            if not quiet:
-                self.report_once(f"{name} failed: {error}", device)
-            return FAILED
-        except self._mismatch:
-            self._missing_function(name, quiet, lacking="driver")
-            return MISSING
-        except Exception as error:  # a bindings bug (ctypes, struct layout) must not end the tick
-            if not quiet:
-                self.report_once(f"{name} raised {type(error).__name__}: {error}", device)
-            return FAILED
-
-    def query_chain(
-        self,
-        chain: tuple[str, ...],
-        *args: Any,
-        off: dict[str, Absent] | None = None,
-        device: str | None = None,
-    ) -> Any:
-        """The first function of ``chain`` the driver has; the winner is remembered for later calls."""
-        chosen = self._chains.get(chain)
-        if chosen is not None:
-            return self.query(chosen, *args, off=off, device=device)
-        for name in chain:
-            last = name == chain[-1]
-            value = self.query(name, *args, off=off, device=device, quiet=not last)
-            if value is not MISSING:
-                self._chains[chain] = name
-                return value
-        return MISSING
-
-    def chosen(self, chain: tuple[str, ...]) -> str:
-        """The function of ``chain`` in use (its first until one was picked)."""
-        return self._chains.get(chain, chain[0])
-
-    def pin(self, chain: tuple[str, ...], name: str) -> None:
-        """Use ``name`` for ``chain`` from now on (a newer function proved unreliable)."""
-        self._chains[chain] = name
-
-    def report_once(self, message: str, device: str | None = None) -> None:
-        key = (device, message)
-        if key not in self._reported:
-            self._reported.add(key)
-            self._log.record(message, device, time.time())
-
-    def _missing_function(self, name: str, quiet: bool, lacking: str) -> None:
-        """Stop asking for ``name``; unless quiet, say once which side ("driver" or "bindings") lacks it."""
-        if name in self._missing:
-            return
-        self._missing.add(name)
-        if quiet:
-            return
-        if lacking == "driver":
-            hint = (
-                f"{name} is not in the NVIDIA driver ({self.driver_version or 'version unknown'}): "
-                f"the driver is older than nvidia-ml-py {_bindings_version()} expects; the metrics it gives "
-                "are absent (upgrade the driver, or install an nvidia-ml-py release matching it)"
-            )
-        else:
-            hint = (
-                f"nvidia-ml-py {_bindings_version()} has no {name}: the bindings and the driver disagree; "
-                "the metrics it gives are absent (install an nvidia-ml-py release matching the driver)"
-            )
-        self.report_once(hint)
-
-
-def _plausible(processes: Iterable[Any], memory_total: int | None) -> bool:
-    """False for a process list read with the wrong struct size: pid 0, or more memory than the GPU has."""
-    for process in processes:
-        used = process.usedGpuMemory
-        if process.pid <= 0 or (used is not None and memory_total is not None and used > memory_total):
-            return False
-    return True
-
-
-def _bindings_version() -> str:
-    try:
-        from importlib.metadata import version
-
-        return version("nvidia-ml-py")
-    except Exception:
-        return "(version unknown)"
-
-
-def _text(value: Any) -> str | None:
-    if isinstance(value, Absent):
-        return None
-    if isinstance(value, bytes):
-        return value.decode(errors="replace")
-    return str(value)
-
-
-# ---------------------------------------------------------------------------------------------------
-# Finding devices and matching them to CUDA's numbering
-
-
-@dataclass(frozen=True)
-class DeviceInfo:
-    """Static facts about one NVML device (a physical GPU or a MIG instance)."""
-
-    index: int  # NVML index of the physical GPU (for a MIG instance: its parent's)
-    uuid: str
-    name: str
-    memory_total: int | None  # bytes
-    is_mig: bool = False
-    parent_uuid: str | None = None
-    pci_bus_id: str | None = None
-    mig_index: int | None = None  # position under the parent (nvmlDeviceGetMigDeviceHandleByIndex)
-    cuda_index: int | None = None  # position among CUDA-visible devices; None when CUDA cannot see it
-    capability: tuple[int, int] | None = None  # CUDA compute capability (major, minor)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-@dataclass
-class _Found:
-    """A device as enumerated, with its handle and what CUDA_VISIBLE_DEVICES matching needs."""
-
-    info: DeviceInfo
-    handle: Any
-    parent_handle: Any = None
-    mig_enabled: bool = False
-    gpu_instance_id: int | None = None
-    compute_instance_id: int | None = None
-    instances: list[_Found] = field(default_factory=list)
-
-
-def _memory_info(driver: _Driver, handle: Any, off: dict[str, Absent] | None, device: str | None) -> Any:
-    """nvmlDeviceGetMemoryInfo, preferring the v2 struct (``used`` excludes driver-reserved memory)."""
-    if off is None or _MEMORY_V2 not in off:
-        value = driver.query(_MEMORY_V2, handle, device=device, quiet=True, via=driver.memory_v2)
-        if not isinstance(value, Absent):
-            return value
-        if off is not None:
-            off[_MEMORY_V2] = value  # an older driver or GPU: the v1 struct from now on
-    return driver.query("nvmlDeviceGetMemoryInfo", handle, off=off, device=device)
-
-
-def _enumerate(driver: _Driver) -> list[_Found]:
-    """Every physical GPU in NVML order, with its MIG instances when MIG mode is on."""
-    nvml = driver.nvml
-    count = driver.query("nvmlDeviceGetCount")
-    if isinstance(count, Absent):
-        return []
-    found: list[_Found] = []
-    for index in range(count):
-        for attempt in range(2):
-            try:
-                gpu = _enumerate_one(driver, nvml, index)
-            except _DeviceUnknown as unknown:
-                if attempt == 0:
-                    continue  # NVML_ERROR_UNKNOWN can be transient: ask once more before leaving it out
-                driver.report_once(f"GPU {index} answered Unknown Error twice and is left out ({unknown})",
-                                   f"nvml{index}")
-            except _DeviceLost as lost:
-                driver.report_once(f"GPU {index} is lost and left out ({lost})", f"nvml{index}")
-            else:
-                if gpu is not None:
-                    found.append(gpu)
-            break
-    return found
-
-
-def _enumerate_one(driver: _Driver, nvml: Any, index: int) -> _Found | None:
-    handle = driver.query("nvmlDeviceGetHandleByIndex", index)
-    if isinstance(handle, Absent):  # e.g. a GPU this container's cgroup may not open
-        return None
-    uuid = _text(driver.query("nvmlDeviceGetUUID", handle))
-    if uuid is None:
-        return None
-    pci = driver.query("nvmlDeviceGetPciInfo", handle)
-    bus_id = None if isinstance(pci, Absent) else _text(pci.busId)
-    memory = _memory_info(driver, handle, None, None)
-    mode = driver.query("nvmlDeviceGetMigMode", handle)
-    mig_enabled = not isinstance(mode, Absent) and mode[0] == nvml.NVML_DEVICE_MIG_ENABLE
-    capability = driver.query("nvmlDeviceGetCudaComputeCapability", handle, quiet=True)
-    gpu = _Found(
-        DeviceInfo(
-            index=index,
-            uuid=uuid,
-            name=_text(driver.query("nvmlDeviceGetName", handle)) or "NVIDIA GPU",
-            memory_total=None if isinstance(memory, Absent) else int(memory.total),
-            pci_bus_id=bus_id,
-            capability=None if isinstance(capability, Absent) else (int(capability[0]), int(capability[1])),
-        ),
-        handle,
-        mig_enabled=mig_enabled,
-    )
-    if mig_enabled:
-        gpu.instances = _mig_instances(driver, gpu)
-    return gpu
-
-
-def _mig_instances(driver: _Driver, parent: _Found) -> list[_Found]:
-    slots = driver.query("nvmlDeviceGetMaxMigDeviceCount", parent.handle)
-    instances: list[_Found] = []
-    for slot in range(0 if isinstance(slots, Absent) else slots):
-        handle = driver.query("nvmlDeviceGetMigDeviceHandleByIndex", parent.handle, slot)
-        if isinstance(handle, Absent):  # an empty slot answers NotFound
-            continue
-        uuid = _text(driver.query("nvmlDeviceGetUUID", handle))
-        if uuid is None:
-            continue
-        memory = _memory_info(driver, handle, None, None)
-        gi = driver.query("nvmlDeviceGetGpuInstanceId", handle)
-        ci = driver.query("nvmlDeviceGetComputeInstanceId", handle)
-        info = DeviceInfo(
-            index=parent.info.index,
-            uuid=uuid,
-            name=_text(driver.query("nvmlDeviceGetName", handle)) or f"{parent.info.name} MIG",
-            memory_total=None if isinstance(memory, Absent) else int(memory.total),
-            is_mig=True,
-            parent_uuid=parent.info.uuid,
-            pci_bus_id=parent.info.pci_bus_id,
-            mig_index=slot,
-        )
-        instances.append(
-            _Found(
-                info,
-                handle,
-                parent_handle=parent.handle,
-                gpu_instance_id=None if isinstance(gi, Absent) else int(gi),
-                compute_instance_id=None if isinstance(ci, Absent) else int(ci),
-            )
-        )
-    return instances
-
-
-def _leading_integer(entry: str) -> int | None:
-    """CUDA reads an ordinal like atoi: leading digits count, the rest of the entry is ignored."""
-    digits = ""
-    for char in entry:
-        if not char.isdigit():
-            break
-        digits += char
-    return int(digits) if digits else None
-
-
-def _match_prefix(prefix: str, candidates: Iterable[_Found]) -> _Found | None:
-    matches = [c for c in candidates if c.info.uuid.lower().startswith(prefix.lower())]
-    return matches[0] if len(matches) == 1 else None  # an ambiguous prefix is invalid
-
-
-def _match_legacy_mig(entry: str, gpus: list[_Found]) -> _Found | None:
-    """``MIG-GPU-<gpu uuid>/<gpu instance id>/<compute instance id>`` (drivers before R470)."""
-    parts = entry[len("MIG-") :].split("/")
-    if len(parts) != 3 or not parts[1].isdigit() or not parts[2].isdigit():
-        return None
-    parent = _match_prefix(parts[0], gpus)
-    if parent is None:
-        return None
-    for instance in parent.instances:
-        if (instance.gpu_instance_id, instance.compute_instance_id) == (int(parts[1]), int(parts[2])):
-            return instance
-    return None
-
-
-def _cuda_order(gpus: list[_Found], device_order: str | None) -> tuple[list[_Found], str]:
-    """The physical GPUs in CUDA's enumeration order, and how that order is known.
-
-    ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` is PCI order, which is NVML's own ("pci"). Unset or
-    ``FASTEST_FIRST`` (CUDA's default) puts the device CUDA's heuristic deems fastest first and leaves
-    the rest unspecified (CUDA's documentation); identical GPUs stay in PCI order ("pci"). With mixed
-    models it is a guess, newest compute capability then most memory first ("guessed"), which
-    :func:`_torch_order` replaces by torch's own UUIDs once torch has started CUDA.
-    """
-    if (device_order or "").strip().upper() == "PCI_BUS_ID" or len({g.info.name for g in gpus}) <= 1:
-        return list(gpus), "pci"
-
-    def speed(gpu: _Found) -> tuple[int, int, int, int]:
-        major, minor = gpu.info.capability or (0, 0)
-        return (-major, -minor, -(gpu.info.memory_total or 0), gpu.info.index)
-
-    return sorted(gpus, key=speed), "guessed"
-
-
-def uuid_key(uuid: str) -> str:
-    """A UUID as NVML ("GPU-58c6...") and torch ("58c6...") spell it, made comparable."""
-    text = uuid.strip().lower()
-    for prefix in ("gpu-", "mig-"):
-        if text.startswith(prefix):
-            return text[len(prefix):]
-    return text
-
-
-def _torch_order(visible: list[_Found], torch_uuids: Sequence[str] | None) -> list[_Found] | None:
-    """``visible`` in torch's device order when torch's UUIDs name exactly these devices, else None."""
-    if not torch_uuids or len(torch_uuids) != len(visible):
-        return None
-    by_uuid = {uuid_key(device.info.uuid): device for device in visible}
-    ordered = [by_uuid.get(uuid_key(uuid)) for uuid in torch_uuids]
-    if any(device is None for device in ordered) or len({id(d) for d in ordered}) != len(visible):
-        return None
-    return [device for device in ordered if device is not None]
-
-
-def _torch_uuids() -> list[str] | None:
-    """UUIDs of torch's CUDA devices, in its order, only where torch has already started CUDA.
-
-    gpuwidget never imports torch nor starts CUDA itself (that would change the user's process:
-    a CUDA context before fork breaks DataLoader workers); a cell before has usually done both.
-    """
-    torch = sys.modules.get("torch")
-    try:
-        if torch is None or not torch.cuda.is_initialized():
-            return None
-        return [str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())]
-    except Exception:  # noqa: BLE001 - an old torch without .uuid: keep the order CUDA's rules give
-        return None
-
-
-def _cuda_visible(gpus: list[_Found], cuda_visible_devices: str | None) -> list[_Found]:
-    """The devices CUDA shows, in CUDA's order, for a CUDA_VISIBLE_DEVICES value (None: unset).
-
-    ``gpus`` are the physical GPUs in CUDA's enumeration order (:func:`_cuda_order`): an ordinal in
-    CUDA_VISIBLE_DEVICES counts in that order, not NVML's.
-
-    Follows CUDA's rules: entries are ordinals, ``GPU-<uuid prefix>`` or ``MIG-<uuid prefix>``
-    (or the legacy ``MIG-GPU-<uuid>/<gi>/<ci>``); an invalid, unknown or ambiguous entry, or a switch
-    between ordinals and UUIDs, ends the list there; a repeated device hides every device; a process
-    sees at most one MIG instance, and when one is visible the non-MIG GPUs are hidden.
-    """
-    if cuda_visible_devices is None:
-        chosen = list(gpus)
-    else:
-        chosen = []
-        by_index = dict(enumerate(gpus))
-        instances = [instance for gpu in gpus for instance in gpu.instances]
-        ordinals: bool | None = None
-        for raw in cuda_visible_devices.split(","):
-            entry = raw.strip()
-            ordinal = _leading_integer(entry)
-            device: _Found | None
-            if ordinal is not None:
-                device = by_index.get(ordinal)
-            elif entry.startswith("MIG-GPU-"):
-                device = _match_legacy_mig(entry, gpus)
-            elif entry.startswith("MIG-"):
-                device = _match_prefix(entry, instances)
-            elif entry.startswith("GPU-"):
-                device = _match_prefix(entry, gpus)
-            else:
-                device = None
-            if device is None or ordinals not in (None, ordinal is not None):
-                break
-            ordinals = ordinal is not None
-            if any(device is seen for seen in chosen):
-                return []
-            chosen.append(device)
-    migs = [device for device in chosen if device.info.is_mig]
-    if migs:
-        return migs[:1]
-    visible: list[_Found] = []
-    for device in chosen:
-        if device.mig_enabled:
-            if device.instances:
-                return [device.instances[0]]
-            continue  # MIG on but no instance: nothing CUDA can use
-        visible.append(device)
-    return visible
-
-
-def _visible(gpus: list[_Found], cuda_visible_devices: str | None,
-             device_order: str | None) -> tuple[list[_Found], str]:
-    """CUDA's devices in CUDA's order, and how the order is known: "torch" (its UUIDs), "pci", "guessed"."""
-    ordered, how = _cuda_order(gpus, device_order)
-    visible = _cuda_visible(ordered, cuda_visible_devices)
-    exact = _torch_order(visible, _torch_uuids())
-    return (visible, how) if exact is None else (exact, "torch")
-
-
-def list_devices() -> list[DeviceInfo]:
-    """Every NVIDIA device on the machine (physical GPUs, then each one's MIG instances), with
-    ``cuda_index`` set for those this process's CUDA can see. Empty when NVML is unavailable."""
-    try:
-        nvml = _load_pynvml()
-        nvml.nvmlInit()
-    except Exception:
-        return []
-    try:
-        driver = _Driver(nvml, ErrorLog("nvml"))
-        gpus = _enumerate(driver)
-        visible, _ = _visible(gpus, os.environ.get("CUDA_VISIBLE_DEVICES"), os.environ.get("CUDA_DEVICE_ORDER"))
-        cuda_index = {id(device): position for position, device in enumerate(visible)}
-        devices: list[DeviceInfo] = []
-        for gpu in gpus:
-            for device in (gpu, *gpu.instances):
-                position = cuda_index.get(id(device))
-                info = device.info if position is None else _with_cuda_index(device.info, position)
-                devices.append(info)
-        return devices
-    finally:
-        with contextlib.suppress(Exception):
-            nvml.nvmlShutdown()
-
-
-def _with_cuda_index(info: DeviceInfo, position: int) -> DeviceInfo:
-    return DeviceInfo(**{**asdict(info), "cuda_index": position})
-
-
-# ---------------------------------------------------------------------------------------------------
-# Whose GPU memory counts as ours
-
-
-# This process's pid in each PID namespace it is nested in, outermost first ("NSpid:" line).
-PROC_SELF_STATUS = "/proc/self/status"
-
-
-def namespace_pids(status_path: str | None = None) -> list[int]:
-    """This process's pids from the NSpid line, outermost namespace first; [] where Linux doesn't say.
-
-    More than one entry: this process runs in a nested PID namespace and the first entry is its pid
-    where /proc was mounted from, the numbering NVML uses when that is the host's.
-    """
-    try:
-        with open(status_path or PROC_SELF_STATUS) as status:
-            for line in status:
-                if line.startswith("NSpid:"):
-                    return [int(field) for field in line.split()[1:]]
-    except (OSError, ValueError):
-        pass
-    return []
-
-
-def pid_visible(pid: int) -> bool:
-    """Whether ``pid`` exists in this process's PID namespace (whoever owns it)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError, ValueError):
-        return pid > 0  # another user's process: there, but not ours to signal
-    return True
-
-
-def foreign_pid_namespace(listed_pids: Iterable[int]) -> bool:
-    """True when the driver's pids are not this namespace's: none of the processes NVML lists on a GPU
-    exists here. NVML has no PID-namespace support: in a container it reports host pids, so the
-    container's own processes (this one included) are not recognisable by pid."""
-    pids = [pid for pid in listed_pids if pid > 0]
-    return bool(pids) and not any(pid_visible(pid) for pid in pids)
-
-
-class _OwnProcesses:
-    """Answers "is this pid ours?" cheaply enough to ask every tick."""
-
-    def __init__(self, pids: Callable[[], Iterable[int]] | None, driver: _Driver) -> None:
-        self._pids = pids
-        self._driver = driver
-        self._given: frozenset[int] = frozenset()
-        self._given_time = -math.inf
-        self._own = os.getpid()
-        # In a nested PID namespace whose outer /proc we see, NVML's number for us is the outermost.
-        self._own_pids = {self._own, *namespace_pids()[:1]}
-        self._verdicts: dict[int, bool] = {}
-
-    def refresh(self, now: float) -> None:
-        if self._pids is None:
-            if len(self._verdicts) > 1024:  # pids get reused; forget old verdicts now and then
-                self._verdicts.clear()
-            return
-        if now - self._given_time < PIDS_REFRESH_S:
-            return
-        self._given_time = now
-        try:
-            self._given = frozenset(int(pid) for pid in self._pids())
-        except Exception as error:
-            self._driver.report_once(f"pids() raised {type(error).__name__}: {error}; keeping the last set")
-
-    def __contains__(self, pid: int) -> bool:
-        if self._pids is not None:
-            return pid in self._given
-        verdict = self._verdicts.get(pid)
-        if verdict is None:
-            verdict = self._verdicts[pid] = self._descends_from_us(pid)
-        return verdict
-
-    def _descends_from_us(self, pid: int) -> bool:
-        """True for this process and its descendants (DataLoader workers and their children).
-
-        Walking up from the few pids NVML lists is far cheaper than listing our descendants, which
-        scans the whole process table.
-        """
-        from gpuwidget.sources.lineage import ancestors
-
-        return pid in self._own_pids or self._own in ancestors(pid, ANCESTRY_DEPTH)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -741,6 +158,10 @@ class _Gpm:
         return "pcie_tx" in self.values
 
 
+def _whole(value: float | None) -> int | None:
+    return None if value is None else int(value)
+
+
 class _Device:
     """A visible device: its handle, cached static facts, and the state carried between ticks."""
 
@@ -753,13 +174,8 @@ class _Device:
         self.key = {metric: f"{self.label}.{metric}" for metric in METRICS}
         self.off: dict[str, Absent] = {}
         self.lost: str | None = None
-        self.power_limit: float | None = None
-        self.power_limit_time = -math.inf
-        self.sm_clock_max: float | None = None
-        self.power_limit_default: float | None = None
-        self.pcie_link_max: tuple[float, float] | None = None  # (generation, width) the GPU and slot allow
-        self.pcie_link: tuple[float, float] | None = None  # (generation, width) now
-        self.pcie_link_time = -math.inf
+        self.held: dict[str, float] = {}  # the last value of each _READS metric asked less than every tick
+        self.asked: dict[str, float] = {}  # when each _READS metric was last asked
         self.unknown_strikes = 0  # ticks in a row lost to NVML_ERROR_UNKNOWN
         self.sample_time = 0  # driver timestamp (us) of the newest utilization sample seen
         self.pcie: tuple[float, float] | None = None
@@ -775,12 +191,12 @@ class _Device:
             "uuid": self.info.uuid,
             "name": self.info.name,
             "memory_total": self.info.memory_total,
-            "power_limit": self.power_limit,
-            "sm_clock_max": self.sm_clock_max,
-            "power_limit_default": self.power_limit_default,
+            "power_limit": self.held.get("power_limit"),
+            "sm_clock_max": self.held.get("sm_clock_max"),
+            "power_limit_default": self.held.get("power_limit_default"),
             "capability": None if self.info.capability is None else list(self.info.capability),
-            "pcie_gen_max": None if self.pcie_link_max is None else int(self.pcie_link_max[0]),
-            "pcie_width_max": None if self.pcie_link_max is None else int(self.pcie_link_max[1]),
+            "pcie_gen_max": _whole(self.held.get("pcie_gen_max")),
+            "pcie_width_max": _whole(self.held.get("pcie_width_max")),
             "is_mig": self.info.is_mig,
             "parent_uuid": self.info.parent_uuid,
             "pci_bus_id": self.info.pci_bus_id,
@@ -905,21 +321,11 @@ class NvmlSource:
         self.unavailable_reason = reason
 
     def _prepare(self, device: _Device) -> None:
-        """Read the facts that do not change, and set up GPM where the GPU has it."""
+        """Read the facts that change seldom or never (describe() shows them at once), and set up GPM
+        where the GPU has it."""
         driver = self._require_driver()
-        nvml = driver.nvml
-        handle, off, label = device.handle, device.off, device.label
-        clock_max = driver.query(
-            "nvmlDeviceGetMaxClockInfo", handle, nvml.NVML_CLOCK_SM, off=off, device=label
-        )
-        if not isinstance(clock_max, Absent):
-            device.sm_clock_max = clock_max * MHZ
-        default = driver.query("nvmlDeviceGetPowerManagementDefaultLimit", handle, off=off, device=label)
-        if not isinstance(default, Absent):
-            device.power_limit_default = default / 1000.0
-        device.pcie_link_max = self._pcie_link(
-            device, "nvmlDeviceGetMaxPcieLinkGeneration", "nvmlDeviceGetMaxPcieLinkWidth"
-        )
+        handle, label = device.handle, device.label
+        self._read_table(device, {}, _now(), seldom_only=True)
         # GPM on a MIG instance is read through the parent GPU with the instance's GPU instance id.
         found = device.found
         gpm_handle = found.parent_handle if found.info.is_mig else handle
@@ -1051,10 +457,13 @@ class NvmlSource:
         return self._driver
 
     def _read_device(self, device: _Device, values: dict[str, float], now: float) -> None:
+        """One tick of one device: the _READS table, then the readings that take a struct, a fallback
+        or state between ticks (memory, utilisation, clock events, our processes, GPM, PCIe traffic)."""
         driver = self._require_driver()
-        nvml = driver.nvml
         query = driver.query
         handle, off, label, key = device.handle, device.off, device.label, device.key
+
+        self._read_table(device, values, now)
 
         memory = _memory_info(driver, handle, off, label)
         if not isinstance(memory, Absent):
@@ -1069,41 +478,6 @@ class NvmlSource:
                 util = float(rates.gpu)
         if util is not None:
             values[key["util"]] = util
-
-        power = query("nvmlDeviceGetPowerUsage", handle, off=off, device=label)
-        if not isinstance(power, Absent):
-            values[key["power"]] = power / 1000.0
-        if now - device.power_limit_time >= POWER_LIMIT_REFRESH_S:
-            device.power_limit_time = now
-            limit = query("nvmlDeviceGetEnforcedPowerLimit", handle, off=off, device=label)
-            if not isinstance(limit, Absent):
-                device.power_limit = limit / 1000.0
-        if device.power_limit is not None:
-            values[key["power_limit"]] = device.power_limit
-        if device.power_limit_default is not None:
-            values[key["power_limit_default"]] = device.power_limit_default
-
-        if now - device.pcie_link_time >= PCIE_LINK_REFRESH_S:
-            device.pcie_link_time = now
-            device.pcie_link = self._pcie_link(
-                device, "nvmlDeviceGetCurrPcieLinkGeneration", "nvmlDeviceGetCurrPcieLinkWidth"
-            )
-        for link, names in ((device.pcie_link, ("pcie_gen", "pcie_width")),
-                            (device.pcie_link_max, ("pcie_gen_max", "pcie_width_max"))):
-            if link is not None:
-                values[key[names[0]]], values[key[names[1]]] = link
-
-        temperature = query(
-            "nvmlDeviceGetTemperature", handle, nvml.NVML_TEMPERATURE_GPU, off=off, device=label
-        )
-        if not isinstance(temperature, Absent):
-            values[key["temperature"]] = float(temperature)
-
-        clock = query("nvmlDeviceGetClockInfo", handle, nvml.NVML_CLOCK_SM, off=off, device=label)
-        if not isinstance(clock, Absent):
-            values[key["sm_clock"]] = clock * MHZ
-        if device.sm_clock_max is not None:
-            values[key["sm_clock_max"]] = device.sm_clock_max
 
         events = driver.query_chain(_CLOCK_EVENTS, handle, off=off, device=label)
         if not isinstance(events, Absent):
@@ -1122,14 +496,24 @@ class NvmlSource:
         if device.pcie is not None and (device.gpm is None or not device.gpm.gives_pcie):
             values[key["pcie_tx"]], values[key["pcie_rx"]] = device.pcie
 
-    def _pcie_link(self, device: _Device, generation: str, width: str) -> tuple[float, float] | None:
-        """(generation, lanes) of the GPU's PCIe link from a pair of NVML queries; None where either fails."""
-        query = self._require_driver().query
-        gen = query(generation, device.handle, off=device.off, device=device.label)
-        lanes = query(width, device.handle, off=device.off, device=device.label)
-        if isinstance(gen, Absent) or isinstance(lanes, Absent):
-            return None
-        return float(gen), float(lanes)
+    def _read_table(self, device: _Device, values: dict[str, float], now: float, seldom_only: bool = False) -> None:
+        """The _READS metrics: asked when due, the last value of a seldom-asked one repeated."""
+        driver = self._require_driver()
+        for metric, function, constants, scale, every in _READS:
+            if seldom_only and every == 0.0:
+                continue
+            if now - device.asked.get(metric, -math.inf) >= every:
+                device.asked[metric] = now
+                arguments = [getattr(driver.nvml, name) for name in constants]
+                value = driver.query(function, device.handle, *arguments, off=device.off, device=device.label)
+                if isinstance(value, Absent):
+                    device.held.pop(metric, None)
+                else:
+                    device.held[metric] = float(value) * scale
+            if metric in device.held:
+                values[device.key[metric]] = device.held[metric]
+            if every == 0.0:
+                device.held.pop(metric, None)  # a per-tick reading is never repeated
 
     def _sampled_util(self, device: _Device, now: float) -> float | None:
         """Mean of the driver's utilization samples since the previous tick (finer than one poll).
