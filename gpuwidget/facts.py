@@ -7,7 +7,7 @@ support (no GPU, no DataLoader seen) is missing or None, never a guess. Units ar
 comments; percentages are 0-100, fractions 0-1.
 
 Who fills what: :func:`gpuwidget.advice.summary.summarize` a :class:`Summary`,
-:meth:`gpuwidget.probes.Probes.facts` a :class:`WorkloadFacts`, :func:`gpuwidget.session.machine_facts`
+:meth:`gpuwidget.probes.Probes.facts` a :class:`WorkloadFacts`, :meth:`gpuwidget.sources.host.HostSource.machine_facts`
 plus the NVML source's device list a :class:`MachineFacts`. A new key goes here first, with its unit.
 
 Per-GPU maps (``gpu_busy_by_gpu``...) are keyed by the CUDA index as a string ("0"), as JSON
@@ -159,7 +159,7 @@ class GpuFacts(TypedDict, total=False):
 
 
 class MachineFacts(TypedDict, total=False):
-    """The host and GPUs a run is judged against (``session.machine_facts`` + the NVML source)."""
+    """The host and GPUs a run is judged against (``HostSource.machine_facts`` + the NVML source)."""
 
     cpu_count: int | None  # logical CPUs of the host
     usable_cpus: int  # CPUs this process may keep busy: affinity within the cgroup's limits (sources.cgroup)

@@ -21,8 +21,10 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
-from gpuwidget.advice.summary import DATA_WAIT_SPAN, gpu_indices, gpu_scope_notes
+from gpuwidget.advice.summary import gpu_scope_notes
 from gpuwidget.chart import CPU_COLOR, PALETTE, WAIT_COLOR, merge_bands, percent_data, plot_columns
+from gpuwidget.probes import DATA_WAIT_SPAN
+from gpuwidget.trace import gpu_indices
 
 if TYPE_CHECKING:
     from gpuwidget.advice.finding import Finding

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 import traceback
 from collections.abc import Mapping
@@ -14,7 +13,7 @@ from typing import Any, cast
 from gpuwidget.facts import MachineFacts, Summary, WorkloadFacts
 from gpuwidget.report import html_document, run_html, run_text
 from gpuwidget.runfile import RUN_FORMAT, RunFormatError, check_run, read_json, save_target, write_atomic
-from gpuwidget.trace import Trace
+from gpuwidget.trace import Trace, finite_or_none
 
 __all__ = ["RUN_FORMAT", "Run", "RunError", "RunFormatError"]
 
@@ -168,7 +167,7 @@ class Run:
 def _jsonable(value: Any) -> Any:
     """Plain JSON data: NaN/inf become None, tuples lists, unknown objects their repr."""
     if isinstance(value, float):
-        return value if math.isfinite(value) else None
+        return finite_or_none(value)
     if isinstance(value, (str, int, bool)) or value is None:
         return value
     if isinstance(value, Mapping):

@@ -63,10 +63,6 @@ class SamplerStats:
     # Sources dropped because a read never returned: {"source", "at_s", "message"}.
     stalled: list[dict[str, Any]] = field(default_factory=list)
 
-    @property
-    def cpu_per_tick_s(self) -> float:
-        return self.cpu_time_s / self.ticks if self.ticks else 0.0
-
 
 @dataclass(frozen=True)
 class _Read:

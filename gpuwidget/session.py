@@ -9,7 +9,6 @@ are gone afterwards and the Run is recorded.
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import threading
 from collections.abc import Iterator
@@ -25,8 +24,7 @@ from gpuwidget.probes import Probes
 from gpuwidget.run import Run, RunError
 from gpuwidget.sampler import Sampler
 from gpuwidget.sources.base import Source
-from gpuwidget.sources.cgroup import read_limits
-from gpuwidget.sources.host import HostSource, usable_cpu_count
+from gpuwidget.sources.host import HostSource
 from gpuwidget.trace import Trace
 
 log = logging.getLogger("gpuwidget")
@@ -76,21 +74,6 @@ def _gpu_source(options: WatchOptions) -> tuple[Source | None, MachineFacts]:
     return source, {"gpus": devices, "gpu_message": None}
 
 
-def machine_facts() -> MachineFacts:
-    """Host facts a run is judged against (cores this process may use, memory)."""
-    import psutil
-
-    limits = read_limits()
-    return {
-        "cpu_count": psutil.cpu_count(logical=True),
-        "usable_cpus": usable_cpu_count(limits),
-        "cpu_limit": limits.cpu_limit,
-        "mem_limit": limits.mem_limit,
-        "mem_total": psutil.virtual_memory().total,
-        "pid": os.getpid(),
-    }
-
-
 def _in_notebook() -> bool:
     """True when a Jupyter kernel is running us (widgets can be shown)."""
     try:
@@ -131,10 +114,11 @@ class Watch:
             _active = self
         try:
             trace = Trace()
-            machine: MachineFacts = {**machine_facts(), **gpu_facts}
+            host = HostSource()
+            machine: MachineFacts = {**host.machine_facts(), **gpu_facts}
             trace.meta.update({"label": self.label, "interval": self.options.interval})
             self.run = Run(trace=trace, machine=machine, options=self.options.to_dict(), label=self.label)
-            self._sources = [HostSource()] + ([gpu_source] if gpu_source is not None else [])
+            self._sources = [host] + ([gpu_source] if gpu_source is not None else [])
             self._probes = Probes(trace)
             listeners: list[Any] = [self._probes.poll]
             if self.display and self.options.live and _in_notebook():

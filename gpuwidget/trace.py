@@ -23,6 +23,7 @@ downsampling.
 from __future__ import annotations
 
 import math
+import re
 import threading
 from collections import deque
 from collections.abc import Iterable, Mapping
@@ -625,6 +626,16 @@ class Trace:
             for kind, (count, total, lo, hi) in data["span_stats"].items():
                 trace._span_stats[kind] = [count, total, _to_float(lo, math.inf), _to_float(hi, -math.inf)]
         return trace
+
+
+# Per-GPU columns are named gpu<CUDA index>.<metric> (gpuwidget.sources.nvml).
+_GPU_COLUMN = re.compile(r"^gpu(\d+)\.")
+
+
+def gpu_indices(trace: Trace) -> list[int]:
+    """GPU numbers that have at least one column in the trace, ascending."""
+    found = {int(m.group(1)) for name in trace.columns if (m := _GPU_COLUMN.match(name))}
+    return sorted(found)
 
 
 def _argfirst(values: np.ndarray, targets: np.ndarray, edges: np.ndarray, n: int) -> np.ndarray:

@@ -7,18 +7,13 @@ is None or absent rather than a guess. Loop figures (samples/s, data wait) refer
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 
 import numpy as np
 
 from gpuwidget.facts import CudaDeviceFacts, LoaderFacts, MachineFacts, Summary, WorkloadFacts
 from gpuwidget.sources.nvml import uuid_key
-from gpuwidget.trace import Trace
-
-# Span kinds the workload probes record (gpuwidget.probes.torch_data).
-STEP_SPAN = "step"
-DATA_WAIT_SPAN = "loader.wait"
+from gpuwidget.trace import Trace, gpu_indices
 
 # A GPU is idle below this utilisation; a gap must last this long to count. Nsight Systems
 # treats 500 ms without GPU work as starvation; NVML's utilisation itself averages over
@@ -36,15 +31,6 @@ POWER_CAP_BIT = 0x4
 CLOCK_EVENT_IDLE = 0x1
 # Clock figures are judged only on samples where the GPU was doing work.
 BUSY_UTIL_PERCENT = 50.0
-
-_GPU_COLUMN = re.compile(r"^gpu(\d+)\.")
-
-
-def gpu_indices(trace: Trace) -> list[int]:
-    """GPU numbers that have at least one column in the trace, ascending."""
-    found = {int(m.group(1)) for name in trace.columns if (m := _GPU_COLUMN.match(name))}
-    return sorted(found)
-
 
 def primary_loader(workload: WorkloadFacts | None) -> LoaderFacts | None:
     """The DataLoader the cell spent the most time iterating, or None."""

@@ -19,6 +19,10 @@ from gpuwidget.trace import Trace
 
 log = logging.getLogger("gpuwidget")
 
+# The span kinds the probes record in the Trace (the summary, the report and the live view read them).
+DATA_WAIT_SPAN = "loader.wait"  # blocked in a DataLoader's next()
+STEP_SPAN = "step"  # from one next() to the following one
+
 
 class Probes:
     """The probes of one watch."""

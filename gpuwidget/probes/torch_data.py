@@ -39,12 +39,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from gpuwidget.clock import now
+from gpuwidget.probes import DATA_WAIT_SPAN, STEP_SPAN
 from gpuwidget.probes import origin as origins
 from gpuwidget.sources.schedstat import thread_counters
 from gpuwidget.trace import Trace
 
-DATA_WAIT_SPAN = "loader.wait"
-STEP_SPAN = "step"
 # Per-step figures kept per loader for percentiles and stall detection (a bounded window).
 STEP_HISTORY = 20_000
 # Process CPU time is read around one next() in this many: enough to tell CPU work from

@@ -19,7 +19,6 @@ from traitlets.config import Configurable
 if TYPE_CHECKING:
     from jupyter_server.serverapp import ServerApp
 
-EXTENSION_NAME = "gpuwidget"
 # How often the kernel table (pids and notebook paths) is refreshed while anyone listens.
 KERNEL_REFRESH_MS = 5000
 

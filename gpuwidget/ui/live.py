@@ -21,10 +21,10 @@ from typing import Any
 
 import numpy as np
 
-from gpuwidget.advice.summary import DATA_WAIT_SPAN
 from gpuwidget.chart import CPU_COLOR, PALETTE, PROCESS_COLOR, WAIT_COLOR, merge_bands, percent_data, plot_columns
 from gpuwidget.clock import now
 from gpuwidget.facts import MachineFacts
+from gpuwidget.probes import DATA_WAIT_SPAN
 from gpuwidget.trace import Frame, Trace
 
 PUSH_INTERVAL_S = 0.25
@@ -93,11 +93,6 @@ def ensure_bokehjs(force: bool = False) -> str:
     publish_display_data({"application/javascript": code, "text/plain": ""},
                          metadata={"gpuwidget": {"bokehjs": bokeh.__version__, "loader": kind}})
     return kind
-
-
-def _key(column: str) -> str:
-    """Bokeh column names for our metric names (dots read as nested fields in some places)."""
-    return column.replace(".", "_")
 
 
 class LiveView:
