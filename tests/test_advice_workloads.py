@@ -56,7 +56,10 @@ def test_starved_loader_is_named_with_a_worker_change_in_the_users_names():
     assert finding.code.splitlines()[-1].startswith(
         "train_loader = DataLoader(train_ds, batch_size=16, shuffle=True, num_workers=")
     assert finding.evidence["data_wait_fraction"] >= 0.3
-    assert finding.expected_speedup == pytest.approx(1 / (1 - run.summary["data_wait_fraction"]), rel=0.02)
+    upper = 1 / (1 - run.summary["data_wait_fraction"])
+    assert finding.evidence["upper_bound_speedup"] == pytest.approx(upper, rel=0.02)
+    gain = finding.evidence["expected_gain"]
+    assert 1.0 < finding.expected_speedup == gain <= finding.evidence["upper_bound_speedup"]
     assert run.summary["samples"] == 480 and run.summary["steps"] == 30
     assert run.workload["loaders"][0]["wait_cpu_ratio"] > 0.5  # the main process built batches itself
 

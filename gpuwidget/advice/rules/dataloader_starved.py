@@ -46,7 +46,7 @@ def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> F
                     f"{1000 * d.compute_per_step:.1f} ms. " + _sentence("; ".join(parts))),
         change=change,
         code=loader_code(d.loader, change, workload),
-        expected_speedup=round(d.expected_speedup, 2),
+        expected_speedup=round(d.gain, 2),
     )
 
 

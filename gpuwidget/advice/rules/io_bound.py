@@ -37,5 +37,5 @@ def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> F
                     "data to local disk or memory, or caching samples after the first epoch, removes them."),
         change=dict(d.change),
         code=loader_code(d.loader, d.change, workload),
-        expected_speedup=round(d.expected_speedup, 2),
+        expected_speedup=round(d.gain, 2),
     )
