@@ -255,3 +255,19 @@ def test_early_r535_driver_still_shows_the_processes_own_memory(ip, fake_nvml):
 
     assert ip.run_cell("%%gpuwatch --quiet --interval 0.02\nimport time\ntime.sleep(0.2)\n").success
     assert gpuwidget.last_run().summary["process_gpu_mem_peak"] == 3 * GIB
+
+
+def test_in_a_container_the_sidebar_does_not_call_the_users_process_another_users(fake_nvml):
+    from gpuwidget.server.monitor import HOST_PID_USER, Monitor
+
+    fake = FakeNvml.single().in_container(used=6 * GIB, others=1)
+    fake_nvml(fake)
+    monitor = Monitor()
+    try:
+        monitor.read_once()  # the snapshot path: builds the sources, reads, lists the processes
+        listed = monitor.processes()
+    finally:
+        monitor.close()
+    rows = listed["gpus"]["gpu0"]
+    assert len(rows) == 2 and {row["user"] for row in rows} == {HOST_PID_USER}
+    assert all(row["memory"] == 6 * GIB and row["name"] is None for row in rows)

@@ -33,7 +33,7 @@ from gpuwidget.sampler import Sampler
 from gpuwidget.sources.base import Source
 from gpuwidget.sources.host import HostSource
 from gpuwidget.sources.lineage import ancestors
-from gpuwidget.sources.nvml import NvmlSource
+from gpuwidget.sources.nvml import NvmlSource, foreign_pid_namespace
 from gpuwidget.trace import Trace, finite_list, finite_or_none
 
 log = logging.getLogger("gpuwidget")
@@ -49,6 +49,8 @@ PROCESSES_EVERY_S = 5.0
 # Parents walked up from a GPU process to find the kernel it belongs to (workers, shells).
 PARENT_DEPTH = 8
 ANOTHER_USER = "another user"
+# In a container the driver lists host pids, which this PID namespace cannot resolve: nobody's, as far as we can tell.
+HOST_PID_USER = "unknown (host pid: this server runs in a container)"
 # A first snapshot reads twice this far apart: utilisation is a difference of counters.
 FIRST_READING_GAP_S = 0.1
 
@@ -304,14 +306,18 @@ class Monitor:
     def _list_processes(self, t: float | None) -> str:
         sources = self._sources
         listed = sources.gpu.processes() if sources is not None else {}
-        gpus = {label: [self._describe_process(pid, memory) for pid, memory in rows]
+        host_pids = foreign_pid_namespace(pid for rows in listed.values() for pid, _ in rows)
+        gpus = {label: [self._describe_process(pid, memory, host_pids) for pid, memory in rows]
                 for label, rows in listed.items()}
         self._processes_text = _message("processes", t=t, gpus=gpus)
         return self._processes_text
 
-    def _describe_process(self, pid: int, memory: int | None) -> dict[str, Any]:
+    def _describe_process(self, pid: int, memory: int | None, host_pid: bool = False) -> dict[str, Any]:
         row: dict[str, Any] = {"pid": pid, "memory": memory, "user": ANOTHER_USER, "name": None,
                                "kernel_id": None, "notebook": None}
+        if host_pid:  # a local process with the same number would be a stranger's, or the user's by chance
+            row["user"] = HOST_PID_USER
+            return row
         try:
             process = psutil.Process(pid)
             if process.username() != self._user:
