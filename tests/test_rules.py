@@ -296,3 +296,24 @@ def test_a_broken_rule_is_skipped_not_fatal(monkeypatch):
     workload = {"loaders": [loader_facts(wait=3.0, compute=0.5, wait_cpu=0.05)]}
     assert [f.rule for f in advise(summary(), workload, NO_GPU)] == ["io-bound"]
 
+
+
+# ------------------------------------------------------------------ expected gain of a loader change
+
+
+@pytest.mark.parametrize(("wait_cpu", "workers", "expected_ms"), [
+    # Each step waited 9 ms for a batch the loop built itself and computed 1 ms (10x if no
+    # waiting were left). Storage: 11 workers deliver a batch every 0.8 ms, so a step takes
+    # its 1 ms compute plus 1 ms hand-over; the workers start (25 ms each) and fill the pipe.
+    (0.0, 11, 100 * 2 + 9 + 11 * 25),
+    # CPU work: workers capped at the 8 cores, steps still compute-bound; fewer starts.
+    (1.0, 8, 100 * 2 + 9 + 8 * 25),
+])
+def test_expected_gain_is_that_of_the_change_below_the_no_wait_bound(wait_cpu, workers, expected_ms):
+    from gpuwidget.advice.loader import diagnose
+
+    workload = {"loaders": [loader_facts(wait=0.9, compute=0.1, wait_cpu=wait_cpu)]}
+    d = diagnose(summary(wait_fraction=0.9), workload, NO_GPU)
+    assert d is not None and d.change["num_workers"] == workers
+    assert d.evidence["upper_bound_speedup"] == pytest.approx(10.0)
+    assert d.evidence["expected_gain"] == pytest.approx(1000 / expected_ms, abs=0.01)
