@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import math
 import shlex
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +41,15 @@ class WatchOptions:
         data = asdict(self)
         data["gpus"] = None if self.gpus is None else list(self.gpus)
         return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> WatchOptions:
+        """The options :meth:`to_dict` wrote (a saved run's); keys this version does not know are left out."""
+        known = {option.name for option in fields(cls)}
+        values = {key: value for key, value in data.items() if key in known}
+        if values.get("gpus") is not None:
+            values["gpus"] = tuple(values["gpus"])
+        return cls(**values)
 
 
 def make_options(interval: float | str = DEFAULT_INTERVAL_S, gpus: Sequence[int] | str | None = None,

@@ -91,7 +91,7 @@ def main_cause(run: Run) -> str:
     """The panel's one-line answer: the top finding, or why there is none."""
     if not run.finished:
         return "running"
-    if not run.options.get("advice", True):
+    if not run.options.advice:
         return "advice off (--no-advice)"
     if run.findings:
         top = run.findings[0]
@@ -164,8 +164,29 @@ def finding_text(finding: Finding) -> str:
     if finding.code:
         lines += ["  change:"] + ["    " + line for line in finding.code.splitlines()]
     if finding.expected_speedup is not None:
-        lines.append(f"  expected gain: up to {finding.expected_speedup:.2f}x")
+        lines.append(f"  expected gain: {_gain(finding)}")
     return "\n".join(lines)
+
+
+def comparison_line(run: Run) -> str | None:
+    """Before -> after against the previous run of the same cell, measured; None without one."""
+    compared = run.comparison()
+    if compared is None:
+        return None
+    (rate_before, rate_after), (wait_before, wait_after) = compared["samples_per_s"], compared["data_wait_fraction"]
+    line = (f"Since the previous run of this cell: {fmt_rate(rate_before)} -> {fmt_rate(rate_after)} samples/s "
+            f"({compared['speedup']:.2f}x)")
+    if wait_before is not None and wait_after is not None:
+        line += f", data wait {fmt_fraction(wait_before)} -> {fmt_fraction(wait_after)}"
+    return line
+
+
+def _gain(finding: Finding) -> str:
+    """The gain of the finding's change, with the bound if no waiting remained where it differs."""
+    upper = finding.evidence.get("upper_bound_speedup")
+    if isinstance(upper, (int, float)) and upper > (finding.expected_speedup or 0) + 0.005:
+        return f"about {finding.expected_speedup:.2f}x (at most {upper:.2f}x if no waiting remained)"
+    return f"up to {finding.expected_speedup:.2f}x"
 
 
 def run_text(run: Run) -> str:
@@ -173,12 +194,15 @@ def run_text(run: Run) -> str:
     if run.finished:
         lines.append(f"  main cause: {main_cause(run)}")
     lines.append("  " + " · ".join(f"{label} {value}" for label, value in headline(run)))
+    compared = comparison_line(run)
+    if compared:
+        lines.append("  " + compared)
     parts = breakdown(run)
     if parts:
         lines.append("  time: " + " · ".join(f"{label} {fmt_seconds(sec)} ({100 * share:.0f}%)"
                                              for label, sec, share, _ in parts))
     lines += ["  " + line for line in gpu_lines(run)]
-    if run.options.get("advice", True) and run.finished:
+    if run.options.advice and run.finished:
         if run.findings:
             lines.append("Findings (largest expected gain first):")
             lines += [finding_text(f) for f in run.findings]
@@ -205,7 +229,7 @@ def finding_html(finding: Finding) -> str:
         f"{html.escape(finding.rule)}</code>",
     ]
     if finding.expected_speedup is not None:
-        parts.append(f" <span style='color:{color}'>up to {finding.expected_speedup:.2f}x</span>")
+        parts.append(f" <span style='color:{color}'>{html.escape(_gain(finding))}</span>")
     parts.append("</div>")
     if finding.suggestion:
         parts.append(f"<div style='margin:4px 0'>{html.escape(finding.suggestion)}</div>")
@@ -236,11 +260,13 @@ def run_html(run: Run) -> str:
         (f"<div class='gpuwidget-cause' style='font-size:14px;margin-bottom:8px'>"
          f"{html.escape(main_cause(run))}</div>" if run.finished else ""),
         f"<div>{cards}</div>",
+        (f"<div class='gpuwidget-comparison' style='margin-bottom:6px'>{html.escape(compared)}</div>"
+         if (compared := comparison_line(run)) else ""),
         breakdown_html(run),
         f"<div style='font-size:12px;margin-bottom:6px'>{gpu_html}</div>",
         chart_svg(run),
     ]
-    if run.options.get("advice", True) and run.finished:
+    if run.options.advice and run.finished:
         if run.findings:
             body.append("<div style='margin-top:8px;font-weight:600'>Findings, largest expected gain first</div>")
             body += [finding_html(f) for f in run.findings]

@@ -10,7 +10,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
+from gpuwidget.advice.finding import Finding
 from gpuwidget.facts import MachineFacts, Summary, WorkloadFacts
+from gpuwidget.options import WatchOptions
 from gpuwidget.report import html_document, run_html, run_text
 from gpuwidget.runfile import RUN_FORMAT, RunFormatError, check_run, read_json, save_target, write_atomic
 from gpuwidget.trace import Trace, finite_or_none
@@ -52,18 +54,34 @@ class Run:
 
     trace: Trace
     summary: Summary = field(default_factory=Summary)
-    findings: list[Any] = field(default_factory=list)
+    findings: list[Finding] = field(default_factory=list)
     workload: WorkloadFacts = field(default_factory=WorkloadFacts)
     machine: MachineFacts = field(default_factory=MachineFacts)
-    options: dict[str, Any] = field(default_factory=dict)
+    options: WatchOptions = field(default_factory=WatchOptions)
     error: RunError | None = None
     sampler: dict[str, Any] = field(default_factory=dict)
     label: str = ""
     finished: bool = False
     # Set by --tune or the panel's Measure button: the tuner's result (not saved).
     tuning: Any = None
+    # The last run of the same cell (the same source) in this kernel, for before -> after
+    # (not saved; it holds no previous run of its own).
+    previous: Run | None = None
 
     # ------------------------------------------------------------- conveniences
+
+    def comparison(self) -> dict[str, Any] | None:
+        """Before -> after against :attr:`previous`: samples/s and data wait of both runs and
+        the speed-up (after / before samples/s); None without a previous run with a loop."""
+        before = self.previous.summary if self.previous is not None else Summary()
+        rate_before, rate_after = before.get("samples_per_s"), self.summary.get("samples_per_s")
+        if not rate_before or not rate_after:
+            return None
+        return {
+            "samples_per_s": [rate_before, rate_after],
+            "data_wait_fraction": [before.get("data_wait_fraction"), self.summary.get("data_wait_fraction")],
+            "speedup": rate_after / rate_before,
+        }
 
     @property
     def gpu_found(self) -> bool:
@@ -83,6 +101,8 @@ class Run:
     def __post_init__(self) -> None:
         if isinstance(self.error, BaseException):  # never keep the frames of an exception handed in
             self.error = RunError.from_exception(self.error)
+        if isinstance(self.options, Mapping):  # options as plain data, as saved
+            self.options = WatchOptions.from_dict(self.options)
 
     def to_dict(self) -> dict[str, Any]:
         error = self.error
@@ -91,10 +111,10 @@ class Run:
             "label": self.label,
             "finished": self.finished,
             "summary": _jsonable(self.summary),
-            "findings": [f.to_dict() if hasattr(f, "to_dict") else f for f in self.findings],
+            "findings": [f.to_dict() for f in self.findings],
             "workload": _jsonable(self.workload),
             "machine": _jsonable(self.machine),
-            "options": _jsonable(self.options),
+            "options": _jsonable(self.options.to_dict()),
             "error": None if error is None else {"type": error.type, "message": error.message,
                                                  "traceback": error.traceback},
             "sampler": _jsonable(self.sampler),
@@ -105,8 +125,6 @@ class Run:
     def from_dict(cls, data: Mapping[str, Any]) -> Run:
         """Rebuild a Run from :meth:`to_dict`'s data; :class:`RunFormatError` for anything else."""
         check_run(data)
-        from gpuwidget.advice.finding import Finding
-
         trace = data["trace"]
         rows, archive_rows = len(trace["t"]), trace["archive_rows"]
         error = data.get("error")
@@ -119,7 +137,7 @@ class Run:
                 findings=[Finding.from_dict(f) for f in data.get("findings") or []],
                 workload=cast(WorkloadFacts, dict(data.get("workload") or {})),
                 machine=cast(MachineFacts, dict(data.get("machine") or {})),
-                options=dict(data.get("options") or {}),
+                options=WatchOptions.from_dict(data.get("options") or {}),
                 error=None if error is None else RunError(error["type"], error["message"],
                                                           error.get("traceback") or ""),
                 sampler=dict(data.get("sampler") or {}),

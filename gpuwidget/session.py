@@ -117,7 +117,7 @@ class Watch:
             host = HostSource()
             machine: MachineFacts = {**host.machine_facts(), **gpu_facts}
             trace.meta.update({"label": self.label, "interval": self.options.interval})
-            self.run = Run(trace=trace, machine=machine, options=self.options.to_dict(), label=self.label)
+            self.run = Run(trace=trace, machine=machine, options=self.options, label=self.label)
             self._sources = [host] + ([gpu_source] if gpu_source is not None else [])
             self._probes = Probes(trace)
             listeners: list[Any] = [self._probes.poll]

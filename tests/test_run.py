@@ -10,6 +10,7 @@ import pytest
 
 from gpuwidget import Finding, Run
 from gpuwidget.advice.summary import summarize
+from gpuwidget.options import make_options
 from gpuwidget.run import RunError
 from gpuwidget.trace import Trace
 
@@ -136,3 +137,15 @@ def test_finding_validates_severity_and_speedup():
     finding = gpu_run().findings[0]
     assert Finding.from_dict(finding.to_dict()) == finding
     assert "num_workers=4" in finding._repr_mimebundle_()["text/plain"]
+
+
+def test_run_options_are_watch_options_saved_as_plain_data(tmp_path):
+    options = make_options(interval=0.5, gpus="0,1", advice=False)
+    trace = Trace()
+    trace.append(0.0, {"cpu.util": 10.0})
+    run = Run(trace=trace, options=options, finished=True)
+    assert run.to_dict()["options"] == {"interval": 0.5, "gpus": [0, 1], "live": True, "advice": False,
+                                        "tune": False, "save": None, "quiet": False}
+    loaded = Run.load(run.save(tmp_path / "run.json"))
+    assert loaded.options == options
+    assert "main cause: advice off (--no-advice)" in loaded._repr_mimebundle_()["text/plain"]
