@@ -148,8 +148,8 @@ for x, y in loader:
 
 
 def test_one_busy_gpu_of_eight_is_judged_alone_and_the_idle_ones_are_named(ip, fake_nvml):
-    fake = FakeNvml.gpus(8, util=0)
-    fake.set(0, util=98).processes(0, compute=[(os.getpid(), 4 * GIB)])
+    fake = FakeNvml.gpus(8, util=0, sm_active=0.0, tensor_active=0.0)
+    fake.set(0, util=98, sm_active=90.0).processes(0, compute=[(os.getpid(), 4 * GIB)])
     fake.real_time = True
     fake_nvml(fake)
 
