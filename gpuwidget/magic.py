@@ -48,7 +48,8 @@ class GpuWatchMagics(Magics):
         except OptionError as exc:
             raise UsageError(f"%%gpuwatch: {exc}") from None
         code, last_expr = self._compile(line, cell)
-        session = Watch(options, label=_label(self.shell), namespace=self.shell.user_ns)  # type: ignore[union-attr]
+        session = Watch(options, label=_label(self.shell), namespace=self.shell.user_ns,  # type: ignore[union-attr]
+                        source=cell)
         try:
             session.start()
         except OptionError as exc:

@@ -30,6 +30,9 @@ from gpuwidget.trace import Trace
 log = logging.getLogger("gpuwidget")
 
 _last_run: Run | None = None
+# The last run of each watched source (cell text, or the `with` statement's place), oldest first.
+_runs_by_source: dict[str, Run] = {}
+RUNS_BY_SOURCE = 32
 _active_lock = threading.Lock()
 _active: Watch | None = None
 
@@ -88,9 +91,11 @@ class Watch:
     """Orchestrates one watched block. Use :meth:`start` then :meth:`finish` exactly once."""
 
     def __init__(self, options: WatchOptions, *, label: str = "", display: bool | None = None,
-                 namespace: Any = None) -> None:
+                 namespace: Any = None, source: str | None = None) -> None:
         self.options = options
         self.label = label
+        # What identifies "the same cell" run again (its code), for before -> after.
+        self.source = source
         # Where the user's names live (to call their loader `train_loader` in suggestions):
         # a mapping, or a callable returning one when the run ends.
         self.namespace = namespace
@@ -164,7 +169,7 @@ class Watch:
             if self._probes is not None:
                 run.workload = cast(WorkloadFacts, self._probes.facts(self._user_namespace()))
                 self._objects = self._probes.objects()
-            run.summary = summarize(run.trace, run.workload, duration_s=duration)
+            run.summary = summarize(run.trace, run.workload, duration_s=duration, machine=run.machine)
             if self.options.advice:
                 run.findings = advise(run.summary, run.workload, run.machine)
             if self._sampler is not None:
@@ -176,6 +181,7 @@ class Watch:
         except Exception as exc:  # noqa: BLE001
             log.warning("gpuwidget: could not summarise the run: %s", exc)
         _last_run = run
+        _remember(self.source, run)
         self._save(run)
         self._show_result(run)
         if self.options.tune and error is None and interrupt is None:
@@ -319,6 +325,19 @@ def _in_ipython() -> bool:
     return get_ipython() is not None
 
 
+def _remember(source: str | None, run: Run) -> None:
+    """Link ``run`` to the last finished run of the same source, and keep it as that source's last."""
+    if source is None or not run.finished:
+        return
+    previous = _runs_by_source.pop(source, None)
+    if previous is not None:
+        previous.previous = None  # one step back only: a long session keeps no chain of runs
+        run.previous = previous
+    _runs_by_source[source] = run
+    while len(_runs_by_source) > RUNS_BY_SOURCE:
+        _runs_by_source.pop(next(iter(_runs_by_source)))
+
+
 @contextmanager
 def watch(*, label: str = "", display: bool | None = None, **options: Any) -> Iterator[Run]:
     """Watch a block of code; yields its :class:`Run` (summary filled in when the block ends).
@@ -327,8 +346,10 @@ def watch(*, label: str = "", display: bool | None = None, **options: Any) -> It
     ``tune``, ``save``, ``quiet``. Bad options raise ``ValueError`` before anything starts.
     """
     caller = sys._getframe(2)  # the `with` statement's frame (1 is contextlib's __enter__)
+    # The same `with` statement run again is the same cell: its code object and line.
+    source = f"{caller.f_code.co_filename}:{caller.f_code.co_firstlineno}:{caller.f_lineno}"
     session = Watch(make_options(**options), label=label, display=display,
-                    namespace=lambda: {**caller.f_globals, **caller.f_locals})
+                    namespace=lambda: {**caller.f_globals, **caller.f_locals}, source=source)
     run = session.start()
     try:
         yield run

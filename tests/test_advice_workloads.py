@@ -166,3 +166,33 @@ def test_no_gpu_rule_fires_without_a_gpu():
         assert not rules(run) & {"small-batch", "memory-pressure", "fp32-math", "launch-bound",
                                  "pageable-transfer", "gpu-throttled", "gpu-unused"}
         assert "gpu_busy_mean" not in run.summary
+
+
+def test_the_same_cell_run_again_shows_the_measured_before_and_after():
+    from gpuwidget.report import run_text
+
+    workload = workloads.slow_storage(items=160)
+    faster = DataLoader(**loader_kwargs(workload.loader, {"num_workers": 4}))
+    runs = []
+    for loader in (workload.loader, faster):
+        with gpuwidget.watch(quiet=True) as run:  # one `with` statement: the same cell twice
+            workload.train(loader)
+        runs.append(run)
+    before, after = runs
+    assert after.previous is before and before.previous is None
+    compared = after.comparison()
+    assert compared["samples_per_s"] == [before.summary["samples_per_s"], after.summary["samples_per_s"]]
+    assert compared["speedup"] > 1.5 and compared["data_wait_fraction"][1] < compared["data_wait_fraction"][0]
+    assert "Since the previous run of this cell:" in run_text(after)
+
+
+def test_magic_links_a_cell_to_its_previous_run_by_its_source(ip):
+    workload = workloads.healthy(items=256)
+    ip.user_ns.update(net_loader=workload.loader, train=workload.train)
+    cell = "%%gpuwatch --quiet\ntrain(net_loader)\n"
+    ip.run_cell(cell)
+    first = gpuwidget.last_run()
+    ip.run_cell("%%gpuwatch --quiet\ntrain(net_loader)  # another cell\n")
+    assert gpuwidget.last_run().previous is None
+    ip.run_cell(cell)
+    assert gpuwidget.last_run().previous is first
