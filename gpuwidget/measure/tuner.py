@@ -22,8 +22,11 @@ from typing import Any
 import psutil
 
 from gpuwidget.advice.code import loader_code
+from gpuwidget.advice.loader import diagnose
+from gpuwidget.advice.summary import primary_loader
 from gpuwidget.clock import now
 from gpuwidget.measure.rng import preserved_rng
+from gpuwidget.probes.torch_data import loader_kwargs, loader_settings
 from gpuwidget.report import html_table, text_table
 from gpuwidget.sources.host import usable_cpu_count
 
@@ -116,8 +119,6 @@ class TuneResult:
     def loader(self) -> Any:
         """A new DataLoader with the chosen settings over the same data (the original is untouched)."""
         from torch.utils.data import DataLoader
-
-        from gpuwidget.probes.torch_data import loader_kwargs
 
         return DataLoader(**loader_kwargs(self.original, self.change))
 
@@ -228,8 +229,6 @@ def _check(loader: Any) -> None:
 def _candidate(original: Any, change: dict[str, Any]) -> Any:
     from torch.utils.data import DataLoader, IterableDataset
 
-    from gpuwidget.probes.torch_data import loader_kwargs
-
     kwargs = loader_kwargs(original, change)
     if not isinstance(original.dataset, IterableDataset):
         kwargs["dataset"] = _IndexedDataset(original.dataset)
@@ -284,8 +283,6 @@ def tune_loader(loader: Any, target_rate: float | None = None, budget_s: float =
     if chosen.change.get("num_workers", loader.num_workers) and not loader.persistent_workers:
         # Workers otherwise restart (and re-import, re-open files) at every epoch.
         extra["persistent_workers"] = True
-    from gpuwidget.probes.torch_data import loader_settings
-
     facts = {"name": name or "loader", "dataset_name": dataset_name, "settings": loader_settings(loader)}
     return TuneResult(loader, name or "loader", trials, chosen, target_rate, budget_s, now() - started, facts,
                       extra)
@@ -385,9 +382,6 @@ def _choose(trials: list[Trial], target_rate: float | None, fastest: Trial) -> T
 def tune_for_run(run: Any, loader: Any, budget_s: float = DEFAULT_BUDGET_S,
                  progress: TrialCallback | None = None) -> TuneResult:
     """Tune ``loader`` against what a watched run measured: its consumption rate and its cause."""
-    from gpuwidget.advice.loader import diagnose
-    from gpuwidget.advice.summary import primary_loader
-
     facts = primary_loader(run.workload) or {}
     compute = facts.get("compute_total_s") or 0.0
     steps = facts.get("steps") or 0
