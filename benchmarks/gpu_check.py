@@ -219,9 +219,10 @@ def run_workloads(seconds: float, out: Path | None) -> list[Outcome]:  # pragma:
         return run, rate
 
     def train(model: torch.nn.Module, loader: DataLoader, step: Callable[..., Any] | None = None) -> Callable[[], int]:
-        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3) if step is None else None
 
         def default_step(x: torch.Tensor, y: torch.Tensor) -> None:
+            assert optimizer is not None
             loss = torch.nn.functional.cross_entropy(model(x), y)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -302,26 +303,32 @@ def run_workloads(seconds: float, out: Path | None) -> list[Outcome]:  # pragma:
 
     # d. A step of 200 tiny kernels, then the same step replayed as one CUDA graph.
     class Tiny(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = torch.nn.Parameter(torch.ones(64))  # on CUDA, so the probe sees where the model runs
+
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             for _ in range(100):
-                x = (x * 1.0001).add_(0.0001)
+                x = (x * self.scale).add_(0.0001)
             return x
 
     tiny = Tiny().cuda()
     small = TensorDataset(torch.randn(65536, 64), torch.zeros(65536))
 
     def eager(x: torch.Tensor, y: torch.Tensor) -> None:
-        tiny(x)
+        with torch.no_grad():
+            tiny(x)
 
     static_in = torch.zeros(64, 64, device="cuda")
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        tiny(static_in)  # warm up before capture, as torch.cuda.graph requires
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        tiny(static_in)
+    with torch.no_grad():
+        with torch.cuda.stream(stream):
+            tiny(static_in)  # warm up before capture, as torch.cuda.graph requires
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            tiny(static_in)
 
     def replay(x: torch.Tensor, y: torch.Tensor) -> None:
         static_in[: len(x)].copy_(x)
