@@ -132,7 +132,18 @@ def make_loader(dataset: Dataset, batch_size: int = 8) -> DataLoader:
     return DataLoader(dataset, batch_size=batch_size, shuffle=True)
 
 
-def lightning_module(dataset: Dataset) -> Any:
+def burn_each_step(step_s: float) -> Any:
+    """A Hugging Face TrainerCallback that computes ``step_s`` more per step (a bigger model)."""
+    from transformers import TrainerCallback
+
+    class BurnEachStep(TrainerCallback):
+        def on_step_end(self, *args: Any, **kwargs: Any) -> None:
+            burn(step_s)
+
+    return BurnEachStep()
+
+
+def lightning_module(dataset: Dataset, step_s: float = 0.0) -> Any:
     import pytorch_lightning as pl
 
     class Classifier(pl.LightningModule):
@@ -146,6 +157,7 @@ def lightning_module(dataset: Dataset) -> Any:
 
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
             x, y = batch
+            burn(step_s)
             return torch.nn.functional.cross_entropy(self.decoder(torch.relu(self.encoder(x))), y)
 
         def configure_optimizers(self) -> Any:
@@ -166,12 +178,13 @@ with gpuwidget.watch(display=False) as run:
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
+        burn(step_s)
 """
 PLAIN_SETUP = """
 import torch, gpuwidget
 from torch.utils.data import DataLoader
-from frameworks import {dataset}, mlp
-train_ds = {dataset}(latency={latency})
+from frameworks import {dataset}, burn, mlp
+train_ds = {dataset}(n={items}, latency={latency})
 model = mlp()
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 """
@@ -192,15 +205,23 @@ class Case:
     # Run before comparing samples: random augmentation draws from each worker's own RNG, so
     # the comparison turns it off (the samples must match on everything else).
     compare_setup: str = ""
+    # An expression giving a loader like the one the loop iterated, for a num_workers sweep.
+    sweep: str | None = None
+
+    @property
+    def sweep_loader(self) -> str:
+        return self.sweep or self.loader or ""
 
 
-def cases(latency: float = 0.004) -> list[Case]:
-    """Every case, starved (``latency`` > 0) or healthy (0)."""
-    plain = PLAIN_SETUP.format(dataset="SlowItems", latency=latency)
-    stream = PLAIN_SETUP.format(dataset="Stream", latency=latency)
-    sharded = PLAIN_SETUP.format(dataset="ShardedStream", latency=latency)
-    images = PLAIN_SETUP.replace("train_ds = {dataset}(latency={latency})", "train_ds = Images(decode_s={latency})")
-    images = images.format(dataset="Images", latency=latency)
+def cases(latency: float = 0.004, items: int = ITEMS) -> list[Case]:
+    """Every case, starved (``latency`` seconds of storage or decoding per item) or healthy (0),
+    over ``items`` samples."""
+    plain = PLAIN_SETUP.format(dataset="SlowItems", latency=latency, items=items)
+    stream = PLAIN_SETUP.format(dataset="Stream", latency=latency, items=items)
+    sharded = PLAIN_SETUP.format(dataset="ShardedStream", latency=latency, items=items)
+    images = PLAIN_SETUP.replace("train_ds = {dataset}(n={items}, latency={latency})",
+                                 "train_ds = Images(n={items}, decode_s={latency})")
+    images = images.format(dataset="Images", latency=latency, items=items)
     return [
         Case("batch_sampler= loader", plain + "from torch.utils.data import BatchSampler, RandomSampler\n"
              "train_loader = DataLoader(train_ds, batch_sampler=BatchSampler(RandomSampler(train_ds), 8, False))\n",
@@ -226,28 +247,29 @@ def cases(latency: float = 0.004) -> list[Case]:
              LOOP.format(iterable="train_loader"), "train_loader", "cpu",
              compare_setup="train_ds.transform = train_ds.transform[:1]\n"),
         Case("loader from an imported function", plain + "from frameworks import make_loader\n",
-             LOOP.format(iterable="make_loader(train_ds)"), None, "io"),
+             LOOP.format(iterable="make_loader(train_ds)"), None, "io", sweep="make_loader(train_ds)"),
         Case("accelerate", plain + "from accelerate import Accelerator\naccelerator = Accelerator(cpu=True)\n"
              "train_dl = DataLoader(train_ds, batch_size=8, shuffle=True)\n"
              "model, optimizer, train_dl = accelerator.prepare(model, optimizer, train_dl)\n",
              LOOP.format(iterable="train_dl").replace("loss.backward()", "accelerator.backward(loss)"),
              "train_dl", "io", frameworks=("accelerate",)),
-        Case("Hugging Face Trainer", HF_SETUP.format(latency=latency), HF_CELL, "trainer.get_train_dataloader()", "io",
-             frameworks=("transformers",)),
-        Case("Lightning Trainer", LIGHTNING_SETUP.format(latency=latency), LIGHTNING_CELL, None, "io",
-             frameworks=("pytorch_lightning",)),
+        Case("Hugging Face Trainer", HF_SETUP.format(latency=latency, items=items), HF_CELL,
+             "trainer.get_train_dataloader()", "io", frameworks=("transformers",)),
+        Case("Lightning Trainer", LIGHTNING_SETUP.format(latency=latency, items=items), LIGHTNING_CELL, None, "io",
+             frameworks=("pytorch_lightning",), sweep="model.train_dataloader()"),
     ]
 
 
 HF_SETUP = """
 import gpuwidget
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
-from frameworks import TokenItems
+from frameworks import TokenItems, burn_each_step
 config = GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=32, n_positions=8, bos_token_id=0, eos_token_id=0)
 model = GPT2LMHeadModel(config)
-args = TrainingArguments(output_dir=output_dir, per_device_train_batch_size=8, max_steps=8, report_to=[],
+args = TrainingArguments(output_dir=output_dir, per_device_train_batch_size=8, max_steps={items} // 8, report_to=[],
                          save_strategy="no", logging_strategy="no", disable_tqdm=True, use_cpu=True)
-trainer = Trainer(model=model, args=args, train_dataset=TokenItems(latency={latency}))
+trainer = Trainer(model=model, args=args, train_dataset=TokenItems(n={items}, latency={latency}),
+                  callbacks=[burn_each_step(step_s)])
 """
 HF_CELL = """
 with gpuwidget.watch(display=False) as run:
@@ -257,7 +279,7 @@ LIGHTNING_SETUP = """
 import gpuwidget
 import pytorch_lightning as pl
 from frameworks import SlowItems, lightning_module
-model = lightning_module(SlowItems(latency={latency}))
+model = lightning_module(SlowItems(n={items}, latency={latency}), step_s)
 trainer = pl.Trainer(max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                      enable_model_summary=False, accelerator="cpu")
 """
@@ -267,9 +289,10 @@ with gpuwidget.watch(display=False) as run:
 """
 
 
-def run_case(case: Case, output_dir: str) -> tuple[dict[str, Any], Any]:
-    """Run the case's two cells in a fresh namespace (like a kernel's); returns it and the Run."""
-    namespace: dict[str, Any] = {"__name__": "__main__", "output_dir": output_dir}
+def run_case(case: Case, output_dir: str, step_s: float = 0.002) -> tuple[dict[str, Any], Any]:
+    """Run the case's two cells in a fresh namespace (like a kernel's), each training step
+    computing for at least ``step_s``; returns the namespace and the Run."""
+    namespace: dict[str, Any] = {"__name__": "__main__", "output_dir": output_dir, "step_s": step_s}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         exec(case.setup, namespace)
