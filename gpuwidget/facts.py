@@ -217,6 +217,8 @@ class Summary(TypedDict, total=False):
     gpus_unused_busy: list[int]  # the other GPUs, busy with someone else's work
     gpu_sm_active_mean: float  # GPM SM activity, percent, mean over judged GPUs (Hopper and newer)
     gpu_tensor_active_mean: float  # GPM tensor-pipe activity, percent, mean over judged GPUs
+    gpu_nvlink_tx_mean: float  # GPM NVLink bytes/s sent, mean over judged GPUs
+    gpu_nvlink_rx_mean: float  # GPM NVLink bytes/s received, mean over judged GPUs
     gpu_power_capped_fraction: float  # share of busy samples at the software power cap (worst GPU)
     gpu_power_limit_ratio: float  # enforced power limit / the board's default (lowest GPU)
     gpu_pcie_link_by_gpu: dict[str, dict[str, int]]  # pcie_gen, pcie_width (best seen), *_max, per GPU

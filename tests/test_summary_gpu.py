@@ -105,10 +105,12 @@ def test_power_cap_at_the_default_limit_is_counted_apart_from_slowdowns():
     assert summarize(thermal, {}, duration_s=4.0)["gpu_throttle_fraction"] == pytest.approx(0.5)
 
 
-def test_sm_and_tensor_activity_are_means_over_the_used_gpus():
-    trace = eight_gpus(**{"gpu0.sm_active": 30.0, "gpu0.tensor_active": 5.0, "gpu1.sm_active": 0.0})
+def test_sm_tensor_and_nvlink_activity_are_means_over_the_used_gpus():
+    trace = eight_gpus(**{"gpu0.sm_active": 30.0, "gpu0.tensor_active": 5.0, "gpu1.sm_active": 0.0,
+                          "gpu0.nvlink_tx": 2e9, "gpu1.nvlink_tx": 0.0})
     summary = summarize(trace, {}, duration_s=4.0)
     assert summary["gpu_sm_active_mean"] == 30.0 and summary["gpu_tensor_active_mean"] == 5.0
+    assert summary["gpu_nvlink_tx_mean"] == 2e9 and "gpu_nvlink_rx_mean" not in summary
 
 
 def test_a_pcie_link_below_its_generation_or_width_is_named():

@@ -166,7 +166,8 @@ def gpus_used(trace: Trace, indices: Sequence[int], torch_devices: dict[int, Cud
 def _activity(trace: Trace, judged: Sequence[int]) -> Summary:
     """GPM's SM and tensor-pipe activity (Hopper and newer), mean over the judged GPUs that have it."""
     figures: Summary = {}
-    for metric, key in (("sm_active", "gpu_sm_active_mean"), ("tensor_active", "gpu_tensor_active_mean")):
+    for metric, key in (("sm_active", "gpu_sm_active_mean"), ("tensor_active", "gpu_tensor_active_mean"),
+                        ("nvlink_tx", "gpu_nvlink_tx_mean"), ("nvlink_rx", "gpu_nvlink_rx_mean")):
         values = [value for index in judged if (value := _stat(trace, f"gpu{index}.{metric}")) is not None]
         if values:
             figures[key] = sum(values) / len(values)  # type: ignore[literal-required]
