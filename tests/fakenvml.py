@@ -19,6 +19,14 @@ clock NvmlSource uses by ``tick_s`` (0.1 s); per-tick values are sequences index
 one repeats) or functions of the tick. ``FakeNvml(..., real_time=True)`` leaves the clock alone and
 derives the tick from elapsed wall time, for tests that run a real sampler thread.
 
+As strict as a real driver: an idle GPU (utilisation 0) records no utilisation sample, so
+``nvmlDeviceGetSamples`` answers NotFound (``samples_while_idle=True`` keeps zeros); nvmlShutdown
+after the last nvmlInit is no error (nvml.h); the R470-era ``old_driver`` keeps nvmlDeviceGetSamples
+(drivers have it since Kepler). Scenarios of real hosts: ``mixed()`` (an A40 first in NVML's PCI order,
+an H100 first in CUDA's fastest-first order), ``unknown_at()`` (a transient NVML_ERROR_UNKNOWN),
+``in_container()`` (this process listed by a host pid this namespace does not have),
+``r535_process_struct()`` (_v3 process lists written with 32-byte entries, misread by the bindings).
+
 Calls are counted per function (``fake.calls["nvmlDeviceGetPcieThroughput"]``) and per device
 (``fake.count(name, gpu)``). The fake answers at once unless ``latency_s`` gives a delay per function
 (``FakeNvml.REALISTIC_LATENCY_S`` blocks PCIe queries 20 ms as real NVML does).
