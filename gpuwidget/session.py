@@ -13,12 +13,12 @@ import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, cast
+from typing import Any
 
 from gpuwidget.advice.advisor import advise
 from gpuwidget.advice.summary import summarize
 from gpuwidget.clock import now
-from gpuwidget.facts import MachineFacts, WorkloadFacts
+from gpuwidget.facts import MachineFacts
 from gpuwidget.options import OptionError, WatchOptions, make_options
 from gpuwidget.probes import Probes
 from gpuwidget.run import Run, RunError
@@ -167,7 +167,7 @@ class Watch:
             run.finished = True
             run.trace.meta["duration_s"] = duration
             if self._probes is not None:
-                run.workload = cast(WorkloadFacts, self._probes.facts(self._user_namespace()))
+                run.workload = self._probes.facts(self._user_namespace())
                 self._objects = self._probes.objects()
             run.summary = summarize(run.trace, run.workload, duration_s=duration, machine=run.machine)
             if self.options.advice:

@@ -12,9 +12,10 @@ import logging
 import sys
 import threading
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 from gpuwidget.clock import now
+from gpuwidget.facts import WorkloadFacts
 from gpuwidget.trace import Trace
 
 log = logging.getLogger("gpuwidget")
@@ -87,7 +88,7 @@ class Probes:
         model = self._model.model() if self._model is not None else None
         return {"loaders": loaders, "model": model}
 
-    def facts(self, namespace: Mapping[str, Any] | None) -> dict[str, Any]:
+    def facts(self, namespace: Mapping[str, Any] | None) -> WorkloadFacts:
         """WorkloadFacts as plain data: loaders, model, CUDA memory, torch version."""
         names = _names(namespace)
         facts: dict[str, Any] = {"torch": None, "loaders": [], "model": None, "cuda": None}
@@ -114,7 +115,7 @@ class Probes:
                 self.errors.append(f"{key} facts unavailable ({type(probe).__name__}): {exc!r}")
         if self.errors:
             facts["probe_errors"] = list(self.errors)
-        return facts
+        return cast(WorkloadFacts, facts)
 
 
 def _names(namespace: Mapping[str, Any] | None) -> dict[int, str]:

@@ -36,9 +36,10 @@ import sys
 import weakref
 from collections import deque
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 from gpuwidget.clock import now
+from gpuwidget.facts import LoaderFacts, LoaderSettings
 from gpuwidget.probes import DATA_WAIT_SPAN, STEP_SPAN
 from gpuwidget.probes import origin as origins
 from gpuwidget.sources.schedstat import thread_counters
@@ -83,7 +84,7 @@ class LoaderStats:
     def loader(self) -> Any:
         return self.loader_ref() if self.loader_ref is not None else None
 
-    def facts(self, names: Mapping[int, str]) -> dict[str, Any]:
+    def facts(self, names: Mapping[int, str]) -> LoaderFacts:
         loader = self.loader
         loop_time = self.wait_total + self.compute_total
         dataset = getattr(loader, "dataset", None)
@@ -267,7 +268,7 @@ class DataLoaderProbe:
         self._by_iterator[iterator] = stats
         return stats
 
-    def facts(self, names: Mapping[int, str]) -> list[dict[str, Any]]:
+    def facts(self, names: Mapping[int, str]) -> list[LoaderFacts]:
         return [s.facts(names) for s in self.stats if s.steps]
 
 
@@ -284,7 +285,7 @@ def first_dim(batch: Any, depth: int = 0) -> int:
     return 0
 
 
-def loader_settings(loader: Any) -> dict[str, Any]:
+def loader_settings(loader: Any) -> LoaderSettings:
     """The DataLoader's configuration as plain data (what a suggestion must keep or change)."""
     from torch.utils.data import IterableDataset, RandomSampler
     from torch.utils.data.sampler import BatchSampler
@@ -330,7 +331,7 @@ def loader_settings(loader: Any) -> dict[str, Any]:
         settings["inner_batching"] = {"batch_size": inner.batch_size, "drop_last": bool(inner.drop_last),
                                       "shuffle": isinstance(inner.sampler, RandomSampler),
                                       "plain_sampler": _plain_sampler(inner.sampler)}
-    return settings
+    return cast(LoaderSettings, settings)  # dataset_facts' keys are spread in
 
 
 def _plain_sampler(sampler: Any) -> bool:

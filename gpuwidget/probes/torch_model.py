@@ -22,7 +22,9 @@ import threading
 import weakref
 from collections import Counter
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
+
+from gpuwidget.facts import CudaDeviceFacts, CudaFacts, ModelFacts
 
 TOP_LEVEL_CALLS = 16
 # Top-level calls looked at in all, trainable or not (transforms run per sample).
@@ -134,7 +136,7 @@ class ModelProbe:
         ref = None if key is None else self._objects.get(key)
         return None if ref is None else ref()
 
-    def facts(self, names: Mapping[int, str]) -> dict[str, Any] | None:
+    def facts(self, names: Mapping[int, str]) -> ModelFacts | None:
         """The main model (most parameters) with its user-namespace name, or None if none ran."""
         key = self._main()
         if key is None:
@@ -142,7 +144,7 @@ class ModelProbe:
         facts = dict(self._models[key])
         facts["name"] = names.get(key)
         facts.update(precision_settings())
-        return facts
+        return cast(ModelFacts, facts)
 
 
 def _owner(module: Any, frame: Any) -> Any:
@@ -261,22 +263,24 @@ class CudaMemoryProbe:
     def uninstall(self) -> None:
         pass
 
-    def facts(self) -> dict[str, Any] | None:
+    def facts(self) -> CudaFacts | None:
         import torch
 
         if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
             return None
-        devices = []
+        devices: list[CudaDeviceFacts] = []
         for index in range(torch.cuda.device_count()):
             properties = torch.cuda.get_device_properties(index)
-            uuid = getattr(properties, "uuid", None)  # to match NVML's device by UUID (mixed-GPU hosts)
-            devices.append({
+            device: CudaDeviceFacts = {
                 "index": index,
                 "name": properties.name,
                 "capability": list(torch.cuda.get_device_capability(index)),
                 "total_memory": int(properties.total_memory),
                 "peak_allocated": int(torch.cuda.max_memory_allocated(index)),
                 "peak_reserved": int(torch.cuda.max_memory_reserved(index)),
-                **({} if uuid is None else {"uuid": str(uuid)}),
-            })
+            }
+            uuid = getattr(properties, "uuid", None)  # to match NVML's device by UUID (mixed-GPU hosts)
+            if uuid is not None:
+                device["uuid"] = str(uuid)
+            devices.append(device)
         return {"devices": devices, "peak_since_cell_start": self.reset_at_start}
