@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from gpuwidget.advice.finding import Finding
+from gpuwidget.export import trace_csv
 from gpuwidget.facts import MachineFacts, Summary, WorkloadFacts
 from gpuwidget.options import WatchOptions
 from gpuwidget.report import html_document, run_html, run_text
@@ -157,8 +158,6 @@ class Run:
         elif suffix in (".html", ".htm"):
             text = html_document(self)
         elif suffix == ".csv":
-            from gpuwidget.export import trace_csv
-
             text = trace_csv(self.trace)
         else:
             raise ValueError(f"cannot save a run as {suffix or 'a file without suffix'!r}: "
