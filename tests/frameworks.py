@@ -382,6 +382,17 @@ def check_code(code: str, namespace: dict[str, Any], case: Case) -> CodeCheck:
     return result
 
 
+def batch_size(batch: Any) -> int:
+    """Samples in a batch: the first dimension of its first tensor."""
+    first = batch[0] if isinstance(batch, (list, tuple)) else next(iter(batch.values()))
+    return int(first.shape[0])
+
+
+def shows_sharding(code: str) -> bool:
+    """The code explains the sharding an IterableDataset needs before workers (changes nothing)."""
+    return "get_worker_info" in code
+
+
 def loader_findings(run: Any) -> list[Any]:
     return [f for f in run.findings if f.rule in LOADER_RULES]
 

@@ -305,13 +305,13 @@ def _trial(loader: Any, change: dict[str, Any], deadline: float) -> Trial:
             raise TuneError(_dataset_message(trial.error)) from exc
     else:
         # Batches every worker repeats are not throughput: only one copy in `copies` is new data.
-        copies = _copies_per_batch(loader, workers)
+        copies = copies_per_batch(loader, workers)
         trial.batches_per_s, trial.first_batch_s, trial.cpu_percent, trial.memory_bytes = (
             rate / copies, first, cpu, memory)
     return trial
 
 
-def _copies_per_batch(loader: Any, workers: int) -> int:
+def copies_per_batch(loader: Any, workers: int) -> int:
     """How many workers yield each batch: all of them for an IterableDataset that does not
     split its items with get_worker_info() (torch gives each worker a full copy), else one."""
     from torch.utils.data import IterableDataset
