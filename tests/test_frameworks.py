@@ -71,6 +71,8 @@ def test_unsharded_iterable_dataset_is_told_to_shard_before_adding_workers(ran):
     assert primary_loader(run.workload)["settings"]["shards_by_worker"] is False
     code = loader_code(primary_loader(run.workload), WORKER_CHANGE, run.workload)
     assert "every worker would yield every sample" in code and "get_worker_info" in code
+    finding = next(f for f in frameworks.loader_findings(run) if "num_workers" in f.change)
+    assert "does not split items between workers" in finding.suggestion
     _, sharded = ran("IterableDataset, sharded")
     assert primary_loader(sharded.workload)["settings"]["shards_by_worker"] is True
 

@@ -143,13 +143,25 @@ def _where_built(loader: LoaderFacts | Mapping[str, Any], change: Mapping[str, A
     return f"# This DataLoader is built in {place}; build it there as\n#     {line}"
 
 
+def unsharded(loader: LoaderFacts | Mapping[str, Any], change: Mapping[str, Any]) -> bool:
+    """Workers in ``change`` would each yield every item of this IterableDataset (it does not
+    shard with get_worker_info())."""
+    settings = loader.get("settings") or {}
+    return (bool(settings.get("iterable_dataset")) and settings.get("shards_by_worker") is False
+            and int(change.get("num_workers") or 0) >= 2)
+
+
+SHARDING_SENTENCE = (" Its IterableDataset does not split items between workers: shard it with "
+                     "torch.utils.data.get_worker_info() first, or every worker yields every sample.")
+
+
 def _duplicates_warning(loader: LoaderFacts | Mapping[str, Any], change: Mapping[str, Any]) -> str | None:
     """An IterableDataset that does not shard gives every worker all items: workers would
     repeat each sample, so the code shows the sharding first instead of adding workers."""
+    if not unsharded(loader, change):
+        return None
     settings = loader.get("settings") or {}
     workers = int(change.get("num_workers") or 0)
-    if not settings.get("iterable_dataset") or settings.get("shards_by_worker") is not False or workers < 2:
-        return None
     where = settings.get("dataset_code") or {}
     place = f" ({Path(where['file']).name}, line {where['line']})" if where else ""
     dataset = settings.get("dataset_type") or "the dataset"

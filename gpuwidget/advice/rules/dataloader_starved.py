@@ -9,7 +9,7 @@ Thresholds live in gpuwidget.advice.loader.
 
 from __future__ import annotations
 
-from gpuwidget.advice.code import loader_code
+from gpuwidget.advice.code import SHARDING_SENTENCE, loader_code, unsharded
 from gpuwidget.advice.finding import Finding
 from gpuwidget.advice.loader import diagnose
 from gpuwidget.facts import MachineFacts, Summary, WorkloadFacts
@@ -43,7 +43,8 @@ def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> F
         title=f"The loop waits for data {waited} of the time ({d.name})",
         evidence=d.evidence,
         suggestion=(f"Each step waited {1000 * d.wait_per_step:.1f} ms for a batch and then computed for "
-                    f"{1000 * d.compute_per_step:.1f} ms. " + _sentence("; ".join(parts))),
+                    f"{1000 * d.compute_per_step:.1f} ms. " + _sentence("; ".join(parts))
+                    + (SHARDING_SENTENCE if unsharded(d.loader, change) else "")),
         change=change,
         code=loader_code(d.loader, change, workload),
         expected_speedup=round(d.gain, 2),

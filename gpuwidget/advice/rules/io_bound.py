@@ -8,7 +8,7 @@ storage, or be cached after the first epoch. Thresholds live in gpuwidget.advice
 
 from __future__ import annotations
 
-from gpuwidget.advice.code import loader_code
+from gpuwidget.advice.code import SHARDING_SENTENCE, loader_code, unsharded
 from gpuwidget.advice.finding import Finding
 from gpuwidget.advice.loader import diagnose
 from gpuwidget.facts import MachineFacts, Summary, WorkloadFacts
@@ -34,7 +34,8 @@ def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> F
         evidence=d.evidence,
         suggestion=(f"The loop waits {100 * d.wait_fraction:.0f}% of the time and {why}. Because the waits "
                     f"overlap, {workers} workers (more than the {d.usable_cpus} cores) hide them; copying the "
-                    "data to local disk or memory, or caching samples after the first epoch, removes them."),
+                    "data to local disk or memory, or caching samples after the first epoch, removes them."
+                    + (SHARDING_SENTENCE if unsharded(d.loader, d.change) else "")),
         change=dict(d.change),
         code=loader_code(d.loader, d.change, workload),
         expected_speedup=round(d.gain, 2),
