@@ -44,6 +44,24 @@ def test_nothing_below_the_session_imports_the_widgets():
     assert {path: names for path, names in offenders.items() if names} == {}
 
 
+# The model: what a Run is made of and how it is judged, measured and rendered as text/HTML.
+MODEL = ("trace.py", "facts.py", "sources", "probes", "advice", "measure", "run.py", "runfile.py",
+         "report.py", "chart.py", "export.py")
+WIDGET_LIBRARIES = ("ipywidgets", "bokeh", "jupyter_bokeh")
+
+
+def test_the_model_builds_no_widgets():
+    """Progress bars and plots belong to ui/: the model hands out callbacks and data instead."""
+    offenders = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.relative_to(PACKAGE).parts[0] not in MODEL:
+            continue
+        names = sorted(name for name in _imported_modules(path) if name.split(".")[0] in WIDGET_LIBRARIES)
+        if names:
+            offenders[path.relative_to(PACKAGE).as_posix()] = names
+    assert offenders == {}
+
+
 def test_the_layer_check_sees_a_function_local_import(tmp_path):
     module = tmp_path / "sneaky.py"
     module.write_text("def render(run):\n    from gpuwidget.ui.live import LiveView\n    return LiveView\n")
