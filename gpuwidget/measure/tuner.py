@@ -25,6 +25,7 @@ from gpuwidget.advice.code import loader_code
 from gpuwidget.advice.loader import diagnose
 from gpuwidget.advice.summary import primary_loader
 from gpuwidget.clock import now
+from gpuwidget.facts import LoaderFacts
 from gpuwidget.measure.rng import preserved_rng
 from gpuwidget.probes.torch_data import loader_kwargs, loader_settings
 from gpuwidget.report import html_table, text_table
@@ -96,7 +97,7 @@ class TuneResult:
     target_rate: float | None
     budget_s: float
     elapsed_s: float
-    facts: dict[str, Any] = field(default_factory=dict)
+    facts: LoaderFacts = field(default_factory=LoaderFacts)  # the loader as the code line names it
     # Settings recommended without being timed (they do not change the steady rate).
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -283,7 +284,7 @@ def tune_loader(loader: Any, target_rate: float | None = None, budget_s: float =
     if chosen.change.get("num_workers", loader.num_workers) and not loader.persistent_workers:
         # Workers otherwise restart (and re-import, re-open files) at every epoch.
         extra["persistent_workers"] = True
-    facts = {"name": name or "loader", "dataset_name": dataset_name, "settings": loader_settings(loader)}
+    facts: LoaderFacts = {"name": name or "loader", "dataset_name": dataset_name, "settings": loader_settings(loader)}
     return TuneResult(loader, name or "loader", trials, chosen, target_rate, budget_s, now() - started, facts,
                       extra)
 
