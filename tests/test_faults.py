@@ -484,3 +484,56 @@ def test_cpu_memory_search_stops_short_of_the_memory_available(one_torch_thread,
     assert result.largest_fitting == ran
     assert any("host memory available" in note for note in result.notes)
     assert probe_memory.peak - probe_memory.before < available
+
+
+# ----------------------------------------------------------------- DataLoader workers after Ctrl-C
+
+INTERRUPTED_LOOP = """\
+import _thread, threading, time
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+class SlowItems(Dataset):
+    def __len__(self):
+        return 1000
+
+    def __getitem__(self, index):
+        time.sleep(0.2)  # storage: the loop is blocked in next() when Ctrl-C comes
+        return torch.zeros(4)
+
+threading.Timer(0.3, _thread.interrupt_main).start()
+for batch in DataLoader(SlowItems(), batch_size=4, num_workers=2):
+    pass
+"""
+
+
+def _workers() -> set[int]:
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+def _workers_end(before: set[int], timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while _workers() - before and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.1)
+    return not _workers() - before
+
+
+def test_workers_of_an_interrupted_watched_loop_end_as_unwatched(ip, monkeypatch):
+    """Interrupted inside next(), the traceback holds the iterator: IPython lets go of it at the next
+    error, and so must the Run (it used to keep the exception, hence the workers, until the next watch)."""
+    from torch.utils.data import _utils
+
+    # The iterator's shutdown waits this long per worker before it terminates it (5 s by default).
+    monkeypatch.setattr(_utils, "MP_STATUS_CHECK_INTERVAL", 0.5)
+    before = _workers()
+    for magic in ("", "%%gpuwatch --quiet --interval 0.05\n"):
+        result = ip.run_cell(magic + INTERRUPTED_LOOP)
+        assert isinstance(result.error_in_exec, KeyboardInterrupt)
+        del result
+        assert len(_workers() - before) == 2  # the loop really had its two workers
+        ip.run_cell("raise ValueError('an unrelated mistake')")
+        assert _workers_end(before), f"workers outlived the interrupted loop ({magic=})"
+    assert gpuwidget.last_run().outcome == "interrupted"
+    for name in ("SlowItems", "batch", "DataLoader", "Dataset"):
+        ip.user_ns.pop(name, None)
