@@ -319,3 +319,21 @@ def test_expected_gain_is_that_of_the_change_below_the_no_wait_bound(wait_cpu, w
     assert d is not None and d.change["num_workers"] == workers
     assert d.evidence["upper_bound_speedup"] == pytest.approx(10.0)
     assert d.evidence["expected_gain"] == pytest.approx(1000 / expected_ms, abs=0.01)
+
+
+@pytest.mark.parametrize(("facts", "frameworks", "says"), [
+    ({"name": None, "owner": None, "built_at": None}, {}, "No variable of yours holds this loader"),
+    ({"name": None, "owner": "lightning", "built_at": None}, {}, "train_dataloader"),
+    ({"name": None, "owner": "lightning", "built_at": {"file": "/nowhere/m.py", "function": "f", "line": 3}}, {},
+     "f() (m.py, line 3): pass it"),
+    ({"name": "dl", "owner": "accelerate", "built_at": None}, {}, "prepared by accelerate"),
+    ({"name": None, "owner": "transformers", "built_at": None}, {"training_args": "args"},
+     "args.dataloader_num_workers = 3"),
+    ({"name": None, "owner": "transformers", "built_at": None}, {}, "TrainingArguments(..., dataloader_num_workers=3"),
+])
+def test_loader_code_without_a_name_to_rebind_is_an_instruction_that_runs(facts, frameworks, says):
+    settings = loader_settings(DataLoader(TensorDataset(torch.zeros(8, 2)), batch_size=4))
+    code = loader_code({**facts, "settings": settings}, {"num_workers": 3}, {"frameworks": frameworks})
+    assert says in code
+    namespace: dict[str, Any] = {"args": type("Args", (), {})()}
+    exec(code, namespace)  # raises nothing, and uses no name the user lacks
