@@ -32,6 +32,11 @@ a training cell runs for minutes. That one-off cost is reported apart ("one-off 
 whole watched block cost beyond the steady slowdown: start, first ticks, finish), with the
 whole-block ratio of these short blocks.
 
+Peers, side by side in the same rounds and as many pairs as the target: JUmPER
+(jumper-extension; a C collector in its own process, no in-loop probes) and gpuprof (patches
+nn.Module, backward and the optimizer step; sampler threads), each at its defaults, where
+installed (``pip install torch==2.13.0 jumper-extension==0.4.1 gpuprof==0.7.1``).
+
 Configurations: the default interval (the target, 10 pairs), and for information (6 pairs
 each): the A/A control; 0.1 s (10 Hz); the default interval with 8 fake GPUs
 (tests/fakenvml.py, answering instantly: real NVML calls are C calls that release the GIL
@@ -46,6 +51,9 @@ shared server, since finding child processes costs in proportion to the process 
 from __future__ import annotations
 
 import contextlib
+import io
+import os
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -76,14 +84,15 @@ def time_sampler_ticks() -> None:
     steady cost can be told from its first ticks (which set up the Trace's columns)."""
     from gpuwidget.sampler import Sampler
 
-    original = Sampler.tick
+    original = Sampler._tick  # what the sampler thread runs each tick
 
-    def tick(self: Sampler) -> None:
+    def tick(self: Sampler, owner: Any) -> bool:
         started, cpu = time.perf_counter(), time.thread_time()
-        original(self)
+        done = original(self, owner)
         TICKS.append((started, time.thread_time() - cpu))
+        return done
 
-    Sampler.tick = tick  # type: ignore[method-assign]
+    Sampler._tick = tick  # type: ignore[method-assign]
 
 
 def make_loop() -> Callable[[int], tuple[float, float]]:
@@ -174,6 +183,55 @@ def fake_gpus(count: int) -> Iterator[None]:
         yield
 
 
+# Peers, watched at their defaults beside gpuwidget in the same run (installed from PyPI:
+# jumper-extension==0.4.1, gpuprof==0.7.1; see the README's test extras). A peer that is not
+# installed is left out with a note.
+JUMPER_ADAPTER: Any = None
+
+
+@contextlib.contextmanager
+def jumper_watch() -> Iterator[None]:
+    """JUmPER (jumper-extension) as ``%perfmonitor_start`` / ``%perfmonitor_stop`` run it: its
+    default monitor is a compiled C collector in a child process, sampling every second."""
+    global JUMPER_ADAPTER
+    from jumper_extension.core.service import build_perfmonitor_magic_adapter
+
+    if JUMPER_ADAPTER is None:
+        JUMPER_ADAPTER = build_perfmonitor_magic_adapter(visualizer_backend="plotly")
+    with contextlib.redirect_stdout(io.StringIO()):  # it prints a line at start and stop
+        JUMPER_ADAPTER.perfmonitor_start("")
+    try:
+        yield
+    finally:
+        with contextlib.redirect_stdout(io.StringIO()):
+            JUMPER_ADAPTER.perfmonitor_stop("")
+
+
+@contextlib.contextmanager
+def gpuprof_watch() -> Iterator[None]:
+    """gpuprof's one-line integration, ``gpuprof.profile()``, at its defaults (auto-instrumented
+    nn.Module, backward and optimizer step; sampler threads) except: the database goes to a
+    temporary folder and the end-of-run summary is not printed (it comes after the timed steps)."""
+    import gpuprof
+
+    with tempfile.TemporaryDirectory() as folder, gpuprof.profile(
+            "overhead", summary=False, db_path=os.path.join(folder, "gpuprof.db")):
+        yield
+
+
+def peer_versions() -> dict[str, str | None]:
+    """Installed peers and their versions (None: not installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    found: dict[str, str | None] = {}
+    for name in ("jumper-extension", "gpuprof"):
+        try:
+            found[name] = version(name)
+        except PackageNotFoundError:
+            found[name] = None
+    return found
+
+
 @dataclass
 class Config:
     """One configuration and the figures of its pairs so far."""
@@ -182,6 +240,8 @@ class Config:
     options: dict[str, Any] | None  # None: the A/A control, both sides unwatched
     context: Callable[[], contextlib.AbstractContextManager[None]]
     pairs: int
+    # A peer's watch instead of gpuwidget.watch(quiet=True, **options).
+    peer: Callable[[], contextlib.AbstractContextManager[None]] | None = None
     plain: list[float] = field(default_factory=list)  # timed-steps wall seconds, unwatched
     watched: list[float] = field(default_factory=list)
     ratios: list[float] = field(default_factory=list)
@@ -226,7 +286,8 @@ def one_pair(config: Config, run: Callable[[int], tuple[float, float]], steps: i
             return unwatched()
         TICKS.clear()
         outer = time.perf_counter()
-        with gpuwidget.watch(quiet=True, **config.options):
+        watch = config.peer() if config.peer is not None else gpuwidget.watch(quiet=True, **config.options)
+        with watch:
             run(settle_steps)  # the watch's first ticks (column set-up) fall in here
             t0 = time.perf_counter()
             inner, cpu = run(steps)
@@ -286,6 +347,15 @@ def main() -> None:
         Config(f"default interval, +{crowd} idle processes on the host", {}, lambda: crowded_host(crowd),
                other_pairs),
     ]
+    peers = peer_versions()
+    for package, name, watch in (("jumper-extension", "JUmPER", jumper_watch), ("gpuprof", "gpuprof", gpuprof_watch)):
+        if peers[package] is None:
+            print(f"  peer {name} ({package}) is not installed: left out")
+            continue
+        # Side by side with the target configuration: as many pairs, in the same rounds.
+        configs.append(Config(f"peer: {name} {peers[package]} at its defaults", {}, no_fake, pairs, peer=watch))
+        with watch():  # first use: JUmPER compiles its C collector once
+            run(50)
     # Round robin: each round runs one pair of every configuration (in a rotated order), so a
     # burst of load from other processes hits all configurations rather than one.
     for round_index in range(max(c.pairs for c in configs)):
@@ -308,8 +378,8 @@ def main() -> None:
             f"{f['cpu_ratio_median']:.4f}",
             f"{f['block_ratio_median']:.4f}",
             "-" if control else f"{f['one_off_ms']:.0f}",
-            "-" if control else f"{f['sampler_cpu_per_tick_us']:.0f}",
-            "-" if control else f"{100 * f['sampler_cpu_share']:.2f} %",
+            "-" if control or config.peer else f"{f['sampler_cpu_per_tick_us']:.0f}",
+            "-" if control or config.peer else f"{100 * f['sampler_cpu_share']:.2f} %",
         ])
     print()
     print("  steady: median wall-clock throughput ratio of the timed steps (IQR and min - max over pairs);")
@@ -330,7 +400,7 @@ def main() -> None:
           f"{100 * probe['probe_us'] / (1e6 * step_s):.2f} % of a {1e3 * step_s:.2f} ms step")
     estimates = {}
     for config in configs:
-        if config.options is None:
+        if config.options is None or config.peer is not None:
             continue
         share = results[config.name]["sampler_cpu_share"]
         estimate = 1 / (1 + probe["probe_us"] / (1e6 * step_s) + share)
@@ -347,14 +417,20 @@ def main() -> None:
                 f"{estimates[default]:.4f})", target_shown=f"{TARGET_RATIO}"),
     ]
     for config in configs[1:]:
-        if config.options is None:
+        if config.options is None or config.peer is not None:
             continue
         figures = results[config.name]
         verdicts.append(verdict(f"steady throughput ratio, {config.name} (informational, same bar)",
                                 figures["ratio_median"], TARGET_RATIO, higher_is_better=True,
                                 shown=f"{figures['ratio_median']:.4f} (best-of {figures['ratio_best_of']:.4f})",
                                 target_shown=f"{TARGET_RATIO}"))
-    write_json(args.json, {"benchmark": "overhead", "machine": info, "quick": args.quick,
+    for config in configs:
+        if config.peer is not None:
+            figures = results[config.name]
+            print(f"  side by side: {config.name}: steady {figures['ratio_median']:.4f} (best-of "
+                  f"{figures['ratio_best_of']:.4f}); gpuwidget {results[default]['ratio_median']:.4f} "
+                  f"(best-of {results[default]['ratio_best_of']:.4f})")
+    write_json(args.json, {"benchmark": "overhead", "machine": info, "quick": args.quick, "peers": peers,
                            "step_ms": 1e3 * step_s, "steps_per_run": steps, "settle_steps": settle_steps,
                            "probe": probe, "estimates": estimates,
                            "results": results, "verdicts": verdicts})
