@@ -375,6 +375,8 @@ def _polyline(t: np.ndarray, values: np.ndarray, x: Any, y: Any) -> str:
 
 
 def _short(value: Any) -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "n/a"
     if isinstance(value, float):
         return f"{value:.3g}"
     if isinstance(value, Mapping):

@@ -388,11 +388,13 @@ def test_non_finite_values_in_a_file_render_as_not_available(tmp_path):
     data = json.loads(text)
     data["summary"]["samples_per_s"] = "NAN_HERE"
     data["summary"]["gpu_busy_mean"] = "INF_HERE"
+    data["findings"][0]["evidence"]["data_wait_fraction"] = "NAN_HERE"
     text = json.dumps(data).replace('"NAN_HERE"', "NaN").replace('"INF_HERE"', "Infinity")
     loaded = Run.load(_write(tmp_path, text))
     assert loaded.summary["samples_per_s"] is None and loaded.summary["gpu_busy_mean"] is None
     for shown in loaded._repr_mimebundle_().values():
         assert "n/a" in shown and "nan" not in shown and "inf/s" not in shown
+        assert "data_wait_fraction=n/a" in shown or "data_wait_fraction = n/a" in shown
 
 
 # ----------------------------------------------------------------- --gpus without a driver
