@@ -126,6 +126,39 @@ def test_hung_source_never_holds_up_the_cell_and_is_read_and_closed_off_the_user
     assert session._active is None
 
 
+def test_gpu_whose_driver_call_hangs_does_not_hold_up_the_cell(ip, fake_nvml, hang):
+    """The real nvidia-ml-py code path: GPU 1's memory query stops returning mid-cell (a GPU falling
+    off the bus). The NVML source holds its lock through the read, so closing it on the user's
+    thread would hang the cell too."""
+    import pynvml
+
+    fake = fake_nvml(FakeNvml.gpus(2))
+    fake.real_time = True
+    stuck = hang(after=3)
+    query = pynvml.nvmlDeviceGetMemoryInfo
+    lost = fake.gpu(1)
+
+    def memory_info(gpu: Any, *args: Any) -> Any:
+        if gpu is lost:
+            return stuck.wrap(lambda _source, *rest: query(gpu, *rest))(None, *args)
+        return query(gpu, *args)
+
+    pynvml.nvmlDeviceGetMemoryInfo = memory_info
+    try:
+        started = time.perf_counter()
+        result = ip.run_cell("%%gpuwatch --interval 0.05 --quiet\nimport time\ntime.sleep(0.3)\n")
+        elapsed = time.perf_counter() - started
+    finally:
+        pynvml.nvmlDeviceGetMemoryInfo = query
+    assert result.success
+    assert stuck.calls >= 3
+    assert elapsed < 0.3 + 1.0, f"the cell took {elapsed:.2f} s for 0.3 s of its own code"
+    [stalled] = gpuwidget.last_run().sampler["stalled"]
+    # "GPU 1" once the NVML source names the device it is reading (Source.busy_with), else "nvml".
+    assert stalled["source"] in ("GPU 1", "nvml")
+    assert "stopped answering" in gpuwidget.last_run()._repr_mimebundle_()["text/plain"]
+
+
 def test_source_that_stops_answering_is_dropped_by_name_and_the_others_go_on(hang, monkeypatch):
     monkeypatch.setattr(sampler, "SOURCE_DEADLINE_S", 0.3)
     monkeypatch.setattr(sampler, "WATCHDOG_PERIOD_S", 0.05)
