@@ -11,9 +11,9 @@ from __future__ import annotations
 import logging
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 from gpuwidget.advice.advisor import advise
 from gpuwidget.advice.summary import summarize
@@ -38,6 +38,11 @@ _active: Watch | None = None
 
 # A source whose read hung is closed on a thread of this name (its close can hang as well).
 CLOSER_THREAD_NAME = "gpuwidget-closer"
+# NVML starts (nvmlInit, listing the GPUs) on a thread of this name, for at most this long: it
+# answers in tens of ms, but a driver stuck on a GPU that fell off the bus may never answer, and
+# then the watch goes on with host metrics rather than hold the cell.
+STARTER_THREAD_NAME = "gpuwidget-nvml-start"
+GPU_START_DEADLINE_S = 5.0
 
 
 def last_run() -> Run:
@@ -51,15 +56,15 @@ def _gpu_source(options: WatchOptions) -> tuple[Source | None, MachineFacts]:
     """The NVML source for the chosen GPUs and the machine facts it reports.
 
     A missing driver is not an error (gpuwidget works on any laptop); asking for a GPU
-    that does not exist is, and is raised before anything starts.
+    that does not exist is, and is raised before anything starts, with or without a driver.
     """
     try:
         from gpuwidget.sources.nvml import NvmlSource
     except Exception as exc:  # noqa: BLE001 - broken bindings mean "no GPU", not a crash
-        if options.gpus is not None:
-            raise OptionError(f"--gpus: there is no GPU {options.gpus[0]} here (no NVIDIA GPU found: {exc})") from None
-        return None, {"gpus": [], "gpu_message": f"no NVIDIA GPU found ({exc})"}
-    source = NvmlSource(gpus=options.gpus)
+        return _no_gpu(options, f"no NVIDIA GPU found ({exc})")
+    source = _within(GPU_START_DEADLINE_S, lambda: NvmlSource(gpus=options.gpus))
+    if source is None:
+        return _no_gpu(options, f"no NVIDIA GPU found (NVML did not answer within {GPU_START_DEADLINE_S:g} s)")
     facts = source.describe()
     devices = list(facts.get("devices") or [])
     missing = facts.get("missing") or []
@@ -70,11 +75,52 @@ def _gpu_source(options: WatchOptions) -> tuple[Source | None, MachineFacts]:
         raise OptionError(f"--gpus: there is no GPU {missing[0]} here (visible: {visible})")
     if not facts.get("available"):
         source.close()
-        reason = facts.get("reason") or "no NVIDIA GPU found"
-        if options.gpus is not None:  # as when GPUs exist: asking for one that is not here is an error
-            raise OptionError(f"--gpus: there is no GPU {options.gpus[0]} here ({reason})")
-        return None, {"gpus": [], "gpu_message": reason}
+        return _no_gpu(options, facts.get("reason") or "no NVIDIA GPU found")
     return source, {"gpus": devices, "gpu_message": None}
+
+
+def _no_gpu(options: WatchOptions, reason: str) -> tuple[None, MachineFacts]:
+    """Host metrics only; but asking for a GPU is an error, as it is when GPUs exist."""
+    if options.gpus is not None:
+        raise OptionError(f"--gpus: there is no GPU {options.gpus[0]} here ({reason})")
+    return None, {"gpus": [], "gpu_message": reason}
+
+
+_Built = TypeVar("_Built", bound=Source)
+
+
+def _within(deadline_s: float, build: Callable[[], _Built]) -> _Built | None:
+    """``build()`` on a thread of its own; None if it has not returned within ``deadline_s``.
+
+    A source that arrives after the deadline is closed there and then: nobody will use it.
+    """
+    lock = threading.Lock()
+    built: list[_Built] = []
+    failed: list[BaseException] = []
+    abandoned = False
+
+    def run() -> None:
+        try:
+            source = build()
+        except BaseException as exc:  # noqa: BLE001 - raised again on the caller's thread
+            failed.append(exc)
+            return
+        with lock:
+            if not abandoned:
+                built.append(source)
+                return
+        _close_quietly(source)
+
+    thread = threading.Thread(target=run, name=STARTER_THREAD_NAME, daemon=True)
+    thread.start()
+    thread.join(deadline_s)
+    with lock:
+        if failed:
+            raise failed[0]
+        if not built:
+            abandoned = True
+            return None
+    return built[0]
 
 
 def _in_notebook() -> bool:

@@ -159,6 +159,25 @@ def test_gpu_whose_driver_call_hangs_does_not_hold_up_the_cell(ip, fake_nvml, ha
     assert "stopped answering" in gpuwidget.last_run()._repr_mimebundle_()["text/plain"]
 
 
+def test_nvml_that_never_starts_leaves_host_metrics_after_a_bounded_wait(ip, fake_nvml, hang, monkeypatch):
+    import pynvml
+
+    fake_nvml(FakeNvml.gpus(2))
+    stuck = hang()
+    monkeypatch.setattr(session, "GPU_START_DEADLINE_S", 0.3)
+    hanging = stuck.wrap(lambda _source: None)
+    monkeypatch.setattr(pynvml, "nvmlInit", lambda: hanging(None))
+    started = time.perf_counter()
+    result = ip.run_cell("%%gpuwatch --interval 0.05 --quiet\npass\n")
+    assert result.success and time.perf_counter() - started < 0.3 + 1.0
+    run = gpuwidget.last_run()
+    assert not run.gpu_found
+    assert "NVML did not answer within 0.3 s" in run._repr_mimebundle_()["text/plain"]
+    with pytest.raises(UsageError, match=r"--gpus: there is no GPU 1 here \(no NVIDIA GPU found \(NVML did not answer"):
+        ip.run_cell_magic("gpuwatch", "--gpus 1 --quiet", "pass\n")
+    assert threading.main_thread() not in stuck.threads
+
+
 def test_source_that_stops_answering_is_dropped_by_name_and_the_others_go_on(hang, monkeypatch):
     monkeypatch.setattr(sampler, "SOURCE_DEADLINE_S", 0.3)
     monkeypatch.setattr(sampler, "WATCHDOG_PERIOD_S", 0.05)
