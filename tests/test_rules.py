@@ -124,11 +124,15 @@ def test_sleeping_loader_is_io_bound_with_workers_beyond_the_cores():
 
 def test_workers_queued_for_cores_on_a_saturated_host_do_cpu_work_on_cores_others_hold():
     # Two workers on a core 15% of the time and queued for one 70% while other programs
-    # kept 1.5 cores busy: CPU work (hardly asleep), and contention from outside.
+    # kept 1.5 of the 2 cores busy: CPU work (hardly asleep), on cores taken from outside.
     workload = {"loaders": [loader_facts(wait=2.0, compute=0.5, workers=2, wait_cpu=None)]}
     busy = summary(host=97.0, workers_cpu=30.0, workers_run_delay_mean=140.0, other_cpu_mean=150.0)
     found = {f.rule for f in advise(busy, workload, {**NO_GPU, "usable_cpus": 2})}
-    assert "io-bound" not in found and {"dataloader-cpu-bound", "cpu-contention"} <= found
+    assert {"dataloader-cpu-bound", "cpu-contention"} <= found and "io-bound" not in found
+    # The same workers saturating the cores themselves: cheaper batches, no contention.
+    own = summary(host=97.0, workers_cpu=170.0, workers_run_delay_mean=20.0, other_cpu_mean=20.0)
+    found = {f.rule for f in advise(own, workload, {**NO_GPU, "usable_cpus": 2})}
+    assert "dataloader-cpu-bound" in found and "cpu-contention" not in found
 
 
 def test_idle_workers_on_a_saturated_host_without_run_delay_counters_are_not_called_storage_bound():

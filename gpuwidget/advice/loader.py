@@ -34,8 +34,11 @@ IO_WAIT_RATIO = 0.25
 # A storage-bound builder keeps sleeping its storage latency however busy the host is.
 # Measured on this 2-core machine with two or four unrelated busy processes (6 ms storage
 # reads, batch 16): storage-bound builders slept 67-89% of the time (main thread or 4
-# workers); CPU-bound ones 2-30% (workers also sleep while their prefetch queue is full).
-CPU_ASLEEP_MAX = 0.5
+# workers); a CPU-bound looping thread 0-2%, CPU-bound workers 22-30% (a worker also sleeps
+# while its prefetch queue is full). The cut-offs sit between, the looping thread's low so
+# that a storage wait followed by a long queue for a core (a heavily loaded host) stays io.
+CPU_ASLEEP_MAX = 0.2
+WORKER_ASLEEP_MAX = 0.5
 # The same cut-offs per worker process (num_workers > 0), as a share of one core each.
 WORKER_BUSY = 0.5
 WORKER_IDLE = 0.25
@@ -50,6 +53,11 @@ CONTENTION_DELAY_FRACTION = 0.10
 # may use (less cannot queue it measurably; its own workers queueing for each other are not
 # contention but too many workers).
 OTHER_CORES_MIN = 0.5
+# Other processes holding at least this share of the usable cores is worth saying (as
+# information) even when little time was lost yet: a storage-bound loop waiting on its one
+# reader seldom queues for a core (0-9% of its time lost with two busy processes on this
+# 2-core machine, against 13-36% in other runs), but the workers it is told to add will.
+OTHERS_HOLD_SHARE = 0.5
 # Workers are sized to produce batches this much faster than the loop consumes them.
 WORKER_MARGIN = 1.2
 # Storage-bound loading overlaps waits, not CPU: workers beyond the core count help, up to
@@ -131,14 +139,17 @@ def diagnose(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -
     host_saturated = host is not None and host >= HOST_SATURATED_PERCENT
     if num_workers == 0:
         busy, builder_delay = wait_cpu, loader.get("wait_delay_ratio")
-        cause = _cause(busy, builder_delay, host_saturated, CPU_WORK_RATIO, IO_WAIT_RATIO)
+        cause = _cause(busy, builder_delay, host_saturated, CPU_WORK_RATIO, IO_WAIT_RATIO, CPU_ASLEEP_MAX)
     else:
         workers_delay = summary.get("workers_run_delay_mean")
         builder_delay = None if workers_delay is None else workers_delay / 100.0 / num_workers
-        cause = _cause(workers_busy, builder_delay, host_saturated, WORKER_BUSY, WORKER_IDLE)
-    cpu_saturated = cause == "cpu" and host_saturated
+        cause = _cause(workers_busy, builder_delay, host_saturated, WORKER_BUSY, WORKER_IDLE, WORKER_ASLEEP_MAX)
     loop_delay = summary.get("process_run_delay_mean")
     others = summary.get("other_cpu_mean")
+    # Saturated by the loader itself or by other processes, more CPU workers gain nothing:
+    # the kernel shares the cores between sessions and cgroups (autogroup, a pod's CPU
+    # weight), not between processes, so extra workers do not win the loader a larger share.
+    cpu_saturated = cause == "cpu" and host_saturated
 
     diagnosis = LoaderDiagnosis(
         loader=loader, wait_fraction=wait_fraction, wait_per_step=wait, compute_per_step=compute,
@@ -148,8 +159,9 @@ def diagnose(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -
         other_cores=None if others is None else others / 100.0,
     )
     lost = diagnosis.time_lost_to_contention
-    diagnosis.contended = (lost is not None and lost >= CONTENTION_DELAY_FRACTION
-                           and diagnosis.other_cores is not None and diagnosis.other_cores >= OTHER_CORES_MIN)
+    other_cores = diagnosis.other_cores
+    diagnosis.contended = other_cores is not None and other_cores >= OTHER_CORES_MIN and (
+        (lost is not None and lost >= CONTENTION_DELAY_FRACTION) or other_cores >= OTHERS_HOLD_SHARE * usable)
     diagnosis.evidence = _evidence(diagnosis, host, wait_cpu)
     if diagnosis.starved:
         diagnosis.change = _change(diagnosis, settings, workload, machine)
@@ -160,7 +172,7 @@ def diagnose(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -
 
 
 def _cause(busy: float | None, delay: float | None, host_saturated: bool, cpu_work: float,
-           idle: float) -> str:
+           idle: float, asleep_max: float) -> str:
     """"cpu", "io" or "unknown" from what the batch builders did per wall second (see CPU_WORK_RATIO).
 
     Without run-delay counters (not Linux), builders that use little CPU on a saturated host
@@ -171,7 +183,7 @@ def _cause(busy: float | None, delay: float | None, host_saturated: bool, cpu_wo
     if busy >= cpu_work:
         return "cpu"
     if delay is not None:
-        if 1.0 - busy - delay <= CPU_ASLEEP_MAX:
+        if 1.0 - busy - delay <= asleep_max:
             return "cpu"  # hardly ever asleep: queued for the cores it needs
         return "io" if busy <= idle else "unknown"
     return "io" if busy <= idle and not host_saturated else "unknown"

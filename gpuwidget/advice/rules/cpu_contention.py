@@ -7,15 +7,15 @@ is the machine, not the code: the finding names the share of time lost and who t
 It does not replace the loader's own finding: a storage-bound loader still gains from more
 workers (they wait on storage, and need little CPU to do it), a CPU-bound one still needs
 cheaper batches. Thresholds live in gpuwidget.advice.loader (CONTENTION_DELAY_FRACTION,
-OTHER_CORES_MIN).
+OTHER_CORES_MIN, OTHERS_HOLD_SHARE); the severity follows the share of time lost.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from gpuwidget.advice.finding import Finding
-from gpuwidget.advice.loader import LoaderDiagnosis, diagnose
+from gpuwidget.advice.finding import Finding, Severity
+from gpuwidget.advice.loader import CONTENTION_DELAY_FRACTION, LoaderDiagnosis, diagnose
 from gpuwidget.facts import MachineFacts, Summary, WorkloadFacts
 
 RULE = "cpu-contention"
@@ -44,16 +44,20 @@ for _percent, _pid, _name, _user in sorted(((_cpu(p), p.pid, p.info["name"], p.i
 
 def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> Finding | None:
     d = diagnose(summary, workload, machine)
-    lost = None if d is None else d.time_lost_to_contention
-    if d is None or not d.starved or not d.contended or lost is None:
+    if d is None or not d.starved or not d.contended:
         return None
+    lost = d.time_lost_to_contention
     others = d.other_cores or 0.0
-    evidence: dict[str, Any] = {
-        "run_delay_fraction": round(lost, 3),
-        "other_cpu_cores": round(others, 2),
+    evidence: dict[str, Any] = {"other_cpu_cores": round(others, 2)}
+    if lost is not None:
+        evidence["run_delay_fraction"] = round(lost, 3)
+        # Upper bound if no core were taken by others. Kept here, not as expected_speedup: the
+        # change is the machine's, not the code's, and the code changes rank first.
+        evidence["speedup_without_contention"] = round(1.0 / max(1e-9, 1.0 - lost), 2)
+    evidence.update({
         "usable_cpus": d.usable_cpus,
         "data_wait_fraction": round(d.wait_fraction, 3),
-    }
+    })
     if d.loop_delay is not None:
         evidence["loop_run_delay_fraction"] = round(d.loop_delay, 3)
     if d.builder_delay is not None:
@@ -70,19 +74,31 @@ def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> F
         still = "Building batches is CPU work, and the cores it needs are taken: make batches cheaper too. "
     else:
         still = ""
+    lost_share = lost or 0.0
+    if lost_share >= CRITICAL_LOST_FRACTION:
+        severity: Severity = "critical"
+    elif lost_share >= CONTENTION_DELAY_FRACTION:
+        severity = "warn"
+    else:
+        severity = "info"  # the cores are taken, little time lost yet
+    if lost is None:
+        waited, title = "", "Other processes hold the cores"
+    else:
+        waited = f", and {_who(d)} ready to run but waited for a core {100 * lost:.0f}% of the time"
+        title = f"Other processes hold the cores ({100 * lost:.0f}% of the time lost waiting for one)"
     return Finding(
         rule=RULE,
-        severity="critical" if lost >= CRITICAL_LOST_FRACTION else "warn",
-        title=f"Other processes hold the cores ({100 * lost:.0f}% of the time lost waiting for one)",
+        severity=severity,
+        title=title,
         evidence=evidence,
         suggestion=(f"Processes outside this one kept {others:.1f} cores busy on the {d.usable_cpus} CPUs it may "
-                    f"use, and {_who(d)} ready to run but waited for a core {100 * lost:.0f}% of the time. "
-                    f"That is the machine, not the code. {still}Run when the machine is quieter, ask who runs "
+                    f"use{waited}. That is the machine, not the code. {still}Run when the machine is quieter, "
+                    "ask who runs "
                     "the busy processes (the code lists them), reserve cores for this job (a CPU request for "
                     "the pod, a scheduler's CPU allocation, taskset), or lower the others' priority (renice)."),
         change={},
         code=CODE,
-        expected_speedup=round(1.0 / max(1e-9, 1.0 - lost), 2),
+        expected_speedup=None,
     )
 
 
