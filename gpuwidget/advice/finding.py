@@ -18,8 +18,8 @@ class Finding:
 
     ``rule`` is a stable id (see DESIGN.md); ``evidence`` holds the measured figures the
     conclusion rests on; ``change`` is structured (e.g. ``{"num_workers": 6}``) and
-    ``code`` a copyable snippet using the user's own names; ``expected_speedup`` is an
-    upper bound derived from the measurement (``1.8`` means at most 1.8x faster), or
+    ``code`` a copyable snippet using the user's own names; ``expected_speedup`` is what
+    this finding's change can gain by the measurement (``1.8`` means 1.8x faster), or
     None when the measurement gives no bound.
     """
 
