@@ -341,3 +341,15 @@ def test_loader_code_without_a_name_to_rebind_is_an_instruction_that_runs(facts,
     assert says in code
     namespace: dict[str, Any] = {"args": type("Args", (), {})()}
     exec(code, namespace)  # raises nothing, and uses no name the user lacks
+
+
+def test_expected_gain_shrinks_when_other_processes_hold_cores():
+    from gpuwidget.advice.loader import diagnose
+
+    workload = {"loaders": [loader_facts(wait=0.9, compute=0.1, wait_cpu=0.0)]}
+    alone = diagnose(summary(wait_fraction=0.9), workload, NO_GPU)
+    # Others kept 4 of the 8 cores busy: start-up and hand-over take 1.5x as long.
+    shared = diagnose(summary(wait_fraction=0.9, other_cpu_mean=400.0), workload, NO_GPU)
+    assert alone is not None and shared is not None and shared.change == alone.change == {"num_workers": 11}
+    assert shared.gain == pytest.approx(1000 / (100 * 2.5 + 9 + 1.5 * 11 * 25), abs=0.01)
+    assert shared.gain < alone.gain

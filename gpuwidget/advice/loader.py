@@ -242,14 +242,18 @@ def expected_gain(d: LoaderDiagnosis, change: Mapping[str, Any], main_uses_cpu: 
     persistence) are not modelled: 1.0. Over the loop as measured (its steps and epochs),
     new workers also start (:data:`WORKER_START_S` each, per epoch unless persistent) and
     fill the pipeline (one production time), and each batch crosses a process boundary
-    (:data:`WORKER_BATCH_S`). Never above the no-waiting bound, never below 1.
+    (:data:`WORKER_BATCH_S`); both take CPU, so where other processes held cores
+    (``other_cores``) they take longer in proportion to the share of the cores left.
+    Never above the no-waiting bound, never below 1.
     """
     workers = int(change.get("num_workers", d.num_workers) or 0)
     if workers <= d.num_workers:
         return 1.0
     production = production_time(d)
     step_now = d.wait_per_step + d.compute_per_step
-    step = max(d.compute_per_step + WORKER_BATCH_S, production / workers)
+    # Start-up and hand-over are CPU work: slower by the cores others held (fair share).
+    slowdown = 1.0 + (d.other_cores or 0.0) / max(1, d.usable_cpus)
+    step = max(d.compute_per_step + slowdown * WORKER_BATCH_S, production / workers)
     if d.cause != "io":
         cores = d.usable_cpus - (d.compute_per_step / step_now if main_uses_cpu else 0.0)
         step = max(step, production / max(1.0, cores))
@@ -260,7 +264,7 @@ def expected_gain(d: LoaderDiagnosis, change: Mapping[str, Any], main_uses_cpu: 
     persistent = change.get("persistent_workers") or (d.loader.get("settings") or {}).get("persistent_workers")
     starts = 1 if persistent else max(1, int(d.loader.get("epochs") or 1))
     time_now = steps * step_now
-    time_new = steps * step + starts * (production + workers * WORKER_START_S)
+    time_new = steps * step + starts * (production + slowdown * workers * WORKER_START_S)
     return min(d.expected_speedup, max(1.0, time_now / time_new))
 
 
