@@ -128,6 +128,14 @@ def test_accelerate_loop_left_early_counts_the_batches_it_took(ran):
     assert loader["steps"] == 4 and loader["samples"] == 32
 
 
+def test_hf_trainer_stopping_at_max_steps_counts_the_steps_it_trained(ran):
+    namespace, _ = ran("Hugging Face Trainer")
+    namespace["trainer"].args.max_steps = 3
+    exec("with gpuwidget.watch(display=False) as run:\n    trainer.train()\n", namespace)
+    loader = primary_loader(namespace["run"].workload)
+    assert loader["steps"] == 3 and loader["samples"] == 24
+
+
 @pytest.mark.parametrize(("name", "model_class"), [("torchvision-style transforms", "Sequential"),
                                                    ("Lightning Trainer", "Classifier"),
                                                    ("Hugging Face Trainer", "GPT2LMHeadModel")])

@@ -81,6 +81,11 @@ class LoaderStats:
         return origins.owner(self.built, self.iterated)
 
     @property
+    def fetches_ahead(self) -> bool:
+        """accelerate drives this loader (its own, or the HF Trainer's): one batch ahead of the loop."""
+        return any("accelerate" in ((origin or {}).get("inner") or []) for origin in (self.built, self.iterated))
+
+    @property
     def loader(self) -> Any:
         return self.loader_ref() if self.loader_ref is not None else None
 
@@ -243,7 +248,7 @@ class DataLoaderProbe:
         ``break`` or an exception): its work up to ``end`` counts as compute."""
         self.flush()
         for stats in self.stats:
-            if stats.owner == "accelerate" and not stats.exhausted and stats.steps:
+            if stats.fetches_ahead and not stats.exhausted and stats.steps:
                 # Left early: accelerate had fetched one batch ahead that the loop never took.
                 stats.steps -= 1
                 stats.samples -= stats.last_batch_samples
