@@ -232,8 +232,10 @@ class Watch:
         self._show_result(run)
         if self.options.tune and error is None and interrupt is None:
             self._tune(run)
-        if interrupt is not None:
-            raise interrupt  # a second Ctrl-C during teardown: everything is released, now honour it
+        if interrupt is not None and error is None:
+            # Ctrl-C while a finished cell wound down: everything is released, now honour it. After
+            # the cell's own exception it is not raised: that one goes on to the user, alone.
+            raise interrupt
         return run
 
     def _tune(self, run: Run) -> None:

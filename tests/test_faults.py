@@ -239,11 +239,18 @@ def test_ctrl_c_during_teardown_still_frees_the_kernel_for_the_next_watch(ip, mo
     else:
         monkeypatch.setattr(HostSource, "close", _interrupting(HostSource.close))
 
-    # The cell's own Ctrl-C, then a second one while gpuwidget winds down.
-    result = ip.run_cell("%%gpuwatch --quiet --interval 0.02\nraise KeyboardInterrupt\n")
-    assert isinstance(result.error_in_exec, KeyboardInterrupt)
+    # The cell's own Ctrl-C, then a second one while gpuwidget winds down: the user sees theirs, once.
+    result = ip.run_cell("%%gpuwatch --quiet --interval 0.02\nraise KeyboardInterrupt('mine')\n")
+    assert isinstance(result.error_in_exec, KeyboardInterrupt) and str(result.error_in_exec) == "mine"
+    assert result.error_in_exec.__context__ is None
     assert session._active is None
-    assert gpuwidget.last_run().outcome == "interrupted"  # recorded before the second interrupt went on
+    assert gpuwidget.last_run().outcome == "interrupted"
+
+    # A cell that ran to its end, and Ctrl-C while it winds down: honoured once everything is released.
+    result = ip.run_cell("%%gpuwatch --quiet --interval 0.02\nfinished_cell = 1\n")
+    assert isinstance(result.error_in_exec, KeyboardInterrupt) and ip.user_ns.pop("finished_cell") == 1
+    assert session._active is None
+    assert gpuwidget.last_run().outcome == "ok"  # recorded before the interrupt went on
 
     monkeypatch.undo()
     again = ip.run_cell("%%gpuwatch --quiet --interval 0.02\nwatched_again = 1\n")
