@@ -157,13 +157,13 @@ class Watch:
 
     def start(self) -> Run:
         global _active
-        with _active_lock:
-            if _active is not None:
-                raise OptionError("another watch is already running in this kernel; nested watches "
-                                  "are not supported")
-            gpu_source, gpu_facts = _gpu_source(self.options)
-            _active = self
-        try:
+        try:  # from before the kernel is marked busy: an interrupt anywhere after still frees it
+            with _active_lock:
+                if _active is not None:
+                    raise OptionError("another watch is already running in this kernel; nested watches "
+                                      "are not supported")
+                gpu_source, gpu_facts = _gpu_source(self.options)
+                _active = self
             trace = Trace()
             host = HostSource()
             machine: MachineFacts = {**host.machine_facts(), **gpu_facts}
