@@ -179,3 +179,20 @@ def test_tuner_does_not_count_an_unsharded_streams_copies_as_throughput():
     sharded = tune_loader(DataLoader(frameworks.ShardedStream(n=512, latency=0.003), batch_size=8), budget_s=8,
                           io_bound=True)
     assert sharded.chosen.batches_per_s > 1.5 * sharded.trials[0].batches_per_s
+
+
+def test_loader_built_in_a_notebook_function_is_changed_at_its_cell_line(ip):
+    ip.run_cell("import torch\nfrom torch.utils.data import DataLoader\nfrom frameworks import SlowItems, burn\n"
+                "ds = SlowItems(n=64, latency=0.002)")
+    defined_in = ip.execution_count  # the number the next stored cell runs as
+    ip.run_cell("def train_epoch():\n"
+                "    loader = DataLoader(ds, batch_size=8, shuffle=True)\n"
+                "    for x, y in loader:\n"
+                "        burn(0.001)\n", store_history=True)
+    ip.run_cell("%%gpuwatch --quiet\ntrain_epoch()\n")
+    run = gpuwidget.last_run()
+    loader = primary_loader(run.workload)
+    assert loader["name"] is None and loader["built_at"]["cell"] == defined_in
+    code = loader_code(loader, WORKER_CHANGE, run.workload)
+    assert code == (f"# This DataLoader is built in train_epoch() (cell In [{defined_in}], line 2); build it there as\n"
+                    "#     DataLoader(ds, batch_size=8, shuffle=True, num_workers=2, persistent_workers=True)")

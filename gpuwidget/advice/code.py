@@ -136,7 +136,7 @@ def _where_built(loader: LoaderFacts | Mapping[str, Any], change: Mapping[str, A
         where = ("the LightningModule's train_dataloader" if owner == "lightning"
                  else "the code that builds this DataLoader")
         return f"# No variable of yours holds this loader: in {where}, pass\n#     {listed}"
-    place = f"{site['function']}() ({Path(site['file']).name}, line {site['line']})"
+    place = _place(site)
     line = call_with_keywords(site, keywords)
     if line is None:
         return f"# This DataLoader is built in {place}: pass it\n#     {listed}"
@@ -153,6 +153,15 @@ def unsharded(loader: LoaderFacts | Mapping[str, Any], change: Mapping[str, Any]
 
 SHARDING_SENTENCE = (" Its IterableDataset does not split items between workers: shard it with "
                      "torch.utils.data.get_worker_info() first, or every worker yields every sample.")
+
+
+def _place(site: Mapping[str, Any]) -> str:
+    """``make_loader() (loaders.py, line 12)``, ``train() (cell In [5], line 3)``, or
+    ``line 3 of cell In [5]`` for a cell's own top level."""
+    where = f"cell In [{site['cell']}]" if site.get("cell") is not None else Path(site["file"]).name
+    if site["function"] == "<module>":
+        return f"line {site['line']} of {where}"
+    return f"{site['function']}() ({where}, line {site['line']})"
 
 
 def _duplicates_warning(loader: LoaderFacts | Mapping[str, Any], change: Mapping[str, Any]) -> str | None:

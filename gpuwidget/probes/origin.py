@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import inspect
 import linecache
+import sys
 from collections.abc import Mapping
 from types import FrameType
 from typing import Any
@@ -54,9 +55,17 @@ def stack_origin(frame: FrameType | None) -> dict[str, Any]:
         elif site is None and package not in LIBRARIES:
             code = frame.f_code
             site = {"file": code.co_filename, "function": getattr(code, "co_qualname", code.co_name),
-                    "line": frame.f_lineno}
+                    "line": frame.f_lineno, "cell": notebook_cell(code.co_filename)}
         frame = frame.f_back
     return {"site": site, "inner": inner, "outer": outer}
+
+
+def notebook_cell(file: str) -> int | None:
+    """The execution number of the IPython cell compiled under ``file``, or None (a real file)."""
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    mapping = getattr(getattr(shell, "compile", None), "_filename_map", None)
+    return mapping.get(file) if isinstance(mapping, dict) else None
 
 
 def owner(built: Mapping[str, Any] | None, iterated: Mapping[str, Any] | None) -> str | None:
