@@ -196,3 +196,13 @@ def test_loader_built_in_a_notebook_function_is_changed_at_its_cell_line(ip):
     code = loader_code(loader, WORKER_CHANGE, run.workload)
     assert code == (f"# This DataLoader is built in train_epoch() (cell In [{defined_in}], line 2); build it there as\n"
                     "#     DataLoader(ds, batch_size=8, shuffle=True, num_workers=2, persistent_workers=True)")
+
+
+def test_loader_built_inline_in_a_watched_cell_is_changed_at_its_line(ip):
+    ip.run_cell("from torch.utils.data import DataLoader\nfrom frameworks import SlowItems\n"
+                "ds = SlowItems(n=64, latency=0.002)")
+    ip.run_cell("%%gpuwatch --quiet\nfor batch in DataLoader(ds, batch_size=8):\n    pass\n")
+    loader = primary_loader(gpuwidget.last_run().workload)
+    code = loader_code(loader, WORKER_CHANGE, gpuwidget.last_run().workload)
+    assert f"built at line 2 of cell In [{loader['built_at']['cell']}]; build it there as" in code
+    assert code.endswith("DataLoader(ds, batch_size=8, num_workers=2, persistent_workers=True)")

@@ -139,8 +139,8 @@ def _where_built(loader: LoaderFacts | Mapping[str, Any], change: Mapping[str, A
     place = _place(site)
     line = call_with_keywords(site, keywords)
     if line is None:
-        return f"# This DataLoader is built in {place}: pass it\n#     {listed}"
-    return f"# This DataLoader is built in {place}; build it there as\n#     {line}"
+        return f"# This DataLoader is built {place}: pass it\n#     {listed}"
+    return f"# This DataLoader is built {place}; build it there as\n#     {line}"
 
 
 def unsharded(loader: LoaderFacts | Mapping[str, Any], change: Mapping[str, Any]) -> bool:
@@ -156,12 +156,12 @@ SHARDING_SENTENCE = (" Its IterableDataset does not split items between workers:
 
 
 def _place(site: Mapping[str, Any]) -> str:
-    """``make_loader() (loaders.py, line 12)``, ``train() (cell In [5], line 3)``, or
-    ``line 3 of cell In [5]`` for a cell's own top level."""
+    """``in make_loader() (loaders.py, line 12)``, ``in train() (cell In [5], line 3)``, or
+    ``at line 3 of cell In [5]`` for a cell's own top level."""
     where = f"cell In [{site['cell']}]" if site.get("cell") is not None else Path(site["file"]).name
     if site["function"] == "<module>":
-        return f"line {site['line']} of {where}"
-    return f"{site['function']}() ({where}, line {site['line']})"
+        return f"at line {site['line']} of {where}"
+    return f"in {site['function']}() ({where}, line {site['line']})"
 
 
 def _duplicates_warning(loader: LoaderFacts | Mapping[str, Any], change: Mapping[str, Any]) -> str | None:

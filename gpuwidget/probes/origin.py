@@ -166,7 +166,12 @@ def call_with_keywords(site: Mapping[str, Any], keywords: Mapping[str, Any]) -> 
     try:
         tree = ast.parse(source)
     except SyntaxError:
-        return None
+        # A notebook cell keeps IPython's magic lines (%%gpuwatch): blank them, keep numbering.
+        lines = ["\n" if line.lstrip().startswith(("%", "!")) else line for line in source.splitlines(True)]
+        try:
+            tree = ast.parse("".join(lines))
+        except SyntaxError:
+            return None
     line = site["line"]
     calls = [node for node in ast.walk(tree) if isinstance(node, ast.Call)
              and node.lineno <= line <= (node.end_lineno or node.lineno) and _called_name(node).endswith("DataLoader")]
