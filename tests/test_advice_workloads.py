@@ -14,6 +14,7 @@ from gpuwidget.probes.torch_data import loader_kwargs
 import workloads
 
 LOADER_RULES = {"dataloader-starved", "dataloader-cpu-bound", "io-bound"}
+ORIGINAL_INIT = DataLoader.__init__
 ORIGINAL_ITER = DataLoader.__iter__
 ORIGINAL_NEXT = _BaseDataLoaderIter.__next__
 
@@ -24,7 +25,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 def torch_is_untouched() -> bool:
     from torch.nn.modules import module
 
-    return (DataLoader.__iter__ is ORIGINAL_ITER and _BaseDataLoaderIter.__next__ is ORIGINAL_NEXT
+    return (DataLoader.__init__ is ORIGINAL_INIT and DataLoader.__iter__ is ORIGINAL_ITER
+            and _BaseDataLoaderIter.__next__ is ORIGINAL_NEXT
             and not module._global_forward_hooks and not module._global_forward_pre_hooks)
 
 
