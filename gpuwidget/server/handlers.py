@@ -60,6 +60,11 @@ class _MonitorHandler(web.RequestHandler):
     async def in_thread(self, function: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(None, function, *args)
 
+    async def devices(self) -> dict[str, Any]:
+        """The /devices payload: NVML's start-up in a worker thread the first time, the cached facts after."""
+        known = self.monitor.known_devices
+        return known if known is not None else await self.in_thread(self.monitor.devices)
+
 
 class _ApiHandler(APIHandler, _MonitorHandler):
     """JSON routes: origin checked first (403, not jupyter_server's 404), then auth."""
@@ -78,7 +83,7 @@ class DevicesHandler(_ApiHandler):
     @web.authenticated
     @authorized
     async def get(self) -> None:
-        await self.finish(json.dumps(await self.in_thread(self.monitor.devices)))
+        await self.finish(json.dumps(await self.devices()))
 
 
 class SnapshotHandler(_ApiHandler):
@@ -87,7 +92,7 @@ class SnapshotHandler(_ApiHandler):
     async def get(self) -> None:
         window = seconds_argument(self, "window")
         monitor = self.monitor
-        devices = await self.in_thread(monitor.devices)
+        devices = await self.devices()
         if not monitor.running:
             await self.in_thread(monitor.read_once)
         await self.finish(json.dumps({
@@ -130,7 +135,7 @@ class StreamHandler(WebSocketMixin, WebSocketHandler, JupyterHandler, _MonitorHa
         self._interval = seconds_argument(self, "interval", MAX_STREAM_INTERVAL_S)
         if self._interval == 0:
             raise web.HTTPError(400, "interval must be positive")
-        await self.in_thread(self.monitor.devices)  # NVML start-up
+        await self.devices()  # NVML start-up, before the upgrade
         await super().get(*args, **kwargs)
 
     async def open(self, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]

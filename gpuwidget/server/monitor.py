@@ -199,6 +199,11 @@ class Monitor:
 
     # ------------------------------------------------------------- data
 
+    @property
+    def known_devices(self) -> dict[str, Any] | None:
+        """The /devices payload if :meth:`devices` has built it (then reading it costs nothing), else None."""
+        return self._devices
+
     def devices(self) -> dict[str, Any]:
         """Static facts (the /devices payload). Blocking the first time (NVML start-up): call it in a thread."""
         sources = self._ensure_sources()
