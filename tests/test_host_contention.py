@@ -30,6 +30,7 @@ from gpuwidget.sources import host
 from gpuwidget.sources.host import HostSource, psi_some_total
 
 import workloads
+from support import burn_cpu
 
 TESTS = Path(__file__).resolve().parent
 # A hog ends by itself after this long, whatever happens to the test that started it.
@@ -246,19 +247,13 @@ def test_pressure_is_a_percent_of_wall_time_between_reads_and_absent_without_psi
     assert values == {"psi.cpu_some": pytest.approx(50.0)}  # no io file: absent, not 0
 
 
-def _burn_cpu(seconds: float) -> None:
-    end = time.process_time() + seconds
-    while time.process_time() < end:
-        pass
-
-
 def test_process_rates_need_a_long_enough_interval_and_stay_within_the_usable_cores():
     source = HostSource()
     source.read()
     last = time.perf_counter()
     assert "proc.cpu" not in source.read()  # microseconds apart: no rate from 10 ms clock ticks
     source._usable = 1  # judge the tree against one core: two busy children exceed it
-    children = [multiprocessing.get_context("fork").Process(target=_burn_cpu, args=(0.6,)) for _ in range(2)]
+    children = [multiprocessing.get_context("fork").Process(target=burn_cpu, args=(0.6,)) for _ in range(2)]
     for child in children:
         child.start()
     for child in children:
@@ -286,7 +281,7 @@ def test_run_delay_of_a_process_queued_behind_others_is_measured(two_hogs):
     source = HostSource()
     source.read()
     time.sleep(0.05)
-    _burn_cpu(0.3)  # this thread wants a core all the time; two hogs want the other two
+    burn_cpu(0.3)  # this thread wants a core all the time; two hogs want the other two
     values = source.read()
     if "proc.run_delay" not in values:
         pytest.skip("no /proc/<pid>/schedstat on this kernel")

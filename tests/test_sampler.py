@@ -15,6 +15,8 @@ from gpuwidget.sources.host import HostSource, usable_cpu_count
 from gpuwidget.sources.replay import ReplaySource
 from gpuwidget.trace import Trace
 
+from support import burn_cpu
+
 
 class CountingSource:
     name = "counting"
@@ -140,7 +142,7 @@ def test_worker_cpu_counts_workers_that_ended_between_two_readings():
     source = HostSource()
     source.read()
     started = time.perf_counter()
-    worker = multiprocessing.get_context("fork").Process(target=_burn, args=(0.4,))
+    worker = multiprocessing.get_context("fork").Process(target=burn_cpu, args=(0.4,))
     worker.start()
     worker.join()  # listed by no scan: it started and ended between two readings
     values = source.read()
