@@ -3,13 +3,15 @@
 A real Jupyter server with gpuwidget's extension runs in a subprocess over the fake NVML,
 sampling every second, with an hour of history already kept. Ten raw websocket clients
 connect and never read a byte (a frozen or vanished browser: no reads, no pongs); fifty
-clients each connect, read the hello and the history, and disconnect, a hundred times.
+clients each connect, read the hello and the history, and disconnect, a hundred times, as
+fast as they can (``--pause 0``, a stress: far more connections a second than tabs make) or
+pausing between tries like the sidebar's first retry (``--pause 0.5``).
 Measured: the server's event-loop lag while they churn (a callback due every 10 ms inside
 the server), its RSS before, at peak and once every client has gone, and how long each
 stalled client stayed subscribed. Targets: lag p99 < 10 ms, RSS back within 20 MB of the
 start, every stalled client closed within 60 s.
 
-    .venv/bin/python benchmarks/stream_churn.py [--quick] [--json PATH]
+    .venv/bin/python benchmarks/stream_churn.py [--pause S] [--quick] [--json PATH]
 """
 
 from __future__ import annotations
@@ -41,10 +43,12 @@ def stream_path(label: str) -> str:
     return f"/gpuwidget/api/stream?token={TOKEN}&client={label}"
 
 
-async def tab(port: int, index: int, cycles: int, sizes: list[int]) -> None:
+async def tab(port: int, index: int, cycles: int, pause_s: float, sizes: list[int]) -> None:
     from tornado.websocket import websocket_connect
 
     for cycle in range(cycles):
+        if cycle and pause_s:
+            await asyncio.sleep(pause_s)
         ws = await websocket_connect(f"ws://127.0.0.1:{port}{stream_path(f'tab-{index}-{cycle}')}",
                                      max_message_size=64 * 2**20)
         hello = await ws.read_message()
@@ -56,7 +60,7 @@ async def tab(port: int, index: int, cycles: int, sizes: list[int]) -> None:
 
 
 async def churn(port: int, tabs: int, cycles: int, stalled: int, settle_s: float, process: psutil.Process,
-                rss: list[tuple[float, int]]) -> dict[str, Any]:
+                rss: list[tuple[float, int]], pause_s: float = 0.0) -> dict[str, Any]:
     """Run the tabs beside the stalled clients, then wait ``settle_s`` from the start for the server to let go."""
     async def watch_rss() -> None:
         while True:
@@ -67,7 +71,7 @@ async def churn(port: int, tabs: int, cycles: int, stalled: int, settle_s: float
     frozen = [await RawClient.connect(port, stream_path(f"stalled-{n}"), receive_buffer=4096) for n in range(stalled)]
     sizes: list[int] = []
     started = time.time()
-    await asyncio.gather(*(tab(port, n, cycles, sizes) for n in range(tabs)))
+    await asyncio.gather(*(tab(port, n, cycles, pause_s, sizes) for n in range(tabs)))
     ended = time.time()
     await asyncio.sleep(max(0.0, started + settle_s - time.time()))
     watcher.cancel()
@@ -89,7 +93,8 @@ def stalled_durations(events: list[list[Any]]) -> list[float]:
 
 
 def main() -> None:
-    args = parse_args(__doc__.splitlines()[0])
+    args = parse_args(__doc__.splitlines()[0], [("--pause", {"type": float, "default": 0.0,
+                                                              "help": "seconds a tab waits before reconnecting"})])
     info = print_header("Server stream under churn: 50 tabs x 100 reconnects, 10 stalled clients, 8 fake GPUs, 1 h")
     tabs, cycles, stalled, settle = (10, 5, 2, 0.0) if args.quick else (TABS, CYCLES, STALLED, SETTLE_S)
     rss: list[tuple[float, int]] = []
@@ -97,7 +102,7 @@ def main() -> None:
         process = psutil.Process(server.pid)
         time.sleep(2.0)  # start-up work settles
         rss_start = process.memory_info().rss
-        run = asyncio.run(churn(port, tabs, cycles, stalled, settle, process, rss))
+        run = asyncio.run(churn(port, tabs, cycles, stalled, settle, process, rss, args.pause))
     rss_end = run["rss_end"]
     lag_times = np.asarray(report.get("lag_times") or [np.nan])
     lags = np.asarray(report.get("lags") or [np.nan])
@@ -110,7 +115,8 @@ def main() -> None:
     seconds = run["ended"] - run["started"]
     p50, p99, worst = (1e3 * float(np.percentile(during, q)) for q in (50, 99, 100))
     rows: list[list[Any]] = [
-        ["connections served (hello + history each)", f"{run['connections']} in {seconds:.1f} s"],
+        ["connections served (hello + history each)",
+         f"{run['connections']} in {seconds:.1f} s ({run['connections'] / seconds:.0f}/s, pause {args.pause:g} s)"],
         ["history message (median bytes)", f"{run['history_bytes']:,.0f}"],
         ["event-loop lag p50 / p99 / max while churning (ms)", f"{p50:.2f} / {p99:.2f} / {worst:.2f}"],
         ["server RSS start / peak / after (MB)",
@@ -129,7 +135,7 @@ def main() -> None:
     if held:
         verdicts.append(verdict("longest a stalled client stayed subscribed", max(held), STALLED_LIMIT_S,
                                 higher_is_better=False, shown=f"{max(held):.1f} s", target_shown="60 s"))
-    write_json(args.json, {"machine": info, "tabs": tabs, "cycles": cycles, "stalled": stalled,
+    write_json(args.json, {"machine": info, "tabs": tabs, "cycles": cycles, "stalled": stalled, "pause_s": args.pause,
                            "connections": run["connections"], "seconds": seconds,
                            "history_bytes": run["history_bytes"],
                            "lag_ms": {"p50": p50, "p99": p99, "max": worst},
