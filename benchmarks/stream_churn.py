@@ -17,6 +17,7 @@ start, every stalled client closed within 60 s.
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from typing import Any
 
@@ -34,8 +35,13 @@ INTERVAL_S = 1.0  # the extension's default
 HISTORY_S = 3600.0
 TABS, CYCLES, STALLED = 50, 100, 10
 STALLED_LIMIT_S = 60.0  # a stalled client must be let go within a minute
-# After the tabs are done, how long to wait for the stalled clients to be let go before reading RSS.
+# From the start, how long to wait for the stalled clients to be let go before reading RSS...
 SETTLE_S = 75.0
+# ...and at least this long after the last tab left: a closed socket's handler lives on until its
+# cancelled 15 s ping timer falls due (asyncio keeps the timer's context, which holds the handler).
+AFTER_S = 20.0
+# The sidebar spreads its retries by +-20% so that tabs do not reconnect in step.
+JITTER = 0.2
 RSS_PERIOD_S = 0.5
 
 
@@ -48,7 +54,7 @@ async def tab(port: int, index: int, cycles: int, pause_s: float, sizes: list[in
 
     for cycle in range(cycles):
         if cycle and pause_s:
-            await asyncio.sleep(pause_s)
+            await asyncio.sleep(pause_s * random.uniform(1 - JITTER, 1 + JITTER))
         ws = await websocket_connect(f"ws://127.0.0.1:{port}{stream_path(f'tab-{index}-{cycle}')}",
                                      max_message_size=64 * 2**20)
         hello = await ws.read_message()
@@ -61,7 +67,10 @@ async def tab(port: int, index: int, cycles: int, pause_s: float, sizes: list[in
 
 async def churn(port: int, tabs: int, cycles: int, stalled: int, settle_s: float, process: psutil.Process,
                 rss: list[tuple[float, int]], pause_s: float = 0.0) -> dict[str, Any]:
-    """Run the tabs beside the stalled clients, then wait ``settle_s`` from the start for the server to let go."""
+    """Run the tabs beside the stalled clients, then wait for the server to let go of everything.
+
+    That is ``settle_s`` from the start (or nothing, for 0) and at least :data:`AFTER_S` after the last tab left.
+    """
     async def watch_rss() -> None:
         while True:
             rss.append((time.time(), process.memory_info().rss))
@@ -73,7 +82,8 @@ async def churn(port: int, tabs: int, cycles: int, stalled: int, settle_s: float
     started = time.time()
     await asyncio.gather(*(tab(port, n, cycles, pause_s, sizes) for n in range(tabs)))
     ended = time.time()
-    await asyncio.sleep(max(0.0, started + settle_s - time.time()))
+    if settle_s:
+        await asyncio.sleep(max(0.0, started + settle_s - time.time(), ended + AFTER_S - time.time()))
     watcher.cancel()
     rss_end = process.memory_info().rss
     for client in frozen:
