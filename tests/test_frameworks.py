@@ -206,3 +206,11 @@ def test_loader_built_inline_in_a_watched_cell_is_changed_at_its_line(ip):
     code = loader_code(loader, WORKER_CHANGE, gpuwidget.last_run().workload)
     assert f"built at line 2 of cell In [{loader['built_at']['cell']}]; build it there as" in code
     assert code.endswith("DataLoader(ds, batch_size=8, num_workers=2, persistent_workers=True)")
+
+
+def test_tuner_code_for_a_loader_no_name_holds_says_where_it_is_built(ran):
+    from gpuwidget.measure.tuner import tune_for_run
+
+    namespace, run = ran("Lightning Trainer")
+    result = tune_for_run(run, namespace["model"].train_dataloader(), budget_s=3)
+    assert "Classifier.train_dataloader() (frameworks.py, line " in result.code and "loader =" not in result.code

@@ -46,7 +46,8 @@ def test_tuner_feeds_a_starved_loop_and_never_touches_the_users_loader():
     assert result.chosen.change.get("num_workers", 0) >= 1
     assert result.speedup > 1.2
     assert result.elapsed_s <= 15 + 5
-    assert result.code.startswith("train_loader = DataLoader(train_ds, batch_size=16, shuffle=True, num_workers=")
+    assert result.code.splitlines()[-1].startswith(
+        "train_loader = DataLoader(train_ds, batch_size=16, shuffle=True, num_workers=")
     rebuilt = result.loader()
     assert rebuilt.dataset is loader.dataset and rebuilt.batch_size == 16
     assert rebuilt.num_workers == result.change["num_workers"]
@@ -142,7 +143,7 @@ def test_gpuwatch_tune_measures_the_cells_loader(ip):
     assert run.tuning.name == "train_loader"
     assert run.tuning.target_rate == pytest.approx(
         run.workload["loaders"][0]["steps"] / run.workload["loaders"][0]["compute_total_s"])
-    assert run.tuning.code.startswith("train_loader = DataLoader(train_ds, ")
+    assert run.tuning.code.splitlines()[-1].startswith("train_loader = DataLoader(train_ds, ")
 
 
 # --------------------------------------------------------------------------- the batch-size probe

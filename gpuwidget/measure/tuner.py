@@ -17,7 +17,7 @@ import html
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import psutil
 
@@ -25,7 +25,7 @@ from gpuwidget.advice.code import loader_code
 from gpuwidget.advice.loader import diagnose
 from gpuwidget.advice.summary import primary_loader
 from gpuwidget.clock import now
-from gpuwidget.facts import LoaderFacts
+from gpuwidget.facts import LoaderFacts, WorkloadFacts
 from gpuwidget.measure.rng import preserved_rng
 from gpuwidget.probes.torch_data import loader_kwargs, loader_settings
 from gpuwidget.report import html_table, text_table
@@ -100,6 +100,8 @@ class TuneResult:
     facts: LoaderFacts = field(default_factory=LoaderFacts)  # the loader as the code line names it
     # Settings recommended without being timed (they do not change the steady rate).
     extra: dict[str, Any] = field(default_factory=dict)
+    # The watched run's workload, for the code's framework names (trainer, accelerator).
+    workload: WorkloadFacts = field(default_factory=WorkloadFacts)
 
     @property
     def change(self) -> dict[str, Any]:
@@ -107,7 +109,7 @@ class TuneResult:
 
     @property
     def code(self) -> str:
-        return loader_code(self.facts, self.change)
+        return loader_code(self.facts, self.change, self.workload)
 
     @property
     def speedup(self) -> float | None:
@@ -248,13 +250,16 @@ TrialCallback = Callable[[Trial, float], None]
 
 def tune_loader(loader: Any, target_rate: float | None = None, budget_s: float = DEFAULT_BUDGET_S,
                 name: str | None = None, progress: TrialCallback | None = None, io_bound: bool | None = None,
-                dataset_name: str | None = None) -> TuneResult:
+                dataset_name: str | None = None, run_facts: LoaderFacts | None = None,
+                workload: WorkloadFacts | None = None) -> TuneResult:
     """Measure DataLoader settings for ``loader`` and choose the cheapest that feeds the loop.
 
     ``target_rate`` is the batches per second the training loop consumes when data is
     ready (``%%gpuwatch`` measures it); without it the fastest setting found is chosen.
     ``budget_s`` bounds the whole search; ``name`` and ``dataset_name`` are used in the code
-    line (``train_loader = DataLoader(train_ds, ...)``); ``progress`` is told of each trial.
+    line (``train_loader = DataLoader(train_ds, ...)``); without a name, the code says where the
+    loader is built (``run_facts``: what a watch saw of it, its owner and call site; ``workload``:
+    the run's, for a Trainer's or Accelerator's name); ``progress`` is told of each trial.
     Returns a :class:`TuneResult`; ``.loader()`` builds the chosen DataLoader. Raises
     ``TypeError`` for anything but a DataLoader and :class:`TuneError` when the loader cannot
     be measured (empty, or its dataset raises: the message names the item).
@@ -284,9 +289,10 @@ def tune_loader(loader: Any, target_rate: float | None = None, budget_s: float =
     if chosen.change.get("num_workers", loader.num_workers) and not loader.persistent_workers:
         # Workers otherwise restart (and re-import, re-open files) at every epoch.
         extra["persistent_workers"] = True
-    facts: LoaderFacts = {"name": name or "loader", "dataset_name": dataset_name, "settings": loader_settings(loader)}
-    return TuneResult(loader, name or "loader", trials, chosen, target_rate, budget_s, now() - started, facts,
-                      extra)
+    facts: LoaderFacts = {**(run_facts or LoaderFacts()), "name": name, "dataset_name": dataset_name,
+                          "settings": loader_settings(loader)}
+    return TuneResult(loader, name or "the loader", trials, chosen, target_rate, budget_s, now() - started, facts,
+                      extra, workload or WorkloadFacts())
 
 
 def _trial(loader: Any, change: dict[str, Any], deadline: float) -> Trial:
@@ -391,4 +397,5 @@ def tune_for_run(run: Any, loader: Any, budget_s: float = DEFAULT_BUDGET_S,
     diagnosis = diagnose(run.summary, run.workload, run.machine)
     io_bound = None if diagnosis is None or diagnosis.cause == "unknown" else diagnosis.cause == "io"
     return tune_loader(loader, target_rate=target, budget_s=budget_s, name=facts.get("name"),
-                       dataset_name=facts.get("dataset_name"), progress=progress, io_bound=io_bound)
+                       dataset_name=facts.get("dataset_name"), progress=progress, io_bound=io_bound,
+                       run_facts=cast(LoaderFacts, facts), workload=run.workload)

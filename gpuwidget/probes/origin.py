@@ -54,8 +54,10 @@ def stack_origin(frame: FrameType | None) -> dict[str, Any]:
                 found.append(framework)
         elif site is None and package not in LIBRARIES:
             code = frame.f_code
-            site = {"file": code.co_filename, "function": getattr(code, "co_qualname", code.co_name),
-                    "line": frame.f_lineno, "cell": notebook_cell(code.co_filename)}
+            # "Classifier.train_dataloader", not "make_module.<locals>.Classifier.train_dataloader".
+            function = getattr(code, "co_qualname", code.co_name).rsplit("<locals>.", 1)[-1]
+            site = {"file": code.co_filename, "function": function, "line": frame.f_lineno,
+                    "cell": notebook_cell(code.co_filename)}
         frame = frame.f_back
     return {"site": site, "inner": inner, "outer": outer}
 
