@@ -25,8 +25,6 @@ IMPORT = "from torch.utils.data import DataLoader"
 HF_ARGUMENTS = {"num_workers": "dataloader_num_workers", "pin_memory": "dataloader_pin_memory",
                 "persistent_workers": "dataloader_persistent_workers",
                 "prefetch_factor": "dataloader_prefetch_factor"}
-# Settings that only change speed: the only ones a suggestion may change.
-SPEED_SETTINGS = ("num_workers", "pin_memory", "prefetch_factor", "persistent_workers")
 
 
 def speed_keywords(settings: Mapping[str, Any], change: Mapping[str, Any]) -> dict[str, Any]:
