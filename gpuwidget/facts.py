@@ -68,7 +68,8 @@ class LoaderFacts(TypedDict, total=False):
     step_times: list[float]  # seconds per step, the latest STEP_HISTORY of them
     wait_times: list[float]  # seconds blocked per next(), the latest STEP_HISTORY
     owner: str | None  # framework that built or drives it: "transformers", "accelerate", "lightning"
-    built_at: dict[str, Any] | None  # file, function, line of the user's code that built it (during the watch)
+    # file, function, line (and cell: the notebook cell's number) of the user's code that built it
+    built_at: dict[str, Any] | None
 
 
 class AutocastState(TypedDict, total=False):
