@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import threading
 import time
 
 import pytest
@@ -152,6 +153,7 @@ def test_worker_cpu_counts_workers_that_ended_between_two_readings():
 
 
 def test_host_source_scans_for_children_at_most_once_a_second(monkeypatch):
+    monkeypatch.setattr(host, "CHILDREN_EARLY_S", 0.0)  # past a watch's first seconds (every tick then)
     source = HostSource()
     scans = []
     original = host._descendants
@@ -225,3 +227,27 @@ def test_replay_through_a_sampler_reproduces_the_recording():
 def test_replay_rejects_bad_pace():
     with pytest.raises(ValueError, match="pace"):
         ReplaySource(Trace(), pace="fast")
+
+
+def test_thread_counters_count_the_calling_thread_even_in_a_forked_child():
+    from gpuwidget.sources.schedstat import THREAD_SELF, read_schedstat, thread_counters
+
+    if read_schedstat(THREAD_SELF) is None:
+        pytest.skip("no schedstat in this kernel")
+    thread_counters()  # the main thread's file is now open
+    cpu = time.thread_time()
+    while time.thread_time() - cpu < 0.05:
+        pass
+    assert thread_counters()[0] >= 0.05
+    other: list[tuple[float, float | None]] = []
+    thread = threading.Thread(target=lambda: other.append(thread_counters()))
+    thread.start()
+    thread.join()
+    assert other[0][0] < 0.05  # a fresh thread's own time, not the main thread's
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child reads its own thread, not the parent's file it inherited
+        os.write(write, repr(thread_counters()[0]).encode())
+        os._exit(0)
+    os.waitpid(pid, 0)
+    assert float(os.read(read, 64)) < 0.05
