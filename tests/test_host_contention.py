@@ -138,6 +138,17 @@ def test_first_watched_cell_in_a_fresh_process_reaches_the_same_diagnosis_as_the
     assert int(first[1]) > int(first[2]) and int(second[1]) > int(second[2]), out.stdout
 
 
+def test_spawned_workers_importing_torch_are_not_taken_for_batch_building():
+    """A spawned worker (macOS, Windows) spends seconds of CPU importing torch before its first
+    batch, and tearing it down after the last: neither is how it builds batches."""
+    workload = workloads.slow_storage(items=320, latency=0.006)
+    loader = DataLoader(**loader_kwargs(workload.loader, {"num_workers": 2, "multiprocessing_context": "spawn"}))
+    run = watched(workload, loader)
+    d = diagnose(run.summary, run.workload, run.machine)
+    assert d is not None and d.cause == "io", (d.workers_busy, d.builder_delay)
+    assert "io-bound" in rules(run)
+
+
 # ---------------------------------------------------------------- the rule at its edges
 
 
@@ -268,6 +279,23 @@ def test_process_rates_need_a_long_enough_interval_and_stay_within_the_usable_co
         last = now
         time.sleep(0.1)
     assert reported == pytest.approx(1.2, rel=0.35)
+
+
+def test_children_are_listed_every_tick_in_a_watchs_first_seconds_then_once_a_second(monkeypatch):
+    scans = []
+    original = host._descendants
+    monkeypatch.setattr(host, "_descendants", lambda pid: scans.append(1) or original(pid))
+    clock = [100.0]
+    monkeypatch.setattr(host, "now", lambda: clock[0])
+    source = HostSource()
+    for _ in range(20):  # 2 s at 10 Hz: a loader starting its workers is seen at once
+        source.read()
+        clock[0] += 0.1
+    assert len(scans) == 20
+    for _ in range(20):  # the next 2 s
+        source.read()
+        clock[0] += 0.1
+    assert len(scans) == 22
 
 
 def test_a_one_millisecond_cell_shows_no_impossible_process_cpu():

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from gpuwidget.facts import CudaDeviceFacts, LoaderFacts, MachineFacts, Summary, WorkloadFacts
+from gpuwidget.probes import DATA_WAIT_SPAN
 from gpuwidget.sources.nvml import uuid_key
 from gpuwidget.trace import Trace, gpu_indices
 
@@ -309,16 +310,42 @@ HOST_MEANS_WHERE_MEASURED = {
 }
 
 
+# Starting and stopping DataLoader workers is not how they build batches: a fork is quick,
+# but a spawned worker (macOS, Windows, multiprocessing_context="spawn") imports torch
+# afresh and tears it down at the end, seconds of CPU that made a storage-bound loader look
+# CPU-bound. The workers' figures count from the first batch to the last.
+STEADY_COLUMNS = frozenset({"proc.workers_cpu", "proc.workers_run_delay"})
+
+
 def host_figures(trace: Trace) -> Summary:
     """The host and process-tree figures of the summary: CPU use, run delay, pressure (units in facts.Summary)."""
     figures: Summary = {}
-    for column, key in HOST_MEANS.items():
-        figures[key] = _stat(trace, column)  # type: ignore[literal-required]
-    for column, key in HOST_MEANS_WHERE_MEASURED.items():
-        value = _stat(trace, column)
-        if value is not None:
+    steady = _batches(trace)
+    for column, key in (*HOST_MEANS.items(), *HOST_MEANS_WHERE_MEASURED.items()):
+        value = _steady_mean(trace, column, steady) if column in STEADY_COLUMNS else None
+        if value is None:
+            value = _stat(trace, column)
+        if value is not None or column in HOST_MEANS:
             figures[key] = value  # type: ignore[literal-required]
     return figures
+
+
+def _batches(trace: Trace) -> tuple[float, float] | None:
+    """When the cell's first and last batches arrived, if the trace still holds the first."""
+    stats = trace.span_stats(DATA_WAIT_SPAN)
+    spans = trace.spans(DATA_WAIT_SPAN)
+    if stats is None or len(spans) < 2 or stats.count != len(spans):
+        return None  # too few, or the oldest were dropped (a long run: start-up weighs little)
+    return spans[0].end, spans[-1].end
+
+
+def _steady_mean(trace: Trace, column: str, between: tuple[float, float] | None) -> float | None:
+    """The mean of ``column`` between two times, or None when nothing was read then."""
+    if between is None:
+        return None
+    values = trace.window(t0=between[0], t1=between[1], columns=[column]).mean[column]
+    values = values[~np.isnan(values)]
+    return float(values.mean()) if len(values) else None
 
 
 def _throttling(trace: Trace, index: int) -> tuple[float, float, float | None] | None:

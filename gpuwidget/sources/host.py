@@ -56,6 +56,10 @@ from gpuwidget.sources.schedstat import read_schedstat, schedstat_path
 
 # Seconds between scans for new child processes (their CPU is still read every tick).
 CHILDREN_REFRESH_S = 1.0
+# ...except during the first seconds of a watch, when a cell's loader starts its workers:
+# then every tick, so that a worker's start-up (seconds of CPU for a spawned one importing
+# torch) is reported while it happens, not in one late lump after the first batch.
+CHILDREN_EARLY_S = 2.0
 # Seconds between disk/network counter reads (rates are averaged over this span), and between
 # reads of host memory (which changes slowly and costs a parse of /proc/meminfo).
 IO_REFRESH_S = 0.5
@@ -90,6 +94,7 @@ class HostSource:
         self._with_process = process
         self._workers = 0  # live child processes at the last reading
         self._children_listed = -float("inf")
+        self._early_until = now() + CHILDREN_EARLY_S
         self._listed: list[psutil.Process] = []
         self._base: _ProcessTotals | None = None  # counters at the start of the current rate interval
         limits = self._limits = read_limits()
@@ -183,7 +188,7 @@ class HostSource:
             with self._process.oneshot():
                 times = self._process.cpu_times()
                 values["proc.rss"] = float(self._process.memory_info().rss)
-            if t - self._children_listed >= CHILDREN_REFRESH_S:
+            if t - self._children_listed >= CHILDREN_REFRESH_S or t < self._early_until:
                 self._children_listed = t
                 self._listed = self._list_children()
             # Children that ended (DataLoader workers at the end of an epoch) are not listed any
