@@ -17,6 +17,7 @@ from gpuwidget.advice.rules import (
     fp32_math,
     gpu_throttled,
     gpu_unused,
+    io_bound,
     launch_bound,
     memory_pressure,
     pageable_transfer,
@@ -90,8 +91,9 @@ def test_starved_threshold_is_ten_percent_of_the_loop():
 
 
 def test_worker_count_comes_from_production_and_consumption_times():
-    # 20 ms to build a batch, 5 ms to use it: 1.2 * 20 / 5 = 4.8 -> 5 workers (8 cores here).
-    workload = {"loaders": [loader_facts(wait=2.0, compute=0.5, steps=100)]}
+    # 20 ms to build a batch, 5 ms to use it: 1.2 * 20 / 5 = 4.8 -> 5 workers (8 cores here),
+    # on a loop long enough that starting them is nothing next to it.
+    workload = {"loaders": [loader_facts(wait=200.0, compute=50.0, steps=10_000)]}
     finding = dataloader_starved.check(summary(), workload, NO_GPU)
     assert finding.change == {"num_workers": 5}
     # The same loop on 2 usable cores is capped at 2: more would only contend for CPU.
@@ -101,7 +103,7 @@ def test_worker_count_comes_from_production_and_consumption_times():
 
 def test_starved_workers_are_scaled_from_their_observed_rate():
     # 2 workers, 10 ms wait + 5 ms compute per step: each worker needs 2 * 15 ms per batch.
-    workload = {"loaders": [loader_facts(wait=1.0, compute=0.5, workers=2, wait_cpu=None)]}
+    workload = {"loaders": [loader_facts(wait=100.0, compute=50.0, workers=2, wait_cpu=None, steps=10_000)]}
     finding = dataloader_starved.check(summary(workers_cpu=190.0), workload, NO_GPU)
     assert finding.change["num_workers"] == 8  # ceil(1.2 * 30 / 5) = 8, the 8 usable cores
 
@@ -116,7 +118,7 @@ def test_saturated_cpus_get_cheaper_batches_not_more_workers():
 
 
 def test_sleeping_loader_is_io_bound_with_workers_beyond_the_cores():
-    workload = {"loaders": [loader_facts(wait=3.0, compute=0.5, wait_cpu=0.05)]}
+    workload = {"loaders": [loader_facts(wait=300.0, compute=50.0, wait_cpu=0.05, steps=10_000)]}
     found = {f.rule: f for f in advise(summary(), workload, {**NO_GPU, "usable_cpus": 2})}
     assert "dataloader-starved" not in found  # io-bound carries the change
     assert found["io-bound"].change["num_workers"] == 8  # 4 per core, 2 cores
@@ -307,19 +309,21 @@ def test_a_broken_rule_is_skipped_not_fatal(monkeypatch):
 # ------------------------------------------------------------------ expected gain of a loader change
 
 
-@pytest.mark.parametrize(("wait_cpu", "workers", "expected_ms"), [
+@pytest.mark.parametrize(("wait_cpu", "machine", "workers", "expected_ms"), [
     # Each step waited 9 ms for a batch the loop built itself and computed 1 ms (10x if no
-    # waiting were left). Storage: 11 workers deliver a batch every 0.8 ms, so a step takes
-    # its 1 ms compute plus 1 ms hand-over; the workers start (25 ms each) and fill the pipe.
-    (0.0, 11, 100 * 2 + 9 + 11 * 25),
-    # CPU work: workers capped at the 8 cores, steps still compute-bound; fewer starts.
-    (1.0, 8, 100 * 2 + 9 + 8 * 25),
+    # waiting were left), 100 steps. Storage: 4 workers deliver a batch every 2.25 ms (the
+    # step's 1 ms compute and 1 ms hand-over take 2); they start (25 ms each) and fill the
+    # pipe. The steady-state 11 would start 7 more for almost nothing on a loop this short.
+    (0.0, NO_GPU, 4, 100 * 2.25 + 9 + 4 * 25),
+    # CPU work on 2 cores (no GPU: the loop computes on one): 2 workers, a step every 5 ms,
+    # as the 9 ms batch and the 1 ms compute share the 2 cores.
+    (1.0, {**NO_GPU, "usable_cpus": 2}, 2, 100 * 5 + 9 + 2 * 25),
 ])
-def test_expected_gain_is_that_of_the_change_below_the_no_wait_bound(wait_cpu, workers, expected_ms):
+def test_expected_gain_is_that_of_the_change_below_the_no_wait_bound(wait_cpu, machine, workers, expected_ms):
     from gpuwidget.advice.loader import diagnose
 
     workload = {"loaders": [loader_facts(wait=0.9, compute=0.1, wait_cpu=wait_cpu)]}
-    d = diagnose(summary(wait_fraction=0.9), workload, NO_GPU)
+    d = diagnose(summary(wait_fraction=0.9), workload, machine)
     assert d is not None and d.change["num_workers"] == workers
     assert d.evidence["upper_bound_speedup"] == pytest.approx(10.0)
     assert d.evidence["expected_gain"] == pytest.approx(1000 / expected_ms, abs=0.01)
@@ -346,10 +350,22 @@ def test_loader_code_without_a_name_to_rebind_is_an_instruction_that_runs(facts,
 def test_expected_gain_shrinks_when_other_processes_hold_cores():
     from gpuwidget.advice.loader import diagnose
 
-    workload = {"loaders": [loader_facts(wait=0.9, compute=0.1, wait_cpu=0.0)]}
+    workload = {"loaders": [loader_facts(wait=90.0, compute=10.0, wait_cpu=0.0, steps=10_000)]}
     alone = diagnose(summary(wait_fraction=0.9), workload, NO_GPU)
     # Others kept 4 of the 8 cores busy: start-up and hand-over take 1.5x as long.
     shared = diagnose(summary(wait_fraction=0.9, other_cpu_mean=400.0), workload, NO_GPU)
     assert alone is not None and shared is not None and shared.change == alone.change == {"num_workers": 11}
-    assert shared.gain == pytest.approx(1000 / (100 * 2.5 + 9 + 1.5 * 11 * 25), abs=0.01)
+    assert shared.gain == pytest.approx(100_000 / (10_000 * 2.5 + 9 + 1.5 * 11 * 25), abs=0.01)
     assert shared.gain < alone.gain
+
+
+def test_a_short_loop_gets_the_workers_that_pay_for_their_start_up():
+    # 30 ms to read a batch, 5 ms to use it, 2 cores: 8 workers in steady state. Over 20 steps
+    # (0.7 s) starting 8 workers (0.2 s) costs more than the last three save.
+    long_loop = {"loaders": [loader_facts(wait=300.0, compute=50.0, wait_cpu=0.05, steps=10_000)]}
+    short_loop = {"loaders": [loader_facts(wait=0.6, compute=0.1, wait_cpu=0.05, steps=20)]}
+    two_cores = {**NO_GPU, "usable_cpus": 2}
+    assert io_bound.check(summary(), long_loop, two_cores).change["num_workers"] == 8
+    short = io_bound.check(summary(), short_loop, two_cores)
+    assert short.change["num_workers"] == 4
+    assert short.expected_speedup == pytest.approx(700 / (20 * 7.5 + 30 + 4 * 25), abs=0.01)

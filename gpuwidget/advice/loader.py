@@ -73,6 +73,9 @@ DEFAULT_PREFETCH = 2
 # crosses a process boundary: 0.6-1.8 ms per batch of 8 small tensors there (1-8 workers).
 WORKER_START_S = 0.025
 WORKER_BATCH_S = 0.001
+# Fewer workers than the steady-state need are advised only when they are expected to gain
+# more than this share beyond it over the loop as measured (timing noise is about as large).
+WORKER_GAIN_SLACK = 0.05
 
 
 @dataclass
@@ -268,6 +271,22 @@ def expected_gain(d: LoaderDiagnosis, change: Mapping[str, Any], main_uses_cpu: 
     return min(d.expected_speedup, max(1.0, time_now / time_new))
 
 
+def workers_worth_it(d: LoaderDiagnosis, main_uses_cpu: bool = True) -> int:
+    """The worker count to advise: the steady-state need (:func:`workers_needed`), unless over
+    the loop as measured fewer workers are expected to gain more than :data:`WORKER_GAIN_SLACK`
+    beyond it (each worker starts again every epoch: on a short epoch, the start-up of the
+    last few can cost more than they save); then the fewest within that slack of the best."""
+    needed = workers_needed(d)
+    gains = {count: expected_gain(d, {"num_workers": count}, main_uses_cpu)
+             for count in range(d.num_workers + 1, needed + 1)}
+    if not gains:
+        return needed
+    enough = (1.0 - WORKER_GAIN_SLACK) * max(gains.values())
+    if gains[needed] >= enough:
+        return needed
+    return min(count for count, gain in gains.items() if gain >= enough)
+
+
 def _uses_cuda(workload: Mapping[str, Any], machine: Mapping[str, Any]) -> bool:
     model = workload.get("model") or {}
     return "cuda" in (model.get("param_devices") or []) or bool(workload.get("cuda"))
@@ -278,7 +297,7 @@ def _change(d: LoaderDiagnosis, settings: Mapping[str, Any], workload: Mapping[s
     change: dict[str, Any] = {}
     workers = d.num_workers
     if not d.cpu_saturated:
-        target = workers_needed(d)
+        target = workers_worth_it(d, main_uses_cpu=not machine.get("gpus"))
         if target > workers:
             change["num_workers"] = workers = target
     if workers > 0:
