@@ -37,9 +37,9 @@ TABS, CYCLES, STALLED = 50, 100, 10
 STALLED_LIMIT_S = 60.0  # a stalled client must be let go within a minute
 # From the start, how long to wait for the stalled clients to be let go before reading RSS...
 SETTLE_S = 75.0
-# ...and at least this long after the last tab left: a closed socket's handler lives on until its
-# cancelled 15 s ping timer falls due (asyncio keeps the timer's context, which holds the handler).
-AFTER_S = 20.0
+# ...and at least this long after the last tab left: the server hands freed memory back 20 s
+# after it went idle (gpuwidget.server.monitor.TRIM_AFTER_IDLE_S), once closed sockets are gone.
+AFTER_S = 25.0
 # The sidebar spreads its retries by +-20% so that tabs do not reconnect in step.
 JITTER = 0.2
 RSS_PERIOD_S = 0.5

@@ -53,6 +53,10 @@ PARENT_DEPTH = 8
 ANOTHER_USER = "another user"
 # In a container the driver lists host pids, which this PID namespace cannot resolve: nobody's, as far as we can tell.
 HOST_PID_USER = "unknown (host pid: this server runs in a container)"
+# Seconds after the last subscriber left before freed memory is handed back: a closed socket's
+# handler lives until its cancelled ping timer falls due (asyncio keeps the timer's context,
+# which reaches the handler), at most the stream's 15 s ping interval later.
+TRIM_AFTER_IDLE_S = 20.0
 # A first snapshot reads twice this far apart: utilisation is a difference of counters.
 FIRST_READING_GAP_S = 0.1
 
@@ -156,7 +160,21 @@ class Monitor:
         if wait:
             sampler.stop(final_tick=False)
         else:
-            threading.Thread(target=_stop_idle, args=(sampler,), daemon=True, name="gpuwidget-monitor-stop").start()
+            threading.Thread(target=self._stop_idle, args=(sampler,), daemon=True,
+                             name="gpuwidget-monitor-stop").start()
+
+    def _stop_idle(self, sampler: Sampler) -> None:
+        """Off the loop, once the last subscriber left: stop sampling, and later hand freed memory back.
+
+        Serving histories of megabytes to many sockets leaves the allocator's heaps fragmented:
+        after 50 tabs reconnected 500 times, 25-50 MB of the server's RSS was free memory glibc
+        kept (Python's own objects had grown by 1 MB). ``malloc_trim`` returns it, once the
+        closed sockets are gone (see :data:`TRIM_AFTER_IDLE_S`) and if nobody came back.
+        """
+        sampler.stop(final_tick=False)
+        time.sleep(TRIM_AFTER_IDLE_S)
+        if not self._subscribers:
+            _trim_heap()
 
     def close(self) -> None:
         self.stop()
@@ -382,15 +400,8 @@ class Monitor:
         self.kernels = KernelDirectory(by_pid)
 
 
-def _stop_idle(sampler: Sampler) -> None:
-    """Off the loop, once the last subscriber left: stop sampling and hand freed memory back.
-
-    Serving histories of megabytes to many sockets leaves the allocator's heaps fragmented:
-    after 50 tabs reconnected 500 times, 25-50 MB of the server's RSS was free memory glibc
-    kept (Python's own objects had grown by 1 MB). ``malloc_trim`` returns it, once per idle
-    spell; other C libraries have no such call and keep theirs.
-    """
-    sampler.stop(final_tick=False)
+def _trim_heap() -> None:
+    """Return the C heap's free memory to the OS (glibc's ``malloc_trim``; other C libraries have none)."""
     with contextlib.suppress(OSError, AttributeError):  # not glibc (musl, macOS)
         ctypes.CDLL(None).malloc_trim(0)  # the C library the server runs on
 
