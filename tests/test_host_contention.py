@@ -227,6 +227,21 @@ def test_a_loader_that_saturates_the_cores_itself_needs_cheaper_batches_and_is_n
     assert "dataloader-cpu-bound" in found and not found & {"dataloader-starved", "cpu-contention"}
 
 
+def test_a_pod_at_its_cpu_quota_is_saturated_on_an_idle_node():
+    # 4 CPU-bound workers using the pod's 4-CPU quota on a 64-core node that is 7% busy.
+    pod = {"gpus": [], "usable_cpus": 4, "cpu_limit": 4.0, "cpu_count": 64}
+    at_quota = {"cpu_util_mean": 7.0, "process_cpu_mean": 15.0, "workers_cpu_mean": 370.0,
+                "workers_run_delay_mean": 20.0, "other_cpu_mean": 40.0}
+    found = {f.rule: f for f in advise(at_quota, facts(workers=4, wait_cpu=None), pod)}
+    assert "dataloader-cpu-bound" in found and "dataloader-starved" not in found
+    assert found["dataloader-cpu-bound"].evidence["cpus_busy_percent"] == pytest.approx(96.2, abs=0.1)
+    assert "96% busy (4 cores)" in found["dataloader-cpu-bound"].suggestion
+    # The same figures with the node's 64 cores to use: not saturated, more workers help.
+    node = {"gpus": [], "usable_cpus": 64, "cpu_limit": None, "cpu_count": 64}
+    found = {f.rule: f for f in advise(at_quota, facts(workers=4, wait_cpu=None), node)}
+    assert "dataloader-cpu-bound" not in found and found["dataloader-starved"].change["num_workers"] > 4
+
+
 def test_contention_code_runs_as_pasted_and_lists_processes():
     finding = cpu_contention.check(busy_host(), facts(), MACHINE)
     namespace: dict[str, Any] = {}

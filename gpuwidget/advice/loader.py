@@ -139,7 +139,8 @@ def diagnose(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -
         workers_busy = workers_cpu / 100.0 / num_workers
     wait_cpu = loader.get("wait_cpu_ratio")
     host = summary.get("cpu_util_mean")
-    host_saturated = host is not None and host >= HOST_SATURATED_PERCENT
+    cpus_busy = _cpus_busy_percent(summary, machine, usable)
+    host_saturated = cpus_busy is not None and cpus_busy >= HOST_SATURATED_PERCENT
     if num_workers == 0:
         busy, builder_delay = wait_cpu, loader.get("wait_delay_ratio")
         cause = _cause(busy, builder_delay, host_saturated, CPU_WORK_RATIO, IO_WAIT_RATIO, CPU_ASLEEP_MAX)
@@ -166,12 +167,31 @@ def diagnose(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -
     diagnosis.contended = other_cores is not None and other_cores >= OTHER_CORES_MIN and (
         (lost is not None and lost >= CONTENTION_DELAY_FRACTION) or other_cores >= OTHERS_HOLD_SHARE * usable)
     diagnosis.evidence = _evidence(diagnosis, host, wait_cpu)
+    if cpus_busy is not None and cpus_busy != host:
+        diagnosis.evidence["cpus_busy_percent"] = round(cpus_busy, 1)  # the container's CPUs, not the node's
     if diagnosis.starved:
         diagnosis.change = _change(diagnosis, settings, workload, machine)
         diagnosis.gain = expected_gain(diagnosis, diagnosis.change, main_uses_cpu=not machine.get("gpus"))
         diagnosis.evidence["expected_gain"] = round(diagnosis.gain, 2)
         diagnosis.evidence["upper_bound_speedup"] = round(diagnosis.expected_speedup, 2)
     return diagnosis
+
+
+def _cpus_busy_percent(summary: Summary, machine: MachineFacts, usable: int) -> float | None:
+    """How busy the CPUs this process may use were, percent: the host's all-core figure or,
+    where its own limits say more, theirs. A pod whose CPU quota is used up (its process tree
+    at the quota) is saturated on an idle 64-core node; so is a process whose allowed CPUs
+    (cpuset, taskset) are busy, with its own tree and other processes together."""
+    measures = [summary.get("cpu_util_mean")]
+    tree = (summary.get("process_cpu_mean") or 0.0) + (summary.get("workers_cpu_mean") or 0.0)
+    quota = machine.get("cpu_limit")
+    others = summary.get("other_cpu_mean")  # measured on the CPUs this process may use
+    if quota:
+        measures.append(tree / quota)
+    elif others is not None:
+        measures.append((tree + others) / usable)
+    known = [value for value in measures if value is not None]
+    return min(100.0, max(known)) if known else None
 
 
 def _cause(busy: float | None, delay: float | None, host_saturated: bool, cpu_work: float,
