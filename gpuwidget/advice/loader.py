@@ -167,7 +167,7 @@ def diagnose(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -
     diagnosis.contended = other_cores is not None and other_cores >= OTHER_CORES_MIN and (
         (lost is not None and lost >= CONTENTION_DELAY_FRACTION) or other_cores >= OTHERS_HOLD_SHARE * usable)
     diagnosis.evidence = _evidence(diagnosis, host, wait_cpu)
-    if cpus_busy is not None and cpus_busy != host:
+    if cpus_busy is not None and cpus_busy >= (host or 0.0) + 1.0:
         diagnosis.evidence["cpus_busy_percent"] = round(cpus_busy, 1)  # the container's CPUs, not the node's
     if diagnosis.starved:
         diagnosis.change = _change(diagnosis, settings, workload, machine)
