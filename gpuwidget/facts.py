@@ -203,10 +203,11 @@ class Summary(TypedDict, total=False):
     time_breakdown: TimeBreakdown
     cpu_util_mean: float | None  # host CPU, percent of all cores
     process_cpu_mean: float | None  # this process, percent of one core (can exceed 100)
-    workers_cpu_mean: float | None  # its child processes (loader workers), percent of one core
+    workers_cpu_mean: float | None  # its child processes (loader workers), percent of one core, from the
+    # first batch to the last where the trace holds them (worker start-up and tear-down left out)
     # Kernel counters (gpuwidget.sources.host), present only where the platform has them:
     process_run_delay_mean: float  # main thread runnable but waiting for a core, percent of wall time
-    workers_run_delay_mean: float  # the workers' run delay summed, percent of one core
+    workers_run_delay_mean: float  # the workers' run delay summed, percent of one core (first to last batch)
     other_cpu_mean: float  # processes outside this tree on its CPUs, percent of one core
     psi_cpu_some_mean: float  # host PSI: some task waited for a CPU, percent of wall time
     psi_io_some_mean: float  # host PSI: some task waited on I/O, percent of wall time
