@@ -175,7 +175,7 @@ def main() -> None:
     # (about 0.2 s here) is not most of it.
     items = 64 if args.quick else 512
     sweep = QUICK_SWEEP if args.quick else SWEEP
-    repeats = 1 if args.quick else 2
+    repeats = 1 if args.quick else 3
     results = []
     for case in frameworks.cases():
         if not frameworks.available(case):
