@@ -236,6 +236,9 @@ class NvmlSource:
         self.cuda_order: str | None = None
         self._devices: list[_Device] = []
         self._lock = threading.Lock()
+        # The GPU being read now, named for the user: if a read hangs, the sampler's message
+        # says "GPU 1 stopped answering" (Source.busy_with, sources/base.py).
+        self.busy_with: str | None = None
         self._closed = False
         self._initialised = False
         self._cuda_visible_devices = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -414,6 +417,7 @@ class NvmlSource:
         step: Callable[[_Device, dict[str, float], float], None],
         now: float,
     ) -> None:
+        self.busy_with = f"GPU {device.cuda_index}"
         try:
             step(device, values, now)
             device.unknown_strikes = 0
@@ -435,6 +439,8 @@ class NvmlSource:
             self._require_driver().report_once(
                 f"reading failed: {type(error).__name__}: {error}", device.label
             )
+        finally:
+            self.busy_with = None
 
     def _confirm_lost(self, device: _Device) -> bool:
         """After NVML_ERROR_UNKNOWN: lost when the GPU no longer gives its UUID (a GPU off the bus
