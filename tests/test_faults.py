@@ -512,9 +512,22 @@ def test_tuner_leaves_torch_numpy_and_python_random_state_as_they_were(one_torch
 
 
 def test_batch_probe_leaves_numpy_and_python_random_state_as_they_were(one_torch_thread):
+    import random
+
+    import numpy as np
     import torch
 
-    model, example = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Dropout(0.5)), torch.randn(8, 16)
+    class Jittered(torch.nn.Module):
+        """Draws from all three generators in its forward pass, as some augmentations do."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear, self.dropout = torch.nn.Linear(16, 16), torch.nn.Dropout(0.5)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.dropout(self.linear(x)) * (1 + 0.01 * (random.random() + float(np.random.rand())))
+
+    model, example = Jittered(), torch.randn(8, 16)
     before = _rng_states()
     gpuwidget.probe_batch_size(model, example, max_batch=32, budget_s=3)
     assert _same_rng(before, _rng_states())
