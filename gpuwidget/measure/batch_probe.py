@@ -11,7 +11,8 @@ throughput (samples/s) is timed after a warm-up. Two answers come out:
 
 Nothing of the user's survives the probe changed: weights, buffers, gradients and the RNG
 states are saved before and restored bitwise after, however the probe ends. On a machine
-without CUDA the throughput curve is still measured on the CPU (no memory search).
+without CUDA the throughput curve is still measured on the CPU (no memory search unless
+asked for, and then bounded by the memory available).
 """
 
 from __future__ import annotations
@@ -195,7 +196,9 @@ def probe_batch_size(model: Any, example_batch: Any, loss_fn: Callable[..., Any]
     ``training_step(batch, 0)`` (it may have no ``forward``). The user's model, gradients and RNG are left exactly as
     they were. Sizes grow from ``start`` (default: the example's size) by doubling, then
     bisect on out-of-memory. ``search_memory`` (default: on CUDA) keeps doubling past the
-    point where throughput stops improving, to find the largest size that fits.
+    point where throughput stops improving, to find the largest size that fits; on the CPU,
+    where nothing raises out-of-memory, sizes stop where the predicted memory would pass 80 %
+    of what the host (or its cgroup) has available. ``budget_s`` must be a positive number.
     """
     import torch
 
