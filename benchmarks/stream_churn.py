@@ -45,8 +45,9 @@ JITTER = 0.2
 RSS_PERIOD_S = 0.5
 
 
-def stream_path(label: str) -> str:
-    return f"/gpuwidget/api/stream?token={TOKEN}&client={label}"
+def stream_path(label: str | None = None) -> str:
+    """The stream's URL; a ``label`` has the server note when that socket opens and closes."""
+    return f"/gpuwidget/api/stream?token={TOKEN}" + (f"&client={label}" if label else "")
 
 
 async def tab(port: int, index: int, cycles: int, pause_s: float, sizes: list[int]) -> None:
@@ -55,7 +56,7 @@ async def tab(port: int, index: int, cycles: int, pause_s: float, sizes: list[in
     for cycle in range(cycles):
         if cycle and pause_s:
             await asyncio.sleep(pause_s * random.uniform(1 - JITTER, 1 + JITTER))
-        ws = await websocket_connect(f"ws://127.0.0.1:{port}{stream_path(f'tab-{index}-{cycle}')}",
+        ws = await websocket_connect(f"ws://127.0.0.1:{port}{stream_path()}",
                                      max_message_size=64 * 2**20)
         hello = await ws.read_message()
         history = await ws.read_message()
