@@ -151,6 +151,7 @@ def test_batch_probe_runs_a_lightning_module_without_forward_and_a_hf_dict_batch
 
     from gpuwidget.measure.batch_probe import probe_batch_size
 
+    pytest.importorskip("pytorch_lightning")
     module = frameworks.lightning_module(frameworks.SlowItems(latency=0))
     x, y = frameworks.item(0)
     result = probe_batch_size(module, (x.repeat(8, 1), y.repeat(8)), max_batch=16, budget_s=3)
