@@ -285,3 +285,19 @@ def test_history_keeps_four_significant_digits_and_nulls_for_gaps():
     assert history["t"] == [1001.0, 1002.0]
     assert history["columns"]["gpu0.mem_used"] == [81_230_000_000.0, None]  # a missing reading is null
     assert history["columns"]["gpu0.util"] == [37.3, 12.0]
+
+
+async def test_a_tab_reconnecting_within_a_second_finds_the_sampler_still_running(jp_ws_fetch, monitor):
+    ws = await jp_ws_fetch("gpuwidget", "api", "stream")
+    await read_until(ws, "sample")
+    sampler = monitor._sampler
+    ws.close()
+    assert await wait_until(lambda: monitor.subscribers == 0, 5)
+    await asyncio.sleep(0.3)  # the sidebar's first retry comes after 0.4-0.6 s
+    ws = await jp_ws_fetch("gpuwidget", "api", "stream")
+    try:
+        await read_until(ws, "sample")
+        assert monitor._sampler is sampler and monitor.running
+    finally:
+        ws.close()
+    assert await wait_until(lambda: not monitor.running, 5)  # and it still stops once nobody is back
