@@ -24,6 +24,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpuwidget import heap
 from gpuwidget.clock import now
 from gpuwidget.measure.host_memory import available_bytes, peak_resident, resident_bytes
 from gpuwidget.measure.rng import preserved_rng
@@ -290,6 +291,9 @@ class _HostBound:
 
     def __init__(self, notes: list[str]) -> None:
         self.notes = notes
+        # Free heap blocks left resident by earlier work would be reused without the resident
+        # size growing, hiding what a trial takes: measure from a trimmed heap.
+        heap.trim()
         self.baseline = resident_bytes()
         self.room = HOST_MEMORY_SHARE * available_bytes()
         self.needs: dict[int, int] = {}  # size -> bytes above the baseline at its peak
@@ -313,6 +317,7 @@ class _HostBound:
                 self.notes.append(f"Memory search bounded by the host memory available: a batch of {size} would "
                                   f"need about {need / 2**30:.2f} GiB, {room / 2**30:.2f} GiB can be used.")
             return SizeTrial(size)
+        heap.trim()  # the previous trial's freed memory must not hide this one's
         with peak_resident() as resident:
             trial = run()
         self.needs[size] = resident.peak - self.baseline

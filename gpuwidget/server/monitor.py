@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import getpass
 import json
 import logging
@@ -31,6 +30,7 @@ from typing import Any
 import numpy as np
 import psutil
 
+from gpuwidget import heap
 from gpuwidget.sampler import Sampler
 from gpuwidget.sources.base import Source
 from gpuwidget.sources.host import HostSource
@@ -177,7 +177,7 @@ class Monitor:
         sampler.stop(final_tick=False)
         time.sleep(TRIM_AFTER_IDLE_S)
         if not self._subscribers:
-            _trim_heap()
+            heap.trim()
 
     def close(self) -> None:
         self.stop()
@@ -409,12 +409,6 @@ class Monitor:
             if pid:
                 by_pid[int(pid)] = (kernel_id, paths.get(kernel_id))
         self.kernels = KernelDirectory(by_pid)
-
-
-def _trim_heap() -> None:
-    """Return the C heap's free memory to the OS (glibc's ``malloc_trim``; other C libraries have none)."""
-    with contextlib.suppress(OSError, AttributeError):  # not glibc (musl, macOS)
-        ctypes.CDLL(None).malloc_trim(0)  # the C library the server runs on
 
 
 def default_sources() -> MonitorSources:
