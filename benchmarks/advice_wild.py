@@ -22,16 +22,10 @@ healthy loop.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
-import signal
-import subprocess
-import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Iterator
 from typing import Any
 
 from _common import parse_args, print_header, setup_paths, verdict, write_json
@@ -46,6 +40,7 @@ from gpuwidget.measure.tuner import copies_per_batch  # noqa: E402
 from gpuwidget.probes.torch_data import loader_kwargs  # noqa: E402
 
 import frameworks  # noqa: E402
+from support import hogs  # noqa: E402
 
 warnings.filterwarnings("ignore")  # torch's worker-count warning, frameworks' deprecations
 for noisy in ("pytorch_lightning", "lightning", "lightning.pytorch", "transformers"):
@@ -58,25 +53,6 @@ STARVED_LATENCY_S = 0.004  # per item: 32 ms per batch of 8 to read or decode
 STARVED_STEP_S = 0.002  # the loop's own compute per step
 HEALTHY_STEP_S = 0.010  # 8 samples through torch-op transforms take ~0.4 ms: a 4% wait
 HOG_LIFETIME_S = 600  # a hog ends by itself after this, whatever happens to the benchmark
-
-
-@contextlib.contextmanager
-def hogs(count: int) -> Iterator[list[int]]:
-    """``count`` busy processes outside this process tree (a shell starts each and exits), as
-    other users' jobs on a shared server; killed by pid when the block ends."""
-    hog = f"import time\nend = time.monotonic() + {HOG_LIFETIME_S}\nwhile time.monotonic() < end: pass"
-    pids: list[int] = []
-    try:
-        for _ in range(count):
-            out = subprocess.run(["sh", "-c", '"$0" -c "$1" </dev/null >/dev/null 2>&1 & echo $!', sys.executable,
-                                  hog], capture_output=True, text=True, check=True, timeout=10).stdout
-            pids.append(int(out))
-        time.sleep(0.3)
-        yield pids
-    finally:
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
 
 
 def epoch_rate(loader: Any, step_s: float) -> float:
@@ -184,7 +160,7 @@ def main() -> None:
         variants = ["starved", "healthy"] + (["starved, 2 hogs"] if case.cause == "io" and not args.quick else [])
         for variant in variants:
             if variant.endswith("hogs"):
-                with hogs(2):
+                with hogs(2, HOG_LIFETIME_S):
                     result = measure(case, variant, items, sweep, repeats)
             else:
                 result = measure(case, variant, items, sweep, repeats)

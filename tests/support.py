@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
+from collections.abc import Iterator
 
 from gpuwidget.sampler import THREAD_NAME
 
@@ -18,3 +24,24 @@ def burn_cpu(seconds: float) -> None:
     end = time.process_time() + seconds
     while time.process_time() < end:
         pass
+
+
+@contextlib.contextmanager
+def hogs(count: int, lifetime_s: float) -> Iterator[list[int]]:
+    """``count`` ``while True: pass`` processes as another user's jobs are: not in this process
+    tree (a shell starts each and exits) and in a session of their own (``setsid``: the kernel's
+    autogroup then shares the cores between the sessions, as between two users' logins).
+    Killed by pid when the block ends; each ends by itself after ``lifetime_s`` regardless."""
+    hog = f"import time\nend = time.monotonic() + {lifetime_s}\nwhile time.monotonic() < end: pass"
+    pids: list[int] = []
+    try:
+        for _ in range(count):
+            started = subprocess.run(["sh", "-c", 'setsid "$0" -c "$1" </dev/null >/dev/null 2>&1 & echo $!',
+                                      sys.executable, hog], capture_output=True, text=True, check=True, timeout=10)
+            pids.append(int(started.stdout))
+        time.sleep(0.3)  # let them reach the cores
+        yield pids
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)

@@ -7,10 +7,8 @@ bounded in time should the test die first.
 
 from __future__ import annotations
 
-import contextlib
 import multiprocessing
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -30,7 +28,7 @@ from gpuwidget.sources import host
 from gpuwidget.sources.host import HostSource, psi_some_total
 
 import workloads
-from support import burn_cpu
+from support import burn_cpu, hogs
 
 TESTS = Path(__file__).resolve().parent
 # A hog ends by itself after this long, whatever happens to the test that started it.
@@ -42,21 +40,10 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 @pytest.fixture
 def two_hogs() -> Iterator[list[int]]:
-    """Two busy processes outside this process tree (a shell starts each and exits)."""
-    hog = f"import time\nend = time.monotonic() + {HOG_LIFETIME_S}\nwhile time.monotonic() < end: pass"
-    pids = []
-    try:
-        for _ in range(2):
-            started = subprocess.run(["sh", "-c", '"$0" -c "$1" </dev/null >/dev/null 2>&1 & echo $!', sys.executable,
-                                      hog], capture_output=True, text=True, check=True, timeout=10)
-            pids.append(int(started.stdout))
+    """Two busy processes outside this process tree and session."""
+    with hogs(2, HOG_LIFETIME_S) as pids:
         assert not set(pids) & {c.pid for c in multiprocessing.active_children()}
-        time.sleep(0.2)  # let them reach the cores
         yield pids
-    finally:
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
 
 
 def watched(workload: workloads.Workload, loader: DataLoader | None = None) -> gpuwidget.Run:
