@@ -73,6 +73,7 @@ demo: install
 	$(VPY) scripts/demo.py
 
 bench: install
+	PATH="$(VBIN):$$PATH" $(VPY) -m pip install -e ".[bench]" "$(TORCH_SPEC)"
 	@set -e; ran=0; \
 	for f in benchmarks/*.py; do \
 	  [ -e "$$f" ] || continue; \

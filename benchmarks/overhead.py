@@ -35,7 +35,7 @@ whole-block ratio of these short blocks.
 Peers, side by side in the same rounds and as many pairs as the target: JUmPER
 (jumper-extension; a C collector in its own process, no in-loop probes) and gpuprof (patches
 nn.Module, backward and the optimizer step; sampler threads), each at its defaults, where
-installed (``pip install torch==2.13.0 jumper-extension==0.4.1 gpuprof==0.7.1``).
+installed (pyproject's ``bench`` extra, which ``make bench`` installs beside the pinned torch).
 
 Configurations: the default interval (the target, 10 pairs), and for information (6 pairs
 each): the A/A control; 0.1 s (10 Hz); the default interval with 8 fake GPUs
@@ -183,9 +183,8 @@ def fake_gpus(count: int) -> Iterator[None]:
         yield
 
 
-# Peers, watched at their defaults beside gpuwidget in the same run (installed from PyPI:
-# jumper-extension==0.4.1, gpuprof==0.7.1; see the README's test extras). A peer that is not
-# installed is left out with a note.
+# Peers, watched at their defaults beside gpuwidget in the same run (pyproject's ``bench``
+# extra). A peer that is not installed is left out with a note.
 JUMPER_ADAPTER: Any = None
 
 
