@@ -15,6 +15,7 @@ from gpuwidget.advice.rules import (
     RULES,
     dataloader_starved,
     fp32_math,
+    gpu_imbalance,
     gpu_throttled,
     gpu_unused,
     io_bound,
@@ -224,7 +225,7 @@ def test_launch_bound_edges(busy, process, fires):
     finding = launch_bound.check(summary(busy=busy, process=process), workload, H100)
     assert (finding is not None) is fires
     if finding:
-        assert finding.code == "net = torch.compile(net)"
+        assert finding.code == "import torch\nnet = torch.compile(net)"
 
 
 @pytest.mark.parametrize(
@@ -260,7 +261,7 @@ def test_gpu_unused_edges(busy, devices, fires):
     finding = gpu_unused.check(summary(busy=busy, process=100.0), workload, H100)
     assert (finding is not None) is fires
     if finding:
-        assert "net = net.to(device)" in finding.code
+        assert 'net = net.to("cuda")' in finding.code
 
 
 def test_pageable_transfer_only_when_the_loop_is_not_already_starved():
@@ -369,3 +370,49 @@ def test_a_short_loop_gets_the_workers_that_pay_for_their_start_up():
     short = io_bound.check(summary(), short_loop, two_cores)
     assert short.change["num_workers"] == 5
     assert short.expected_speedup == pytest.approx(700 / (20 * 6 + 30 + 5 * 25), abs=0.01)
+
+
+def _model_findings(name: str | None) -> dict[str, Any]:
+    """One finding of each rule whose code acts on the model, for a model the user calls ``name``
+    (None: no variable of theirs holds it, as inside a Trainer)."""
+    stalls = [0.01] * 100
+    for i in range(9, 100, 10):
+        stalls[i] = 0.2
+    loop = {"loaders": [loader_facts(step_times=stalls, compute=sum(stalls))]}
+    on_cuda = {**cuda_model(), "name": name}
+    parallel = {**on_cuda, "class": "DataParallel"}
+    found = {
+        "launch-bound": launch_bound.check(summary(busy=30.0, process=95.0), {**loop, "model": on_cuda}, H100),
+        "gpu-unused": gpu_unused.check(summary(busy=0.0, process=100.0),
+                                       {"model": {"name": name, "param_devices": ["cpu"]}}, H100),
+        "fp32-math": fp32_math.check(summary(busy=80.0), {"model": on_cuda, "cuda": cuda((8, 0))}, H100),
+        "gpu-imbalance": gpu_imbalance.check(
+            summary(busy=90.0, gpus_used=[0, 1], gpus_unused_idle=[2, 3],
+                    gpu_busy_by_gpu={"0": 92.0, "1": 88.0, "2": 0.0, "3": 0.0}), {"model": parallel}, H100),
+        "periodic-stall": periodic_stall.check(summary(), {**loop, "model": on_cuda}, NO_GPU),
+    }
+    assert all(found.values()), {rule: finding is not None for rule, finding in found.items()}
+    return found
+
+
+@pytest.mark.parametrize("name", ["net", None])
+def test_model_findings_code_runs_as_pasted_and_names_only_the_users_model(name, monkeypatch):
+    import torch
+
+    # The CPU build cannot move a module to CUDA; the findings only fire where a GPU is.
+    moved: list[Any] = []
+    monkeypatch.setattr(torch.nn.Module, "to", lambda module, *args, **kwargs: moved.append(args) or module)
+    legacy = torch.get_float32_matmul_precision()  # fp32-math's code sets it process-wide
+    try:
+        for rule, finding in _model_findings(name).items():
+            user = torch.nn.DataParallel(torch.nn.Linear(2, 2)) if rule == "gpu-imbalance" else torch.nn.Linear(2, 2)
+            namespace: dict[str, Any] = {} if name is None else {name: user}
+            exec(compile(finding.code, f"<{rule} code>", "exec"), namespace)
+            if name is None:
+                assert "No variable of yours holds the model" in finding.code or rule in ("fp32-math",
+                                                                                          "periodic-stall")
+            elif rule in ("launch-bound", "gpu-imbalance"):
+                assert namespace[name] is not user, f"{rule}: the user's name was not rebound"
+    finally:
+        torch.set_float32_matmul_precision(legacy)
+    assert (moved == [("cuda",)]) is (name is not None)  # gpu-unused moved the user's model, once

@@ -102,7 +102,7 @@ def test_fp32_math_code_runs_as_pasted_on_this_torch():
     new_api = model(tf32_api="fp32_precision", cudnn_allow_tf32=False)
     code = fp32_math.check(summary(80.0), {"model": new_api, "cuda": cuda((9, 0))}, H100).code
     try:
-        exec(code.split("# or")[0], {"torch": torch})
+        exec(code, {})  # the whole snippet, in a namespace without even torch: it imports what it uses
         assert torch.backends.cuda.matmul.fp32_precision == "tf32"
     finally:
         torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision = saved
@@ -151,7 +151,7 @@ def test_data_parallel_with_idle_gpus_is_named():
                       gpu_busy_by_gpu={"0": 92.0, "1": 88.0, "2": 0.0, "3": 0.0})
     finding = gpu_imbalance.check(partial, {"model": model(**{"class": "DataParallel"})}, H100)
     assert finding is not None and finding.rule == "gpu-imbalance"
-    assert finding.code == "net = torch.nn.DataParallel(net.module)  # every visible GPU"
+    assert finding.code == "import torch\nnet = torch.nn.DataParallel(net.module)  # every visible GPU"
     assert finding.expected_speedup == 2.0
 
 

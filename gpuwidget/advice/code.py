@@ -27,6 +27,16 @@ HF_ARGUMENTS = {"num_workers": "dataloader_num_workers", "pin_memory": "dataload
                 "prefetch_factor": "dataloader_prefetch_factor"}
 
 
+def model_code(name: str | None, statement: str, where: str = "apply it where you build the model") -> str:
+    """``statement`` (written with ``{model}``) on the user's model: code on their own name where a
+    variable of theirs holds the model, else the same line as a comment saying where it goes, so
+    the snippet never names a variable the user does not have."""
+    if name:
+        return statement.format(model=name)
+    commented = statement.format(model="model").replace("\n", "\n# ")
+    return f"# No variable of yours holds the model: {where}.\n# {commented}"
+
+
 def speed_keywords(settings: Mapping[str, Any], change: Mapping[str, Any]) -> dict[str, Any]:
     """The speed settings to write, valid for torch (no prefetch or persistence without workers)."""
     merged = {**settings, **change}

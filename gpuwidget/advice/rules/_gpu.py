@@ -51,8 +51,9 @@ def capability(workload: WorkloadFacts) -> tuple[int, int] | None:
     return int(major), int(minor)
 
 
-def model_name(workload: WorkloadFacts) -> str:
-    return ((workload.get("model") or {}).get("name")) or "model"
+def model_name(workload: WorkloadFacts) -> str | None:
+    """The user's variable for the trained model, or None where no name of theirs holds it."""
+    return (workload.get("model") or {}).get("name") or None
 
 
 def gpu_speedup_bound(summary: Summary, cap: float = 10.0) -> float | None:

@@ -72,9 +72,9 @@ def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> F
                     + (" cuDNN's TF32 is off too, which slows convolutions the same way." if conv_off else "")),
         change={"float32_matmul_precision": "high", "autocast_dtype": "bfloat16",
                 **({"cudnn_allow_tf32": True} if conv_off else {})},
-        code=_tf32_code(model, conv_off) + ("# or, in the training step:\n"
-                                            'with torch.autocast("cuda", dtype=torch.bfloat16):\n'
-                                            f"    loss = loss_fn({name}(x), y)"),
+        code="import torch\n" + _tf32_code(model, conv_off) + ("# or, in the training step:\n"
+                                                         '# with torch.autocast("cuda", dtype=torch.bfloat16):\n'
+                                                         f"#     loss = loss_fn({name or 'model'}(x), y)"),
         expected_speedup=round(bound, 2),
     )
 

@@ -9,6 +9,7 @@ the model is wrapped for several GPUs while visible GPUs stayed idle and unused.
 
 from __future__ import annotations
 
+from gpuwidget.advice.code import model_code
 from gpuwidget.advice.finding import Finding
 from gpuwidget.advice.rules._gpu import gpu_measured, model_name
 from gpuwidget.facts import MachineFacts, Summary, WorkloadFacts
@@ -56,7 +57,8 @@ def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> F
                         "no work for this kernel. Give the wrapper every GPU (device_ids=None for DataParallel) "
                         "or start one process per GPU."),
             change={"device_ids": None, "nproc_per_node": count},
-            code=(f"{name} = torch.nn.DataParallel({name}.module)  # every visible GPU"
+            code=("import torch\n"
+                  + model_code(name, "{model} = torch.nn.DataParallel({model}.module)  # every visible GPU")
                   if wrapper == "DataParallel"
                   else f"# one process per GPU: torchrun --nproc_per_node={count} train.py"),
             expected_speedup=round(count / max(1, len(used)), 2),

@@ -7,6 +7,7 @@ batches.
 
 from __future__ import annotations
 
+from gpuwidget.advice.code import model_code
 from gpuwidget.advice.finding import Finding
 from gpuwidget.advice.rules._gpu import gpu_measured, model_name
 from gpuwidget.facts import MachineFacts, Summary, WorkloadFacts
@@ -45,7 +46,8 @@ def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> F
         suggestion=(f"{len(machine.get('gpus') or [])} GPU(s) stayed idle while this process worked on the CPU. "
                     "Move the model and each batch to the GPU."),
         change={"device": "cuda"},
-        code=(f'device = torch.device("cuda")\n{name} = {name}.to(device)\n'
-              "for x, y in loader:\n    x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)"),
+        code=(model_code(name, '{model} = {model}.to("cuda")')
+              + '\n# and in the training loop, each batch:\n'
+              '# x, y = x.to("cuda", non_blocking=True), y.to("cuda", non_blocking=True)'),
         expected_speedup=None,
     )

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from gpuwidget.advice.code import model_code
 from gpuwidget.advice.finding import Finding
 from gpuwidget.advice.loader import STARVED_WAIT_FRACTION
 from gpuwidget.advice.rules._gpu import (
@@ -46,10 +47,11 @@ def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> F
     name = model_name(workload)
     compiled = bool(model.get("compiled"))
     if compiled:
-        code = f'{name} = torch.compile({name}._orig_mod, mode="reduce-overhead")  # CUDA graphs'
+        code = "import torch\n" + model_code(
+            name, '{model} = torch.compile({model}._orig_mod, mode="reduce-overhead")  # CUDA graphs')
         change: dict[str, Any] = {"compile_mode": "reduce-overhead"}
     else:
-        code = f"{name} = torch.compile({name})"
+        code = "import torch\n" + model_code(name, "{model} = torch.compile({model})")
         change = {"torch_compile": True}
     return Finding(
         rule=RULE,

@@ -13,6 +13,7 @@ from collections import Counter
 import numpy as np
 
 from gpuwidget.advice.finding import Finding
+from gpuwidget.advice.rules._gpu import model_name
 from gpuwidget.advice.summary import primary_loader
 from gpuwidget.facts import MachineFacts, Summary, WorkloadFacts
 
@@ -32,10 +33,25 @@ MIN_STALL_FRACTION = 0.05
 CHECKPOINT_SPACING = 5
 
 CODE = """\
-# Do the periodic work less often, and save checkpoints off the training thread:
-if step % {every} == 0:
-    snapshot = {{k: v.detach().to("cpu", copy=True) for k, v in {model}.state_dict().items()}}
-    threading.Thread(target=torch.save, args=(snapshot, "checkpoint.pt"), daemon=True).start()"""
+import threading
+
+import torch
+
+
+def save_in_background(module, path="checkpoint.pt", previous=None):
+    \"\"\"Copy the weights now and write them from a thread, so the loop goes on meanwhile;
+    the previous write is finished first, so no checkpoint is left half-written.\"\"\"
+    snapshot = {{k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}}
+    if previous is not None:
+        previous.join()
+    writer = threading.Thread(target=torch.save, args=(snapshot, path))
+    writer.start()
+    return writer
+
+# In the loop, do the periodic work less often, and save off the training thread:
+# if step % {every} == 0:
+#     writer = save_in_background({model}, previous=writer)   # writer = None before the loop
+# and writer.join() after it."""
 
 
 def find_stalls(step_times: list[float]) -> tuple[list[int], float]:
@@ -92,7 +108,7 @@ def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> F
                     "checkpoints less often or in a background thread, evaluate less often, and log "
                     "tensors without .item() on every step."),
         change={"every_n_steps": period * CHECKPOINT_SPACING, "off_training_thread": True},
-        code=CODE.format(model=(workload.get("model") or {}).get("name") or "model",
+        code=CODE.format(model=model_name(workload) or "model",
                          every=period * CHECKPOINT_SPACING),
         expected_speedup=round(1.0 / (1.0 - fraction), 2),
     )
