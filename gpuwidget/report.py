@@ -375,7 +375,7 @@ def _polyline(t: np.ndarray, values: np.ndarray, x: Any, y: Any) -> str:
 
 
 def _short(value: Any) -> str:
-    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+    if value is None or (isinstance(value, float) and _unknown(value)):
         return "n/a"
     if isinstance(value, float):
         return f"{value:.3g}"
