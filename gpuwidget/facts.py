@@ -80,6 +80,32 @@ class AutocastState(TypedDict, total=False):
     device_type: str  # "cuda", "cpu"
 
 
+class DdpFacts(TypedDict, total=False):
+    """DistributedDataParallel's own logging data (``model._get_ddp_logging_data()``), its numeric and
+    boolean fields under torch's names, read at the end of the run (``probes.torch_model.ddp_logging_facts``).
+    Times are nanoseconds averaged over the iterations DDP samples (1-10, then every 100th)."""
+
+    world_size: int
+    rank: int
+    iteration: int  # the last iteration DDP sampled
+    avg_forward_compute_time: int  # ns
+    avg_backward_compute_time: int  # ns: first to last gradient ready
+    avg_backward_comm_time: int  # ns: first bucket's all-reduce launched to the last one done
+    avg_backward_compute_comm_overlap_time: int  # ns: all-reduce running while backward still computed
+    bucket_cap_bytes: int  # bucket_cap_mb in bytes
+    bucket_sizes: list[int]  # bytes per bucket as first built
+    rebuilt_bucket_sizes: list[int]  # bytes per bucket after DDP rebuilt them in gradient-ready order
+    total_parameter_size_bytes: int
+    num_parameter_tensors: int
+    unused_parameter_size: int  # bytes
+    gradient_as_bucket_view: bool
+    find_unused_parameters: bool
+    broadcast_buffers: bool
+    has_sync_bn: bool
+    has_rebuilt_buckets: bool
+    static_graph: bool  # the wrapper's static_graph (not in the logging data)
+
+
 # The main model (most parameters) from its first forward passes (``probes.torch_model``).
 # "class" is a keyword: the functional form spells the key as the probe writes it.
 ModelFacts = TypedDict("ModelFacts", {
@@ -100,6 +126,9 @@ ModelFacts = TypedDict("ModelFacts", {
     "tf32_api": str,  # "fp32_precision" (torch's current switches) or "legacy"
     "matmul_fp32_precision": str | None,  # effective torch.backends.cuda.matmul.fp32_precision: "ieee", "tf32"
     "conv_fp32_precision": str | None,  # effective torch.backends.cudnn.conv.fp32_precision
+    "data_parallel": bool,  # the model is a torch.nn.DataParallel
+    "data_parallel_gpus": int,  # its device_ids (0 without CUDA)
+    "ddp": DdpFacts,  # present when the model is a DistributedDataParallel
 }, total=False)
 
 
@@ -235,3 +264,8 @@ class Summary(TypedDict, total=False):
     process_gpu_mem_peak: float  # bytes this process held on a GPU, peak
     peak_gpu_mem_fraction: float  # of total memory, worst GPU
     peak_gpu_mem_fraction_by_gpu: dict[str, float]  # per CUDA index ("0")
+    # NVML's energy counter (Volta and newer), over the watched cell, the GPUs judged summed; absent
+    # where any of them can't report it. Per sample and per step where the loader counted them.
+    energy_j: float
+    energy_per_sample_j: float
+    energy_per_step_j: float

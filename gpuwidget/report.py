@@ -68,12 +68,27 @@ def fmt_rate(value: float | None) -> str:
     return f"{value:,.0f}/s" if value >= 100 else f"{value:.1f}/s"
 
 
+def fmt_energy(joules: float | None) -> str:
+    """Joules in the unit that keeps three figures: 850 mJ, 12.3 J, 4.1 kJ, 2.75 MJ."""
+    if joules is None or _unknown(joules):
+        return "n/a"
+    for scale, unit in ((1e6, "MJ"), (1e3, "kJ"), (1.0, "J")):
+        if abs(joules) >= scale:
+            return f"{joules / scale:.3g} {unit}"
+    return f"{joules * 1e3:.3g} mJ"
+
+
 def headline(run: Run) -> list[tuple[str, str]]:
     """The figures shown first, as (label, value) pairs, in order."""
     s = run.summary
     items: list[tuple[str, str]] = [("duration", fmt_seconds(s.get("duration_s")))]
     if s.get("samples_per_s") is not None:
         items.append(("samples/s", fmt_rate(s["samples_per_s"])))
+    if s.get("energy_j") is not None:  # NVML's energy counter: per sample (or step) where counted
+        per_sample, per_step = s.get("energy_per_sample_j"), s.get("energy_per_step_j")
+        per = f"{fmt_energy(per_sample)}/sample, " if per_sample is not None else \
+            f"{fmt_energy(per_step)}/step, " if per_step is not None else ""
+        items.append(("GPU energy", f"{per}{fmt_energy(s['energy_j'])} total"))
     if s.get("steps") is not None:
         items.append(("steps", f"{s['steps']:,}"))
     if s.get("data_wait_fraction") is not None:

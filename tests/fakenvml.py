@@ -60,6 +60,7 @@ FIELD_FUNCTIONS: dict[str, tuple[str, ...]] = {
     "samples": ("nvmlDeviceGetSamples",),
     "memory": ("nvmlDeviceGetMemoryInfo",),
     "power": ("nvmlDeviceGetPowerUsage",),
+    "energy": ("nvmlDeviceGetTotalEnergyConsumption",),
     "power_limit": ("nvmlDeviceGetEnforcedPowerLimit",),
     "temperature": ("nvmlDeviceGetTemperature",),
     "sm_clock": ("nvmlDeviceGetClockInfo",),
@@ -132,6 +133,9 @@ class FakeGpu:
     mem_util: Value = 35
     power_mw: Value = 250_000
     power_limit_mw: Value = 700_000
+    # nvmlDeviceGetTotalEnergyConsumption: mJ since the driver loaded, rising with power_mw x time.
+    energy_base_mj: int = 86_400_000_000  # a day at 1 kW before the test began
+    energy_reset_at_tick: int | None = None  # the driver reloaded: the counter starts again from 0
     power_limit_default_mw: int = 700_000
     temperature: Value = 61
     sm_clock_mhz: Value = 1755
@@ -218,7 +222,7 @@ class FakeNvml:
         self.unfaked_calls: list[str] = []
         self.inits = 0
         self.shutdowns = 0
-        self.time = 1000.0
+        self.time = self._time0 = 1000.0
         self._tick = 0
         self._start = time.monotonic()
         self._gpm_samples: dict[int, tuple[FakeGpu, int, float] | None] = {}
@@ -402,6 +406,12 @@ class FakeNvml:
 
     def now(self) -> float:
         return self.time
+
+    def elapsed(self) -> float:
+        """Seconds of fake time since the fake was made (wall time with ``real_time``)."""
+        if self.real_time:
+            return time.monotonic() - self._start
+        return self.time - self._time0
 
     # -- counting ----------------------------------------------------------------------------------
 
@@ -626,6 +636,19 @@ class FakeNvml:
     def nvmlDeviceGetPowerUsage(self, gpu: FakeGpu) -> int:
         tick = self._call("nvmlDeviceGetPowerUsage", gpu)
         return int(_at(gpu.power_mw, tick))
+
+    def nvmlDeviceGetTotalEnergyConsumption(self, gpu: FakeGpu) -> int:
+        """mJ since the driver loaded: power integrated over the fake's time (its ticks, and the
+        time ``advance`` adds), from ``energy_base_mj``, or from 0 after ``energy_reset_at_tick``."""
+        tick = self._call("nvmlDeviceGetTotalEnergyConsumption", gpu)
+        elapsed = self.elapsed()
+        reset = gpu.energy_reset_at_tick
+        first = 0 if reset is None or tick < reset else reset
+        energy = 0.0 if reset is not None and tick >= reset else float(gpu.energy_base_mj)
+        for each in range(first, tick):
+            energy += float(_at(gpu.power_mw, each)) * self.tick_s
+        energy += float(_at(gpu.power_mw, tick)) * max(0.0, elapsed - tick * self.tick_s)
+        return int(energy)
 
     def nvmlDeviceGetEnforcedPowerLimit(self, gpu: FakeGpu) -> int:
         tick = self._call("nvmlDeviceGetEnforcedPowerLimit", gpu)

@@ -32,6 +32,9 @@ POWER_CAP_BIT = 0x4
 CLOCK_EVENT_IDLE = 0x1
 # Clock figures are judged only on samples where the GPU was doing work.
 BUSY_UTIL_PERCENT = 50.0
+# An energy counter reading lower than the one before by more than this share of it is a reset (the
+# driver reloaded); less is float32 rounding in the trace's archive (a relative error of 6e-8).
+ENERGY_RESET_TOLERANCE = 1e-6
 
 def primary_loader(workload: WorkloadFacts | None) -> LoaderFacts | None:
     """The DataLoader the cell spent the most time iterating, or None."""
@@ -105,6 +108,12 @@ def summarize(trace: Trace, workload: WorkloadFacts | None = None,
     summary.update(host_figures(trace))
 
     summary.update(gpu_figures(trace, workload, machine))
+    energy = summary.get("energy_j")
+    if energy is not None:
+        if summary.get("samples"):
+            summary["energy_per_sample_j"] = energy / summary["samples"]  # type: ignore[operator]
+        if summary.get("steps"):
+            summary["energy_per_step_j"] = energy / summary["steps"]  # type: ignore[operator]
     return summary
 
 
@@ -141,6 +150,7 @@ def gpu_figures(trace: Trace, workload: WorkloadFacts | None = None,
     figures.update(_clocks(trace, [index for index in judged if index in busy]))
     figures.update(_own_memory(trace, indices, torch_devices, machine))
     figures.update(_pcie_links(trace, judged))
+    figures.update(_energy(trace, judged))
     return figures
 
 
@@ -239,6 +249,38 @@ def _own_memory(trace: Trace, indices: Sequence[int], torch_devices: dict[int, C
         figures["process_gpu_mem_peak"] = nvml_peak
         figures["process_gpu_mem_source"] = "nvml"
     return figures
+
+
+def _energy(trace: Trace, judged: Sequence[int]) -> Summary:
+    """Joules the judged GPUs used while watched (NVML's energy counter), if every one of them reports it."""
+    used = [energy_used(trace, f"gpu{index}.energy_j") for index in judged]
+    if not used or any(joules is None for joules in used):
+        return {}  # absent, not 0: a GPU that can't say (NotSupported, before Volta) would understate it
+    return {"energy_j": sum(joules for joules in used if joules is not None)}
+
+
+def energy_used(trace: Trace, column: str) -> float | None:
+    """What a cumulative energy counter rose by from its first reading to its last, or None (under two readings).
+
+    The counter counts from the driver's start; a reading below the one before means the driver
+    reloaded (the count began again), and the new reading is what was used since. Archive buckets
+    keep each bucket's lowest and highest reading, so resets are seen however long the run; without
+    one the rise is the exact whole-run last minus first (archive buckets hold float32).
+    """
+    stats = trace.stats(column)
+    if stats is None or stats.count < 2:
+        return None
+    frame = trace.window(columns=[column])
+    low, high = frame.min[column], frame.max[column]
+    read = ~np.isnan(low)
+    low, high = low[read].astype(float), high[read].astype(float)
+    steps = low[1:] - high[:-1]
+    # Beyond float32's rounding (archive buckets) a step down is a reset, not noise.
+    reset = steps < -(np.abs(high[:-1]) * ENERGY_RESET_TOLERANCE)
+    if not np.any(reset):
+        return stats.last - stats.min
+    steps = np.where(reset, low[1:], np.maximum(steps, 0.0))  # a reset: the new count is what was used since
+    return float(np.sum(high - low) + np.sum(steps))
 
 
 def _pcie_links(trace: Trace, judged: Sequence[int]) -> Summary:

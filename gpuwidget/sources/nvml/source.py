@@ -8,6 +8,7 @@ Metrics per visible device, named ``gpu{cuda_index}.<metric>`` in SI units:
 ``mem_util``       % of time device memory was read or written
 ``mem_used``       bytes in use; ``mem_total`` bytes
 ``power``          W; ``power_limit`` W (enforced limit); ``power_limit_default`` W (the board's default)
+``energy_j``       J the GPU used since the driver loaded (a cumulative counter, Volta and newer)
 ``temperature``    degrees Celsius (GPU sensor)
 ``sm_clock``       Hz; ``sm_clock_max`` Hz
 ``clock_events``   bitmask of NVML clock event (throttle) reasons, as a float
@@ -93,6 +94,7 @@ _GPM_METRICS: dict[str, tuple[str, float]] = {
 # that rarely or never change are asked seldom and their last value is repeated every tick.
 _READS: tuple[tuple[str, str, tuple[str, ...], float, float], ...] = (
     ("power", "nvmlDeviceGetPowerUsage", (), 1e-3, 0.0),  # mW
+    ("energy_j", "nvmlDeviceGetTotalEnergyConsumption", (), 1e-3, 0.0),  # mJ since the driver loaded
     ("temperature", "nvmlDeviceGetTemperature", ("NVML_TEMPERATURE_GPU",), 1.0, 0.0),  # degrees C
     ("sm_clock", "nvmlDeviceGetClockInfo", ("NVML_CLOCK_SM",), MHZ, 0.0),  # MHz
     ("sm_clock_max", "nvmlDeviceGetMaxClockInfo", ("NVML_CLOCK_SM",), MHZ, math.inf),
@@ -110,6 +112,7 @@ METRICS = (
     "mem_used",
     "mem_total",
     "power",
+    "energy_j",
     "power_limit",
     "power_limit_default",
     "temperature",
