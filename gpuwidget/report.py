@@ -18,6 +18,7 @@ import html
 import math
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
+from urllib.parse import quote
 
 import numpy as np
 
@@ -227,112 +228,200 @@ def run_text(run: Run) -> str:
 
 
 # ----------------------------------------------------------------- HTML
+#
+# The HTML is read in three settings, and each must be readable:
+# - trusted in JupyterLab/Notebook 7 (the cell just ran): the <style> block applies (theme colours
+#   from JupyterLab's CSS variables, focus rings, the copy button) and the copy button works;
+# - sanitized (an untrusted notebook, GitHub, a colleague's copy): no <style>, no <svg>, no
+#   scripts, no aria/role attributes, and inline styles only with literal values. So the chart
+#   is an <img> (an SVG data URI, which the sanitizer keeps), every label is its own element with
+#   spacing, colours are never the only carrier of meaning, and the copy button stays hidden
+#   (its display comes from the <style> block) rather than showing a button that does nothing;
+# - other front-ends (VS Code, nbconvert) without JupyterLab's variables: every var() has a
+#   fallback that works on light and dark backgrounds (inherited text colour, translucent greys).
+
+SEVERITY_LABEL = {"critical": "critical", "warn": "warning", "info": "info"}
+SEVERITY_ICON = {"critical": "\u2716", "warn": "\u25b2", "info": "\u2139"}  # heavy x, triangle, info sign
+_MUTED = "var(--jp-ui-font-color2,#808080)"
+_BORDER = "var(--jp-border-color2,rgba(128,128,128,.35))"
+_CODE_BACKGROUND = "var(--jp-layout-color2,rgba(128,128,128,.14))"
+
+# Only in trusted output (a sanitizer drops <style> with its content). Scoped to the panel.
+_PANEL_CSS = """<style>
+.gpuwidget-run .gpuwidget-copy{display:inline-block!important;font:inherit;font-size:12px;line-height:18px;
+ padding:1px 10px;border-radius:3px;cursor:pointer;color:var(--jp-ui-font-color1,inherit);
+ background:var(--jp-layout-color1,transparent);border:1px solid var(--jp-border-color1,rgba(128,128,128,.6))}
+.gpuwidget-run .gpuwidget-copy:hover{background:var(--jp-layout-color2,rgba(128,128,128,.15))}
+.gpuwidget-run .gpuwidget-copy:active{background:var(--jp-layout-color3,rgba(128,128,128,.3))}
+.gpuwidget-run button:focus-visible,.gpuwidget-run [tabindex]:focus-visible{
+ outline:2px solid var(--jp-brand-color1,#1a73e8);outline-offset:2px}
+.gpuwidget-run pre.gpuwidget-code,.gpuwidget-run pre.gpuwidget-code code{
+ font-family:var(--jp-code-font-family,ui-monospace,SFMono-Regular,Menlo,Consolas,monospace);
+ font-size:var(--jp-code-font-size,12px);line-height:var(--jp-code-line-height,1.4)}
+</style>"""
+
+# Copies the change's code, then says so in the live region beside the button. The async
+# Clipboard API needs a secure context (https or localhost); elsewhere the code is selected and
+# copied with execCommand, and if even that is refused the user is told to press Ctrl+C.
+_COPY_JS = (
+    "(function(button){var box=button.closest('.gpuwidget-change');"
+    "var code=box.querySelector('code');var status=box.querySelector('.gpuwidget-copied');"
+    "function tell(message){status.textContent=message;clearTimeout(button.gpuwidgetTimer);"
+    "button.gpuwidgetTimer=setTimeout(function(){status.textContent='';},4000);}"
+    "function select(){var range=document.createRange();range.selectNodeContents(code);"
+    "var selection=window.getSelection();selection.removeAllRanges();selection.addRange(range);"
+    "var copied=false;try{copied=document.execCommand('copy');}catch(error){}"
+    "tell(copied?'Copied':'Selected: press Ctrl+C to copy');}"
+    "if(navigator.clipboard&&window.isSecureContext){navigator.clipboard.writeText(code.textContent)"
+    ".then(function(){tell('Copied');},select);}else{select();}})(this)"
+)
 
 _STYLE = (
-    "font-family:var(--jp-ui-font-family,-apple-system,Segoe UI,sans-serif);font-size:13px;"
-    "color:var(--jp-ui-font-color1,#222);border:1px solid var(--jp-border-color2,#ddd);"
-    "border-radius:6px;padding:10px 12px;max-width:900px"
+    "font-family:var(--jp-ui-font-family,-apple-system,'Segoe UI',sans-serif);font-size:13px;"
+    f"border:1px solid {_BORDER};border-radius:6px;padding:10px 12px;max-width:900px;"
+    "box-sizing:border-box"
 )
 
 
-def finding_html(finding: Finding) -> str:
-    color = SEVERITY_COLOR.get(finding.severity, "#555")
+def severity_badge(severity: str) -> str:
+    """The severity as an icon and a word (colour alone would not tell it apart)."""
+    color = SEVERITY_COLOR.get(severity, "#808080")
+    label = SEVERITY_LABEL.get(severity, severity)
+    return (f"<span class='gpuwidget-severity' style='color:{color};font-size:12px;font-weight:600;"
+            f"white-space:nowrap;margin-right:6px'><span aria-hidden='true'>{SEVERITY_ICON.get(severity, '')}"
+            f"</span> {html.escape(label)}</span>")
+
+
+def code_html(code: str, label: str = "Change") -> str:
+    """A code block with a copy button above it (never over the code) and a live 'Copied' note."""
+    return (
+        "<div class='gpuwidget-change' style='margin:6px 0 2px 0'>"
+        "<div style='display:flex;align-items:center;flex-wrap:wrap;margin-bottom:3px'>"
+        f"<span style='font-size:12px;color:{_MUTED};margin-right:10px'>{html.escape(label)}</span>"
+        "<button type='button' class='gpuwidget-copy' style='display:none' "
+        f"aria-label='Copy the code of this change' onclick=\"{html.escape(_COPY_JS)}\">Copy</button>"
+        "<span class='gpuwidget-copied' role='status' aria-live='polite' "
+        "style='font-size:12px;margin-left:8px'></span></div>"
+        f"<pre class='gpuwidget-code' style='background:{_CODE_BACKGROUND};padding:6px 8px;margin:0;"
+        "border-radius:4px;white-space:pre-wrap;overflow-x:auto'>"
+        f"<code style='background:transparent;color:inherit;padding:0'>{html.escape(code)}</code></pre></div>")
+
+
+def finding_html(finding: Finding, standalone: bool = True) -> str:
+    """One finding; ``standalone`` adds the panel's stylesheet (a finding shown on its own)."""
+    color = SEVERITY_COLOR.get(finding.severity, "#808080")
     parts = [
+        _PANEL_CSS + f"<div class='gpuwidget-run' style='{_STYLE}'>" if standalone else "",
         f"<div class='gpuwidget-finding' data-rule='{html.escape(finding.rule)}' "
+        f"data-severity='{html.escape(finding.severity)}' role='group' aria-label='{html.escape(finding.title)}' "
         f"style='border-left:4px solid {color};padding:4px 10px;margin:8px 0'>",
-        f"<div><b>{html.escape(finding.title)}</b> <code style='font-size:11px;opacity:.7'>"
-        f"{html.escape(finding.rule)}</code>",
+        f"<div>{severity_badge(finding.severity)}<b>{html.escape(finding.title)}</b> "
+        f"<code style='font-size:11px;color:{_MUTED};background:transparent'>{html.escape(finding.rule)}</code>",
     ]
     if finding.expected_speedup is not None:
-        parts.append(f" <span style='color:{color}'>{html.escape(_gain(finding))}</span>")
+        parts.append(f" <span style='white-space:nowrap'>\u2192 {html.escape(_gain(finding))}</span>")
     parts.append("</div>")
     if finding.suggestion:
         parts.append(f"<div style='margin:4px 0'>{html.escape(finding.suggestion)}</div>")
     if finding.evidence:
-        parts.append("<div style='font-size:12px;opacity:.8'>evidence: " + ", ".join(
+        parts.append(f"<div style='font-size:12px;color:{_MUTED}'>evidence: " + ", ".join(
             f"{html.escape(str(k))} = {html.escape(_short(v))}" for k, v in finding.evidence.items()) + "</div>")
     if finding.code:
-        parts.append(
-            "<div style='position:relative'><button title='copy' style='position:absolute;right:4px;top:4px;"
-            "font-size:11px' onclick='navigator.clipboard.writeText(this.nextElementSibling.innerText)'>copy"
-            "</button><pre style='background:var(--jp-layout-color2,#f5f5f5);padding:6px;margin:4px 0;"
-            f"white-space:pre-wrap'><code>{html.escape(finding.code)}</code></pre></div>")
+        parts.append(code_html(finding.code))
     parts.append("</div>")
+    if standalone:
+        parts.append("</div>")
     return "".join(parts)
 
 
 def run_html(run: Run) -> str:
     cards = "".join(
         "<div style='display:inline-block;margin:0 18px 6px 0;vertical-align:top'>"
-        f"<div style='font-size:11px;opacity:.7'>{html.escape(label)}</div>"
+        f"<div style='font-size:11px;color:{_MUTED}'>{html.escape(label)}</div>"
         f"<div style='font-size:17px;font-weight:600'>{html.escape(value)}</div></div>"
         for label, value in headline(run)
     )
     gpu_html = "".join(f"<div>{html.escape(line)}</div>" for line in gpu_lines(run))
+    status = status_line(run)
     body = [
-        f"<div class='gpuwidget-run' data-outcome='{run.outcome}' style='{_STYLE}'>",
-        f"<div style='margin-bottom:6px'><b>gpuwidget</b> · {html.escape(status_line(run))}</div>",
+        _PANEL_CSS,
+        f"<section class='gpuwidget-run' data-outcome='{run.outcome}' role='region' "
+        f"aria-label='gpuwidget report: {html.escape(status)}' style='{_STYLE}'>",
+        f"<div class='gpuwidget-status' style='margin-bottom:6px'><b>gpuwidget</b> \u00b7 {html.escape(status)}</div>",
         (f"<div class='gpuwidget-cause' style='font-size:14px;margin-bottom:8px'>"
          f"{html.escape(main_cause(run))}</div>" if run.finished else ""),
-        f"<div>{cards}</div>",
+        f"<div class='gpuwidget-figures'>{cards}</div>",
         (f"<div class='gpuwidget-comparison' style='margin-bottom:6px'>{html.escape(compared)}</div>"
          if (compared := comparison_line(run)) else ""),
         breakdown_html(run),
         f"<div style='font-size:12px;margin-bottom:6px'>{gpu_html}</div>",
-        chart_svg(run),
+        chart_html(run),
     ]
     if run.options.advice and run.finished:
         if run.findings:
-            body.append("<div style='margin-top:8px;font-weight:600'>Findings, largest expected gain first</div>")
-            body += [finding_html(f) for f in run.findings]
+            body.append("<div role='heading' aria-level='3' style='margin-top:8px;font-weight:600'>"
+                        "Findings, largest expected gain first</div>")
+            body += [finding_html(f, standalone=False) for f in run.findings]
         else:
             body.append("<div style='margin-top:8px'>No findings: nothing in this run points at a cause "
                         "of idle time.</div>")
-    body.append("</div>")
+    body.append("</section>")
     return "".join(body)
 
 
 def breakdown_html(run: Run) -> str:
-    """A bar of the cell's time: waiting for data / computing / other."""
+    """A bar of the cell's time: waiting for data / computing / other, with a text legend."""
     parts = breakdown(run)
     if not parts:
         return ""
     bar = "".join(
         f"<div title='{html.escape(label)}: {fmt_seconds(sec)}' style='width:{100 * share:.2f}%;background:{color}'>"
         "</div>" for label, sec, share, color in parts if share > 0)
-    legend = " &nbsp; ".join(
-        f"<span style='color:{color}'>&#9632;</span> {html.escape(label)} {fmt_seconds(sec)} ({100 * share:.0f}%)"
+    legend = "".join(
+        f"<span style='margin-right:14px;white-space:nowrap'><span style='color:{color}' aria-hidden='true'>"
+        f"&#9632;</span> {html.escape(label)} {fmt_seconds(sec)} ({100 * share:.0f}%)</span>"
         for label, sec, share, color in parts)
     return ("<div class='gpuwidget-breakdown' style='margin:2px 0 8px 0'>"
-            f"<div style='display:flex;height:10px;max-width:640px;border-radius:3px;overflow:hidden'>{bar}</div>"
-            f"<div style='font-size:11px;margin-top:3px'>{legend}</div></div>")
+            "<div aria-hidden='true' style='display:flex;height:10px;max-width:640px;border-radius:3px;"
+            f"overflow:hidden'>{bar}</div><div style='font-size:11px;margin-top:3px'>{legend}</div></div>")
 
 
 def html_document(run: Run) -> str:
     """A standalone HTML page of the run (for ``Run.save('report.html')``)."""
     title = html.escape(f"gpuwidget run {run.label}".strip())
-    return (f"<!doctype html><html><head><meta charset='utf-8'><title>{title}</title></head>"
-            f"<body style='margin:24px'>{run_html(run)}</body></html>\n")
+    return (f"<!doctype html><html lang='en'><head><meta charset='utf-8'><title>{title}</title></head>"
+            f"<body style='margin:24px'><main>{run_html(run)}</main></body></html>\n")
 
 
-def chart_svg(run: Run, width: int = CHART_WIDTH, height: int = CHART_HEIGHT) -> str:
-    """GPU util, GPU memory and CPU over the run on a 0-100 % axis, with data-wait bands."""
-    trace = run.trace
-    series: list[tuple[str, str, str, np.ndarray]] = []
-    gpus = gpu_indices(trace)
-    frame = trace.plot_view(plot_columns(gpus, process=False), CHART_POINTS)
+def _chart_series(run: Run) -> tuple[np.ndarray, list[tuple[str, str, str, np.ndarray]]] | None:
+    """The chart's times and its (name, colour, dash, values) series, or None under two points."""
+    gpus = gpu_indices(run.trace)
+    frame = run.trace.plot_view(plot_columns(gpus, process=False), CHART_POINTS)
     if len(frame) < 2:
-        return ""
-    t = frame.t
+        return None
     data = percent_data(frame, gpus, process=False)
+    series: list[tuple[str, str, str, np.ndarray]] = []
     for n, index in enumerate(gpus):
         color = PALETTE[n % len(PALETTE)]
         series.append((f"GPU{index} util", color, "", data[f"gpu{index}_util"]))
         series.append((f"GPU{index} memory", color, "4 3", data[f"gpu{index}_mem"]))
-    series.append(("CPU", CPU_COLOR, "", data["cpu_util"]))
+    series.append(("CPU (all cores)", CPU_COLOR, "", data["cpu_util"]))
+    return frame.t, series
+
+
+def chart_svg(run: Run, width: int = CHART_WIDTH, height: int = CHART_HEIGHT) -> str:
+    """GPU util, GPU memory and CPU over the run on a 0-100 % axis, with data-wait bands.
+
+    A standalone SVG document (it is shown as an image): colours that read on light and dark
+    backgrounds, the axis labels apart from each other, the legend left to the HTML around it.
+    """
+    found = _chart_series(run)
+    if found is None:
+        return ""
+    t, series = found
     t0, t1 = float(t[0]), float(t[-1])
     span = (t1 - t0) or 1.0
-    left, top, plot_w, plot_h = 34, 6, width - 34 - 8, height - 6 - 18
+    left, top, plot_w, plot_h = 38, 6, width - 38 - 14, height - 6 - 20
 
     def x(v: float) -> float:
         return left + (v - t0) / span * plot_w
@@ -340,28 +429,62 @@ def chart_svg(run: Run, width: int = CHART_WIDTH, height: int = CHART_HEIGHT) ->
     def y(v: float) -> float:
         return top + (1 - min(max(v, 0.0), 100.0) / 100) * plot_h
 
-    parts = [f"<svg xmlns='http://www.w3.org/2000/svg' width='{width}' height='{height}' "
-             f"viewBox='0 0 {width} {height}' style='display:block;font-size:10px' role='img' "
-             "aria-label='utilisation over the run'>"]
-    for start, end in merge_bands(trace.spans(DATA_WAIT_SPAN), gap=span / plot_w):
-        parts.append(f"<rect x='{x(start):.1f}' y='{top}' width='{max(x(end) - x(start), 0.5):.1f}' "
-                     f"height='{plot_h}' fill='{WAIT_COLOR}' fill-opacity='0.3'/>")
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+             f'viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="10">']
+    for start, end in merge_bands(run.trace.spans(DATA_WAIT_SPAN), gap=span / plot_w):
+        parts.append(f'<rect x="{x(start):.1f}" y="{top}" width="{max(x(end) - x(start), 0.5):.1f}" '
+                     f'height="{plot_h}" fill="{WAIT_COLOR}" fill-opacity="0.3"/>')
     for level in (0, 50, 100):
-        parts.append(f"<line x1='{left}' x2='{left + plot_w}' y1='{y(level):.1f}' y2='{y(level):.1f}' "
-                     "stroke='#999' stroke-opacity='0.3'/>")
-        parts.append(f"<text x='{left - 4}' y='{y(level) + 3:.1f}' text-anchor='end' fill='#888'>{level}%</text>")
-    parts.append(f"<text x='{left}' y='{height - 3}' fill='#888'>{t0:.0f} s</text>")
-    parts.append(f"<text x='{left + plot_w}' y='{height - 3}' text-anchor='end' fill='#888'>{t1:.1f} s</text>")
-    legend_x = left + 60.0
-    for name, color, dash, values in series:
+        parts.append(f'<line x1="{left}" x2="{left + plot_w}" y1="{y(level):.1f}" y2="{y(level):.1f}" '
+                     'stroke="#888" stroke-opacity="0.35"/>')
+        parts.append(f'<text x="{left - 5}" y="{y(level) + 3.5:.1f}" text-anchor="end" fill="#888">{level}%</text>')
+    for tick in _time_ticks(t0, t1):
+        anchor = "start" if tick == t0 else "end" if tick == t1 else "middle"
+        parts.append(f'<text x="{x(tick):.1f}" y="{height - 5}" text-anchor="{anchor}" fill="#888">'
+                     f'{_tick_label(tick, t1)}</text>')
+    for _, color, dash, values in series:
         path = _polyline(t, values, x, y)
         if path:
-            dash_attr = f" stroke-dasharray='{dash}'" if dash else ""
-            parts.append(f"<polyline points='{path}' fill='none' stroke='{color}' stroke-width='1.4'{dash_attr}/>")
-            parts.append(f"<text x='{legend_x:.0f}' y='{height - 3}' fill='{color}'>{html.escape(name)}</text>")
-            legend_x += 7 * len(name) + 14
+            dash_attr = f' stroke-dasharray="{dash}"' if dash else ""
+            parts.append(f'<polyline points="{path}" fill="none" stroke="{color}" stroke-width="1.4"{dash_attr}/>')
     parts.append("</svg>")
     return "".join(parts)
+
+
+def chart_html(run: Run) -> str:
+    """The chart as an <img> (kept by notebook sanitizers, unlike inline SVG) with a text legend."""
+    svg = chart_svg(run)
+    if not svg:
+        return ""
+    found = _chart_series(run)
+    assert found is not None
+    t, series = found
+    described = "; ".join(f"{name} mean {fmt_percent(_mean(values))}" for name, _, _, values in series)
+    alt = f"Utilisation over the run (0 to {fmt_seconds(float(t[-1] - t[0]))}): {described}"
+    legend = "".join(
+        f"<span style='margin-right:14px;white-space:nowrap'><span style='color:{color}' aria-hidden='true'>"
+        f"{'&#9476;' if dash else '&#9473;'}</span> {html.escape(name)}</span>" for name, color, dash, _ in series)
+    if any(True for _ in run.trace.spans(DATA_WAIT_SPAN)):
+        legend += (f"<span style='white-space:nowrap'><span style='color:{WAIT_COLOR}' aria-hidden='true'>&#9632;"
+                   "</span> waiting for data</span>")
+    source = "data:image/svg+xml," + quote(svg, safe=" =/:;,.-\"")
+    return (f"<div class='gpuwidget-chart' style='margin:4px 0'><img src='{source}' alt='{html.escape(alt)}' "
+            f"width='{CHART_WIDTH}' height='{CHART_HEIGHT}' style='max-width:100%;height:auto;display:block'>"
+            f"<div class='gpuwidget-legend' style='font-size:11px;margin-top:2px'>{legend}</div></div>")
+
+
+def _mean(values: np.ndarray) -> float | None:
+    finite = values[np.isfinite(values)]
+    return float(finite.mean()) if len(finite) else None
+
+
+def _time_ticks(t0: float, t1: float) -> list[float]:
+    """Start, end and a middle tick: three labels that never run into each other."""
+    return [t0, (t0 + t1) / 2, t1] if t1 > t0 else [t0]
+
+
+def _tick_label(value: float, end: float) -> str:
+    return f"{value:.0f} s" if end >= 20 else f"{value:.1f} s"
 
 
 # ----------------------------------------------------------------- result tables

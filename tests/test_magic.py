@@ -113,7 +113,7 @@ def test_summary_is_shown_as_html_and_text(ip, monkeypatch):
     ip.run_cell("%%gpuwatch --interval 0.02\nimport time\ntime.sleep(0.1)\n")
     (bundle,) = shown
     assert "class='gpuwidget-run'" in bundle["text/html"]
-    assert "<svg" in bundle["text/html"]
+    assert "<img src='data:image/svg+xml,%3Csvg" in bundle["text/html"]
     assert bundle["text/plain"].startswith("gpuwidget run: ")
     # No driver on this machine: the summary says so plainly.
     assert "no NVIDIA GPU found" in bundle["text/plain"]
