@@ -71,7 +71,7 @@ def test_plot_data_grows_while_the_cell_runs_then_the_report_stays(lab, page):
     # When the cell ends, the static panel replaces the live widget and survives saving.
     report = page.wait_for_selector(".gpuwidget-run[data-outcome='ok']", timeout=60_000)
     assert "no NVIDIA GPU found" in report.inner_text()
-    assert page.locator(".gpuwidget-run svg polyline").count() >= 1
+    assert page.locator(".gpuwidget-run .gpuwidget-chart img").count() >= 1
     finding = page.locator(".gpuwidget-finding[data-rule='dataloader-starved']")
     assert "train_loader = DataLoader(train_ds, batch_size=32, shuffle=True, num_workers=" in finding.inner_text()
     cell.screenshot(path=str(SCREENSHOTS / "report.png"))
