@@ -301,3 +301,65 @@ async def test_a_tab_reconnecting_within_a_second_finds_the_sampler_still_runnin
     finally:
         ws.close()
     assert await wait_until(lambda: not monitor.running, 5)  # and it still stops once nobody is back
+
+
+# ------------------------------------------------------------------------------- stalled sources
+
+
+async def test_a_gpu_that_stops_answering_is_named_to_the_sidebar_and_the_host_goes_on(
+        jp_ws_fetch, jp_fetch, fake_nvml, monitor, monkeypatch):
+    import pynvml
+
+    from gpuwidget import sampler
+
+    monkeypatch.setattr(sampler, "SOURCE_DEADLINE_S", 0.3)
+    monkeypatch.setattr(sampler, "WATCHDOG_PERIOD_S", 0.05)
+    monkeypatch.setattr(sampler, "WATCHDOG_LATE_S", 0.1)
+    fake = FakeNvml.gpus(2)
+    fake.real_time = True
+    fake_nvml(fake)
+    lost, query, released = fake.gpu(1), pynvml.nvmlDeviceGetMemoryInfo, threading.Event()
+    asked = []
+
+    def memory_info(gpu, *args):  # GPU 1 falls off the bus: its fourth memory query never returns
+        if gpu is lost:
+            asked.append(1)
+            if len(asked) > 3:
+                released.wait(30)
+        return query(gpu, *args)
+
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetMemoryInfo", memory_info)
+    ws = await jp_ws_fetch("gpuwidget", "api", "stream")
+    try:
+        hello = await read_until(ws, "hello")
+        assert hello["stalled"] == []
+        first = await read_until(ws, "sample", 400, lambda message: message["stalled"])
+        [stalled] = first["stalled"]
+        assert stalled["source"] == "GPU 1" and stalled["since_s"] >= 0
+        assert stalled["at"] == pytest.approx(first["t"] - stalled["since_s"], abs=0.15)
+        later = await read_until(ws, "sample", 100, lambda message: message["t"] >= first["t"] + 0.3)
+        assert "cpu.util" in later["values"]  # the host source goes on
+        assert "gpu1.util" not in later["values"]
+        assert later["stalled"][0]["since_s"] > stalled["since_s"]
+        # A tab opened now is told at once, as is a snapshot.
+        other = await jp_ws_fetch("gpuwidget", "api", "stream")
+        try:
+            assert [entry["source"] for entry in (await read_until(other, "hello"))["stalled"]] == ["GPU 1"]
+        finally:
+            other.close()
+        snapshot = await get_json(jp_fetch, "snapshot")
+        assert snapshot["stalled"][0]["source"] == "GPU 1" and snapshot["stalled"][0]["at"] == stalled["at"]
+    finally:
+        ws.close()
+    # A later sampler never asks the stuck source again (it would hang a thread per restart).
+    assert await wait_until(lambda: not monitor.running, 5)
+    await get_json(jp_fetch, "snapshot")
+    ws = await jp_ws_fetch("gpuwidget", "api", "stream")
+    try:
+        restarted = await read_until(ws, "sample")
+        assert restarted["stalled"][0]["source"] == "GPU 1"
+        await read_until(ws, "sample", 100, lambda message: message["t"] >= restarted["t"] + 0.5)
+        assert monitor._sampler.sources == [monitor._sources.host] and not monitor._sampler.stats.stalled
+    finally:
+        ws.close()
+        released.set()

@@ -83,7 +83,8 @@ class DevicesHandler(_ApiHandler):
     @web.authenticated
     @authorized
     async def get(self) -> None:
-        await self.finish(json.dumps(await self.devices()))
+        cluster = self.settings.get("gpuwidget_cluster")
+        await self.finish(json.dumps({**await self.devices(), "cluster": bool(cluster and cluster.configured)}))
 
 
 class SnapshotHandler(_ApiHandler):
@@ -100,6 +101,7 @@ class SnapshotHandler(_ApiHandler):
             "history": await self.in_thread(monitor.history, window),
             "latest": monitor.latest(),
             "processes": monitor.processes(),
+            "stalled": monitor.stalled(),
         }))
 
 

@@ -10,6 +10,12 @@ server's kernels and notebooks (whose pids and paths the event loop keeps up to 
 A new subscriber's history (an hour of every column, reduced for plotting) is built in a
 worker thread, at most once per trace row, and the same bytes go to every subscriber that
 arrives before the next row: fifty reconnecting tabs cost one build, not fifty on the loop.
+
+A source whose read stops returning (a GPU falling off the bus) is dropped by the sampler's
+watchdog and stays dropped for the life of the server: later samplers, snapshots and process
+tables never ask it again, and it is closed on a thread of its own. The sidebar learns which
+one from ``stalled`` in the hello and in every sample (and the snapshot):
+``[{"source": "GPU 1", "since_s": 12.4, "at": <unix s>}]``, ``since_s`` counted to the message's time.
 """
 
 from __future__ import annotations
@@ -132,6 +138,9 @@ class Monitor:
         self._last_processes = -math.inf
         self._user = _current_user()
         self.ticks = 0
+        # Sources that stopped answering, kept across samplers: label -> wall time it stopped.
+        self._stalled: dict[str, float] = {}
+        self._hung: list[Source] = []
 
     # ------------------------------------------------------------- lifecycle
 
@@ -150,8 +159,7 @@ class Monitor:
         with self._lock:
             if self.running:
                 return
-            sources = self._ensure_sources()
-            self._sampler = Sampler(sources.all(), self.trace, self.interval, [self._on_tick])
+            self._sampler = Sampler(self._answering(), self.trace, self.interval, [self._on_tick])
             self._sampler.start()
 
     def stop(self, wait: bool = True) -> None:
@@ -162,6 +170,7 @@ class Monitor:
             return
         if wait:
             sampler.stop(final_tick=False)
+            self._note_stalled(sampler)
         else:
             threading.Thread(target=self._stop_idle, args=(sampler,), daemon=True,
                              name="gpuwidget-monitor-stop").start()
@@ -175,6 +184,7 @@ class Monitor:
         closed sockets are gone (see :data:`TRIM_AFTER_IDLE_S`) and if nobody came back.
         """
         sampler.stop(final_tick=False)
+        self._note_stalled(sampler)
         time.sleep(TRIM_AFTER_IDLE_S)
         if not self._subscribers:
             heap.trim()
@@ -187,7 +197,33 @@ class Monitor:
         with self._sources_lock:
             sources, self._sources = self._sources, None
         for source in sources.all() if sources is not None else []:
-            source.close()
+            if self._is_hung(source):  # its close would wait on the read that never returned
+                threading.Thread(target=source.close, daemon=True, name="gpuwidget-monitor-close").start()
+            else:
+                source.close()
+
+    # ------------------------------------------------------------- sources that stopped answering
+
+    def _answering(self) -> list[Source]:
+        """The sources still worth reading: all of them but those that once hung."""
+        return [source for source in self._ensure_sources().all() if not self._is_hung(source)]
+
+    def _is_hung(self, source: Source) -> bool:
+        return any(source is hung for hung in self._hung)
+
+    def _note_stalled(self, sampler: Sampler) -> None:
+        """Remember what ``sampler`` dropped (by label, with the wall time it stopped); each tick and at its stop."""
+        for entry in sampler.stats.stalled:
+            self._stalled.setdefault(entry["source"], self.trace.start_wall + entry["at_s"])
+        for source in sampler.hung_sources:
+            if not self._is_hung(source):
+                self._hung.append(source)
+
+    def stalled(self, at: float | None = None) -> list[dict[str, Any]]:
+        """Each source that stopped answering: its label, seconds since then (to ``at``, default now), when."""
+        end = time.time() if at is None else at
+        return [{"source": label, "since_s": round(max(0.0, end - since), 1), "at": round(since, 3)}
+                for label, since in self._stalled.items()]
 
     # ------------------------------------------------------------- subscribers
 
@@ -245,7 +281,7 @@ class Monitor:
                 "gpu_found": bool(facts.get("available")),
                 "message": None if facts.get("available") else facts.get("reason") or "no NVIDIA GPU found",
                 "devices": [
-                    {key: device.get(key) for key in ("id", "index", "uuid", "name", "memory_total",
+                    {key: device.get(key) for key in ("id", "index", "nvml_index", "uuid", "name", "memory_total",
                                                        "power_limit", "is_mig", "parent_uuid", "pci_bus_id")}
                     for device in facts.get("devices") or [] if not device.get("lost")
                 ],
@@ -278,7 +314,7 @@ class Monitor:
         return {"t": round(self.trace.start_wall + t, 3), "values": {k: finite_or_none(v) for k, v in values.items()}}
 
     def hello_text(self) -> str:
-        return _message("hello", devices=self.devices())
+        return _message("hello", devices=self.devices(), stalled=self.stalled())
 
     def history_text(self) -> str:
         """The history message, encoded one column at a time.
@@ -327,8 +363,7 @@ class Monitor:
 
         Run in a worker thread. Rates need an interval, so a first reading is taken twice.
         """
-        sources = self._ensure_sources()
-        sampler = Sampler(sources.all(), self.trace, self.interval, [self._on_tick])
+        sampler = Sampler(self._answering(), self.trace, self.interval, [self._on_tick])
         if not len(self.trace):
             sampler.tick()
             time.sleep(FIRST_READING_GAP_S)
@@ -339,8 +374,11 @@ class Monitor:
     def _on_tick(self, trace: Trace) -> None:
         """Sampler-thread hook: serialise the new row once and pass it to the event loop."""
         self.ticks += 1
+        sampler = self._sampler
+        if sampler is not None:
+            self._note_stalled(sampler)
         latest = self.latest()
-        text = _message("sample", t=latest["t"], values=latest["values"])
+        text = _message("sample", t=latest["t"], values=latest["values"], stalled=self.stalled(latest["t"]))
         now = trace.now()
         processes = None
         if now - self._last_processes >= PROCESSES_EVERY_S:
@@ -353,7 +391,8 @@ class Monitor:
 
     def _list_processes(self, t: float | None) -> str:
         sources = self._sources
-        listed = sources.gpu.processes() if sources is not None else {}
+        # A GPU source that hung holds its lock inside the read that never returned: don't wait on it.
+        listed = sources.gpu.processes() if sources is not None and not self._is_hung(sources.gpu) else {}
         host_pids = foreign_pid_namespace(pid for rows in listed.values() for pid, _ in rows)
         gpus = {label: [self._describe_process(pid, memory, host_pids) for pid, memory in rows]
                 for label, rows in listed.items()}
