@@ -260,6 +260,7 @@ class Summary(TypedDict, total=False):
     gpu_idle_gaps: int  # gaps of at least summary.IDLE_GAP_S under summary.IDLE_UTIL_PERCENT
     gpu_longest_idle_s: float
     gpu_throttle_fraction: float  # share of busy samples with a slowdown reason (thermal, HW, brake), worst GPU
+    gpu_throttle_fraction_by_gpu: dict[str, float]  # the same per CUDA index ("0"), to name a rank's GPU
     gpu_clock_ratio_busy: float  # SM clock / its maximum while busy (worst GPU)
     process_gpu_mem_peak: float  # bytes this process held on a GPU, peak
     peak_gpu_mem_fraction: float  # of total memory, worst GPU

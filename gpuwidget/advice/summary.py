@@ -207,8 +207,10 @@ def _clocks(trace: Trace, judged: Sequence[int]) -> Summary:
     """Slowdown and power-cap shares of busy samples and the clock ratio (worst GPU), and the
     enforced power limit over the board's default (lowest)."""
     figures: Summary = {}
-    throttle = [t for t in (_throttling(trace, index) for index in judged) if t is not None]
+    by_gpu = {index: t for index, t in ((index, _throttling(trace, index)) for index in judged) if t is not None}
+    throttle = list(by_gpu.values())
     if throttle:
+        figures["gpu_throttle_fraction_by_gpu"] = {str(index): t[0] for index, t in by_gpu.items()}
         figures["gpu_throttle_fraction"] = max(slowdown for slowdown, _, _ in throttle)
         figures["gpu_power_capped_fraction"] = max(capped for _, capped, _ in throttle)
         ratios = [ratio for _, _, ratio in throttle if ratio is not None]

@@ -45,6 +45,7 @@ class ModelProbe:
         self._models: dict[int, dict[str, Any]] = {}
         self._objects: dict[int, Any] = {}
         self._versions: dict[int, int] = {}  # trainable parameters' version counters when first seen
+        self._parallel: dict[int, ParallelWatch] = {}  # DDP / DataParallel wrappers seen, by id
 
     def install(self) -> None:
         if self.installed:
@@ -62,6 +63,8 @@ class ModelProbe:
             handle.remove()
         self._handles = []
         self.installed = False
+        for watch in self._parallel.values():
+            watch.remove()
 
     def _before(self, module: Any, args: tuple[Any, ...]) -> None:
         depth = getattr(self._local, "depth", 0)
@@ -101,6 +104,9 @@ class ModelProbe:
         tensor = _first_tensor(args)
         device_type = next(iter(devices)) if len(devices) == 1 else ("cuda" if "cuda" in devices else "cpu")
         self._objects[key] = weakref.ref(module)  # never keep the user's model alive
+        parallel = ParallelWatch.of(module)
+        if parallel is not None:
+            self._parallel[key] = parallel
         self._models[key] = {
             "class": type(module).__name__,
             "parameters": parameters,
@@ -143,8 +149,90 @@ class ModelProbe:
             return None
         facts = dict(self._models[key])
         facts["name"] = names.get(key)
+        parallel = self._parallel.get(key)
+        facts["data_parallel"] = parallel is not None and parallel.kind == "DataParallel"
+        if parallel is not None:
+            facts.update(parallel.facts())
         facts.update(precision_settings())
         return cast(ModelFacts, facts)
+
+
+# DDP's reducer records its timings on iterations 1-10 and then every 100th
+# (kDDPRuntimeLoggingSampleRate in torch/csrc/distributed/c10d/reducer.hpp): the wrapper's logging
+# data is read again on those forward calls, so its averages survive a model freed before the watch ends.
+DDP_READ_EVERY = 100
+DDP_EARLY_READS = 12
+# _get_ddp_logging_data() keys that are 0/1 flags, kept as bool.
+DDP_FLAGS = ("gradient_as_bucket_view", "find_unused_parameters", "broadcast_buffers", "has_sync_bn",
+             "has_rebuilt_buckets", "is_multi_device_module")
+# Comma-separated byte counts, kept as lists of ints.
+DDP_LISTS = ("bucket_sizes", "rebuilt_bucket_sizes")
+
+
+class ParallelWatch:
+    """A DistributedDataParallel or DataParallel wrapper the probe saw: DDP's own logging data
+    (``_get_ddp_logging_data()``), read on the forward calls where its reducer has new figures."""
+
+    def __init__(self, module: Any, kind: str) -> None:
+        self.kind = kind
+        self._module = weakref.ref(module)
+        self._calls = 0
+        self._ddp: dict[str, Any] = {}
+        self._handle: Any = None
+        self._gpus = len(getattr(module, "device_ids", None) or [])
+        self._static: dict[str, Any] = {}
+        if kind == "DistributedDataParallel":
+            self._static = {"static_graph": bool(getattr(module, "static_graph", False))}
+            self._handle = module.register_forward_pre_hook(self._count)
+
+    @classmethod
+    def of(cls, module: Any) -> ParallelWatch | None:
+        from torch import nn
+
+        if isinstance(module, nn.parallel.DistributedDataParallel):
+            return cls(module, "DistributedDataParallel")
+        if isinstance(module, nn.DataParallel):
+            return cls(module, "DataParallel")
+        return None
+
+    def _count(self, module: Any, args: Any) -> None:
+        self._calls += 1
+        if self._calls <= DDP_EARLY_READS or self._calls % DDP_READ_EVERY == 1:
+            with contextlib.suppress(Exception):  # a probe never breaks the forward pass
+                self._read(module)
+
+    def _read(self, module: Any) -> None:
+        self._ddp = ddp_logging_facts(module._get_ddp_logging_data())
+
+    def remove(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+    def facts(self) -> dict[str, Any]:
+        if self.kind == "DataParallel":
+            return {"data_parallel_gpus": self._gpus}
+        module = self._module()
+        if module is not None:
+            with contextlib.suppress(Exception):  # the process group may be gone already
+                self._read(module)
+        return {"ddp": {**self._ddp, **self._static}} if self._ddp else {"ddp": dict(self._static)}
+
+
+def ddp_logging_facts(data: Mapping[str, Any]) -> dict[str, Any]:
+    """The numeric and boolean fields of DDP's logging data: times in ns as torch reports them
+    (``avg_*`` are averages over the sampled iterations), sizes in bytes; absolute timestamps
+    (``*_start``, ``*_end``) and strings (addresses, environment) are left out."""
+    facts: dict[str, Any] = {}
+    for key, value in data.items():
+        if key in DDP_LISTS and isinstance(value, str):
+            facts[key] = [int(part) for part in value.replace(" ", "").split(",") if part.isdigit()]
+        elif key in DDP_FLAGS:
+            facts[key] = bool(value)
+        elif isinstance(value, (int, float)) and not isinstance(value, bool) \
+                and not key.endswith(("_start", "_end")):
+            facts[key] = value
+    return facts
 
 
 def _owner(module: Any, frame: Any) -> Any:

@@ -10,8 +10,10 @@ from collections.abc import Callable
 from gpuwidget.advice.finding import Finding
 from gpuwidget.advice.rules import (
     cpu_contention,
+    data_parallel,
     dataloader_cpu_bound,
     dataloader_starved,
+    ddp_communication,
     fp32_math,
     gpu_imbalance,
     gpu_throttled,
@@ -21,6 +23,7 @@ from gpuwidget.advice.rules import (
     memory_pressure,
     pageable_transfer,
     periodic_stall,
+    rank_straggler,
     small_batch,
 )
 from gpuwidget.facts import MachineFacts, Summary, WorkloadFacts
@@ -32,5 +35,6 @@ RULES: dict[str, Rule] = {
     for module in (
         dataloader_starved, dataloader_cpu_bound, io_bound, small_batch, memory_pressure, fp32_math,
         launch_bound, periodic_stall, pageable_transfer, gpu_throttled, gpu_unused, cpu_contention, gpu_imbalance,
+        rank_straggler, ddp_communication, data_parallel,
     )
 }

@@ -4,7 +4,8 @@ A single process training on one GPU of a node leaves the others idle by design:
 lists them apart ("GPUs 1-7 were idle and unused by this kernel") and this rule says nothing.
 It speaks when the work was meant to spread: the workload used several GPUs and their busy shares
 differ widely (a synchronous step waits for the busiest, e.g. DataParallel gathering on GPU 0), or
-the model is wrapped for several GPUs while visible GPUs stayed idle and unused.
+the model is wrapped for several GPUs while visible GPUs stayed idle and unused, or several training
+processes (ranks) ran while visible GPUs that no rank used stayed idle.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from __future__ import annotations
 from gpuwidget.advice.code import model_code
 from gpuwidget.advice.finding import Finding
 from gpuwidget.advice.rules._gpu import gpu_measured, model_name
+from gpuwidget.advice.rules._ranks import ranks
+from gpuwidget.advice.summary import IDLE_UTIL_PERCENT
 from gpuwidget.facts import MachineFacts, Summary, WorkloadFacts
 
 RULE = "gpu-imbalance"
@@ -46,6 +49,9 @@ def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> F
             code=f"# one process per GPU: torchrun --nproc_per_node={len(used)} train.py  (DistributedDataParallel)",
             expected_speedup=round(used[busiest] / mean, 2) if mean > 0 else None,
         )
+    unranked = _idle_gpus_no_rank_uses(summary, workload, machine)
+    if unranked:
+        return _unranked_finding(unranked, workload, by_gpu)
     if wrapper in MULTI_GPU_WRAPPERS and idle:
         count = len(used) + len(idle)
         return Finding(
@@ -64,3 +70,35 @@ def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> F
             expected_speedup=round(count / max(1, len(used)), 2),
         )
     return None
+
+
+def _idle_gpus_no_rank_uses(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> list[int]:
+    """With several ranks, each on a GPU: the visible GPUs none of them used that stayed idle."""
+    training = ranks(workload)
+    used = {int(rank["gpu"]) for rank in training if rank.get("gpu") is not None}
+    if len(training) < 2 or not used:
+        return []
+    by_gpu = summary.get("gpu_busy_by_gpu") or {}
+    visible = [int(gpu["index"]) for gpu in machine.get("gpus") or [] if gpu.get("index") is not None]
+    return [index for index in visible or [int(key) for key in by_gpu]
+            if index not in used and by_gpu.get(str(index), 0.0) < IDLE_UTIL_PERCENT]
+
+
+def _unranked_finding(unranked: list[int], workload: WorkloadFacts, by_gpu: dict[str, float]) -> Finding:
+    training = ranks(workload)
+    used = sorted({int(rank["gpu"]) for rank in training if rank.get("gpu") is not None})
+    count = len(used) + len(unranked)
+    listed = ", ".join(map(str, unranked))
+    return Finding(
+        rule=RULE,
+        severity="warn",
+        title=f"{len(training)} ranks trained on GPU(s) {', '.join(map(str, used))}; GPU(s) {listed} stayed idle",
+        evidence={"ranks": len(training), "gpus_of_ranks": used, "gpus_no_rank_used": unranked,
+                  "gpu_busy_by_gpu": {key: round(value, 1) for key, value in by_gpu.items()}},
+        suggestion=(f"No training process used GPU(s) {listed}, and they did no other work. Start one process "
+                    f"per GPU (torchrun --nproc_per_node={count}, or notebook_launcher(..., num_processes={count})) "
+                    "and scale the learning rate or keep the global batch size as the run needs."),
+        change={"nproc_per_node": count},
+        code=f"# one process per GPU: torchrun --nproc_per_node={count} train.py",
+        expected_speedup=round(count / len(used), 2),
+    )

@@ -1,0 +1,148 @@
+"""ddp-communication: DistributedDataParallel's gradient all-reduce is not hidden behind the backward pass.
+
+DDP groups gradients into buckets and all-reduces each bucket as soon as its gradients are ready,
+so communication runs while backward still computes (Li et al., "PyTorch Distributed", VLDB 2020).
+Its own logging data (``model._get_ddp_logging_data()``) times both: the all-reduce that runs past
+the end of backward (``avg_backward_comm_time - avg_backward_compute_comm_overlap_time``) is time
+every step waits on the network. Many tiny buckets pay a fixed latency per all-reduce; fewer
+all-reduces per optimizer step (``no_sync()`` with gradient accumulation) pay it less often.
+
+With several ranks the rule judges the rank that waited least: a straggler's late arrival shows up
+as communication time on every *other* rank (that is ``rank-straggler``'s finding), while the
+straggler itself waits only for the transfer.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from gpuwidget.advice.code import model_code
+from gpuwidget.advice.finding import Finding
+from gpuwidget.advice.rules._ranks import processes_with_models
+from gpuwidget.facts import DdpFacts, MachineFacts, Summary, WorkloadFacts
+
+RULE = "ddp-communication"
+# All-reduce left exposed after backward, as a share of the step, worth saying: PyTorch's profiler
+# flags DataLoader time above 5% of a step; communication counts from twice that, as some exposed
+# all-reduce (the last bucket's) is unavoidable.
+EXPOSED_COMM_SHARE = 0.10
+# Above this share of the step the finding is critical.
+CRITICAL_COMM_SHARE = 0.30
+# torch's default bucket_cap_mb (torch.nn.parallel.DistributedDataParallel).
+DEFAULT_BUCKET_CAP_MB = 25
+# Buckets smaller than this on average mean many all-reduces each paying its latency.
+SMALL_BUCKET_BYTES = 1 << 20
+# Gradient accumulation: sync once every K micro-batches, K chosen to bring the exposed share under
+# this target, at most MAX_ACCUMULATION (larger K changes the optimisation more than the speed).
+ACCUMULATION_TARGET_SHARE = 0.05
+MAX_ACCUMULATION = 8
+NS = 1e-9
+
+
+def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> Finding | None:
+    judged = [figures for figures in (_figures(model.get("ddp"), step, who)
+                                      for model, step, who in processes_with_models(summary, workload)
+                                      if model.get("ddp")) if figures is not None]
+    if not judged:
+        return None
+    figures = min(judged, key=lambda f: f["exposed_share"])  # the rank that waited least (see above)
+    share = figures["exposed_share"]
+    if share < EXPOSED_COMM_SHARE:
+        return None
+    ddp: DdpFacts = figures["ddp"]
+    names = [model.get("name") for model, _, _ in processes_with_models(summary, workload) if model.get("ddp")]
+    name = names[0] if names and all(n == names[0] for n in names) else None
+    keywords, reasons = _changes(ddp, figures)
+    accumulate = min(MAX_ACCUMULATION, max(2, math.ceil(share / ACCUMULATION_TARGET_SHARE)))
+    step, exposed = figures["step_s"], figures["exposed_s"]
+    exposed_ms, step_ms = exposed * 1e3, step * 1e3
+    evidence: dict[str, Any] = {
+        "judged": figures["who"], "world_size": ddp.get("world_size"),
+        "exposed_comm_ms": round(exposed_ms, 2), "step_time_ms": round(step_ms, 2),
+        "exposed_comm_share": round(share, 3),
+        "backward_comm_ms": round(int(ddp.get("avg_backward_comm_time", 0)) * NS * 1e3, 2),
+        "backward_compute_ms": round(int(ddp.get("avg_backward_compute_time", 0)) * NS * 1e3, 2),
+        "forward_compute_ms": round(int(ddp.get("avg_forward_compute_time", 0)) * NS * 1e3, 2),
+        "buckets": figures["buckets"], "bucket_cap_mb": round(int(ddp.get("bucket_cap_bytes", 0)) / 2**20, 3),
+        "mean_bucket_kb": round(figures["mean_bucket_bytes"] / 1024, 1),
+        "gradient_as_bucket_view": ddp.get("gradient_as_bucket_view"), "static_graph": ddp.get("static_graph"),
+        "find_unused_parameters": ddp.get("find_unused_parameters"),
+    }
+    sentences = [f"{exposed_ms:.1f} ms of each {step_ms:.1f} ms step ({share:.0%}) waits for DDP's gradient "
+                 f"all-reduce after backward has finished ({figures['who']}, world size {ddp.get('world_size')})."]
+    sentences += reasons
+    sentences.append(f"With gradient accumulation, skip the all-reduce on {accumulate - 1} of every {accumulate} "
+                     f"micro-batches with model.no_sync(): the exposed {exposed_ms:.1f} ms is then paid once "
+                     f"per {accumulate} batches (keep the effective batch size in mind for the learning rate).")
+    return Finding(
+        rule=RULE,
+        severity="critical" if share >= CRITICAL_COMM_SHARE else "warn",
+        title=f"{share:.0%} of each step waits for DDP's gradient all-reduce",
+        evidence=evidence,
+        suggestion=" ".join(sentences),
+        change={**keywords, "no_sync_accumulation_steps": accumulate},
+        code=_code(name, keywords, accumulate),
+        expected_speedup=round(max(1.0, step / max(step - exposed, 1e-9)), 2),
+    )
+
+
+def _figures(ddp: DdpFacts | None, step_s: float | None, who: str) -> dict[str, Any] | None:
+    """Per-step figures of one process, in seconds; None without DDP's timings."""
+    if not ddp or not ddp.get("avg_backward_comm_time"):
+        return None
+    comm = int(ddp.get("avg_backward_comm_time", 0)) * NS
+    overlap = int(ddp.get("avg_backward_compute_comm_overlap_time", 0)) * NS
+    exposed = max(0.0, comm - overlap)
+    own = (int(ddp.get("avg_forward_compute_time", 0)) + int(ddp.get("avg_backward_compute_time", 0))) * NS
+    step = step_s if step_s and step_s > exposed else own + exposed
+    if step <= 0:
+        return None
+    sizes = list(ddp.get("rebuilt_bucket_sizes") or ddp.get("bucket_sizes") or [])
+    total = int(ddp.get("total_parameter_size_bytes") or sum(sizes))
+    return {"ddp": ddp, "who": who, "exposed_s": exposed, "step_s": step, "exposed_share": exposed / step,
+            "buckets": len(sizes), "mean_bucket_bytes": total / len(sizes) if sizes else 0.0, "total_bytes": total}
+
+
+def _changes(ddp: DdpFacts, figures: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """The DDP(...) keywords to change, and why, in figures."""
+    keywords: dict[str, Any] = {}
+    reasons: list[str] = []
+    cap_mb = int(ddp.get("bucket_cap_bytes", 0)) / 2**20
+    if figures["buckets"] > 1 and figures["mean_bucket_bytes"] < SMALL_BUCKET_BYTES and cap_mb < DEFAULT_BUCKET_CAP_MB:
+        after = max(1, math.ceil(figures["total_bytes"] / (DEFAULT_BUCKET_CAP_MB * 2**20)))
+        keywords["bucket_cap_mb"] = DEFAULT_BUCKET_CAP_MB
+        reasons.append(f"Its {figures['buckets']} buckets hold {figures['mean_bucket_bytes'] / 1024:.0f} KB each "
+                       f"(bucket_cap_mb={cap_mb:g}): every all-reduce pays its own latency; bucket_cap_mb="
+                       f"{DEFAULT_BUCKET_CAP_MB} (torch's default) makes {after} of them.")
+    if not ddp.get("gradient_as_bucket_view"):
+        keywords["gradient_as_bucket_view"] = True
+        reasons.append(f"gradient_as_bucket_view=True lets gradients live in the buckets, saving a copy of all "
+                       f"{figures['total_bytes'] / 2**20:.1f} MB of gradients each step (and that memory).")
+    if ddp.get("find_unused_parameters") and not ddp.get("unused_parameter_size"):
+        keywords["find_unused_parameters"] = False
+        reasons.append("find_unused_parameters=True walks the autograd graph every step, yet no parameter went "
+                       "unused: turn it off.")
+    if not ddp.get("static_graph"):
+        keywords["static_graph"] = True
+        reasons.append("If every step uses the same parameters in the same order, static_graph=True lets DDP "
+                       "fix the bucket order and skip per-step bookkeeping.")
+    return keywords, reasons
+
+
+def _code(name: str | None, keywords: dict[str, Any], accumulate: int) -> str:
+    listed = "".join(f", {key}={value!r}" for key, value in keywords.items())
+    lines = ["from torch.nn.parallel import DistributedDataParallel",
+             model_code(name, "{model} = DistributedDataParallel({model}.module, device_ids={model}.device_ids"
+                        + listed + ")  # on every rank",
+                        "where you wrap the model in DistributedDataParallel")]
+    lines += [f"# Gradient accumulation: all-reduce once every {accumulate} micro-batches.",
+              "# import contextlib",
+              "# for i, (x, y) in enumerate(loader):",
+              f"#     sync = (i + 1) % {accumulate} == 0",
+              f"#     with contextlib.nullcontext() if sync else {name or 'model'}.no_sync():",
+              f"#         loss_fn({name or 'model'}(x), y).backward()",
+              "#     if sync:",
+              "#         optimizer.step()",
+              "#         optimizer.zero_grad()"]
+    return "\n".join(lines)
