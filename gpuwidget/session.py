@@ -19,6 +19,7 @@ from gpuwidget.advice.advisor import advise
 from gpuwidget.advice.summary import summarize
 from gpuwidget.clock import now
 from gpuwidget.facts import MachineFacts
+from gpuwidget.kernelstatus import StatusWriter
 from gpuwidget.options import OptionError, WatchOptions, make_options
 from gpuwidget.probes import Probes
 from gpuwidget.run import Run, RunError
@@ -123,6 +124,17 @@ def _within(deadline_s: float, build: Callable[[], _Built]) -> _Built | None:
     return built[0]
 
 
+def _watch_children(trace: Trace, probes: Probes) -> Any:
+    """The child channel (gpuwidget.children); None if it cannot start: the watch goes on without children."""
+    try:
+        from gpuwidget.children import ChildWatch
+
+        return ChildWatch(trace, probes)
+    except Exception as exc:  # noqa: BLE001
+        log.warning("gpuwidget: child processes will not be watched: %s", exc)
+        return None
+
+
 def _in_notebook() -> bool:
     """True when a Jupyter kernel is running us (widgets can be shown)."""
     try:
@@ -152,8 +164,10 @@ class Watch:
         self._live: Any = None
         self._handle: Any = None
         self._probes: Probes | None = None
+        self._children: Any = None  # gpuwidget.children.ChildWatch: processes the watched code starts
         self._objects: dict[str, Any] = {}
         self._started = 0.0
+        self._status: StatusWriter | None = None
 
     def start(self) -> Run:
         global _active
@@ -172,6 +186,11 @@ class Watch:
             self._sources = [host] + ([gpu_source] if gpu_source is not None else [])
             self._probes = Probes(trace)
             listeners: list[Any] = [self._probes.poll]
+            # The server's /metrics reads this kernel's watch status from a small private file.
+            self._status = StatusWriter.for_kernel(self.label, self._probes.progress)
+            if self._status is not None:
+                self._status.started()
+                listeners.append(self._status.on_tick)
             if self.display and self.options.live and _in_notebook():
                 self._show_live(trace, machine)
                 if self._live is not None:
@@ -179,6 +198,7 @@ class Watch:
             self._sampler = Sampler(self._sources, trace, self.options.interval, listeners)
             self._started = now()
             trace.start_clock = self._started
+            self._children = _watch_children(trace, self._probes)
             self._probes.poll()
             self._sampler.start()
         except BaseException:
@@ -215,7 +235,11 @@ class Watch:
             if self._probes is not None:
                 run.workload = self._probes.facts(self._user_namespace())
                 self._objects = self._probes.objects()
+            if self._children is not None:
+                run.workload = self._children.workload(run.workload)
             run.summary = summarize(run.trace, run.workload, duration_s=duration, machine=run.machine)
+            if self._children is not None:
+                run.summary = self._children.summary(run.summary, run.workload)
             if self.options.advice:
                 run.findings = advise(run.summary, run.workload, run.machine)
             if self._sampler is not None:
@@ -228,6 +252,8 @@ class Watch:
             log.warning("gpuwidget: could not summarise the run: %s", exc)
         _last_run = run
         _remember(self.source, run)
+        if self._status is not None:
+            self._status.finished(dict(run.summary or {}), run.findings[0].rule if run.findings else None)
         self._save(run)
         self._show_result(run)
         if self.options.tune and error is None and interrupt is None:
@@ -274,7 +300,8 @@ class Watch:
         """
         interrupt: BaseException | None = None
         try:
-            for step in (self._remove_probes, self._stop_sampler, self._close_sources, self._close_live):
+            for step in (self._remove_probes, self._close_children, self._stop_sampler, self._close_sources,
+                         self._close_live):
                 try:
                     step()
                 except Exception as exc:  # noqa: BLE001 - the user's cell has ended; nothing may raise into it
@@ -288,6 +315,10 @@ class Watch:
     def _remove_probes(self) -> None:
         if self._probes is not None:
             self._probes.uninstall()
+
+    def _close_children(self) -> None:
+        if self._children is not None:
+            self._children.close()
 
     def _stop_sampler(self) -> None:
         if self._sampler is not None:
@@ -306,6 +337,9 @@ class Watch:
     def _close_live(self) -> None:
         if self._live is not None:
             self._live.close()
+            from gpuwidget.ui.live import retire_bokehjs_loader
+
+            retire_bokehjs_loader()
 
     def _save(self, run: Run) -> None:
         if not self.options.save:
@@ -319,11 +353,13 @@ class Watch:
         if not self.display:
             return
         try:
+            # What the cell printed goes out first: the panel comes after it, as output does.
+            _flush_streams()
             if self._handle is not None:
-                # The static panel replaces the live widget: it survives saving the
-                # notebook, where a widget without saved state would show an error.
-                self._handle.update(run)
-            elif _in_ipython():
+                # The live view's output is emptied (no widget without saved state stays in the
+                # notebook to show an error) and the panel shown below what the cell printed.
+                self._handle.update({"text/plain": ""}, raw=True)
+            if _in_ipython():
                 from IPython.display import display
 
                 display(run)
@@ -357,6 +393,15 @@ def _close_quietly(source: Source) -> None:
         source.close()
     except Exception as exc:  # noqa: BLE001
         log.warning("gpuwidget: closing %s failed: %s", getattr(source, "name", source), exc)
+
+
+def _flush_streams() -> None:
+    """Send buffered stdout/stderr (ipykernel buffers them; display messages go out at once)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001, S112 - a closed or replaced stream has nothing to send
+            continue
 
 
 def _show_text(text: str) -> None:

@@ -1,9 +1,11 @@
 """Serves BokehJS from the server's own bokeh package, so live plots load with no CDN.
 
-The kernel's live view asks for ``{base_url}gpuwidget/static/bokeh-<version>.min.js``
-whenever the page has no BokehJS of its version (after a page reload, say). The file
-is served only when the server's bokeh is that exact version, because BokehJS refuses
-documents from another version; otherwise the kernel's inline copy is the fallback.
+The page asks for ``{base_url}gpuwidget/static/bokeh-<version>.min.js`` when a live plot
+needs BokehJS of that version and the page has none; a kernel started by this server first
+asks (HEAD) whether it is served (gpuwidget/ui/bokehjs.py), so that it sends the page a
+small loader instead of BokehJS inline. The file is served only when the server's bokeh is
+that exact version, because BokehJS refuses documents from another version; otherwise the
+kernel's inline copy is the fallback.
 """
 
 from __future__ import annotations
@@ -34,8 +36,21 @@ class BokehJSHandler(APIHandler):
     @web.authenticated
     @authorized
     async def get(self, version: str) -> None:
+        path = self._bundle(version)
+        self.set_header("Cache-Control", "private, max-age=31536000, immutable")
+        await self.finish(path.read_bytes(), set_content_type="application/javascript; charset=utf-8")
+
+    @web.authenticated
+    @authorized
+    async def head(self, version: str) -> None:
+        """Is this version served? (asked by kernels before they choose a loader)"""
+        path = self._bundle(version)
+        self.set_header("Content-Type", "application/javascript; charset=utf-8")
+        self.set_header("Content-Length", str(path.stat().st_size))
+        await self.finish()
+
+    def _bundle(self, version: str) -> Path:
         installed, path = bokehjs_file()
         if version != installed:
             raise web.HTTPError(404, f"this server has BokehJS {installed}, not {version}")
-        self.set_header("Cache-Control", "private, max-age=31536000, immutable")
-        await self.finish(path.read_bytes(), set_content_type="application/javascript; charset=utf-8")
+        return path

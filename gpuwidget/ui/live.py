@@ -17,6 +17,7 @@ import html
 import json
 import math
 import threading
+import uuid
 from typing import Any
 
 import numpy as np
@@ -37,6 +38,7 @@ MAX_BANDS = 2000
 
 
 _bokehjs_inlined = False
+_loader_display_id: str | None = None
 
 # Asks the Jupyter server (gpuwidget's server extension) for BokehJS when the page lacks
 # it, e.g. after a browser reload while the kernel kept running. Synchronous on purpose:
@@ -72,17 +74,21 @@ _INLINE_LOADER = """(function () {
 def ensure_bokehjs(force: bool = False) -> str:
     """Make sure the page has this kernel's BokehJS before a live plot is shown; no CDN.
 
-    The first watch in a kernel sends BokehJS inline (about 1.3 MB, Bokeh's core bundle
-    from the installed package), which works with any Jupyter server. Later watches send
-    a few hundred bytes that fetch it from gpuwidget's server extension only if the page
-    lost it (a reload). ``force`` sends the inline copy again. Returns which was sent.
+    Where the Jupyter server that started this kernel serves BokehJS of this version
+    (gpuwidget's server extension; see gpuwidget.ui.bokehjs), a few hundred bytes that fetch
+    it from there if the page lacks it. Elsewhere the first watch in a kernel sends it inline
+    (about 1.3 MB, Bokeh's core bundle from the installed package) and later watches the
+    small loader (for a page reloaded meanwhile). ``force`` sends the inline copy again.
+    Returns which was sent.
     """
-    global _bokehjs_inlined
+    global _bokehjs_inlined, _loader_display_id
     import bokeh
     from IPython.display import publish_display_data
 
+    from gpuwidget.ui.bokehjs import server_serves_bokehjs
+
     version = json.dumps(bokeh.__version__)
-    if _bokehjs_inlined and not force:
+    if not force and (_bokehjs_inlined or server_serves_bokehjs(bokeh.__version__)):
         kind, code = "server", _SERVER_LOADER % {"version": version}
     else:
         from bokeh.resources import Resources
@@ -90,9 +96,24 @@ def ensure_bokehjs(force: bool = False) -> str:
         bundle = "\n".join(Resources(mode="inline", components=["bokeh"]).js_raw)
         kind, code = "inline", _INLINE_LOADER % {"version": version, "code": json.dumps(bundle)}
         _bokehjs_inlined = True
+    # With a display id, so that retire_bokehjs_loader() can empty it: the page keeps BokehJS,
+    # the saved notebook does not (1.3 MB inline), and nothing runs again when it is reopened.
+    _loader_display_id = f"gpuwidget-bokehjs-{uuid.uuid4().hex}"
     publish_display_data({"application/javascript": code, "text/plain": ""},
-                         metadata={"gpuwidget": {"bokehjs": bokeh.__version__, "loader": kind}})
+                         metadata={"gpuwidget": {"bokehjs": bokeh.__version__, "loader": kind}},
+                         transient={"display_id": _loader_display_id})
     return kind
+
+
+def retire_bokehjs_loader() -> None:
+    """Empty the output that carried the last loader (once the live plot it served is gone)."""
+    global _loader_display_id
+    if _loader_display_id is None:
+        return
+    from IPython.display import publish_display_data
+
+    display_id, _loader_display_id = _loader_display_id, None
+    publish_display_data({"text/plain": ""}, transient={"display_id": display_id}, update=True)
 
 
 class LiveView:
