@@ -8,6 +8,7 @@ happens in the cell, :meth:`Probes.uninstall` leaves nothing patched or hooked.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import threading
@@ -79,6 +80,25 @@ class Probes:
             if self._data is not None:
                 self._data.finish(now())
 
+    def detach_after_fork(self) -> None:
+        """In a forked child: put torch back without taking any lock (another thread of the parent
+        may have held one at the fork, and that thread does not exist here) and record nothing more."""
+        self._closed = True
+        data, model = self._data, self._model
+        if data is not None and data.installed:
+            from torch.utils.data import DataLoader
+            from torch.utils.data.dataloader import _BaseDataLoaderIter
+
+            for owner, name, key in ((DataLoader, "__init__", "init"), (DataLoader, "__iter__", "iter"),
+                                     (_BaseDataLoaderIter, "__next__", "next")):
+                if owner.__dict__.get(name) is data._wrappers[key]:
+                    setattr(owner, name, data._originals[key])
+            data.installed = False
+        if model is not None:
+            with contextlib.suppress(Exception):  # removing a hook handle takes no lock
+                model.uninstall()
+        self._data = self._model = self._cuda = None
+
     def objects(self) -> dict[str, Any]:
         """The live loader (busiest first) and model objects the probes saw, for measuring advice."""
         loaders = []
@@ -87,6 +107,16 @@ class Probes:
             loaders = [s.loader for s in ranked if s.loader is not None]
         model = self._model.model() if self._model is not None else None
         return {"loaders": loaders, "model": model}
+
+    def progress(self) -> tuple[int, int, float, float] | None:
+        """The busiest loader's running totals so far: (steps, samples, wait s, loop s); None before one."""
+        data = self._data
+        if data is None:
+            return None
+        busiest = max(list(data.stats), key=lambda s: s.wait_total + s.compute_total, default=None)
+        if busiest is None:
+            return None
+        return busiest.steps, busiest.samples, busiest.wait_total, busiest.wait_total + busiest.compute_total
 
     def facts(self, namespace: Mapping[str, Any] | None) -> WorkloadFacts:
         """WorkloadFacts as plain data: loaders, model, CUDA memory, torch version."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Any
 
-from traitlets import Float
+from traitlets import Bool, Dict, Float, TraitError, Unicode, validate
 from traitlets.config import Configurable
 
 if TYPE_CHECKING:
@@ -28,6 +28,36 @@ class GpuWidget(Configurable):
 
     interval = Float(1.0, help="Seconds between samples of the shared GPU/host sampler.").tag(config=True)
     history_s = Float(3600.0, help="Seconds of history kept and sent to a new subscriber.").tag(config=True)
+
+    # Prometheus: gpuwidget's figures on the server's own /metrics, and the cluster read back from Prometheus.
+    metrics = Bool(True, help="Add gpuwidget's series to the server's {base_url}metrics.").tag(config=True)
+    metrics_hostname = Unicode(
+        "", help="The Hostname label of gpuwidget's series (default: this machine's host name; in a pod, "
+                 "set the node's name to join with dcgm-exporter's series).").tag(config=True)
+    metrics_keepalive_s = Float(
+        300.0, help="Seconds a scrape of /metrics keeps the shared sampler running (0: scrapes never start it)."
+    ).tag(config=True)
+    prometheus_url = Unicode(
+        "", help="Prometheus's base URL (http://prometheus:9090); set, the sidebar shows the cluster's GPUs.",
+    ).tag(config=True)
+    prometheus_headers = Dict(
+        per_key_traits=None, value_trait=Unicode(), default_value={},
+        help="Extra HTTP headers for Prometheus (e.g. X-Scope-OrgID for Mimir or Thanos).").tag(config=True)
+    prometheus_token = Unicode("", help="Bearer token sent to Prometheus.").tag(config=True)
+    cluster_selector = Unicode(
+        "", help='PromQL label matchers choosing the cluster\'s GPUs, e.g. {job="gpu",pod=~"user-.*"}.',
+    ).tag(config=True)
+    prometheus_timeout_s = Float(10.0, help="Seconds a Prometheus query may take.").tag(config=True)
+    prometheus_connect_timeout_s = Float(3.0, help="Seconds to connect to Prometheus.").tag(config=True)
+
+    @validate("cluster_selector")
+    def _check_selector(self, proposal: Any) -> str:
+        from gpuwidget.server.cluster import check_selector
+
+        try:
+            return check_selector(proposal["value"]) or ""
+        except ValueError as exc:
+            raise TraitError(str(exc)) from None
 
 
 def _kernel_pids(serverapp: ServerApp) -> dict[str, int | None]:
@@ -48,6 +78,7 @@ def _load_jupyter_server_extension(serverapp: ServerApp) -> None:
     from jupyter_server.utils import url_path_join
     from tornado.ioloop import PeriodicCallback
 
+    from gpuwidget.server.cluster import ClusterHandler
     from gpuwidget.server.handlers import DevicesHandler, SnapshotHandler, StreamHandler
     from gpuwidget.server.monitor import Monitor
     from gpuwidget.server.static import BOKEHJS_ROUTE, BokehJSHandler
@@ -62,7 +93,9 @@ def _load_jupyter_server_extension(serverapp: ServerApp) -> None:
         (r"/gpuwidget/api/devices", DevicesHandler),
         (r"/gpuwidget/api/snapshot", SnapshotHandler),
         (r"/gpuwidget/api/stream", StreamHandler),
+        (r"/gpuwidget/api/cluster", ClusterHandler),
     ]
+    _add_prometheus(serverapp, config, monitor)
     web_app.add_handlers(".*$", [(url_path_join(base_url, route), handler) for route, handler in routes])
 
     async def refresh() -> None:
@@ -71,3 +104,27 @@ def _load_jupyter_server_extension(serverapp: ServerApp) -> None:
 
     PeriodicCallback(lambda: asyncio.ensure_future(refresh()), KERNEL_REFRESH_MS).start()
     serverapp.log.info("gpuwidget server extension loaded (interval %.2f s)", config.interval)
+
+
+def _add_prometheus(serverapp: ServerApp, config: GpuWidget, monitor: Any) -> None:
+    """The collector on jupyter_server's /metrics, and the cluster route's Prometheus settings."""
+    import socket
+
+    from gpuwidget.server.cluster import Cluster, PrometheusConfig
+    from gpuwidget.server.metrics import GpuWidgetCollector, ScrapeKeepalive, register
+
+    settings = serverapp.web_app.settings
+    prometheus = None
+    if config.prometheus_url:
+        prometheus = PrometheusConfig(
+            url=config.prometheus_url, headers=dict(config.prometheus_headers), token=config.prometheus_token,
+            selector=config.cluster_selector or None, timeout_s=config.prometheus_timeout_s,
+            connect_timeout_s=config.prometheus_connect_timeout_s)
+    settings["gpuwidget_cluster"] = Cluster(prometheus)
+    if not config.metrics:
+        return
+    register(GpuWidgetCollector(
+        monitor, config.metrics_hostname or socket.gethostname(),
+        notebooks_allowed=lambda: bool(settings.get("authenticate_prometheus", True)),
+        status_dir=lambda: getattr(serverapp.kernel_manager, "connection_dir", None) or serverapp.runtime_dir,
+        keepalive=ScrapeKeepalive(monitor, config.metrics_keepalive_s)))

@@ -238,3 +238,45 @@ def _text(path: str) -> str | None:
             return fh.read().strip()
     except OSError:
         return None
+
+
+# ------------------------------------------------------------------ usage
+
+
+@dataclass(frozen=True)
+class CgroupUsage:
+    """What the process's own cgroup has used: None where its files are absent."""
+
+    cpu_seconds: float | None = None  # CPU time of every task in the cgroup since it was created
+    mem_bytes: int | None = None  # memory charged to it now (page cache included, as the limit counts it)
+
+
+def read_usage(root: str = CGROUP_ROOT, proc_cgroup: str = PROC_CGROUP) -> CgroupUsage:
+    """CPU time and memory of the cgroup that ``proc_cgroup`` names, read under ``root``; never raises.
+
+    v2: ``cpu.stat`` (``usage_usec``) and ``memory.current``; v1: ``cpuacct.usage`` (ns) and
+    ``memory.usage_in_bytes``. Read in the process's own cgroup (usage is not inherited).
+    """
+    try:
+        memberships = _memberships(proc_cgroup)
+    except OSError:
+        memberships = {}
+    if os.path.exists(os.path.join(root, "cgroup.controllers")):
+        own = _own_dir(root, memberships.get("", "/"))
+        usec = None
+        for line in (_text(os.path.join(own, "cpu.stat")) or "").splitlines():
+            name, _, value = line.partition(" ")
+            if name == "usage_usec" and value.strip().isdigit():
+                usec = int(value)
+        return CgroupUsage(None if usec is None else usec / 1e6, _bytes(os.path.join(own, "memory.current")))
+    cpu_seconds = None
+    cpuacct = _controller_mount(root, "cpuacct")
+    if cpuacct is not None:
+        own = _own_dir(cpuacct, memberships.get("cpuacct", "/"))
+        ns = _text(os.path.join(own, "cpuacct.usage"))
+        cpu_seconds = int(ns) / 1e9 if ns is not None and ns.isdigit() else None
+    memory = None
+    memory_mount = _controller_mount(root, "memory")
+    if memory_mount is not None:
+        memory = _bytes(os.path.join(_own_dir(memory_mount, memberships.get("memory", "/")), "memory.usage_in_bytes"))
+    return CgroupUsage(cpu_seconds, memory)
