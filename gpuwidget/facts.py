@@ -160,6 +160,9 @@ class WorkloadFacts(TypedDict, total=False):
     cuda: CudaFacts | None
     probe_errors: list[str]  # why a probe could not run or be removed
     frameworks: dict[str, str]  # role ("hf_trainer", "training_args", "accelerator") -> the user's name
+    # One entry per training process, the watch's own included when it trained (gpuwidget.children.ranks).
+    ranks: list[dict[str, Any]]
+    trained_in: dict[str, Any]  # {"pid", "rank"}: the child whose loaders and model these are (own process idle)
 
 
 # --------------------------------------------------------------------------- machine
@@ -265,6 +268,7 @@ class Summary(TypedDict, total=False):
     process_gpu_mem_peak: float  # bytes this process held on a GPU, peak
     peak_gpu_mem_fraction: float  # of total memory, worst GPU
     peak_gpu_mem_fraction_by_gpu: dict[str, float]  # per CUDA index ("0")
+    training_processes: int  # processes that trained (workload["ranks"] with steps); loop figures are the job's if > 1
     # NVML's energy counter (Volta and newer), over the watched cell, the GPUs judged summed; absent
     # where any of them can't report it. Per sample and per step where the loader counted them.
     energy_j: float

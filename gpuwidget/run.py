@@ -85,6 +85,15 @@ class Run:
         }
 
     @property
+    def ranks(self) -> list[dict[str, Any]]:
+        """One entry per training process (the watch's own when it trained, then the children it
+        started): ``rank``, ``pid``, ``gpu``, ``steps``, ``samples_per_s``, ``data_wait_fraction``,
+        ``step_time_p50_s``, ``step_time_p95_s``; ``workload["ranks"]`` has each one's facts too."""
+        from gpuwidget.children.ranks import public
+
+        return public(cast(Mapping[str, Any], self.workload).get("ranks") or [])
+
+    @property
     def gpu_found(self) -> bool:
         return bool(self.machine.get("gpus"))
 
@@ -114,6 +123,7 @@ class Run:
             "summary": _jsonable(self.summary),
             "findings": [f.to_dict() for f in self.findings],
             "workload": _jsonable(self.workload),
+            "ranks": _jsonable(self.ranks),
             "machine": _jsonable(self.machine),
             "options": _jsonable(self.options.to_dict()),
             "error": None if error is None else {"type": error.type, "message": error.message,

@@ -127,6 +127,8 @@ def check_run(data: Any) -> None:
             _expect(isinstance(finding.get(key), str), f"{where}.{key}", "text")
         for key in ("evidence", "change"):
             _optional(finding, key, Mapping, "an object", where)
+    for where, ranks in (("ranks", data.get("ranks")), ("workload.ranks", (data.get("workload") or {}).get("ranks"))):
+        _check_ranks(ranks, where)
     error = data.get("error")
     if error is not None:
         _expect(isinstance(error, Mapping), "error", "an object or null")
@@ -135,6 +137,20 @@ def check_run(data: Any) -> None:
         _optional(error, "traceback", str, "text", "error")
     _expect("trace" in data, "trace", "a saved trace")
     check_trace(data["trace"])
+
+
+def _check_ranks(ranks: Any, where: str) -> None:
+    """``ranks``: absent, or a list of objects with a whole-number pid and numbers (or null) as figures."""
+    if ranks is None:
+        return
+    _expect(isinstance(ranks, list), where, "a list")
+    for i, entry in enumerate(ranks):
+        at = f"{where}[{i}]"
+        _expect(isinstance(entry, Mapping) and _count(entry.get("pid")), at, "an object with a pid")
+        for key in ("rank", "gpu", "steps"):
+            _expect(entry.get(key) is None or _count(entry[key]), f"{at}.{key}", "a whole number or null")
+        for key in ("samples_per_s", "data_wait_fraction", "step_time_p50_s", "step_time_p95_s"):
+            _expect(entry.get(key) is None or _finite(entry[key]), f"{at}.{key}", "a number or null")
 
 
 def check_trace(data: Any) -> None:

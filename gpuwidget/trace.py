@@ -212,9 +212,11 @@ class Trace:
         """Record an interval."""
         self._add_spans(kind, [(start, end, attrs)])
 
-    def add_spans(self, kind: str, intervals: list[tuple[float, float]]) -> None:
-        """Record many intervals of one kind under one lock (probes buffer them per tick)."""
-        self._add_spans(kind, [(start, end, None) for start, end in intervals])
+    def add_spans(self, kind: str, intervals: list[tuple[float, float]],
+                  attrs: Mapping[str, Any] | None = None) -> None:
+        """Record many intervals of one kind under one lock (probes buffer them per tick); ``attrs``
+        (e.g. a child process's ``{"pid": ..., "rank": ...}``) is shared by all of them."""
+        self._add_spans(kind, [(start, end, attrs) for start, end in intervals])
 
     def _add_spans(self, kind: str, items: list[tuple[float, float, Mapping[str, Any] | None]]) -> None:
         if not items:

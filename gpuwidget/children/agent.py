@@ -1,0 +1,373 @@
+"""The child side: gpuwidget's probes in a process the watched code started, streaming to the watch.
+
+A process gets an agent in one of two ways: a fresh interpreter (``subprocess``, ``spawn``,
+``forkserver``, torchrun's workers) through the start-up hook (``gpuwidget_children.pth``,
+then ``_boot``) right after it imports torch; a process forked by ``multiprocessing`` from
+one that has a watch or an agent, through multiprocessing's after-fork registry (see
+:func:`register_after_fork`). Either way the agent installs the same
+:class:`~gpuwidget.probes.Probes` as a watch, on a :class:`SpanBuffer` of its own, and a
+daemon thread sends what they queued every :data:`~gpuwidget.children.protocol.FLUSH_INTERVAL_S`
+(``spans``); its workload facts go at exit and when the process group is destroyed
+(``facts``). It connects only once it has something to say: a process that never iterates a
+DataLoader nor joins a process group sends nothing.
+
+DataLoader worker processes are not training processes: an agent that finds itself in one
+(multiprocessing's current process runs torch's ``_worker_loop``, or torch's worker info is
+set) removes its probes and stops without sending anything.
+
+If the watch is gone (its socket closed), the agent removes its probes and stops: a process
+that outlives the watched cell keeps nothing of gpuwidget's running.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import socket
+import sys
+import threading
+from collections.abc import Mapping
+from typing import Any, cast
+
+from gpuwidget.children.protocol import ENV_VAR, FLUSH_INTERVAL_S, encode
+from gpuwidget.clock import now
+from gpuwidget.probes import Probes
+from gpuwidget.sources.schedstat import read_schedstat, schedstat_path
+from gpuwidget.trace import Trace
+
+# A send that cannot complete in this long means the watch is stuck: the agent gives up.
+SEND_TIMEOUT_S = 10.0
+# Spans kept per kind while they wait for the next send (a stalled socket loses the oldest).
+MAX_PENDING_SPANS = 100_000
+# multiprocessing finalizers run from the highest priority down; any value >= 0 runs at exit.
+EXIT_PRIORITY = 50
+
+_agent: ChildAgent | None = None
+
+
+class SpanBuffer:
+    """The Trace-like sink the probes write into in a child: spans on the shared clock, until sent."""
+
+    start_clock = 0.0  # spans keep absolute clock readings; the watch makes them relative
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pending: dict[str, list[tuple[float, float]]] = {}
+        self.dropped = 0
+
+    def add_spans(self, kind: str, intervals: list[tuple[float, float]],
+                  attrs: Mapping[str, Any] | None = None) -> None:
+        with self._lock:
+            pending = self._pending.setdefault(kind, [])
+            pending.extend(intervals)
+            if len(pending) > MAX_PENDING_SPANS:
+                self.dropped += len(pending) - MAX_PENDING_SPANS
+                del pending[:len(pending) - MAX_PENDING_SPANS]
+
+    def add_span(self, kind: str, start: float, end: float, attrs: Mapping[str, Any] | None = None) -> None:
+        self.add_spans(kind, [(start, end)])
+
+    def take(self) -> dict[str, list[tuple[float, float]]]:
+        with self._lock:
+            pending, self._pending = self._pending, {}
+        return {kind: spans for kind, spans in pending.items() if spans}
+
+
+def is_loader_worker() -> bool:
+    """This process is one of a DataLoader's worker processes."""
+    mp_process = sys.modules.get("multiprocessing.process")
+    if mp_process is not None:
+        target = getattr(mp_process.current_process(), "_target", None)
+        if getattr(target, "__module__", "") == "torch.utils.data._utils.worker":
+            return True
+    worker = sys.modules.get("torch.utils.data._utils.worker")
+    return worker is not None and getattr(worker, "_worker_info", None) is not None
+
+
+def _int(value: str | None) -> int | None:
+    try:
+        return int(value) if value not in (None, "") else None  # type: ignore[arg-type]
+    except ValueError:
+        return None
+
+
+def physical_gpu(cuda_index: int, visible: str | None) -> int:
+    """The host's GPU number behind CUDA device ``cuda_index`` (CUDA_VISIBLE_DEVICES renumbers them)."""
+    if visible:
+        listed = [item.strip() for item in visible.split(",") if item.strip()]
+        if cuda_index < len(listed) and listed[cuda_index].isdigit():
+            return int(listed[cuda_index])
+    return cuda_index
+
+
+def update_identity(ident: dict[str, Any]) -> dict[str, Any]:
+    """Fill in rank, world size and GPU as torch.distributed and CUDA know them now (else the launcher's env).
+
+    Known values are kept: after ``destroy_process_group`` the rank is still the one it had.
+    """
+    env = os.environ
+    dist = sys.modules.get("torch.distributed")
+    with contextlib.suppress(Exception):
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            ident["rank"], ident["world_size"], ident["distributed"] = dist.get_rank(), dist.get_world_size(), True
+    for key, name in (("rank", "RANK"), ("world_size", "WORLD_SIZE"), ("local_rank", "LOCAL_RANK")):
+        if ident.get(key) is None:
+            ident[key] = _int(env.get(name))
+    torch = sys.modules.get("torch")
+    with contextlib.suppress(Exception):
+        if torch is not None and torch.cuda.is_initialized():
+            ident["gpu"] = physical_gpu(torch.cuda.current_device(), env.get("CUDA_VISIBLE_DEVICES"))
+    ident.setdefault("gpu", None)
+    return ident
+
+
+class ChildAgent:
+    """The probes of one child process and the connection that carries their data to the watch."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.pid = os.getpid()
+        self.buffer = SpanBuffer()
+        self.probes = Probes(cast(Trace, self.buffer))
+        self.identity: dict[str, Any] = {"pid": self.pid, "ppid": os.getppid(), "rank": None, "local_rank": None,
+                                         "world_size": None, "gpu": None, "distributed": False,
+                                         "argv": [str(arg)[:200] for arg in sys.argv[:8]]}
+        self._send_lock = threading.Lock()
+        self._sock: socket.socket | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._finished = False
+        self._retired = False
+        self._last_progress: tuple[Any, ...] | None = None
+        self._started = now()
+        self._schedstat = read_schedstat(schedstat_path(self.pid))
+        self._destroy: tuple[Any, Any] | None = None  # (torch.distributed, its own destroy_process_group)
+
+    # ----------------------------------------------------------------- life cycle
+
+    def start(self) -> None:
+        self.probes.poll()  # installs at once when torch is imported (always, from the hook)
+        self._wrap_destroy()
+        self.arm_exit()
+        atexit.register(self.finish)
+        register_after_fork(self, _after_fork_in_agent)
+        self._thread = threading.Thread(target=self._loop, name="gpuwidget-child", daemon=True)
+        self._thread.start()
+
+    def arm_exit(self) -> None:
+        """Send the facts when a multiprocessing child ends (it leaves by ``os._exit``: no atexit there)."""
+        from multiprocessing import util
+
+        util.Finalize(None, self.finish, exitpriority=EXIT_PRIORITY)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(FLUSH_INTERVAL_S):
+            if is_loader_worker():
+                self.retire()
+                return
+            try:
+                self.flush()
+            except Exception:  # noqa: BLE001 - the watch is gone or broken: stop quietly
+                self.retire()
+                return
+
+    def finish(self) -> None:
+        """At exit: the last spans and the process's facts (once; nothing from a DataLoader worker)."""
+        if self._finished or os.getpid() != self.pid:
+            return
+        self._finished = True
+        self._stop.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(SEND_TIMEOUT_S)
+        if self._retired:
+            return
+        if is_loader_worker():
+            self.retire()
+            return
+        try:
+            self.probes.uninstall()  # closes a step still open, queues its span
+            self.flush()
+            self.send_facts(final=True)
+        except Exception:  # noqa: BLE001, S110 - nothing may fail at a process's exit
+            pass
+        finally:
+            self.retire()
+
+    def retire(self) -> None:
+        """Remove the probes and the patches, close the connection; the process goes on unwatched."""
+        self._retired = True
+        self._stop.set()
+        with contextlib.suppress(Exception):
+            self.probes.uninstall()
+        self._unwrap_destroy()
+        with self._send_lock:
+            if self._sock is not None:
+                with contextlib.suppress(OSError):
+                    self._sock.close()
+                self._sock = None
+
+    def forget_after_fork(self) -> None:
+        """In a forked child: this copy of the parent's agent records and sends nothing more."""
+        self._finished = self._retired = True
+        self.probes.detach_after_fork()
+        if self._destroy is not None:
+            dist, original = self._destroy
+            if getattr(dist.destroy_process_group, "__wrapped__", None) is original:
+                dist.destroy_process_group = original
+        if self._sock is not None:
+            with contextlib.suppress(OSError):
+                self._sock.close()  # our copy of the descriptor; the parent's connection stays
+
+    # ----------------------------------------------------------------- data
+
+    def identify(self) -> dict[str, Any]:
+        return update_identity(self.identity)
+
+    def progress(self) -> dict[str, Any]:
+        figures = self.probes.progress()
+        if figures is None:
+            return {}
+        steps, samples, wait_s, loop_s = figures
+        return {"steps": steps, "samples": samples, "wait_s": wait_s, "loop_s": loop_s}
+
+    def trains(self, progress: Mapping[str, Any]) -> bool:
+        """Worth reporting: it iterated a DataLoader, or it is a rank of a process group."""
+        return bool(progress.get("steps")) or bool(self.identity.get("distributed"))
+
+    def flush(self) -> None:
+        """Send the spans queued since the last flush, with the running figures."""
+        self.probes.poll()
+        spans = self.buffer.take()
+        progress = self.progress()
+        identity = self.identify()
+        key = (tuple(sorted(progress.items())), identity["rank"], identity["gpu"])
+        if not spans and (key == self._last_progress or not self.trains(progress)):
+            return
+        self._last_progress = key
+        self.send({"kind": "spans", "id": identity, "spans": spans, "progress": progress,
+                   "dropped_spans": self.buffer.dropped})
+
+    def send_facts(self, final: bool) -> None:
+        progress = self.progress()
+        identity = self.identify()
+        if not self.trains(progress):
+            return
+        main = sys.modules.get("__main__")
+        namespace = vars(main) if main is not None else None
+        self.send({"kind": "facts", "id": identity, "progress": progress, "final": final,
+                   "workload": self.probes.facts(namespace), "host": self.host()})
+
+    def host(self) -> dict[str, Any]:
+        """The process's main thread over the agent's life: share of wall time on a core and waiting for one."""
+        start, end = self._schedstat, read_schedstat(schedstat_path(self.pid))
+        wall = now() - self._started
+        if start is None or end is None or wall <= 0:
+            return {}
+        return {"cpu_fraction": (end[0] - start[0]) / wall, "run_delay_fraction": (end[1] - start[1]) / wall,
+                "cpu_count": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()}
+
+    def send(self, message: dict[str, Any]) -> None:
+        data = encode(message)
+        with self._send_lock:
+            if self._retired and message.get("kind") != "facts":
+                return
+            if self._sock is None:
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                sock.settimeout(SEND_TIMEOUT_S)
+                try:
+                    sock.connect(self.address)
+                except OSError:
+                    sock.close()
+                    raise
+                self._sock = sock
+            self._sock.sendall(data)
+
+    # ----------------------------------------------------------------- torch.distributed
+
+    def _wrap_destroy(self) -> None:
+        """Send the facts just before the process group goes: DDP's model and its logging data live until then."""
+        dist = sys.modules.get("torch.distributed")
+        original = getattr(dist, "destroy_process_group", None)
+        if dist is None or original is None or self._destroy is not None:
+            return
+        agent = self
+
+        def destroy_process_group(*args: Any, **kwargs: Any) -> Any:
+            if os.getpid() == agent.pid and not agent._retired:
+                with contextlib.suppress(Exception):
+                    agent.identify()
+                    agent.flush()
+                    agent.send_facts(final=False)
+            return original(*args, **kwargs)
+
+        destroy_process_group.__wrapped__ = original  # type: ignore[attr-defined]
+        dist.destroy_process_group = destroy_process_group  # type: ignore[attr-defined]
+        self._destroy = (dist, original)
+
+    def _unwrap_destroy(self) -> None:
+        if self._destroy is None:
+            return
+        dist, original = self._destroy
+        if getattr(dist.destroy_process_group, "__wrapped__", None) is original:
+            dist.destroy_process_group = original
+        self._destroy = None
+
+
+def register_after_fork(owner: Any, hook: Any) -> None:
+    """Run ``hook(owner)`` in every child multiprocessing forks from this process, for as long as ``owner`` lives.
+
+    multiprocessing runs these after it has cleared the child's inherited finalizers, so an exit
+    hook registered from there stays; its registry holds ``owner`` weakly (nothing outlives it).
+    """
+    from multiprocessing import util
+
+    util.register_after_fork(owner, hook)
+
+
+def unregister_after_fork(owner: Any) -> None:
+    from multiprocessing import util
+
+    registry = util._afterfork_registry  # type: ignore[attr-defined]
+    for key in [key for key, value in list(registry.items()) if value is owner]:
+        registry.pop(key, None)
+
+
+def start_from_env() -> ChildAgent | None:
+    """Start this process's agent if a watch's address is in the environment (once per process)."""
+    global _agent
+    address = os.environ.get(ENV_VAR)
+    if not address or (_agent is not None and _agent.pid == os.getpid()):
+        return _agent
+    agent = ChildAgent(address)
+    _agent = agent
+    if is_loader_worker():
+        return agent  # never started: a worker records nothing
+    agent.start()
+    return agent
+
+
+def _after_fork_in_agent(agent: ChildAgent) -> None:
+    """multiprocessing's after-fork hook of an agent's process, in the child (or the agent's own
+    process, for a spawned one: multiprocessing runs the hooks when its child starts)."""
+    if agent.pid == os.getpid():
+        if is_loader_worker():
+            agent.retire()
+        elif not agent._finished:
+            agent.arm_exit()  # multiprocessing cleared the finalizers registered before it started
+        return
+    agent.forget_after_fork()
+    start_in_forked_child()
+
+
+def start_in_forked_child() -> None:
+    """A multiprocessing child forked from a watched process: its own agent, unless it is a DataLoader worker."""
+    global _agent
+    if _agent is not None and _agent.pid != os.getpid():
+        _agent.forget_after_fork()
+        _agent = None
+    if is_loader_worker():
+        return
+    with contextlib.suppress(Exception):  # never break the user's child
+        start_from_env()

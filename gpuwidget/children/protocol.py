@@ -1,0 +1,77 @@
+"""The child channel's wire format: what a child process sends the watch, and how it is framed.
+
+One Unix stream socket per watch, in a directory only its user can enter; each child
+process opens one connection and sends *messages*: a 4-byte big-endian length, then that
+many bytes of UTF-8 JSON (an object with a ``"kind"``). Times are absolute readings of
+:func:`gpuwidget.clock.now` (a monotonic clock every process on the host shares); the
+watch turns them into its trace's times.
+
+Messages:
+
+* ``spans``: ``{"kind": "spans", "id": Identity, "spans": {"step": [[start, end], ...],
+  "loader.wait": [...]}, "progress": Progress}``, every :data:`FLUSH_INTERVAL_S` while
+  the process trains, and once more at exit;
+* ``facts``: ``{"kind": "facts", "id": Identity, "progress": Progress, "workload":
+  WorkloadFacts, "host": {...}, "final": bool}``: the process's workload facts, when its
+  process group is destroyed (the DDP model is still alive then) and at exit (final).
+
+``Identity`` is ``{"pid", "ppid", "rank", "local_rank", "world_size", "gpu"}`` (None where
+unknown); ``Progress`` the figures of the process's busiest DataLoader so far: ``steps``,
+``samples``, ``wait_s``, ``loop_s``.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from typing import Any
+
+# Set by the watch while it runs (the socket's path); a Python process started with it loads
+# the probes (gpuwidget_children.pth). Nothing happens in a process without it.
+ENV_VAR = "GPUWIDGET_CHILDREN"
+# How often a child sends its spans: often enough for the live view, rare enough to cost nothing.
+FLUSH_INTERVAL_S = 0.3
+# A larger message is a broken or hostile peer: its connection is closed.
+MAX_MESSAGE_BYTES = 32 * 1024 * 1024
+
+_HEADER = struct.Struct(">I")
+HEADER_BYTES = _HEADER.size
+
+
+def encode(message: dict[str, Any]) -> bytes:
+    """One framed message; NaN and other non-JSON floats become null."""
+    body = json.dumps(_plain(message), separators=(",", ":"), allow_nan=False, default=repr).encode()
+    return _HEADER.pack(len(body)) + body
+
+
+def decode_frames(buffer: bytearray) -> list[dict[str, Any]]:
+    """Take every complete message off the front of ``buffer`` (the rest stays for later).
+
+    Raises ValueError for a frame over :data:`MAX_MESSAGE_BYTES` or one that is not a JSON object.
+    """
+    messages: list[dict[str, Any]] = []
+    offset = 0
+    while len(buffer) - offset >= HEADER_BYTES:
+        (size,) = _HEADER.unpack_from(buffer, offset)
+        if size > MAX_MESSAGE_BYTES:
+            raise ValueError(f"message of {size} bytes (at most {MAX_MESSAGE_BYTES})")
+        if len(buffer) - offset - HEADER_BYTES < size:
+            break
+        start = offset + HEADER_BYTES
+        message = json.loads(bytes(buffer[start:start + size]))
+        if not isinstance(message, dict):
+            raise ValueError("a message is not a JSON object")
+        messages.append(message)
+        offset = start + size
+    del buffer[:offset]
+    return messages
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if value == value and value not in (float("inf"), float("-inf")) else None
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
