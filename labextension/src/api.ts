@@ -10,7 +10,14 @@
 import { URLExt } from '@jupyterlab/coreutils';
 import type { ServerConnection } from '@jupyterlab/services';
 
-import { IDevicesReply, isDevicesReply } from './protocol';
+import {
+  IClusterReply,
+  IDevicesReply,
+  ISnapshotReply,
+  isDevicesReply,
+  parseClusterReply,
+  parseSnapshot
+} from './protocol';
 import { ISocketLike } from './stream';
 
 /** Where the routes live, under the server's base URL. */
@@ -77,6 +84,10 @@ export const browserSocket: SocketFactory = url => new WebSocket(url);
 export interface IGpuApi {
   devices(): Promise<IDevicesReply>;
   openStream(intervalS: number): ISocketLike;
+  /** The latest values without history (`window=0`): the status bar's poll. */
+  snapshot(): Promise<ISnapshotReply>;
+  /** The cluster's GPUs over the last `windowS` seconds, from Prometheus through the server. */
+  cluster(windowS: number): Promise<IClusterReply>;
 }
 
 export class ServerApi implements IGpuApi {
@@ -99,7 +110,35 @@ export class ServerApi implements IGpuApi {
    * failures (status 0: no answer at all, e.g. the server is restarting).
    */
   async devices(): Promise<IDevicesReply> {
-    const url = apiUrl(this._settings, 'devices');
+    return this._get('devices', 'the devices reply', body =>
+      isDevicesReply(body) ? body : null
+    );
+  }
+
+  async snapshot(): Promise<ISnapshotReply> {
+    return this._get('snapshot?window=0', 'a snapshot', parseSnapshot);
+  }
+
+  async cluster(windowS: number): Promise<IClusterReply> {
+    const query = new URLSearchParams({ window_s: String(windowS) });
+    return this._get(
+      `cluster?${query.toString()}`,
+      'the cluster reply',
+      parseClusterReply
+    );
+  }
+
+  /**
+   * `GET {route}`, its JSON body checked by `parse`; rejects with ServerExtensionMissing
+   * on 404, ApiError on other failures (status 0: no answer at all, e.g. the server is
+   * restarting).
+   */
+  private async _get<T>(
+    route: string,
+    what: string,
+    parse: (body: unknown) => T | null
+  ): Promise<T> {
+    const url = apiUrl(this._settings, route);
     let reply: Response;
     try {
       reply = await this._fetch(url, { method: 'GET' });
@@ -116,15 +155,20 @@ export class ServerApi implements IGpuApi {
         `${url} answered ${reply.status} ${reply.statusText}`.trim()
       );
     }
-    const body: unknown = await reply.json();
-    if (!isDevicesReply(body)) {
+    let parsed: T | null = null;
+    try {
+      parsed = parse(await reply.json());
+    } catch {
+      parsed = null;
+    }
+    if (parsed === null) {
       throw new ApiError(
         reply.status,
         url,
-        `${url} answered something other than the devices reply`
+        `${url} answered something other than ${what}`
       );
     }
-    return body;
+    return parsed;
   }
 
   openStream(intervalS: number): ISocketLike {

@@ -82,7 +82,14 @@ const plugin: JupyterFrontEndPlugin<void> = {
       execute: () => app.shell.activateById(panel.id)
     });
 
+    // Keep the status bar current while the panel is closed (a small poll), except in a
+    // background tab, where nobody reads it.
+    controller.setPageVisible(document.visibilityState !== 'hidden');
+    document.addEventListener('visibilitychange', () =>
+      controller.setPageVisible(document.visibilityState !== 'hidden')
+    );
     if (statusBar) {
+      controller.pollWhileClosed(true);
       const item = new GpuStatusItem(
         model,
         () => void app.commands.execute(OPEN_COMMAND)

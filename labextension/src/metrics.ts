@@ -210,32 +210,66 @@ export interface IStatusSummary {
   stale: boolean;
 }
 
-/** Why the values are not live, for the status bar's tooltip; null when they are live. */
-function staleReason(
+/** A poll's values count as current for this many poll periods (one lost answer is no news). */
+export const POLL_FRESH_PERIODS = 3;
+
+/**
+ * The status bar's tooltip line about where the values come from, and whether they are
+ * stale (not being updated).
+ */
+function freshness(
   connection: ConnectionState,
-  age: string | null
-): string | null {
+  age: string | null,
+  ageS: number | null
+): { line: string | null; stale: boolean } {
   const from = age ? `Values from ${age}: ` : '';
   switch (connection.kind) {
     case 'live':
-      return null;
+      return { line: null, stale: false };
+    case 'polling':
+      if (connection.error) {
+        return {
+          line: `${from}the server did not answer (${connection.error}); asking again every ${connection.everyS} s.`,
+          stale: true
+        };
+      }
+      if (ageS === null || ageS > POLL_FRESH_PERIODS * connection.everyS) {
+        return {
+          line: `${from}waiting for the server (asked every ${connection.everyS} s).`,
+          stale: true
+        };
+      }
+      return {
+        line: `Updated every ${connection.everyS} s while the GPU panel is closed. Click to open it.`,
+        stale: false
+      };
     case 'stopped':
-      return age
-        ? `${from}nothing is polled while the GPU panel is closed. Click to open it.`
-        : 'Click to open the GPU panel (nothing is polled while it is closed).';
+      return {
+        line: age
+          ? `${from}nothing is polled while the GPU panel is closed. Click to open it.`
+          : 'Click to open the GPU panel (nothing is polled while it is closed).',
+        stale: true
+      };
     case 'connecting':
-      return `${from}connecting to the server.`;
+      return { line: `${from}connecting to the server.`, stale: true };
     case 'retrying':
-      return `${from}lost the connection to the server (${connection.reason}); retrying.`;
+      return {
+        line: `${from}lost the connection to the server (${connection.reason}); retrying.`,
+        stale: true
+      };
     case 'missing':
-      return 'The gpuwidget server extension is not running on this Jupyter server.';
+      return {
+        line: 'The gpuwidget server extension is not running on this Jupyter server.',
+        stale: true
+      };
   }
 }
 
 /**
  * The status-bar line: "GPU0 87% · 41/80 GB" (and "+3" more GPUs), "No GPU · CPU 12%"
- * on a machine without one. While the panel is closed nothing is polled, so the line
- * keeps the last values and its tooltip says how old they are.
+ * on a machine without one. While the panel is closed the controller polls the latest
+ * values every few seconds; whenever they are not current the line keeps the last
+ * values and its tooltip says how old they are and why.
  */
 export function statusSummary(
   devices: IDevicesReply | null,
@@ -264,11 +298,14 @@ export function statusSummary(
       );
     }
   }
-  const age =
-    lastTime === null ? null : formatAge(Math.max(0, nowS - lastTime));
-  const reason = staleReason(connection, age);
-  if (reason) {
-    lines.push(reason);
+  const ageS = lastTime === null ? null : Math.max(0, nowS - lastTime);
+  const { line, stale } = freshness(
+    connection,
+    ageS === null ? null : formatAge(ageS),
+    ageS
+  );
+  if (line) {
+    lines.push(line);
   }
-  return { text, title: lines.join('\n'), stale: reason !== null };
+  return { text, title: lines.join('\n'), stale };
 }

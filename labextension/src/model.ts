@@ -11,8 +11,11 @@ import { ISignal, Signal } from '@lumino/signaling';
 import {
   Columns,
   DEFAULT_HISTORY_S,
+  IClusterReply,
   IDevicesReply,
   IProcessInfo,
+  ISnapshotReply,
+  IStalledSource,
   Reading,
   ServerMessage
 } from './protocol';
@@ -216,6 +219,11 @@ export class SeriesBuffer {
 export type ConnectionState =
   /** Panel hidden: nothing on the wire. */
   | { kind: 'stopped' }
+  /**
+   * Panel hidden; the status bar asks for the latest values every `everyS` seconds
+   * (`error`: why the last ask failed, or null).
+   */
+  | { kind: 'polling'; everyS: number; error: string | null }
   | { kind: 'connecting' }
   /** Samples are arriving. */
   | { kind: 'live' }
@@ -225,7 +233,23 @@ export type ConnectionState =
   | { kind: 'missing'; url: string };
 
 /** What changed, so a view can skip work that is not needed. */
-export type ModelChange = 'devices' | 'data' | 'processes' | 'connection';
+export type ModelChange =
+  'devices' | 'data' | 'processes' | 'connection' | 'cluster';
+
+/** The cluster section's state (only ever other than `off` when the server has a cluster). */
+export type ClusterState =
+  | { kind: 'off' }
+  | { kind: 'loading' }
+  /** `reply` arrived at `atMs` (client clock); `reply.error` may still say Prometheus failed. */
+  | { kind: 'ready'; reply: IClusterReply; atMs: number }
+  /** The route itself failed; `last` is the previous good reply, kept on screen. */
+  | { kind: 'error'; message: string; last: IClusterReply | null };
+
+/** The sources that stopped answering, as of `receivedS` (client clock, epoch seconds). */
+export interface IStalledState {
+  sources: IStalledSource[];
+  receivedS: number;
+}
 
 /**
  * The sidebar's state. `handle()` takes each server message; `changed` says what changed.
@@ -236,6 +260,8 @@ export class SidebarModel {
   processes: Record<string, IProcessInfo[]> = {};
   processesTime: number | null = null;
   connection: ConnectionState = { kind: 'stopped' };
+  stalled: IStalledState = { sources: [], receivedS: 0 };
+  cluster: ClusterState = { kind: 'off' };
   /** The sampling interval this client asks for, seconds. */
   requestedInterval: number;
   private _changed = new Signal<this, ModelChange>(this);
@@ -287,9 +313,35 @@ export class SidebarModel {
     this._emit('connection');
   }
 
+  setCluster(cluster: ClusterState): void {
+    this.cluster = cluster;
+    this._emit('cluster');
+  }
+
+  /**
+   * The latest values of a snapshot (the status bar's poll while the sidebar is closed):
+   * appended as one row when newer than the newest held.
+   */
+  applySnapshot(snapshot: ISnapshotReply): void {
+    if (JSON.stringify(snapshot.devices) !== JSON.stringify(this.devices)) {
+      this.setDevices(snapshot.devices);
+    }
+    const { t, values } = snapshot.latest;
+    const last = this.series.lastTime();
+    if (t !== null && (last === null || t > last)) {
+      this.series.push(t, values);
+    }
+    this._setStalled(snapshot.stalled);
+    if (snapshot.processes) {
+      this.handle(snapshot.processes);
+    }
+    this._emit('data');
+  }
+
   handle(message: ServerMessage): void {
     switch (message.type) {
       case 'hello':
+        this._setStalled(message.stalled);
         this.setDevices(message.devices);
         break;
       case 'history':
@@ -300,6 +352,7 @@ export class SidebarModel {
         this._emit('data');
         break;
       case 'sample':
+        this._setStalled(message.stalled);
         this.series.push(message.t, message.values);
         this._markLive();
         this._emit('data');
@@ -310,6 +363,10 @@ export class SidebarModel {
         this._emit('processes');
         break;
     }
+  }
+
+  private _setStalled(sources: IStalledSource[] | undefined): void {
+    this.stalled = { sources: sources ?? [], receivedS: Date.now() / 1000 };
   }
 
   private _markLive(): void {

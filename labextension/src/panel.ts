@@ -1,15 +1,21 @@
 /**
- * The GPU sidebar: one card per GPU (live charts, current values, the processes and
- * their notebooks), then the host's CPU and memory. Thin DOM glue over the model.
+ * The GPU sidebar: with several GPUs a dense overview (one row each), then one card per
+ * GPU (live charts, current values, the processes and their notebooks; collapsed from
+ * CARDS_COLLAPSED_FROM GPUs on), the host's CPU and memory, and the cluster where the
+ * server reads one from Prometheus. Thin DOM glue over the model.
  *
  * It tells its owner when it is shown or hidden, so the connection exists only while
- * someone can see it; it draws at most once per animation frame.
+ * someone can see it; it draws at most once per animation frame. Keyboard and screen
+ * readers: the panel is a labelled region, each card and section is labelled by its
+ * heading, every control is a native button (Tab, Enter, Space), and no state is told
+ * by colour alone.
  */
 
 import { Message } from '@lumino/messaging';
 import { Widget } from '@lumino/widgets';
 
 import { ChartData, ChartPalette, TimeChart } from './charts';
+import { ClusterView } from './clusterview';
 import { NO_VALUE, baseName, formatBytes, noGpuDetail } from './format';
 import {
   IChartDef,
@@ -18,13 +24,32 @@ import {
   Latest,
   deviceLabel,
   gpuCharts,
+  gpuReadout,
   hostCharts,
   splitReported
 } from './metrics';
-import { ModelChange, SidebarModel, visibleRange } from './model';
+import {
+  IStalledState,
+  ModelChange,
+  SidebarModel,
+  visibleRange
+} from './model';
+import { GpuOverview, OVERVIEW_MIN_GPUS, overviewRows } from './overview';
 import { IDeviceInfo, IProcessInfo } from './protocol';
 
 export const PANEL_ID = 'gpuwidget-sidebar';
+
+/** From this many GPUs on, the GPU cards start collapsed (the overview shows them all). */
+export const CARDS_COLLAPSED_FROM = 4;
+
+/** "GPU 1 stopped answering 12 s ago" for each stalled source, as of `nowS`. */
+export function stalledLines(stalled: IStalledState, nowS: number): string[] {
+  const elapsed = Math.max(0, nowS - stalled.receivedS);
+  return stalled.sources.map(
+    ({ source, since_s }) =>
+      `${source} stopped answering ${Math.round(since_s + elapsed)} s ago`
+  );
+}
 
 export interface IPanelOptions {
   model: SidebarModel;
@@ -41,7 +66,12 @@ export interface IPanelOptions {
 interface ICard {
   id: string;
   node: HTMLElement;
+  /** The header's button that folds the card; null for the host's card. */
+  toggle: HTMLButtonElement | null;
+  body: HTMLElement;
+  /** The one-line values in the header (shown while folded). */
   readout: HTMLElement | null;
+  device: IDeviceInfo | null;
   charts: { chart: TimeChart; value: HTMLElement; host: HTMLElement }[];
   processes: HTMLElement | null;
 }
@@ -66,7 +96,12 @@ export class GpuPanel extends Widget {
   private _palette = new ChartPalette();
   private _status = element('div', 'jp-gpuwidget-status');
   private _notice = element('div', 'jp-gpuwidget-notice');
+  private _stalled = element('div', 'jp-gpuwidget-notice jp-gpuwidget-stalled');
+  private _overview: GpuOverview;
   private _cardsNode = element('div', 'jp-gpuwidget-cards');
+  private _cluster = new ClusterView();
+  /** Cards the user folded or unfolded, by device id (else the default for the count). */
+  private _folded = new Map<string, boolean>();
   private _cards: ICard[] = [];
   private _layoutKey = '';
   private _frame: number | null = null;
@@ -77,13 +112,32 @@ export class GpuPanel extends Widget {
     super();
     this.id = PANEL_ID;
     this.addClass('jp-gpuwidget-sidebar');
+    this.node.setAttribute('role', 'region');
+    this.node.setAttribute('aria-label', 'GPU sidebar');
     this.model = options.model;
     this._options = options;
     this._metrics = options.metrics ?? GPU_METRICS;
     const header = element('header', 'jp-gpuwidget-header');
     header.appendChild(element('h2', 'jp-gpuwidget-heading', 'GPUs'));
     header.appendChild(this._status);
-    this.node.append(header, this._notice, this._cardsNode);
+    // Connection changes are announced, politely; values are not (they change every second).
+    this._status.setAttribute('role', 'status');
+    this._stalled.setAttribute('role', 'alert');
+    this._overview = new GpuOverview(
+      id => this.revealCard(id),
+      options.openNotebook
+    );
+    this._overview.node.hidden = true;
+    this._cluster.node.hidden = true;
+    this._cardsNode.setAttribute('aria-label', 'GPU details');
+    this.node.append(
+      header,
+      this._notice,
+      this._stalled,
+      this._overview.node,
+      this._cardsNode,
+      this._cluster.node
+    );
     // With this widget as thisArg, Widget.dispose() disconnects it (Signal.clearData).
     this.model.changed.connect(this._changed, this);
   }
@@ -92,6 +146,17 @@ export class GpuPanel extends Widget {
   setMetrics(metrics: GpuMetric[]): void {
     this._metrics = metrics;
     this._schedule();
+  }
+
+  /** Unfold a GPU's card, scroll it into view and move the focus to its header. */
+  revealCard(id: string): void {
+    const card = this._cards.find(c => c.id === id);
+    if (!card) {
+      return;
+    }
+    this._setFolded(card, false);
+    card.node.scrollIntoView?.({ block: 'nearest' });
+    (card.toggle ?? card.node).focus();
   }
 
   /** The theme changed: read its colours again and redraw. */
@@ -115,6 +180,7 @@ export class GpuPanel extends Widget {
       this._frame = null;
     }
     this._renderStatus();
+    this._renderStalled();
     const key = this._layoutSignature();
     if (key !== this._layoutKey) {
       this._layoutKey = key;
@@ -125,6 +191,8 @@ export class GpuPanel extends Widget {
       this._processesDirty = false;
       this._renderProcesses();
     }
+    this._renderOverview();
+    this._cluster.update(this.model.cluster);
   }
 
   dispose(): void {
@@ -191,6 +259,9 @@ export class GpuPanel extends Widget {
 
   private _resize(): void {
     for (const card of this._cards) {
+      if (this._isFolded(card)) {
+        continue; // measured when unfolded
+      }
       for (const { chart, host } of card.charts) {
         chart.setWidth(host.clientWidth);
       }
@@ -226,6 +297,7 @@ export class GpuPanel extends Widget {
     let text = '';
     switch (connection.kind) {
       case 'stopped':
+      case 'polling':
         text = 'paused';
         break;
       case 'connecting':
@@ -235,10 +307,10 @@ export class GpuPanel extends Widget {
         text = `live · every ${this.model.interval} s`;
         break;
       case 'retrying':
-        text = `reconnecting in ${Math.max(1, Math.round(connection.delayMs / 1000))} s (${connection.reason})`;
+        text = `⚠ reconnecting in ${Math.max(1, Math.round(connection.delayMs / 1000))} s (${connection.reason})`;
         break;
       case 'missing':
-        text = 'server extension missing';
+        text = '⚠ server extension missing';
         break;
     }
     this._status.textContent = text;
@@ -284,6 +356,67 @@ export class GpuPanel extends Widget {
     }
   }
 
+  private _renderStalled(): void {
+    const lines = stalledLines(this.model.stalled, Date.now() / 1000);
+    const text = lines.length ? `⚠ ${lines.join('; ')}.` : '';
+    if (this._stalled.textContent !== text) {
+      this._stalled.textContent = text;
+    }
+    this._stalled.classList.toggle(
+      'jp-gpuwidget-notice-warn',
+      lines.length > 0
+    );
+  }
+
+  private _renderOverview(): void {
+    const { devices, connection, series, processes, processesTime } =
+      this.model;
+    const gpus =
+      devices && connection.kind !== 'missing' ? devices.devices : [];
+    const show = gpus.length >= OVERVIEW_MIN_GPUS;
+    this._overview.node.hidden = !show;
+    if (!show) {
+      return;
+    }
+    const latest: Latest = column => series.latest(column);
+    // Before the first scan (t null, nothing listed) the holders read "–", not "free".
+    const listed = processesTime !== null || Object.keys(processes).length > 0;
+    this._overview.update(overviewRows(gpus, latest, processes, listed));
+  }
+
+  private _isFolded(card: ICard): boolean {
+    if (!card.toggle) {
+      return false;
+    }
+    const chosen = this._folded.get(card.id);
+    if (chosen !== undefined) {
+      return chosen;
+    }
+    const gpus = this.model.devices?.devices.length ?? 0;
+    return gpus >= CARDS_COLLAPSED_FROM;
+  }
+
+  private _setFolded(card: ICard, folded: boolean): void {
+    if (!card.toggle) {
+      return;
+    }
+    this._folded.set(card.id, folded);
+    this._applyFolded(card);
+    if (!folded) {
+      for (const { chart, host } of card.charts) {
+        chart.setWidth(host.clientWidth);
+      }
+      this._schedule();
+    }
+  }
+
+  private _applyFolded(card: ICard): void {
+    const folded = this._isFolded(card);
+    card.body.hidden = folded;
+    card.node.classList.toggle('jp-mod-folded', folded);
+    card.toggle?.setAttribute('aria-expanded', String(!folded));
+  }
+
   private _destroyCards(): void {
     for (const card of this._cards) {
       card.charts.forEach(({ chart }) => chart.dispose());
@@ -310,7 +443,7 @@ export class GpuPanel extends Widget {
           this._gpuTitle(device),
           shown,
           unreported,
-          true
+          device
         )
       );
     }
@@ -319,7 +452,7 @@ export class GpuPanel extends Widget {
       ? `Host · ${host.cpu_count} CPUs`
       : 'Host';
     const { shown } = splitReported(hostCharts(host, latest), series);
-    this._cards.push(this._buildCard('host', hostTitle, shown, [], false));
+    this._cards.push(this._buildCard('host', hostTitle, shown, [], null));
     this._processesDirty = true;
     // Charts built before the cards overflowed were measured without the scrollbar.
     this._resize();
@@ -334,22 +467,50 @@ export class GpuPanel extends Widget {
     title: string,
     charts: IChartDef[],
     unreported: IChartDef[],
-    isGpu: boolean
+    device: IDeviceInfo | null
   ): ICard {
     const node = element('section', 'jp-gpuwidget-card');
     node.dataset.device = id;
+    const titleId = `${PANEL_ID}-${id}-title`;
+    const bodyId = `${PANEL_ID}-${id}-body`;
+    node.setAttribute('aria-labelledby', titleId);
     const header = element('div', 'jp-gpuwidget-card-header');
-    header.appendChild(element('span', 'jp-gpuwidget-card-title', title));
-    node.appendChild(header);
+    const titleNode = element('span', 'jp-gpuwidget-card-title', title);
+    titleNode.id = titleId;
+    const body = element('div', 'jp-gpuwidget-card-body');
+    body.id = bodyId;
+    let toggle: HTMLButtonElement | null = null;
+    let readout: HTMLElement | null = null;
+    if (device) {
+      // The whole header is the fold button: a big target, reached by Tab, Enter/Space.
+      toggle = element('button', 'jp-gpuwidget-card-toggle');
+      toggle.setAttribute('aria-controls', bodyId);
+      const chevron = element('span', 'jp-gpuwidget-chevron');
+      chevron.setAttribute('aria-hidden', 'true');
+      readout = element('span', 'jp-gpuwidget-card-readout');
+      toggle.append(chevron, titleNode, readout);
+      header.appendChild(toggle);
+    } else {
+      header.appendChild(titleNode);
+    }
+    node.append(header, body);
     this._cardsNode.appendChild(node);
 
     const card: ICard = {
       id,
       node,
-      readout: null,
+      toggle,
+      body,
+      readout,
+      device,
       charts: [],
       processes: null
     };
+    if (toggle) {
+      toggle.addEventListener('click', () =>
+        this._setFolded(card, !this._isFolded(card))
+      );
+    }
     charts.forEach((def, index) => {
       const box = element('div', 'jp-gpuwidget-chart');
       box.dataset.chart = def.key;
@@ -361,7 +522,7 @@ export class GpuPanel extends Widget {
       );
       const host = element('div', 'jp-gpuwidget-chart-host');
       box.append(label, host);
-      node.appendChild(box);
+      body.appendChild(box);
       const chart = new TimeChart(def, this._palette, {
         width: host.clientWidth,
         showTimeAxis: index === charts.length - 1
@@ -370,7 +531,7 @@ export class GpuPanel extends Widget {
       card.charts.push({ chart, value, host });
     });
     if (unreported.length) {
-      node.appendChild(
+      body.appendChild(
         element(
           'p',
           'jp-gpuwidget-unreported',
@@ -378,10 +539,11 @@ export class GpuPanel extends Widget {
         )
       );
     }
-    if (isGpu) {
+    if (device) {
       card.processes = element('div', 'jp-gpuwidget-processes');
-      node.appendChild(card.processes);
+      body.appendChild(card.processes);
     }
+    this._applyFolded(card);
     return card;
   }
 
@@ -404,6 +566,15 @@ export class GpuPanel extends Widget {
       return values;
     };
     for (const card of this._cards) {
+      if (card.readout && card.device) {
+        const text = gpuReadout(card.device, latest);
+        if (card.readout.textContent !== text) {
+          card.readout.textContent = text;
+        }
+      }
+      if (this._isFolded(card)) {
+        continue; // a folded card's charts are brought up to date when it unfolds
+      }
       for (const { chart, value } of card.charts) {
         const data: ChartData = [
           times,
@@ -439,7 +610,9 @@ export class GpuPanel extends Widget {
     const table = element('table', 'jp-gpuwidget-process-table');
     const head = table.createTHead().insertRow();
     for (const heading of ['Process', 'User', 'Memory']) {
-      head.appendChild(element('th', '', heading));
+      const th = element('th', '', heading);
+      th.scope = 'col';
+      head.appendChild(th);
     }
     const body = table.createTBody();
     const sorted = [...processes].sort(

@@ -43,6 +43,17 @@ export interface IDevicesReply {
   interval: number;
   /** How much history the server keeps, seconds (DEFAULT_HISTORY_S unless configured). */
   history_s: number;
+  /**
+   * True when the server reads a cluster from Prometheus (`GpuWidget.prometheus_url`):
+   * only then does the sidebar ask `GET /cluster`. Absent from older servers (false).
+   */
+  cluster?: boolean;
+}
+
+/** A source the sampler is waiting on: "GPU 1" stopped answering `since_s` seconds ago. */
+export interface IStalledSource {
+  source: string;
+  since_s: number;
 }
 
 /** A process holding memory on a GPU; other users' processes carry only `user` and `memory`. */
@@ -62,6 +73,8 @@ export type Columns = Record<string, Reading[]>;
 export interface IHelloMessage {
   type: 'hello';
   devices: IDevicesReply;
+  /** Sources not answering now; absent from older servers (none). */
+  stalled?: IStalledSource[];
 }
 
 export interface IHistoryMessage {
@@ -74,6 +87,8 @@ export interface ISampleMessage {
   type: 'sample';
   t: number;
   values: Record<string, Reading>;
+  /** Sources not answering now; absent from older servers (none). */
+  stalled?: IStalledSource[];
 }
 
 export interface IProcessesMessage {
@@ -86,12 +101,82 @@ export interface IProcessesMessage {
 export type ServerMessage =
   IHelloMessage | IHistoryMessage | ISampleMessage | IProcessesMessage;
 
+/** The body of `GET /snapshot?window=S`: what the status bar polls while the sidebar is closed. */
+export interface ISnapshotReply {
+  devices: IDevicesReply;
+  latest: { t: number | null; values: Record<string, Reading> };
+  processes: IProcessesMessage | null;
+  stalled: IStalledSource[];
+}
+
+/** One GPU of the cluster as `GET /cluster` describes it (values aligned with the reply's times). */
+export interface IClusterGpu {
+  gpu: string;
+  uuid: string | null;
+  model: string | null;
+  /** Who holds it (a user, notebook or job), where the server knows. */
+  holder: string | null;
+  /** Utilisation 0..1 per step; null where Prometheus has no sample. */
+  util: Reading[];
+  memory_used_bytes: Reading[];
+  memory_total_bytes: number | null;
+  power_w: Reading[];
+}
+
+export interface IClusterHost {
+  host: string;
+  gpus: IClusterGpu[];
+}
+
+/** The body of `GET /cluster?window_s=S`. */
+export interface IClusterReply {
+  configured: boolean;
+  /** Whose series were read: gpuwidget's own, or dcgm-exporter's. */
+  source: 'gpuwidget' | 'dcgm' | null;
+  /** Why there is no data (e.g. Prometheus did not answer), or null. */
+  error: string | null;
+  step_s: number;
+  start: number;
+  end: number;
+  selector: string | null;
+  hosts: IClusterHost[];
+}
+
 function isObject(value: unknown): value is Record<string, unknown> {
   return typeof value === 'object' && value !== null && !Array.isArray(value);
 }
 
 function isNumber(value: unknown): value is number {
   return typeof value === 'number' && Number.isFinite(value);
+}
+
+function numberOrNull(value: unknown): number | null {
+  return isNumber(value) ? value : null;
+}
+
+function stringOrNull(value: unknown): string | null {
+  return typeof value === 'string' ? value : null;
+}
+
+/**
+ * The `stalled` field of a message, read defensively: anything but a list of
+ * `{source, since_s}` entries (or no field at all) means nothing is stalled.
+ */
+export function parseStalled(value: unknown): IStalledSource[] {
+  if (!Array.isArray(value)) {
+    return [];
+  }
+  return value
+    .filter(
+      (entry): entry is Record<string, unknown> =>
+        isObject(entry) &&
+        typeof entry.source === 'string' &&
+        isNumber(entry.since_s)
+    )
+    .map(entry => ({
+      source: entry.source as string,
+      since_s: Math.max(0, entry.since_s as number)
+    }));
 }
 
 /** True when `value` has the fields the sidebar relies on in a devices reply. */
@@ -135,7 +220,10 @@ export function parseMessage(text: string): ServerMessage | null {
   switch (value.type) {
     case 'hello':
       return isDevicesReply(value.devices)
-        ? (value as unknown as IHelloMessage)
+        ? ({
+            ...value,
+            stalled: parseStalled(value.stalled)
+          } as unknown as IHelloMessage)
         : null;
     case 'history':
       return Array.isArray(value.t) && isColumns(value.columns, value.t.length)
@@ -143,7 +231,10 @@ export function parseMessage(text: string): ServerMessage | null {
         : null;
     case 'sample':
       return isNumber(value.t) && isObject(value.values)
-        ? (value as unknown as ISampleMessage)
+        ? ({
+            ...value,
+            stalled: parseStalled(value.stalled)
+          } as unknown as ISampleMessage)
         : null;
     case 'processes':
       return isObject(value.gpus) &&
@@ -153,4 +244,75 @@ export function parseMessage(text: string): ServerMessage | null {
     default:
       return null;
   }
+}
+
+function readingList(value: unknown): Reading[] {
+  return Array.isArray(value) ? value.map(numberOrNull) : [];
+}
+
+/** A snapshot reply, or null when it lacks what the status bar needs. */
+export function parseSnapshot(value: unknown): ISnapshotReply | null {
+  if (!isObject(value) || !isDevicesReply(value.devices)) {
+    return null;
+  }
+  const latest = isObject(value.latest) ? value.latest : {};
+  const values = isObject(latest.values)
+    ? (latest.values as Record<string, Reading>)
+    : {};
+  const processes = isObject(value.processes)
+    ? parseMessage(JSON.stringify({ ...value.processes, type: 'processes' }))
+    : null;
+  return {
+    devices: value.devices,
+    latest: { t: numberOrNull(latest.t), values },
+    processes: processes?.type === 'processes' ? processes : null,
+    stalled: parseStalled(value.stalled)
+  };
+}
+
+/**
+ * A cluster reply with every field checked; entries of the wrong shape are dropped, so
+ * a partial answer still draws. Null when it is not a cluster reply at all.
+ */
+export function parseClusterReply(value: unknown): IClusterReply | null {
+  if (!isObject(value) || typeof value.configured !== 'boolean') {
+    return null;
+  }
+  const source =
+    value.source === 'gpuwidget' || value.source === 'dcgm'
+      ? value.source
+      : null;
+  const hosts: IClusterHost[] = [];
+  for (const host of Array.isArray(value.hosts) ? value.hosts : []) {
+    if (!isObject(host) || typeof host.host !== 'string') {
+      continue;
+    }
+    const gpus: IClusterGpu[] = [];
+    for (const gpu of Array.isArray(host.gpus) ? host.gpus : []) {
+      if (!isObject(gpu) || typeof gpu.gpu !== 'string') {
+        continue;
+      }
+      gpus.push({
+        gpu: gpu.gpu,
+        uuid: stringOrNull(gpu.uuid),
+        model: stringOrNull(gpu.model),
+        holder: stringOrNull(gpu.holder),
+        util: readingList(gpu.util),
+        memory_used_bytes: readingList(gpu.memory_used_bytes),
+        memory_total_bytes: numberOrNull(gpu.memory_total_bytes),
+        power_w: readingList(gpu.power_w)
+      });
+    }
+    hosts.push({ host: host.host, gpus });
+  }
+  return {
+    configured: value.configured,
+    source,
+    error: stringOrNull(value.error),
+    step_s: isNumber(value.step_s) && value.step_s > 0 ? value.step_s : 15,
+    start: numberOrNull(value.start) ?? 0,
+    end: numberOrNull(value.end) ?? 0,
+    selector: stringOrNull(value.selector),
+    hosts
+  };
 }

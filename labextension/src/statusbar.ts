@@ -1,7 +1,9 @@
 /**
  * The status-bar item: "GPU0 87% · 41/80 GB". It polls nothing of its own: it shows
- * what the sidebar's model last received, greyed out with a tooltip saying how old
- * it is while the panel is closed, and opens the panel on click.
+ * what the sidebar's model last received (the stream while the panel is open, the
+ * controller's small poll while it is closed), greyed out and in italics with a tooltip
+ * saying how old the values are whenever they are not current, and opens the panel on
+ * click (a button: Tab and Enter reach it too).
  */
 
 import { Widget } from '@lumino/widgets';
@@ -15,6 +17,7 @@ export class GpuStatusItem extends Widget {
   constructor(model: SidebarModel, onClick: () => void) {
     super({ node: document.createElement('button') });
     this.addClass('jp-gpuwidget-statusitem');
+    this.node.setAttribute('type', 'button');
     this._model = model;
     // With this widget as thisArg, Widget.dispose() disconnects it (Signal.clearData).
     model.changed.connect(this._changed, this);
@@ -41,6 +44,11 @@ export class GpuStatusItem extends Widget {
     );
     this.node.textContent = summary.text;
     this.node.title = summary.title;
+    // The tooltip is for the mouse; a screen reader gets the same through the label.
+    this.node.setAttribute(
+      'aria-label',
+      `GPU status: ${summary.text}${summary.stale ? ' (not current)' : ''}. Opens the GPU panel.`
+    );
     this.node.classList.toggle('jp-mod-stale', summary.stale);
   }
 }

@@ -7,7 +7,7 @@ import {
   streamUrl
 } from '../src/api';
 import { FakeSocket } from './fakes';
-import { gpuDevices } from './fixtures';
+import { clusterReply, gpuDevices } from './fixtures';
 
 const SETTINGS: ServerSettingsLike = {
   baseUrl: 'http://127.0.0.1:8888/user/ada/',
@@ -117,5 +117,33 @@ describe('ServerApi', () => {
     expect(socket.url).toBe(
       'ws://127.0.0.1:8888/user/ada/gpuwidget/api/stream?interval=1'
     );
+  });
+
+  it('asks for a snapshot without history, and the cluster for its window', async () => {
+    const urls: string[] = [];
+    const api = new ServerApi(SETTINGS, async url => {
+      urls.push(url);
+      return url.includes('/cluster')
+        ? reply(200, clusterReply(1, 1))
+        : reply(200, {
+            devices: gpuDevices(1),
+            latest: { t: 1, values: { 'gpu0.util': 3 } }
+          });
+    });
+    expect((await api.snapshot()).latest.values).toEqual({ 'gpu0.util': 3 });
+    expect((await api.cluster(3600)).hosts[0].host).toBe('host-a');
+    expect(urls).toEqual([
+      'http://127.0.0.1:8888/user/ada/gpuwidget/api/snapshot?window=0',
+      'http://127.0.0.1:8888/user/ada/gpuwidget/api/cluster?window_s=3600'
+    ]);
+  });
+
+  it('reports a cluster route that answers something else, or fails', async () => {
+    const odd = new ServerApi(SETTINGS, async () => reply(200, { hosts: 3 }));
+    await expect(odd.cluster(3600)).rejects.toThrow(
+      'answered something other than the cluster reply'
+    );
+    const failing = new ServerApi(SETTINGS, async () => reply(500, {}));
+    await expect(failing.cluster(3600)).rejects.toMatchObject({ status: 500 });
   });
 });

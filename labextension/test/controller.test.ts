@@ -1,10 +1,16 @@
-import { IGpuApi, ServerExtensionMissing } from '../src/api';
-import { STOP_GRACE_MS, SidebarController } from '../src/controller';
+import { ApiError, IGpuApi, ServerExtensionMissing } from '../src/api';
+import {
+  CLUSTER_REFRESH_MS,
+  STATUS_POLL_MS,
+  STOP_GRACE_MS,
+  SidebarController
+} from '../src/controller';
 import { SidebarModel } from '../src/model';
-import { IDevicesReply } from '../src/protocol';
+import { IClusterReply, IDevicesReply, ISnapshotReply } from '../src/protocol';
 import { FakeClock, FakeSocket, settle } from './fakes';
 import {
   T0,
+  clusterReply,
   gpuDevices,
   hello,
   history,
@@ -19,6 +25,44 @@ class FakeServer implements IGpuApi {
   sockets: FakeSocket[] = [];
   requests = 0;
   intervals: number[] = [];
+  snapshots = 0;
+  clusterAsks: number[] = [];
+  clusterState: 'up' | 'down' = 'up';
+  /** The time of the next snapshot's latest row. */
+  snapshotT = T0;
+
+  async snapshot(): Promise<ISnapshotReply> {
+    this.snapshots += 1;
+    if (this.state === 'missing') {
+      throw new ServerExtensionMissing('http://h/gpuwidget/api/snapshot');
+    }
+    if (this.state === 'down') {
+      throw new ApiError(
+        0,
+        'http://h/gpuwidget/api/snapshot',
+        'cannot reach the server'
+      );
+    }
+    this.snapshotT += 5;
+    return {
+      devices: this.reply,
+      latest: { t: this.snapshotT, values: { 'gpu0.util': 50 } },
+      processes: null,
+      stalled: []
+    };
+  }
+
+  async cluster(windowS: number): Promise<IClusterReply> {
+    this.clusterAsks.push(windowS);
+    if (this.clusterState === 'down') {
+      throw new ApiError(
+        502,
+        'http://h/gpuwidget/api/cluster',
+        'cluster answered 502 Bad Gateway'
+      );
+    }
+    return clusterReply();
+  }
 
   async devices(): Promise<IDevicesReply> {
     this.requests += 1;
@@ -54,6 +98,7 @@ function setup(interval = 1) {
   const model = new SidebarModel(interval);
   const controller = new SidebarController(server, model, {
     timers: clock,
+    now: () => clock.now,
     backoff: { initialMs: 500, maxMs: 8000, factor: 2, jitter: 0 }
   });
   return { server, clock, model, controller };
@@ -184,5 +229,138 @@ describe('SidebarController', () => {
     expect(model.devices?.gpu_found).toBe(false);
     expect(model.devices?.message).toContain('no NVIDIA GPU found');
     expect(model.series.has('cpu.util')).toBe(true);
+  });
+});
+
+describe('SidebarController while the panel is closed (the status bar)', () => {
+  it('asks for the latest values every STATUS_POLL_MS from the start, without a socket', async () => {
+    const { server, clock, model, controller } = setup();
+    controller.pollWhileClosed(true);
+    await settle();
+    expect(server.snapshots).toBe(1);
+    expect(model.connection).toEqual({
+      kind: 'polling',
+      everyS: 5,
+      error: null
+    });
+    expect(model.series.latest('gpu0.util')).toBe(50);
+    await clock.advance(STATUS_POLL_MS * 3);
+    expect(server.snapshots).toBe(4);
+    expect(model.series.length).toBe(4);
+    expect(server.sockets).toHaveLength(0);
+    expect(server.requests).toBe(0); // no /devices either: the snapshot carries them
+  });
+
+  it('stops asking while the panel is open or the browser tab is hidden, and resumes after', async () => {
+    const { server, clock, model, controller } = setup();
+    controller.pollWhileClosed(true);
+    await settle();
+    controller.setVisible(true);
+    await settle();
+    server.greet();
+    const asked = server.snapshots;
+    await clock.advance(STATUS_POLL_MS * 4);
+    expect(server.snapshots).toBe(asked);
+
+    controller.setVisible(false);
+    await clock.advance(STOP_GRACE_MS);
+    expect(server.sockets[0].closed).toBe(true);
+    expect(model.connection.kind).toBe('polling');
+    await clock.advance(STATUS_POLL_MS);
+    expect(server.snapshots).toBeGreaterThan(asked);
+
+    controller.setPageVisible(false);
+    const hidden = server.snapshots;
+    await clock.advance(STATUS_POLL_MS * 10);
+    expect(server.snapshots).toBe(hidden);
+    expect(clock.pendingCount).toBe(0);
+    controller.setPageVisible(true);
+    await clock.advance(STATUS_POLL_MS);
+    expect(server.snapshots).toBeGreaterThan(hidden);
+  });
+
+  it('says why when the server does not answer, and recovers', async () => {
+    const { server, clock, model, controller } = setup();
+    server.state = 'down';
+    controller.pollWhileClosed(true);
+    await settle();
+    expect(model.connection).toEqual({
+      kind: 'polling',
+      everyS: 5,
+      error: 'cannot reach the server'
+    });
+    server.state = 'up';
+    await clock.advance(STATUS_POLL_MS);
+    expect(model.connection).toMatchObject({ kind: 'polling', error: null });
+  });
+
+  it('gives up on a missing server extension', async () => {
+    const { server, clock, model, controller } = setup();
+    server.state = 'missing';
+    controller.pollWhileClosed(true);
+    await settle();
+    expect(model.connection.kind).toBe('missing');
+    await clock.advance(STATUS_POLL_MS * 10);
+    expect(server.snapshots).toBe(1);
+  });
+});
+
+describe('SidebarController and the cluster', () => {
+  it('makes no cluster request when the server has no cluster', async () => {
+    const { server, clock, model, controller } = setup();
+    controller.setVisible(true);
+    await settle();
+    server.greet();
+    await clock.advance(CLUSTER_REFRESH_MS * 3);
+    expect(server.clusterAsks).toEqual([]);
+    expect(model.cluster.kind).toBe('off');
+  });
+
+  it('asks for the last hour at once and every 15 s while shown, never while hidden', async () => {
+    const { server, clock, model, controller } = setup();
+    server.reply = { ...gpuDevices(), cluster: true };
+    controller.setVisible(true);
+    await settle();
+    expect(server.clusterAsks).toEqual([3600]);
+    expect(model.cluster.kind).toBe('ready');
+    await clock.advance(CLUSTER_REFRESH_MS * 2);
+    expect(server.clusterAsks).toHaveLength(3);
+
+    controller.setVisible(false);
+    await clock.advance(CLUSTER_REFRESH_MS * 4);
+    expect(server.clusterAsks).toHaveLength(3);
+
+    // Shown again long after the last answer: asks at once.
+    controller.setVisible(true);
+    await settle();
+    expect(server.clusterAsks).toHaveLength(4);
+    // Hidden and shown within a period (JupyterLab does that when a notebook opens): no extra ask.
+    controller.setVisible(false);
+    await clock.advance(1000);
+    controller.setVisible(true);
+    await settle();
+    expect(server.clusterAsks).toHaveLength(4);
+    await clock.advance(CLUSTER_REFRESH_MS);
+    expect(server.clusterAsks).toHaveLength(5);
+    controller.setPageVisible(false);
+    await clock.advance(CLUSTER_REFRESH_MS * 4);
+    expect(server.clusterAsks).toHaveLength(5);
+  });
+
+  it('keeps the last cluster on screen and says what failed', async () => {
+    const { server, clock, model, controller } = setup();
+    server.reply = { ...gpuDevices(), cluster: true };
+    controller.setVisible(true);
+    await settle();
+    server.clusterState = 'down';
+    await clock.advance(CLUSTER_REFRESH_MS);
+    expect(model.cluster).toMatchObject({
+      kind: 'error',
+      message: 'cluster answered 502 Bad Gateway'
+    });
+    expect(model.cluster.kind === 'error' && model.cluster.last).not.toBeNull();
+    server.clusterState = 'up';
+    await clock.advance(CLUSTER_REFRESH_MS);
+    expect(model.cluster.kind).toBe('ready');
   });
 });

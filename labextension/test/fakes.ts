@@ -93,3 +93,24 @@ export class FakeSocket implements ISocketLike {
     this.closed = true;
   }
 }
+
+/** What a fake 2D context received: the last image put on each canvas. */
+export const paintedImages = new WeakMap<HTMLCanvasElement, ImageData>();
+
+/**
+ * jsdom has no canvas: give canvases a 2D context that keeps the image put on them, so a
+ * test can read the pixels a view painted.
+ */
+export function installFakeCanvas(): void {
+  HTMLCanvasElement.prototype.getContext = function (this: HTMLCanvasElement) {
+    return {
+      createImageData: (width: number, height: number) =>
+        ({
+          width,
+          height,
+          data: new Uint8ClampedArray(width * height * 4)
+        }) as ImageData,
+      putImageData: (image: ImageData) => paintedImages.set(this, image)
+    } as unknown as CanvasRenderingContext2D;
+  } as unknown as typeof HTMLCanvasElement.prototype.getContext;
+}

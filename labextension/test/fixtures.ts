@@ -2,7 +2,9 @@
 
 import {
   DEFAULT_HISTORY_S,
+  IClusterReply,
   IDevicesReply,
+  Reading,
   ServerMessage
 } from '../src/protocol';
 
@@ -64,4 +66,40 @@ export function sample(
   values: Record<string, number | null>
 ): ServerMessage {
   return { type: 'sample', t, values };
+}
+
+/**
+ * A cluster reply as the server's contract gives it: `hosts` x `gpus` GPUs over an hour
+ * at 15 s steps (240 points); `util(host, gpu, step)` gives each value.
+ */
+export function clusterReply(
+  hosts = 2,
+  gpus = 2,
+  util: (host: number, gpu: number, step: number) => Reading = (h, g, k) =>
+    ((h + g + k) % 10) / 10,
+  points = 240
+): IClusterReply {
+  const step = 15;
+  return {
+    configured: true,
+    source: 'gpuwidget',
+    error: null,
+    step_s: step,
+    start: T0 - points * step,
+    end: T0,
+    selector: null,
+    hosts: Array.from({ length: hosts }, (_, h) => ({
+      host: `host-${String.fromCharCode(97 + h)}`,
+      gpus: Array.from({ length: gpus }, (_, g) => ({
+        gpu: String(g),
+        uuid: `GPU-${h}-${g}`,
+        model: 'NVIDIA H100 80GB HBM3',
+        holder: g === 0 ? `user${h}` : null,
+        util: Array.from({ length: points }, (_, k) => util(h, g, k)),
+        memory_used_bytes: Array.from({ length: points }, () => 20 * GiB),
+        memory_total_bytes: 80 * GiB,
+        power_w: Array.from({ length: points }, () => 250)
+      }))
+    }))
+  };
 }

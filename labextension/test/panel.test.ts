@@ -6,11 +6,14 @@
 
 import { Widget } from '@lumino/widgets';
 
-import { GpuPanel } from '../src/panel';
+import { GpuPanel, stalledLines } from '../src/panel';
 import { SidebarModel } from '../src/model';
+import { IProcessInfo } from '../src/protocol';
+import { installFakeCanvas } from './fakes';
 import {
   GiB,
   T0,
+  clusterReply,
   gpuDevices,
   hello,
   history,
@@ -47,6 +50,8 @@ function mount(openNotebook: ((path: string) => void) | null = null) {
   Widget.attach(panel, document.body);
   return { model, panel, visibility, retries };
 }
+
+beforeAll(() => installFakeCanvas());
 
 afterEach(() => {
   document.body.replaceChildren();
@@ -163,5 +168,268 @@ describe('GpuPanel', () => {
     (rows[0].querySelector('button') as HTMLButtonElement).click();
     expect(opened).toEqual(['exp/train.ipynb']);
     panel.dispose();
+  });
+});
+
+function processes(gpus: Record<string, IProcessInfo[]>) {
+  return { type: 'processes' as const, t: T0, gpus };
+}
+
+const ours = (notebook: string, memory: number): IProcessInfo => ({
+  pid: 4242,
+  memory,
+  user: 'you',
+  name: 'python',
+  kernel_id: 'k',
+  notebook
+});
+
+const theirs = (memory: number): IProcessInfo => ({
+  pid: 99,
+  memory,
+  user: 'another user',
+  name: null,
+  kernel_id: null,
+  notebook: null
+});
+
+function eightGpus(model: SidebarModel) {
+  model.handle(hello(gpuDevices(8)));
+  const values: Record<string, number> = {};
+  for (let i = 0; i < 8; i++) {
+    values[`gpu${i}.util`] = 10 * i;
+    values[`gpu${i}.mem_used`] = (i + 1) * GiB;
+    values[`gpu${i}.power`] = 100 + i;
+  }
+  model.handle(sample(T0, values));
+}
+
+const overviewCells = (panel: GpuPanel) =>
+  Array.from(
+    panel.node.querySelectorAll('.jp-gpuwidget-overview tbody tr')
+  ).map(row => Array.from(row.children).map(cell => cell.textContent?.trim()));
+
+describe('GpuPanel with many GPUs', () => {
+  it('shows one overview row per GPU above the cards: utilisation, memory, power, holder', () => {
+    const opened: string[] = [];
+    const { model, panel } = mount(path => opened.push(path));
+    eightGpus(model);
+    model.handle(
+      processes({
+        gpu0: [theirs(GiB), ours('exp/train.ipynb', 2 * GiB)],
+        gpu1: [theirs(3 * GiB)],
+        gpu2: []
+      })
+    );
+    panel.render();
+    const overview = panel.node.querySelector(
+      '.jp-gpuwidget-overview'
+    ) as HTMLElement;
+    expect(overview.hidden).toBe(false);
+    expect(overview.getAttribute('aria-label')).toBe('GPU overview');
+    // Above the cards.
+    expect(
+      overview.compareDocumentPosition(
+        panel.node.querySelector('.jp-gpuwidget-cards')!
+      ) & Node.DOCUMENT_POSITION_FOLLOWING
+    ).toBeTruthy();
+    const rows = overviewCells(panel);
+    expect(rows).toHaveLength(8);
+    expect(rows[0]).toEqual([
+      'GPU0',
+      '0%',
+      '1/80 GB',
+      '100 W',
+      'train.ipynb +1'
+    ]);
+    expect(rows[1]).toEqual([
+      'GPU1',
+      '10%',
+      '2/80 GB',
+      '101 W',
+      'another user'
+    ]);
+    expect(rows[2][4]).toBe('free');
+    expect(rows[7]).toEqual(['GPU7', '70%', '8/80 GB', '107 W', 'free']);
+    const bar = panel.node.querySelector(
+      "[data-device='gpu7'] .jp-gpuwidget-bar-fill"
+    ) as HTMLElement;
+    expect(bar.style.width).toBe('70%');
+    // Another user's process: no name, no pid, not in the tooltip either.
+    const holder1 = panel.node.querySelector(
+      ".jp-gpuwidget-overview [data-device='gpu1'] .jp-gpuwidget-overview-holder"
+    ) as HTMLElement;
+    expect(holder1.title).toBe('another user · 3 GB');
+    const holder0 = panel.node.querySelector(
+      ".jp-gpuwidget-overview [data-device='gpu0'] .jp-gpuwidget-overview-holder"
+    ) as HTMLElement;
+    expect(holder0.title).toBe(
+      'train.ipynb (4242) · you · 2 GB\nanother user · 1 GB'
+    );
+    (holder0.querySelector('button') as HTMLButtonElement).click();
+    expect(opened).toEqual(['exp/train.ipynb']);
+    panel.dispose();
+  });
+
+  it('says "–" for the holders before the first process scan, not "free"', () => {
+    const { model, panel } = mount();
+    eightGpus(model);
+    panel.render();
+    expect(overviewCells(panel).map(row => row[4])).toEqual(Array(8).fill('–'));
+    panel.dispose();
+  });
+
+  it('updates the rows in place as samples arrive', () => {
+    const { model, panel } = mount();
+    eightGpus(model);
+    panel.render();
+    const cell = panel.node.querySelector(
+      ".jp-gpuwidget-overview [data-device='gpu3']"
+    );
+    model.handle(sample(T0 + 1, { 'gpu3.util': 99 }));
+    panel.render();
+    expect(
+      panel.node.querySelector(".jp-gpuwidget-overview [data-device='gpu3']")
+    ).toBe(cell);
+    expect(overviewCells(panel)[3][1]).toBe('99%');
+    panel.dispose();
+  });
+
+  it('folds the cards from four GPUs on; a header button or the overview unfolds one', () => {
+    const { model, panel } = mount();
+    eightGpus(model);
+    panel.render();
+    const toggles = Array.from(
+      panel.node.querySelectorAll('.jp-gpuwidget-card-toggle')
+    ) as HTMLButtonElement[];
+    expect(toggles).toHaveLength(8);
+    expect(toggles.map(t => t.getAttribute('aria-expanded'))).toEqual(
+      Array(8).fill('false')
+    );
+    const card3 = panel.node.querySelector(
+      ".jp-gpuwidget-card[data-device='gpu3']"
+    ) as HTMLElement;
+    const body3 = card3.querySelector('.jp-gpuwidget-card-body') as HTMLElement;
+    expect(body3.hidden).toBe(true);
+    expect(toggles[3].getAttribute('aria-controls')).toBe(body3.id);
+    // A folded card still says its values in its header.
+    expect(card3.querySelector('.jp-gpuwidget-card-readout')!.textContent).toBe(
+      '30% · 4/80 GB'
+    );
+
+    const reveal = panel.node.querySelector(
+      ".jp-gpuwidget-overview [data-device='gpu3'] th button"
+    ) as HTMLButtonElement;
+    expect(reveal.textContent).toBe('GPU3');
+    reveal.click();
+    expect(body3.hidden).toBe(false);
+    expect(toggles[3].getAttribute('aria-expanded')).toBe('true');
+    expect(document.activeElement).toBe(toggles[3]);
+
+    toggles[3].click();
+    expect(body3.hidden).toBe(true);
+    toggles[5].click();
+    expect(toggles[5].getAttribute('aria-expanded')).toBe('true');
+    // The choice survives a rebuild of the cards (e.g. a new metric reported).
+    model.handle(sample(T0 + 1, { 'gpu5.temperature': 60 }));
+    panel.render();
+    const again = panel.node.querySelector(
+      ".jp-gpuwidget-card[data-device='gpu5'] .jp-gpuwidget-card-toggle"
+    )!;
+    expect(again.getAttribute('aria-expanded')).toBe('true');
+    panel.dispose();
+  });
+
+  it('shows neither the overview nor folded cards for two GPUs', () => {
+    const { model, panel } = mount();
+    model.handle(hello(gpuDevices(2)));
+    model.handle(history(5));
+    panel.render();
+    expect(
+      (panel.node.querySelector('.jp-gpuwidget-overview') as HTMLElement).hidden
+    ).toBe(true);
+    expect(
+      Array.from(panel.node.querySelectorAll('.jp-gpuwidget-card-toggle')).map(
+        t => t.getAttribute('aria-expanded')
+      )
+    ).toEqual(['true', 'true']);
+    panel.dispose();
+  });
+});
+
+describe('GpuPanel accessibility', () => {
+  it('is a labelled region whose sections, cards and controls all have names', () => {
+    const { model, panel } = mount(() => undefined);
+    eightGpus(model);
+    model.handle(processes({ gpu0: [ours('a.ipynb', GiB)] }));
+    model.setCluster({
+      kind: 'ready',
+      reply: clusterReply(),
+      atMs: Date.now()
+    });
+    panel.render();
+    expect(panel.node.getAttribute('role')).toBe('region');
+    expect(panel.node.getAttribute('aria-label')).toBe('GPU sidebar');
+    expect(
+      panel.node.querySelector('.jp-gpuwidget-status')!.getAttribute('role')
+    ).toBe('status');
+    for (const section of Array.from(panel.node.querySelectorAll('section'))) {
+      const labelledBy = section.getAttribute('aria-labelledby');
+      const name = labelledBy
+        ? document.getElementById(labelledBy)?.textContent
+        : section.getAttribute('aria-label');
+      expect(name).toBeTruthy();
+    }
+    const buttons = Array.from(panel.node.querySelectorAll('button'));
+    expect(buttons.length).toBeGreaterThan(8);
+    for (const button of buttons) {
+      const name =
+        button.getAttribute('aria-label') ?? button.textContent?.trim();
+      expect(name).toBeTruthy();
+      // Native buttons: in the tab order, Enter and Space work.
+      expect(button.tabIndex).toBe(0);
+    }
+    panel.dispose();
+  });
+});
+
+describe('GpuPanel stalled sources', () => {
+  it('says which source stopped answering and since when, and clears once it answers', () => {
+    const { model, panel } = mount();
+    model.handle(hello(gpuDevices(2)));
+    model.handle({
+      type: 'sample',
+      t: T0,
+      values: { 'gpu0.util': 5 },
+      stalled: [{ source: 'GPU 1', since_s: 12.4 }]
+    });
+    panel.render();
+    const notice = panel.node.querySelector(
+      '.jp-gpuwidget-stalled'
+    ) as HTMLElement;
+    expect(notice.textContent).toBe('⚠ GPU 1 stopped answering 12 s ago.');
+    expect(notice.getAttribute('role')).toBe('alert');
+    model.handle(sample(T0 + 1, { 'gpu0.util': 6 }));
+    panel.render();
+    expect(notice.textContent).toBe('');
+  });
+
+  it('counts the time since the message arrived', () => {
+    const now = 1_000_000;
+    expect(
+      stalledLines(
+        {
+          sources: [
+            { source: 'GPU 1', since_s: 12.4 },
+            { source: 'host', since_s: 3 }
+          ],
+          receivedS: now - 5
+        },
+        now
+      )
+    ).toEqual([
+      'GPU 1 stopped answering 17 s ago',
+      'host stopped answering 8 s ago'
+    ]);
   });
 });

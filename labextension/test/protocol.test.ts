@@ -1,5 +1,10 @@
-import { parseMessage } from '../src/protocol';
-import { gpuDevices, history } from './fixtures';
+import {
+  parseClusterReply,
+  parseMessage,
+  parseSnapshot,
+  parseStalled
+} from '../src/protocol';
+import { clusterReply, gpuDevices, history } from './fixtures';
 
 describe('parseMessage', () => {
   it('reads each message type of the contract', () => {
@@ -10,8 +15,41 @@ describe('parseMessage', () => {
       { type: 'processes', t: 1, gpus: { gpu0: [] } }
     ];
     for (const frame of frames) {
-      expect(parseMessage(JSON.stringify(frame))).toEqual(frame);
+      const parsed = parseMessage(JSON.stringify(frame));
+      // hello and sample gain the (empty) list of stalled sources an older server leaves out.
+      const stalled = ['hello', 'sample'].includes(frame.type)
+        ? { stalled: [] }
+        : {};
+      expect(parsed).toEqual({ ...frame, ...stalled });
     }
+  });
+
+  it('reads the stalled sources of samples and hellos, defensively', () => {
+    const stalled = [{ source: 'GPU 1', since_s: 12.4 }];
+    expect(
+      parseMessage(
+        JSON.stringify({ type: 'sample', t: 1, values: {}, stalled })
+      )
+    ).toMatchObject({ stalled });
+    expect(
+      parseMessage(
+        JSON.stringify({ type: 'hello', devices: gpuDevices(), stalled })
+      )
+    ).toMatchObject({ stalled });
+    expect(parseStalled(undefined)).toEqual([]);
+    expect(parseStalled('GPU 1')).toEqual([]);
+    expect(
+      parseStalled([
+        { source: 'GPU 1', since_s: 3 },
+        { source: 'GPU 2' },
+        { since_s: 4 },
+        null,
+        { source: 'host', since_s: -1 }
+      ])
+    ).toEqual([
+      { source: 'GPU 1', since_s: 3 },
+      { source: 'host', since_s: 0 }
+    ]);
   });
 
   it('ignores unknown types and malformed frames', () => {
@@ -27,5 +65,75 @@ describe('parseMessage', () => {
     for (const text of bad) {
       expect(parseMessage(text)).toBeNull();
     }
+  });
+});
+
+describe('parseSnapshot', () => {
+  it('takes the devices, the latest row, the processes and the stalled sources', () => {
+    const snapshot = parseSnapshot({
+      devices: gpuDevices(1),
+      history: { t: [], columns: {} },
+      latest: { t: 5, values: { 'gpu0.util': 40 } },
+      processes: { type: 'processes', t: 5, gpus: { gpu0: [] } },
+      stalled: [{ source: 'GPU 0', since_s: 2 }]
+    });
+    expect(snapshot).toEqual({
+      devices: gpuDevices(1),
+      latest: { t: 5, values: { 'gpu0.util': 40 } },
+      processes: { type: 'processes', t: 5, gpus: { gpu0: [] } },
+      stalled: [{ source: 'GPU 0', since_s: 2 }]
+    });
+  });
+
+  it('refuses a reply without devices, and reads a missing latest row as none', () => {
+    expect(parseSnapshot({ latest: {} })).toBeNull();
+    expect(parseSnapshot({ devices: gpuDevices(1) })).toMatchObject({
+      latest: { t: null, values: {} },
+      processes: null,
+      stalled: []
+    });
+  });
+});
+
+describe('parseClusterReply', () => {
+  it('reads the contract as it is', () => {
+    const reply = clusterReply(2, 3);
+    expect(parseClusterReply(JSON.parse(JSON.stringify(reply)))).toEqual(reply);
+  });
+
+  it('drops entries of the wrong shape and keeps the rest', () => {
+    const parsed = parseClusterReply({
+      configured: true,
+      source: 'prometheus?',
+      error: null,
+      step_s: 'x',
+      hosts: [
+        {
+          host: 'a',
+          gpus: [{ gpu: '0', util: [0.5, 'x', null] }, { util: [] }]
+        },
+        { gpus: [] },
+        'b'
+      ]
+    });
+    expect(parsed).toMatchObject({
+      source: null,
+      step_s: 15,
+      hosts: [
+        {
+          host: 'a',
+          gpus: [
+            {
+              gpu: '0',
+              uuid: null,
+              holder: null,
+              util: [0.5, null, null],
+              power_w: []
+            }
+          ]
+        }
+      ]
+    });
+    expect(parseClusterReply({ hosts: [] })).toBeNull();
   });
 });

@@ -43,4 +43,48 @@ describe('GpuStatusItem', () => {
     model.handle(sample(Date.now() / 1000, { 'gpu0.util': 12 }));
     expect(item.node.textContent).toBe(shown);
   });
+
+  it('shows live values while the panel is closed and polled, and greys them out once they age', () => {
+    const model = new SidebarModel(1);
+    const item = new GpuStatusItem(model, () => undefined);
+    model.setConnection({ kind: 'polling', everyS: 5, error: null });
+    const now = Date.now() / 1000;
+    model.applySnapshot({
+      devices: gpuDevices(2),
+      latest: { t: now - 1, values: { 'gpu0.util': 40, 'gpu0.mem_used': GiB } },
+      processes: null,
+      stalled: []
+    });
+    expect(item.node.textContent).toBe('GPU0 40% · 1/80 GB +1');
+    expect(item.node.classList.contains('jp-mod-stale')).toBe(false);
+    expect(item.node.title).toContain(
+      'Updated every 5 s while the GPU panel is closed'
+    );
+    expect(item.node.getAttribute('aria-label')).toBe(
+      'GPU status: GPU0 40% · 1/80 GB +1. Opens the GPU panel.'
+    );
+
+    // Three polls without news: the values are old.
+    model.applySnapshot({
+      devices: gpuDevices(2),
+      latest: { t: now - 16, values: {} },
+      processes: null,
+      stalled: []
+    });
+    model.series.clear();
+    model.series.push(now - 16, { 'gpu0.util': 40 });
+    model.setConnection({ kind: 'polling', everyS: 5, error: null });
+    expect(item.node.classList.contains('jp-mod-stale')).toBe(true);
+    expect(item.node.getAttribute('aria-label')).toContain('(not current)');
+
+    model.setConnection({
+      kind: 'polling',
+      everyS: 5,
+      error: 'cannot reach the server'
+    });
+    expect(item.node.title).toContain(
+      'the server did not answer (cannot reach the server)'
+    );
+    item.dispose();
+  });
 });

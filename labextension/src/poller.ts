@@ -1,0 +1,109 @@
+/**
+ * A periodic request that runs only while someone wants it: the status bar's poll while
+ * the sidebar is closed, the cluster's refresh while it is open.
+ *
+ * One request at a time (the next is timed from the end of the last, so a slow server is
+ * never asked twice at once); a stop drops the answer of a request still in flight.
+ */
+
+import { BROWSER_TIMERS, ITimers } from './stream';
+
+export interface IPollerOptions {
+  /** One round; its rejections are the caller's business (the poller goes on). */
+  run(): Promise<void>;
+  /** Milliseconds between the end of one round and the start of the next. */
+  periodMs: number;
+  timers?: ITimers;
+  /** The clock (ms) that decides whether a restart must run at once; Date.now by default. */
+  now?: () => number;
+}
+
+export class Poller {
+  readonly periodMs: number;
+  private _run: () => Promise<void>;
+  private _timers: ITimers;
+  private _now: () => number;
+  private _timer: unknown = null;
+  private _running = false;
+  private _inFlight = false;
+  /** Bumped on every start and stop, so a late round of an old run schedules nothing. */
+  private _generation = 0;
+  private _lastEnd = -Infinity;
+
+  constructor(options: IPollerOptions) {
+    this._run = options.run;
+    this.periodMs = options.periodMs;
+    this._timers = options.timers ?? BROWSER_TIMERS;
+    this._now = options.now ?? (() => Date.now());
+  }
+
+  get running(): boolean {
+    return this._running;
+  }
+
+  /**
+   * Start polling: at once when the last round ended a period ago or more (or never ran),
+   * otherwise when that period is up, so hiding and showing does not ask twice.
+   */
+  start(): void {
+    if (this._running) {
+      return;
+    }
+    this._running = true;
+    this._generation += 1;
+    const wait = Math.max(0, this._lastEnd + this.periodMs - this._now());
+    this._schedule(wait);
+  }
+
+  stop(): void {
+    if (!this._running) {
+      return;
+    }
+    this._running = false;
+    this._generation += 1;
+    this._clear();
+  }
+
+  /** Run a round now (when running), whatever the timer says. */
+  refresh(): void {
+    if (this._running && !this._inFlight) {
+      this._clear();
+      void this._round(this._generation);
+    }
+  }
+
+  private _schedule(ms: number): void {
+    this._clear();
+    const generation = this._generation;
+    if (ms <= 0) {
+      void this._round(generation);
+      return;
+    }
+    this._timer = this._timers.setTimeout(() => {
+      this._timer = null;
+      void this._round(generation);
+    }, ms);
+  }
+
+  private async _round(generation: number): Promise<void> {
+    this._inFlight = true;
+    try {
+      await this._run();
+    } catch {
+      // The caller reports its own failures; polling goes on.
+    } finally {
+      this._inFlight = false;
+      this._lastEnd = this._now();
+    }
+    if (generation === this._generation && this._running) {
+      this._schedule(this.periodMs);
+    }
+  }
+
+  private _clear(): void {
+    if (this._timer !== null) {
+      this._timers.clearTimeout(this._timer);
+      this._timer = null;
+    }
+  }
+}
