@@ -83,9 +83,11 @@ def load_bokehjs() -> None:
 
 def load_ipython_extension(ipython: Any) -> None:
     """``%load_ext gpuwidget``: register ``%%gpuwatch``."""
-    from gpuwidget.magic import GpuWatchMagics, record_cell_info
+    from gpuwidget.magic import GpuWatchMagics, check_cell_syntax, record_cell_info
 
     ipython.register_magics(GpuWatchMagics)
+    if check_cell_syntax not in ipython.input_transformers_cleanup:
+        ipython.input_transformers_cleanup.append(check_cell_syntax)
     callback = getattr(ipython, "_gpuwidget_pre_run_cell", None)
     if callback is None:
         def callback(info: Any) -> None:

@@ -81,6 +81,30 @@ class GpuWatchMagics(Magics):
         return shell.compile(tree, filename, "exec"), last_expr
 
 
+def check_cell_syntax(lines: list[str]) -> list[str]:
+    """IPython input transformer (cleanup stage): a ``%%gpuwatch`` cell whose body does not
+    parse raises its SyntaxError while IPython prepares the cell, before anything runs.
+
+    IPython then shows it as for any cell (``Cell In[5], line 3`` and the caret, no traceback
+    through the magic) and counts it as an error before execution; raised from inside the
+    magic, the traceback would run through IPython's and gpuwidget's frames. ``lines`` are
+    returned unchanged otherwise.
+    """
+    if not lines or not lines[0].startswith("%%gpuwatch"):
+        return lines
+    from IPython import get_ipython
+
+    shell: Any = get_ipython()
+    if shell is None:
+        return lines
+    transformed = shell.transform_cell("".join(lines[1:]))
+    # Named and cached as the magic will (header line first), so IPython finds its lines.
+    filename = shell.compile.cache(lines[0] + transformed, shell.execution_count, raw_code="".join(lines))
+    # One blank line in place of the magic's: the error's line number is the cell's.
+    shell.compile.ast_parse("\n" + transformed, filename=filename)
+    return lines
+
+
 def _cell_number(shell: Any) -> int:
     """The running cell's number: IPython counts it up before running a cell it stores."""
     info = getattr(shell, "_gpuwidget_cell_info", None)

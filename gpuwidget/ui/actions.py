@@ -77,7 +77,10 @@ class MeasureOffer:
 
         publish_display_data(bundle, transient={"display_id": self.display_id}, update=True)
         for widget in (self.button, self.output, self.box):
-            widget.close()
+            # With their layout and style models: close() alone leaves those open in the kernel.
+            for part in (getattr(widget, "layout", None), getattr(widget, "style", None), widget):
+                if part is not None:
+                    part.close()
 
     def _clicked(self, _: Any) -> None:
         from IPython.display import display
