@@ -19,7 +19,7 @@ TS_SOURCES := $(wildcard labextension/src/*.ts labextension/src/*.tsx labextensi
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 NOTEBOOK_DIR := $(if $(wildcard notebooks),notebooks/,.)
 
-.PHONY: install lab test bench lint clean distclean chromium demo
+.PHONY: install lab test bench lint clean distclean chromium prometheus demo
 
 install: $(STAMP) $(LABEXT)
 
@@ -52,7 +52,7 @@ $(LABEXT): $(TS_SOURCES) tsconfig.json package.json yarn.lock | $(STAMP)
 lab: install
 	$(VENV)/bin/jupyter lab --ip=127.0.0.1 --no-browser $(ROOT_FLAG) $(NOTEBOOK_DIR)
 
-test: install chromium
+test: install chromium prometheus
 	PATH="$(VBIN):$$PATH" jlpm test
 	$(VPY) -m pytest
 
@@ -64,6 +64,17 @@ chromium:
 	  else \
 	    echo "make: /usr/bin/chromium is missing, so browser tests will be skipped." >&2; \
 	    echo "      Install it as root: apt-get update && apt-get install -y chromium" >&2; \
+	  fi; \
+	fi
+
+# Tests of the cluster view run a real Prometheus (Debian's package, which brings promtool too).
+prometheus:
+	@if [ ! -x /usr/bin/prometheus ]; then \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends prometheus; \
+	  else \
+	    echo "make: /usr/bin/prometheus is missing, so the real-Prometheus tests will be skipped." >&2; \
+	    echo "      Install it as root: apt-get update && apt-get install -y prometheus" >&2; \
 	  fi; \
 	fi
 

@@ -221,3 +221,23 @@ async def test_loading_the_extension_twice_in_one_process_keeps_one_collector(jp
     _load_jupyter_server_extension(jp_serverapp)
     text = generate_latest(REGISTRY).decode()
     assert text.count("# TYPE gpuwidget_sampler_up gauge") == 1
+
+
+async def test_without_prometheus_configured_the_cluster_route_says_so_and_asks_nobody(jp_fetch, jp_serverapp, monitor):
+    devices = json.loads((await jp_fetch("gpuwidget", "api", "devices")).body)
+    assert devices["cluster"] is False
+    reply = json.loads((await jp_fetch("gpuwidget", "api", "cluster", params={"window_s": "3600"})).body)
+    assert reply["configured"] is False and reply["hosts"] == [] and reply["error"] is None
+    asked = []
+
+    async def fetch(request):
+        asked.append(request)
+        raise AssertionError("no request may be made")
+
+    from gpuwidget.server.cluster import Cluster
+
+    assert (await Cluster(None, fetch=fetch).reply(3600))["configured"] is False
+    assert asked == [] and jp_serverapp.web_app.settings["gpuwidget_cluster"].queries_sent == 0
+    with pytest.raises(HTTPClientError) as refused:
+        await jp_fetch("gpuwidget", "api", "cluster", params={"window_s": "-5"})
+    assert refused.value.code == 400
