@@ -19,6 +19,9 @@ DEFAULT_INTERVAL_S = 0.25
 MIN_INTERVAL_S = 0.01
 MAX_INTERVAL_S = 60.0
 SAVE_SUFFIXES = (".json", ".html", ".htm", ".csv")
+# The live view under a running cell: chosen by where the kernel runs (auto), the Bokeh widget
+# (JupyterLab, Notebook), a widget-free SVG updated in place (VS Code, Colab), or none.
+VIEWS = ("auto", "bokeh", "static", "none")
 
 
 class OptionError(ValueError):
@@ -27,15 +30,26 @@ class OptionError(ValueError):
 
 @dataclass(frozen=True)
 class WatchOptions:
-    """What to watch and show. Construct through :func:`make_options` or :func:`parse_line`."""
+    """What to watch and show. Construct through :func:`make_options` or :func:`parse_line`.
+
+    ``live`` is ``view != "none"`` (kept for callers and saved runs from before ``view``):
+    either ``live=False`` or ``view="none"`` turns the live view off.
+    """
 
     interval: float = DEFAULT_INTERVAL_S
     gpus: tuple[int, ...] | None = None
     live: bool = True
+    view: str = "auto"
     advice: bool = True
     tune: bool = False
     save: str | None = None
     quiet: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.live:
+            object.__setattr__(self, "view", "none")
+        elif self.view == "none":
+            object.__setattr__(self, "live", False)
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -54,12 +68,13 @@ class WatchOptions:
 
 def make_options(interval: float | str = DEFAULT_INTERVAL_S, gpus: Sequence[int] | str | None = None,
                  live: bool = True, advice: bool = True, tune: bool = False,
-                 save: str | Path | None = None, quiet: bool = False) -> WatchOptions:
+                 save: str | Path | None = None, quiet: bool = False, view: str = "auto") -> WatchOptions:
     """Validate and normalise options; raises :class:`OptionError` with a one-line reason."""
     return WatchOptions(
         interval=_interval(interval),
         gpus=_gpus(gpus),
         live=_flag("live", live),
+        view=_view(view, live),
         advice=_flag("advice", advice),
         tune=_flag("tune", tune),
         save=_save(save),
@@ -71,6 +86,15 @@ def _flag(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise OptionError(f"{name}: expected True or False, got {value!r}")
     return value
+
+
+def _view(value: Any, live: Any) -> str:
+    """``--view``; ``--no-live`` (live=False) is ``--view none`` and contradicts any other view."""
+    if not isinstance(value, str) or value not in VIEWS:
+        raise OptionError(f"--view: expected one of {', '.join(VIEWS)}, got {value!r}")
+    if live is False and value not in ("auto", "none"):
+        raise OptionError(f"--no-live means --view none, which contradicts --view {value}")
+    return "none" if live is False else value
 
 
 def _interval(value: float | str) -> float:
@@ -132,6 +156,7 @@ def _parser() -> _Parser:
     parser = _Parser(prog="%%gpuwatch", add_help=False, allow_abbrev=False)
     parser.add_argument("--interval", default=str(DEFAULT_INTERVAL_S))
     parser.add_argument("--gpus", default=None)
+    parser.add_argument("--view", default="auto")
     parser.add_argument("--no-live", dest="live", action="store_false")
     parser.add_argument("--no-advice", dest="advice", action="store_false")
     parser.add_argument("--tune", action="store_true")
@@ -146,7 +171,21 @@ def parse_line(line: str) -> WatchOptions:
         argv = shlex.split(line)
     except ValueError as exc:
         raise OptionError(f"cannot parse options: {exc}") from None
-    namespace, extra = _parser().parse_known_args(argv)
+    return parse_args(argv)
+
+
+def parse_args(argv: Sequence[str], help_hint: str = "see %%gpuwatch? for the options") -> WatchOptions:
+    """Parse options given as separate arguments (``%%gpuwatch``'s line, split; the ``gpuwatch``
+    command's own arguments): the same checks and one-line errors."""
+    namespace, extra = _parser().parse_known_args(list(argv))
     if extra:
-        raise OptionError(f"unknown option {extra[0]!r} (see %%gpuwatch? for the options)")
+        raise OptionError(f"unknown option {extra[0]!r} ({help_hint})")
     return make_options(**vars(namespace))
+
+
+def takes_value(option: str) -> bool | None:
+    """Whether a watch option (``--save``) is followed by a value; None for a token that is not one."""
+    action = _parser()._option_string_actions.get(option.split("=", 1)[0])
+    if action is None:
+        return None
+    return action.nargs != 0 and "=" not in option
