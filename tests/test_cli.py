@@ -183,3 +183,50 @@ def test_the_status_line_counts_steps_and_data_wait_from_the_live_trace():
         time.sleep(0.3)  # a sampler tick moves the probes' spans into the trace
         line = status_text(run, 2.0)
     assert line.startswith("gpuwatch 2 s · 16 steps (8.0/s) · data wait ") and "CPU" in line
+
+
+def test_ctrl_c_at_a_terminal_goes_to_the_command_as_if_unwatched(train_script):
+    """A real pseudo-terminal: gpuwatch hands it to the command's process group, so the terminal's
+    Ctrl-C interrupts the command (not gpuwatch), the status line is drawn in place, the report follows."""
+    import fcntl
+    import pty
+    import select
+    import termios
+
+    master, slave = pty.openpty()
+
+    def controlling_terminal() -> None:  # the pty becomes the session's terminal, as in a shell
+        os.setsid()
+        fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+    process = subprocess.Popen([*GPUWATCH, "--", sys.executable, "-u", str(train_script), "1000", "0"],
+                               stdin=slave, stdout=slave, stderr=slave, cwd=ROOT,
+                               preexec_fn=controlling_terminal)  # noqa: PLW1509 - the child's own setup
+    os.close(slave)
+    output = b""
+
+    def read_until(done: Any, timeout: float) -> None:
+        nonlocal output
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and not done():
+            ready, _, _ = select.select([master], [], [], 0.2)
+            if ready:
+                try:
+                    output += os.read(master, 65536)
+                except OSError:  # the terminal closed: everyone has exited
+                    return
+
+    try:
+        read_until(lambda: b"epoch 1" in output, 60)
+        assert b"epoch 1" in output, output[-500:]
+        os.write(master, b"\x03")  # Ctrl-C typed at the terminal
+        read_until(lambda: process.poll() is not None, 60)
+        assert process.wait(timeout=30) == 130
+    finally:
+        if process.poll() is None:
+            process.kill()
+        os.close(master)
+    text = output.decode(errors="replace")
+    assert "the script saw KeyboardInterrupt" in text and "interrupted" in text
+    assert "\r\x1b[2K" in text and " steps (" in text  # the status line, redrawn in place
+    assert "Traceback" not in text.split("the script saw KeyboardInterrupt", 1)[1].split("gpuwidget run:")[1]
