@@ -205,6 +205,19 @@ def _gain(finding: Finding) -> str:
     return f"up to {finding.expected_speedup:.2f}x"
 
 
+RANK_COLUMNS = ("rank", "pid", "GPU", "steps", "samples/s", "data wait", "step p50", "step p95")
+
+
+def rank_rows(run: Run) -> list[tuple[str, ...]]:
+    """One row per training process (``Run.ranks``), shown only when more than one process trained."""
+    ranks = run.ranks
+    if len(ranks) < 2:
+        return []
+    return [("-" if r["rank"] is None else str(r["rank"]), str(r["pid"]), "-" if r["gpu"] is None else str(r["gpu"]),
+             str(r["steps"] or 0), fmt_rate(r["samples_per_s"]), fmt_fraction(r["data_wait_fraction"]),
+             fmt_seconds(r["step_time_p50_s"]), fmt_seconds(r["step_time_p95_s"])) for r in ranks]
+
+
 def run_text(run: Run) -> str:
     lines = [f"gpuwidget run: {status_line(run)}"]
     if run.finished:
@@ -218,6 +231,9 @@ def run_text(run: Run) -> str:
         lines.append("  time: " + " · ".join(f"{label} {fmt_seconds(sec)} ({100 * share:.0f}%)"
                                              for label, sec, share, _ in parts))
     lines += ["  " + line for line in gpu_lines(run)]
+    if rows := rank_rows(run):
+        lines.append("  per process: " + " | ".join(RANK_COLUMNS))
+        lines += ["    " + " | ".join(row) for row in rows]
     if run.options.advice and run.finished:
         if run.findings:
             lines.append("Findings (largest expected gain first):")
@@ -354,6 +370,7 @@ def run_html(run: Run) -> str:
         (f"<div class='gpuwidget-comparison' style='margin-bottom:6px'>{html.escape(compared)}</div>"
          if (compared := comparison_line(run)) else ""),
         breakdown_html(run),
+        ranks_html(run),
         f"<div style='font-size:12px;margin-bottom:6px'>{gpu_html}</div>",
         chart_html(run),
     ]
@@ -367,6 +384,19 @@ def run_html(run: Run) -> str:
                         "of idle time.</div>")
     body.append("</section>")
     return "".join(body)
+
+
+def ranks_html(run: Run) -> str:
+    """The per-process table (only with more than one training process)."""
+    rows = rank_rows(run)
+    if not rows:
+        return ""
+    cell = f"style='padding:1px 10px 1px 0;text-align:right;border-bottom:1px solid {_BORDER}'"
+    head = "".join(f"<th scope='col' {cell}>{html.escape(c)}</th>" for c in RANK_COLUMNS)
+    body = "".join("<tr>" + "".join(f"<td {cell}>{html.escape(v)}</td>" for v in row) + "</tr>" for row in rows)
+    return (f"<table class='gpuwidget-ranks' style='font-size:12px;border-collapse:collapse;margin:2px 0 8px 0'>"
+            f"<caption style='text-align:left;color:{_MUTED}'>Training processes</caption>"
+            f"<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")
 
 
 def breakdown_html(run: Run) -> str:

@@ -24,6 +24,7 @@ import gpuwidget
 from gpuwidget.children import ENV_VAR
 from gpuwidget.children.channel import ChildChannel
 from gpuwidget.children.protocol import MAX_MESSAGE_BYTES, encode
+from gpuwidget.report import run_html, run_text
 from gpuwidget.run import Run
 from gpuwidget.trace import Trace
 
@@ -239,6 +240,7 @@ def test_watched_process_with_loader_workers_is_one_rank() -> None:
     assert [entry["pid"] for entry in run.ranks] == [os.getpid()]
     assert run.ranks[0]["steps"] == 10 == run.summary["steps"]
     assert "trained_in" not in run.workload
+    assert "per process" not in run_text(run) and "gpuwidget-ranks" not in run_html(run)  # one process: no table
     assert_nothing_left(directory)
 
 
@@ -255,6 +257,12 @@ def test_ddp_ranks_on_gloo_name_the_slow_loader() -> None:
     assert ranks[1]["data_wait_fraction"] > ranks[0]["data_wait_fraction"] + 0.3
     assert {span.attrs["rank"] for span in run.trace.spans("loader.wait")} == {0, 1}
     assert run.summary["training_processes"] == 2
+    # The panel's per-process table, one row per rank, in the text and the HTML.
+    table = run_text(run).split("per process: ", 1)[1].splitlines()
+    assert table[0] == "rank | pid | GPU | steps | samples/s | data wait | step p50 | step p95"
+    rows = [row.strip().split(" | ")[:2] for row in table[1:3]]
+    assert rows == [["0", str(ranks[0]["pid"])], ["1", str(ranks[1]["pid"])]]
+    assert run_html(run).count("<tr>") == 3
     assert_nothing_left(directory)
 
 
