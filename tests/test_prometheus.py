@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import socket
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from traitlets import TraitError
@@ -180,3 +182,61 @@ def test_label_matcher_sets_are_accepted():
         "{ namespace != 'kube-system' , pod!~\"x\\\"y\" , }"
     assert check_selector("") is None and check_selector("{}") is None
     assert GpuWidget(cluster_selector='{job="gpu"}').cluster_selector == '{job="gpu"}'
+
+
+# The README's PromQL examples, checked by Prometheus's own engine (promtool) on series labelled
+# as gpuwidget's collector and dcgm-exporter label them.
+README_QUERIES = {
+    "utilisation of the GPUs each notebook holds":
+        "(DCGM_FI_DEV_GPU_UTIL / 100) * on (UUID) group_right () (gpuwidget_kernel_gpu_memory_used_bytes > bool 0)",
+    "starved cells with their cause":
+        "gpuwidget_kernel_data_wait_ratio * on (kernel_id, Hostname) group_left (cause) gpuwidget_kernel_watch_info"
+        " > 0.5",
+}
+
+
+def test_the_readme_promql_joins_work_in_prometheus(tmp_path):
+    import subprocess
+
+    from gpuwidget.server.metrics import GPU_LABELS, KERNEL_LABELS
+
+    if not os.access(prom.PROMTOOL, os.X_OK):
+        pytest.skip(f"needs {prom.PROMTOOL} (make prometheus)")
+    assert set(GPU_LABELS) == {"gpu", "UUID", "modelName", "Hostname"}
+    assert set(KERNEL_LABELS) == {"kernel_id", "notebook", "Hostname"}
+    gpu = 'gpu="0",UUID="GPU-1",modelName="H100",Hostname="node-a"'
+    kernel = 'kernel_id="k1",notebook="work/train.ipynb",Hostname="node-a"'
+    held = f'{gpu},kernel_id="k1",notebook="work/train.ipynb"'  # a kernel's memory on a GPU
+    tests = f"""
+rule_files: []
+evaluation_interval: 1m
+tests:
+  - interval: 1m
+    input_series:
+      - series: 'DCGM_FI_DEV_GPU_UTIL{{{gpu},job="dcgm"}}'
+        values: '50 50'
+      - series: 'gpuwidget_kernel_gpu_memory_used_bytes{{{held},job="jupyter"}}'
+        values: '3e9 3e9'
+      - series: 'gpuwidget_kernel_data_wait_ratio{{{kernel},job="jupyter"}}'
+        values: '0.8 0.8'
+      - series: 'gpuwidget_kernel_watch_info{{{kernel},state="finished",cause="dataloader-starved",job="jupyter"}}'
+        values: '1 1'
+    promql_expr_test:
+      - expr: '{README_QUERIES["utilisation of the GPUs each notebook holds"]}'
+        eval_time: 1m
+        exp_samples:
+          - labels: '{{{held},job="jupyter"}}'
+            value: 0.5
+      - expr: '{README_QUERIES["starved cells with their cause"]}'
+        eval_time: 1m
+        exp_samples:
+          - labels: '{{{kernel},job="jupyter",cause="dataloader-starved"}}'
+            value: 0.8
+"""
+    (tmp_path / "readme_test.yml").write_text(tests)
+    result = subprocess.run([prom.PROMTOOL, "test", "rules", str(tmp_path / "readme_test.yml")],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    for query in README_QUERIES.values():
+        assert " ".join(query.split()) in " ".join(readme.split()), query
