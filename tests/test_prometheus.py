@@ -144,6 +144,9 @@ def test_prometheus_unreachable_slow_or_refusing_the_query_gives_a_clear_message
     refused = asyncio.run(Cluster(PrometheusConfig(url=setup.prometheus_url, selector='{job=~"("}')).reply(30, 1))
     assert refused["error"].startswith(f"Prometheus at {setup.prometheus_url} refused the query (HTTP 400): ")
     assert "parse" in refused["error"] or "error" in refused["error"]
+    not_prometheus = setup.dcgm_url.rsplit("/", 1)[0]  # an HTTP server, but not Prometheus
+    wrong = asyncio.run(Cluster(PrometheusConfig(url=not_prometheus)).reply(30, 1))
+    assert wrong["error"] == f"Prometheus at {not_prometheus} answered HTTP 404"
 
 
 def test_the_cluster_route_needs_the_servers_login(setup):
