@@ -179,7 +179,11 @@ def _remove_at_exit(path: str) -> None:
             return
         _removal_registered = True
 
+    owner = os.getpid()
+
     def remove() -> None:
+        if os.getpid() != owner:
+            return  # a forked child exiting normally: the file is its parent's
         with contextlib.suppress(OSError):
             os.unlink(path)
 
