@@ -190,6 +190,7 @@ async def test_kernels_report_gpu_memory_and_their_watched_cell_notebook_only_wh
     assert {labels["notebook"] for labels, _ in open_scrape["gpuwidget_kernel_watch_info"]} == {""}
     assert open_scrape["gpuwidget_kernel_watch_info"][0][0]["kernel_id"] == kernel_id
     await jp_fetch("api", "kernels", kernel_id, method="DELETE")
+    assert not os.path.exists(status_file)  # the kernel removed it as it shut down
 
 
 def test_a_running_watch_publishes_its_progress_and_a_stale_file_is_ignored(tmp_path):
