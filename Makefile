@@ -29,7 +29,8 @@ install: $(STAMP) $(LABEXT)
 # config into .venv, then `jupyter-builder develop` swaps that copy for a link to
 # gpuwidget/labextension, so later `jlpm build`s are seen without reinstalling.
 # (`jupyter labextension develop` does the same but is deprecated in JupyterLab 4.6.)
-$(STAMP): pyproject.toml package.json yarn.lock
+# (the child processes' start-up hook is copied into site-packages by the install: a change reinstalls)
+$(STAMP): pyproject.toml package.json yarn.lock gpuwidget/children/_boot.py gpuwidget/children/gpuwidget_children.pth
 	test -x $(VPY) || $(PYTHON) -m venv $(VENV)
 	$(VPY) -m pip install --upgrade pip
 	$(VPY) -m pip install "$(TORCH_SPEC)"

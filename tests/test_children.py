@@ -30,6 +30,7 @@ from gpuwidget.trace import Trace
 
 pytestmark = pytest.mark.slow
 
+PTH = "gpuwidget_children.pth"
 PUBLIC_KEYS = {"rank", "pid", "gpu", "steps", "samples_per_s", "data_wait_fraction",
                "step_time_p50_s", "step_time_p95_s"}
 
@@ -126,8 +127,11 @@ def by_pid(run: Run) -> dict[int, dict]:
 
 
 def test_startup_hook_is_installed_and_inert_without_a_watch() -> None:
-    pth = [Path(d) / "gpuwidget_children.pth" for d in site.getsitepackages()]
-    assert any(path.is_file() for path in pth), "make install puts gpuwidget_children.pth in site-packages"
+    installed = [Path(d) for d in site.getsitepackages() if (Path(d) / PTH).is_file()]
+    assert installed, "make install puts gpuwidget_children.pth in site-packages"
+    source = Path(gpuwidget.__file__).parent / "children"
+    for name, copy in (("gpuwidget_children.pth", PTH), ("_boot.py", "gpuwidget_children_boot.py")):
+        assert (installed[0] / copy).read_text() == (source / name).read_text(), "stale copy: run make install"
     probe = "import sys; print(sorted(m for m in sys.modules if m.startswith('gpuwidget')))"
     env = {k: v for k, v in os.environ.items() if k != ENV_VAR}
     quiet = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)

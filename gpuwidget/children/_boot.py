@@ -11,7 +11,10 @@ tool) pays nothing more; one that does loads :mod:`gpuwidget.children.agent` rig
 from __future__ import annotations
 
 import sys
-from typing import Any
+
+TYPE_CHECKING = False  # typing itself is not imported: it would cost every start-up with the variable set
+if TYPE_CHECKING:
+    from typing import Any
 
 TRIGGER = "torch"
 

@@ -1,0 +1,231 @@
+"""Child processes: what the start-up hook costs every Python start, and what the probes cost a DDP rank.
+
+1. **Start-up hook, no watch active** (the target: < 2 ms a Python start-up). Every Python
+   start in the environment reads ``gpuwidget_children.pth`` and runs its one line, which
+   looks up one environment variable. Measured two ways:
+
+   * in-process, the exact work ``site`` does for the file (``site.addpackage`` of the
+     installed ``.pth``), median of 7 batches of 2000 calls;
+   * whole interpreters: ``python -I -S -c "import site; site.addsitedir(D)"`` with ``D`` an
+     empty directory or one holding only a copy of the ``.pth``, alternating, 60 starts each;
+     the difference of the medians (start-up itself varies by about a millisecond here, so
+     this figure is the noisier of the two).
+
+   For information, a watch active: the start of a Python that never imports torch (it loads
+   only the small boot module), and the extra time of ``import torch`` in a child (the probes
+   and the agent load right after it).
+
+2. **Per-rank probe overhead** (the target: a watched 2-rank run keeps >= 0.98 of the
+   unwatched throughput). ``torch.multiprocessing.spawn`` runs 2 DDP ranks on gloo, one
+   torch thread each: an MLP (3 x Linear(256)) on batches of 64 from a TensorDataset with a
+   DistributedSampler; each rank times its own loop (:data:`STEPS` steps after
+   :data:`WARMUP` untimed ones) and the job's throughput is the sum of the ranks' samples/s.
+   Watched (``gpuwidget.watch(quiet=True)``: the probes in both ranks, spans streamed every
+   0.3 s) and unwatched jobs alternate in ABBA order; each pair gives a ratio. An A/A control
+   (unwatched against unwatched, same protocol) shows how far noise alone moves the ratio.
+
+    .venv/bin/python benchmarks/children.py [--quick] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import site
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from _common import median, parse_args, print_header, quartiles, setup_paths, table, verdict, write_json
+
+setup_paths()
+
+PTH = "gpuwidget_children.pth"
+STEPS = 400
+WARMUP = 40
+BATCH = 64
+
+
+# --------------------------------------------------------------------------- start-up hook
+
+
+def installed_pth() -> Path:
+    for directory in site.getsitepackages():
+        path = Path(directory) / PTH
+        if path.is_file():
+            return path
+    raise SystemExit(f"{PTH} is not installed in this environment: run `make install`")
+
+
+def in_process_cost(pth: Path, batches: int, calls: int) -> float:
+    """Seconds ``site`` spends on the .pth per start-up (env var absent), median over batches."""
+    from gpuwidget.children import ENV_VAR
+
+    assert ENV_VAR not in os.environ
+    times = []
+    for _ in range(batches):
+        started = time.perf_counter()
+        for _ in range(calls):
+            site.addpackage(str(pth.parent), pth.name, set())
+        times.append((time.perf_counter() - started) / calls)
+    return median(times)
+
+
+def interpreter_starts(pth: Path, runs: int) -> dict[str, Any]:
+    """Whole ``python`` starts with and without the .pth in a site directory, alternating."""
+    env = {k: v for k, v in os.environ.items() if k != "GPUWIDGET_CHILDREN"}
+    with tempfile.TemporaryDirectory() as empty, tempfile.TemporaryDirectory() as with_pth:
+        shutil.copy(pth, Path(with_pth) / PTH)
+        times: dict[str, list[float]] = {"without": [], "with": []}
+        for i in range(2 * runs):
+            which = ("without", "with")[(i + i // 2) % 2]  # ABBA
+            directory = empty if which == "without" else with_pth
+            started = time.perf_counter()
+            subprocess.run([sys.executable, "-I", "-S", "-c", f"import site; site.addsitedir({directory!r})"],
+                           env=env, check=True)
+            times[which].append(time.perf_counter() - started)
+    return {"without_s": median(times["without"]), "with_s": median(times["with"]),
+            "difference_s": median(times["with"]) - median(times["without"]),
+            "without_iqr_s": quartiles(times["without"]), "with_iqr_s": quartiles(times["with"])}
+
+
+def active_costs(runs: int) -> dict[str, float]:
+    """With a watch's variable set (a socket nobody listens on): a start without torch, and import torch."""
+    base = {k: v for k, v in os.environ.items() if k != "GPUWIDGET_CHILDREN"}
+    active = {**base, "GPUWIDGET_CHILDREN": "/nonexistent/children.sock"}
+    timer = "import time; t = time.perf_counter(); import torch; print(time.perf_counter() - t)"
+    out: dict[str, list[float]] = {"pass": [], "pass_active": [], "torch": [], "torch_active": []}
+    for i in range(runs):
+        for key, env in (("pass", base), ("pass_active", active)):
+            started = time.perf_counter()
+            subprocess.run([sys.executable, "-c", "pass"], env=env, check=True)
+            out[key].append(time.perf_counter() - started)
+        for key, env in (("torch", base), ("torch_active", active)) if i % 2 == 0 else (("torch_active", active),
+                                                                                       ("torch", base)):
+            done = subprocess.run([sys.executable, "-c", timer], env=env, check=True, capture_output=True, text=True)
+            out[key].append(float(done.stdout.split()[-1]))
+    return {key: median(values) for key, values in out.items()}
+
+
+# --------------------------------------------------------------------------- DDP ranks
+
+
+def rank(rank: int, world_size: int, port: int, results: Any) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.utils.data import DataLoader, TensorDataset
+    from torch.utils.data.distributed import DistributedSampler
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    count = (STEPS + WARMUP) * BATCH * world_size
+    dataset = TensorDataset(torch.randn(count, 256), torch.randn(count, 1))
+    loader = DataLoader(dataset, batch_size=BATCH, sampler=DistributedSampler(dataset, world_size, rank))
+    model = DistributedDataParallel(nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
+                                                  nn.Linear(256, 1)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.001)
+    started = None
+    for step, (x, y) in enumerate(loader):
+        if step == WARMUP:
+            started = time.perf_counter()
+        loss = ((model(x) - y) ** 2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    assert started is not None
+    results.put((rank, STEPS * BATCH / (time.perf_counter() - started)))
+    dist.destroy_process_group()
+
+
+def job(watched: bool) -> float:
+    """One 2-rank job; the sum of the ranks' samples/s."""
+    import torch.multiprocessing as torch_mp
+
+    import gpuwidget
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    results = torch_mp.get_context("spawn").SimpleQueue()
+    if watched:
+        with gpuwidget.watch(quiet=True) as run:
+            torch_mp.spawn(rank, args=(2, port, results), nprocs=2, join=True)
+        assert len(run.ranks) == 2 and all(r["steps"] == STEPS + WARMUP for r in run.ranks), run.ranks
+    else:
+        torch_mp.spawn(rank, args=(2, port, results), nprocs=2, join=True)
+    return sum(results.get()[1] for _ in range(2))
+
+
+def pairs(count: int, second_watched: bool) -> list[tuple[float, float]]:
+    """(first, second) throughputs in ABBA order; the second is watched unless this is the A/A control."""
+    out = []
+    for i in range(count):
+        if i % 2:
+            second = job(second_watched)
+            first = job(False)
+        else:
+            first = job(False)
+            second = job(second_watched)
+        out.append((first, second))
+        print(f"    pair {i + 1}: {first:,.0f} vs {second:,.0f} samples/s ({second / first:.3f})", flush=True)
+    return out
+
+
+def main() -> None:
+    args = parse_args(__doc__.splitlines()[0])
+    info = print_header("Child processes: start-up hook and per-rank probe overhead")
+    pth = installed_pth()
+    results: dict[str, Any] = {"machine": info, "pth": str(pth), "verdicts": []}
+
+    per_start = in_process_cost(pth, 3 if args.quick else 7, 500 if args.quick else 2000)
+    starts = interpreter_starts(pth, 10 if args.quick else 60)
+    active = active_costs(2 if args.quick else 5)
+    results["startup"] = {"in_process_s": per_start, **starts, "active": active}
+    print("\n  Start-up hook, no watch active")
+    table(["figure", "value"], [
+        ["site's work on the .pth (in-process)", f"{per_start * 1e6:.1f} us"],
+        ["python start, site dir without / with the .pth", f"{starts['without_s'] * 1e3:.2f} / "
+                                                          f"{starts['with_s'] * 1e3:.2f} ms"],
+        ["difference of medians", f"{starts['difference_s'] * 1e3:+.2f} ms"],
+        ["python -c pass, watch inactive / active",
+         f"{active['pass'] * 1e3:.1f} / {active['pass_active'] * 1e3:.1f} ms"],
+        ["import torch, watch inactive / active", f"{active['torch']:.3f} / {active['torch_active']:.3f} s"],
+    ])
+    results["verdicts"].append(verdict("start-up hook, no watch (in-process)", per_start * 1e3, 2.0,
+                                       higher_is_better=False, shown=f"{per_start * 1e3:.3f} ms",
+                                       target_shown="2 ms"))
+    worst = max(starts["difference_s"], per_start)
+    results["verdicts"].append(verdict("start-up hook, no watch (whole interpreters)", worst * 1e3, 2.0,
+                                       higher_is_better=False, shown=f"{worst * 1e3:.2f} ms", target_shown="2 ms"))
+
+    count, control = (1, 1) if args.quick else (6, 4)
+    print(f"\n  2-rank gloo DDP, watched vs unwatched ({count} pairs)")
+    measured = pairs(count, True)
+    print(f"  A/A control ({control} pairs)")
+    aa = pairs(control, False)
+    ratios = [b / a for a, b in measured]
+    aa_ratios = [b / a for a, b in aa]
+    best = max(b for _, b in measured) / max(a for a, _ in measured)
+    results["ranks"] = {"pairs": measured, "ratios": ratios, "median": median(ratios), "iqr": quartiles(ratios),
+                        "best_of": best, "aa_pairs": aa, "aa_median": median(aa_ratios)}
+    table(["figure", "value"], [
+        ["median ratio watched/unwatched", f"{median(ratios):.3f}"],
+        ["IQR", "{:.3f} - {:.3f}".format(*quartiles(ratios))],
+        ["min - max", f"{min(ratios):.3f} - {max(ratios):.3f}"],
+        ["best-of (fastest watched / fastest unwatched)", f"{best:.3f}"],
+        ["A/A control median", f"{median(aa_ratios):.3f}"],
+        ["unwatched job, median samples/s (2 ranks)", f"{median([a for a, _ in measured]):,.0f}"],
+    ])
+    results["verdicts"].append(verdict("watched 2-rank run / unwatched", median(ratios), 0.98,
+                                       higher_is_better=True, shown=f"{median(ratios):.3f}", target_shown="0.98"))
+    write_json(args.json, results)
+
+
+if __name__ == "__main__":
+    main()
