@@ -103,6 +103,15 @@ class Sampler:
         """Sources dropped because a read never returned: close them off the caller's thread."""
         return list(self._dropped)
 
+    @property
+    def busy_sources(self) -> list[Source]:
+        """The hung sources, and the one a reader thread is still inside (a stop that was cut short):
+        closing any of them could wait on that read, so close them off the caller's thread."""
+        reading = self._reading
+        inside = [reading.source] if reading is not None and reading.thread is not None \
+            and reading.thread.is_alive() else []
+        return [*self._dropped, *(source for source in inside if source not in self._dropped)]
+
     def start(self) -> Sampler:
         if self._started:
             raise RuntimeError("a Sampler can be started once")
@@ -132,6 +141,8 @@ class Sampler:
             reading = self._reading
             if reading is not None and reading.thread is thread:
                 self._drop(reading)
+                with self._lock:
+                    self._thread = None  # if the read ever returns, the abandoned thread discards it
             else:
                 self._record("sampler thread did not stop in time")
 

@@ -9,6 +9,7 @@ are gone afterwards and the Run is recorded.
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -208,13 +209,10 @@ class Watch:
 
     def _show_live(self, trace: Trace, machine: MachineFacts) -> None:
         try:
-            from IPython.display import display
+            from gpuwidget.ui.views import show_live_view
 
-            from gpuwidget.ui.live import LiveView, ensure_bokehjs
-
-            ensure_bokehjs()
-            self._live = LiveView(trace, machine, label=self.label)
-            self._handle = display(self._live.widget, display_id=True)
+            self._live = show_live_view(self.options.view, trace, machine, label=self.label)
+            self._handle = self._live.handle if self._live is not None else None
         except Exception as exc:  # noqa: BLE001 - no live view is better than a broken cell
             log.warning("gpuwidget: live view unavailable: %s", exc)
             self._live = None
@@ -300,17 +298,18 @@ class Watch:
         """
         interrupt: BaseException | None = None
         try:
-            for step in (self._remove_probes, self._close_children, self._stop_sampler, self._close_sources,
-                         self._close_live):
-                try:
-                    step()
-                except Exception as exc:  # noqa: BLE001 - the user's cell has ended; nothing may raise into it
-                    log.warning("gpuwidget: %s failed: %s", step.__name__.strip("_").replace("_", " "), exc)
-                except BaseException as exc:  # noqa: BLE001 - KeyboardInterrupt: finish the other steps first
-                    interrupt = interrupt or exc
+            with _interrupts_held() as held:  # a Ctrl-C now is honoured once every step has run
+                for step in (self._remove_probes, self._close_children, self._stop_sampler, self._close_sources,
+                             self._close_live):
+                    try:
+                        step()
+                    except Exception as exc:  # noqa: BLE001 - the user's cell has ended; nothing may raise into it
+                        log.warning("gpuwidget: %s failed: %s", step.__name__.strip("_").replace("_", " "), exc)
+                    except BaseException as exc:  # noqa: BLE001 - KeyboardInterrupt: finish the other steps first
+                        interrupt = interrupt or exc
         finally:
             _release(self)
-        return interrupt
+        return interrupt or (held[0] if held else None)
 
     def _remove_probes(self) -> None:
         if self._probes is not None:
@@ -326,7 +325,7 @@ class Watch:
 
     def _close_sources(self) -> None:
         """Close the sources; one whose read hung is closed on a thread of its own, as its close may hang too."""
-        hung = self._sampler.hung_sources if self._sampler is not None else []
+        hung = self._sampler.busy_sources if self._sampler is not None else []
         for source in self._sources:
             if any(source is stuck for stuck in hung):
                 threading.Thread(target=_close_quietly, args=(source,), name=CLOSER_THREAD_NAME,
@@ -378,6 +377,34 @@ class Watch:
         from gpuwidget.ui.actions import measure_button
 
         display(measure_button(run, loaders[0]))
+
+
+@contextmanager
+def _interrupts_held() -> Iterator[list[BaseException]]:
+    """Ctrl-C while the watch winds down is held until the end (the list gets it), then honoured.
+
+    An interrupt in the middle of a step (stopping the sampler while a GPU read hangs) would skip
+    the rest of it, and closing a source a thread is still reading then waits on that read: the cell
+    would never end. Teardown is bounded (:data:`gpuwidget.sampler.STOP_DEADLINE_S`), so holding
+    the interrupt costs at most that. A second Ctrl-C in the same teardown raises at once.
+    Only the main thread receives signals; elsewhere nothing is held.
+    """
+    held: list[BaseException] = []
+    previous = signal.getsignal(signal.SIGINT) if threading.current_thread() is threading.main_thread() else None
+    if not callable(previous):  # not the main thread, or a handler Python did not install
+        yield held
+        return
+
+    def hold(signum: int, frame: Any) -> None:
+        if held:
+            raise KeyboardInterrupt
+        held.append(KeyboardInterrupt())
+
+    signal.signal(signal.SIGINT, hold)
+    try:
+        yield held
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _release(watch: Watch) -> None:
@@ -435,8 +462,9 @@ def _remember(source: str | None, run: Run) -> None:
 def watch(*, label: str = "", display: bool | None = None, **options: Any) -> Iterator[Run]:
     """Watch a block of code; yields its :class:`Run` (summary filled in when the block ends).
 
-    Takes the same options as ``%%gpuwatch``: ``interval``, ``gpus``, ``live``, ``advice``,
-    ``tune``, ``save``, ``quiet``. Bad options raise ``ValueError`` before anything starts.
+    Takes the same options as ``%%gpuwatch``: ``interval``, ``gpus``, ``view``
+    (``"auto"``, ``"bokeh"``, ``"static"``, ``"none"``; ``live=False`` is ``view="none"``),
+    ``advice``, ``tune``, ``save``, ``quiet``. Bad options raise ``ValueError`` before anything starts.
     """
     caller = sys._getframe(2)  # the `with` statement's frame (1 is contextlib's __enter__)
     # The same `with` statement run again is the same cell: its code object and line.

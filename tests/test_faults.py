@@ -611,3 +611,124 @@ def test_workers_of_an_interrupted_watched_loop_end_as_unwatched(ip, monkeypatch
     assert gpuwidget.last_run().outcome == "interrupted"
     for name in ("SlowItems", "batch", "DataLoader", "Dataset"):
         ip.user_ns.pop(name, None)
+
+
+# ----------------------------------------------------------------- Ctrl-C twice in a real kernel
+
+# Run in the kernel before the watched cell: two fake GPUs (the real nvidia-ml-py code path), GPU 1's
+# memory query stops returning from its third call (a GPU falling off the bus, NVML's lock held), and
+# Sampler.stop touches a file as it starts, so the test knows the teardown has begun.
+KERNEL_SETUP = """\
+import sys, threading, time
+sys.path.insert(0, {tests!r})
+import pynvml
+from fakenvml import FakeNvml
+from gpuwidget.sampler import Sampler
+
+fake = FakeNvml.gpus(2)
+fake.real_time = True
+_patch = fake.patched()  # kept: a dropped generator would undo the patch
+_patch.__enter__()
+_query, _lost, _released, _asked = pynvml.nvmlDeviceGetMemoryInfo, fake.gpu(1), threading.Event(), []
+
+def _memory_info(gpu, *args):
+    if gpu is _lost:
+        _asked.append(1)
+        if len(_asked) >= 3:
+            _released.wait(120)
+    return _query(gpu, *args)
+
+pynvml.nvmlDeviceGetMemoryInfo = _memory_info
+_stop = Sampler.stop
+
+def _marked_stop(self, *args, **kwargs):
+    open({marker!r}, "w").close()
+    return _stop(self, *args, **kwargs)
+
+Sampler.stop = _marked_stop
+"""
+
+# What the interrupted run recorded, and the threads it left: only the reader stuck inside NVML.
+KERNEL_INTERRUPTED = """\
+import gpuwidget, json, threading
+from gpuwidget.sampler import THREAD_NAME
+interrupted = gpuwidget.last_run()
+stuck = [t for t in threading.enumerate() if t.name == THREAD_NAME]
+print(json.dumps({"outcome": interrupted.outcome, "stalled": [e["source"] for e in interrupted.sampler["stalled"]],
+                  "stuck": len(stuck)}))
+"""
+# After the next watch, the hang released: what the abandoned reader did once its read returned.
+KERNEL_RELEASED = """\
+import time
+rows = interrupted.trace.rows_total
+_released.set()
+for thread in stuck:
+    thread.join(5)
+time.sleep(0.2)
+print(json.dumps({"left": [t.name for t in threading.enumerate() if t.name == THREAD_NAME],
+                  "late_rows": interrupted.trace.rows_total - rows}))
+"""
+
+
+def _kernel_json(kc: Any, code: str) -> Any:
+    output: list[str] = []
+    reply = kc.execute_interactive(code, timeout=30, output_hook=lambda msg: output.append(
+        msg["content"].get("text", "") if msg["msg_type"] == "stream" and msg["content"]["name"] == "stdout" else ""))
+    assert reply["content"]["status"] == "ok"
+    return json.loads("".join(output))
+
+
+@pytest.mark.kernel
+def test_ctrl_c_twice_in_a_real_kernel_with_a_hung_gpu_ends_the_cell_and_frees_the_kernel(tmp_path):
+    from jupyter_client.manager import start_new_kernel
+    from test_kernel import of_type
+
+    marker = tmp_path / "teardown-started"
+    km, kc = start_new_kernel(kernel_name="python3")
+    try:
+        setup = KERNEL_SETUP.format(tests=str(Path(__file__).parent), marker=str(marker))
+        assert kc.execute_interactive("%load_ext gpuwidget\n" + setup, timeout=60)["content"]["status"] == "ok"
+
+        msg_id = kc.execute("%%gpuwatch --interval 0.05 --quiet\nimport time\ntime.sleep(60)\n")
+        messages: list[tuple[float, dict]] = []
+
+        def until(done: Callable[[dict], bool], timeout: float) -> None:
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                try:
+                    msg = kc.get_iopub_msg(timeout=0.005)
+                except Exception:  # noqa: BLE001 - queue.Empty: look at the marker
+                    if marker.exists() and done({}):
+                        return
+                    continue
+                if msg["parent_header"].get("msg_id") == msg_id:
+                    messages.append((time.monotonic(), msg))
+                    if done(msg):
+                        return
+            raise AssertionError(f"the kernel did not get there in time: {[m['msg_type'] for _, m in messages]}")
+
+        until(lambda msg: msg.get("msg_type") == "execute_input", 30)
+        time.sleep(0.6)  # the cell sleeps; GPU 1's read has hung since its third tick
+        km.interrupt_kernel()  # Ctrl-C: the cell's own code ends here
+        interrupted = time.monotonic()
+        until(lambda msg: not msg and marker.exists(), 10)  # the teardown has begun: stop() waits on the stuck read
+        km.interrupt_kernel()  # Ctrl-C again, while gpuwidget winds down
+        until(lambda msg: msg.get("msg_type") == "status" and msg["content"]["execution_state"] == "idle", 30)
+        ended = messages[-1][0]
+
+        # Ended within about a second of the first Ctrl-C (it hung for good closing NVML under the stuck
+        # read): 0.5 s waiting for the reader, the rest summarising, with a margin for a loaded machine.
+        assert ended - interrupted < 1.5, f"the cell ended {ended - interrupted:.2f} s after its code"
+        errors = [m["content"]["ename"] for _, m in of_type(messages, "error")]
+        assert errors == ["KeyboardInterrupt"]  # the user's own interrupt, shown once
+        recorded = _kernel_json(kc, KERNEL_INTERRUPTED)
+        assert recorded == {"outcome": "interrupted", "stalled": ["GPU 1"], "stuck": 1}
+
+        again = kc.execute_interactive("%%gpuwatch --interval 0.05 --quiet\nwatched_again = 1\n", timeout=30)
+        assert again["content"]["status"] == "ok"  # not "another watch is already running"
+        released = _kernel_json(kc, KERNEL_RELEASED)
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+    assert released["left"] == []  # once its read returns, the abandoned reader ends too
+    assert released["late_rows"] == 0  # ...and what it read so late is discarded
