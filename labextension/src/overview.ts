@@ -161,7 +161,7 @@ export class GpuOverview {
     const head = table.createTHead().insertRow();
     for (const [heading, className] of [
       ['GPU', ''],
-      ['Util', 'jp-gpuwidget-overview-util'],
+      ['Util', ''],
       ['Memory', 'jp-gpuwidget-number'],
       ['Power', 'jp-gpuwidget-number'],
       ['Held by', '']
@@ -218,7 +218,9 @@ export class GpuOverview {
       name.appendChild(reveal);
       tr.appendChild(name);
 
-      const utilCell = cell(tr, 'jp-gpuwidget-overview-util');
+      const meter = document.createElement('span');
+      meter.className = 'jp-gpuwidget-meter';
+      cell(tr, 'jp-gpuwidget-overview-util').appendChild(meter);
       const track = document.createElement('span');
       track.className = 'jp-gpuwidget-bar';
       track.setAttribute('aria-hidden', 'true');
@@ -227,7 +229,7 @@ export class GpuOverview {
       track.appendChild(bar);
       const util = document.createElement('span');
       util.className = 'jp-gpuwidget-number';
-      utilCell.append(track, util);
+      meter.append(track, util);
 
       const memory = cell(tr, 'jp-gpuwidget-number');
       const power = cell(tr, 'jp-gpuwidget-number');

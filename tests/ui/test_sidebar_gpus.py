@@ -1,0 +1,290 @@
+"""In a real JupyterLab and browser, over 8 fake GPUs: the dense overview, the status bar before the
+sidebar is opened, keyboard operation, the dark theme, and a GPU that stops answering.
+
+The JupyterLab runs this file as its launcher (``python test_sidebar_gpus.py serve ...``): the fake
+NVML (tests/fakenvml.py) has to be installed inside the server's own process. In there, a thread
+keeps the fake driver's process list current: the first kernel started (a notebook's) holds
+memory on GPU 0, the server itself on GPU 1; and once the test creates the file ``hang-gpu`` in
+the server's root, GPU 5's memory query stops returning, as a GPU falling off the bus does.
+
+README screenshots (docs/images/sidebar-gpus*.png) are written by this test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from conftest import CHROMIUM, SCREENSHOTS, Lab, _free_port, _wait_ready, wait_for
+
+pytestmark = pytest.mark.browser
+
+HERE = Path(__file__).resolve().parent
+DOCS_IMAGES = HERE.parents[1] / "docs" / "images"
+
+GPUS = 8
+# Each GPU's utilisation (percent): two idle ones, so the overview reads at a glance.
+UTIL = [92, 78, 0, 64, 100, 35, 0, 51]
+GIB = 1024**3
+MEMORY_GIB = [66, 12, 0.5, 35, 71, 40, 0.5, 52]
+HUNG_GPU = 5
+
+PANEL = ".jp-gpuwidget-sidebar"
+TAB = ".jp-SideBar .lm-TabBar-tab[data-id='gpuwidget-sidebar']"
+STATUS_ITEM = ".jp-gpuwidget-statusitem"
+OVERVIEW_ROWS = ".jp-gpuwidget-overview tbody tr"
+TOGGLES = ".jp-gpuwidget-card-toggle"
+
+
+# ------------------------------------------------------------------ the server process (this file as a script)
+
+
+def _serve(argv: list[str]) -> None:
+    """JupyterLab over 8 fake GPUs; the process list and the hang follow the server's root folder."""
+    import psutil
+    import pynvml
+
+    sys.path.insert(0, str(HERE.parent))
+    from fakenvml import FakeNvml, make_gpu
+
+    fake = FakeNvml([make_gpu(index, util=util, memory_used=int(MEMORY_GIB[index] * GIB), memory_total=80 * GIB,
+                              power_mw=90_000 + 6_000 * util, name="NVIDIA H100 80GB HBM3")
+                     for index, util in enumerate(UTIL)], real_time=True)
+    root = Path.cwd()
+    hung = threading.Event()
+
+    def is_kernel(process: psutil.Process) -> bool:
+        try:
+            return "ipykernel" in " ".join(process.cmdline())
+        except psutil.Error:  # gone, or a zombie (a short-lived child of the server)
+            return False
+
+    def processes() -> None:
+        me = psutil.Process()
+        while True:
+            kernels = [child.pid for child in me.children(recursive=True) if is_kernel(child)]
+            fake.processes(0, compute=[(kernels[0], 61 * GIB)] if kernels else [])
+            fake.processes(1, compute=[(me.pid, 3 * GIB)])
+            if (root / "hang-gpu").exists():
+                hung.set()
+            time.sleep(0.5)
+
+    with fake.patched():
+        query = pynvml.nvmlDeviceGetMemoryInfo
+        lost = fake.gpu(HUNG_GPU)
+
+        def memory_info(gpu, *args):
+            if gpu is lost and hung.is_set():
+                threading.Event().wait(600)  # never returns while the test lasts
+            return query(gpu, *args)
+
+        pynvml.nvmlDeviceGetMemoryInfo = memory_info
+        threading.Thread(target=processes, daemon=True, name="fake-processes").start()
+        from jupyterlab.labapp import LabApp
+
+        LabApp.launch_instance(argv=argv)
+
+
+# ------------------------------------------------------------------ fixtures
+
+
+@pytest.fixture(scope="module")
+def gpu_lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
+    """JupyterLab over 8 fake GPUs, with a notebook's kernel running (it holds GPU 0)."""
+    if not Path(CHROMIUM).exists():
+        pytest.skip(f"browser tests need chromium at {CHROMIUM} (apt-get install -y chromium)")
+    root = tmp_path_factory.mktemp("gpulab")
+    (root / "train.ipynb").write_text(json.dumps({
+        "cells": [], "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3"}},
+        "nbformat": 4, "nbformat_minor": 5}))
+    settings = root / ".settings" / "@jupyterlab" / "apputils-extension"
+    settings.mkdir(parents=True)
+    (settings / "notification.jupyterlab-settings").write_text(
+        json.dumps({"fetchNews": "false", "checkForUpdates": False}))
+    port = _free_port()
+    lab = Lab(url=f"http://127.0.0.1:{port}/", token="gpuwidget-gpus-token", root=root, log=root / "lab.log")
+    command = [
+        sys.executable, str(Path(__file__).resolve()), "serve", "--no-browser", f"--port={port}", "--ip=127.0.0.1",
+        f"--ServerApp.token={lab.token}", f"--ServerApp.root_dir={root}", "--LabApp.expose_app_in_browser=True",
+        f"--LabApp.user_settings_dir={root / '.settings'}", f"--LabApp.workspaces_dir={root / '.workspaces'}",
+        "--ServerApp.jpserver_extensions={'gpuwidget': True}", "--ServerApp.log_level=WARN",
+    ]
+    if os.geteuid() == 0:
+        command.append("--allow-root")
+    with open(lab.log, "w") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=root, start_new_session=True,
+                                   env={**os.environ, "JUPYTER_RUNTIME_DIR": str(root / ".runtime")})
+    try:
+        _wait_ready(lab, process)
+        # A notebook's kernel, as if the user had opened train.ipynb: its process holds GPU 0.
+        request = urllib.request.Request(
+            f"{lab.url}api/sessions?token={lab.token}", method="POST",
+            data=json.dumps({"path": "train.ipynb", "name": "train.ipynb", "type": "notebook",
+                             "kernel": {"name": "python3"}}).encode(),
+            headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as reply:
+            assert reply.status == 201
+        yield lab
+    finally:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(10)
+
+
+def open_lab(page, lab: Lab) -> dict[str, list[str]]:
+    """Load JupyterLab (the sidebar closed); return the gpuwidget requests and sockets it makes."""
+    traffic: dict[str, list[str]] = {"requests": [], "sockets": []}
+    page.on("request", lambda r: "/gpuwidget/api/" in r.url and traffic["requests"].append(r.url))
+    page.on("websocket", lambda ws: "/gpuwidget/api/" in ws.url and traffic["sockets"].append(ws.url))
+    page.goto(lab.page_url("lab"))
+    page.wait_for_function("window.jupyterapp !== undefined", timeout=60_000)
+    page.wait_for_selector(STATUS_ITEM, timeout=60_000)
+    page.wait_for_selector(TAB, timeout=30_000)
+    return traffic
+
+
+def widen_sidebar(page, width: int = 420) -> None:
+    """Drag the left area's splitter so the screenshots show the overview at a usual width."""
+    box = page.locator(PANEL).bounding_box()
+    handle_x = box["x"] + box["width"] + 2
+    y = box["y"] + 200
+    page.mouse.move(handle_x, y)
+    page.mouse.down()
+    page.mouse.move(box["x"] + width, y, steps=5)
+    page.mouse.up()
+    page.wait_for_timeout(300)
+
+
+def active(page) -> dict:
+    return page.evaluate("""() => {
+      const node = document.activeElement;
+      const style = getComputedStyle(node);
+      return {text: node.textContent, cls: node.className, expanded: node.getAttribute('aria-expanded'),
+              outline: style.outlineStyle, outlineWidth: style.outlineWidth};
+    }""")
+
+
+# ------------------------------------------------------------------ tests
+
+
+def test_status_bar_is_live_before_the_sidebar_is_opened_without_a_socket(gpu_lab, page):
+    traffic = open_lab(page, gpu_lab)
+    status = page.locator(STATUS_ITEM)
+    start = time.monotonic()
+    wait_for(lambda: re.fullmatch(r"GPU0 92% · \d+/80 GB \+7", status.inner_text()), 20,
+             f"the status bar did not show the GPUs with the sidebar closed: {status.inner_text()!r}", page)
+    assert "jp-mod-stale" not in status.get_attribute("class")
+    assert "Updated every 5 s while the GPU panel is closed" in status.get_attribute("title")
+    assert status.get_attribute("aria-label").startswith("GPU status: GPU0 92%")
+    page.wait_for_timeout(5500)
+    elapsed = time.monotonic() - start
+    # Only the small snapshot, about every 5 s; no stream, no history.
+    assert traffic["sockets"] == []
+    assert traffic["requests"] and all(url.split("?")[0].endswith("/gpuwidget/api/snapshot") and "window=0" in url
+                                       for url in traffic["requests"]), traffic["requests"]
+    assert len(traffic["requests"]) <= elapsed / 5 + 2, traffic["requests"]
+
+
+def test_eight_gpus_at_a_glance_folded_cards_and_the_keyboard(gpu_lab, page):
+    traffic = open_lab(page, gpu_lab)
+    # Keyboard: the status-bar item is a button; Enter on it opens the sidebar.
+    page.locator(STATUS_ITEM).focus()
+    page.keyboard.press("Enter")
+    page.wait_for_selector(PANEL, state="visible", timeout=10_000)
+    assert page.locator(PANEL).get_attribute("role") == "region"
+    wait_for(lambda: traffic["sockets"], 10, "no stream after opening the sidebar", page)
+
+    rows = page.locator(OVERVIEW_ROWS)
+    wait_for(lambda: rows.count() == GPUS and rows.nth(GPUS - 1).locator("td").nth(0).inner_text() == "51%", 20,
+             "the overview did not show 8 GPUs with their values", page)
+    for index in range(GPUS):
+        assert rows.nth(index).is_visible()
+    cells = [rows.nth(i).locator("th, td").all_inner_texts() for i in range(GPUS)]
+    assert [c[0] for c in cells] == [f"GPU{i}" for i in range(GPUS)]
+    assert [c[1] for c in cells] == [f"{u}%" for u in UTIL]
+    assert cells[3][2] == "35/80 GB"
+    assert all(re.fullmatch(r"\d+ W", c[3]) for c in cells), cells
+    # Who holds each GPU: the notebook whose kernel holds GPU 0, the server's own process on GPU 1.
+    wait_for(lambda: rows.nth(0).locator("td").nth(3).inner_text() == "train.ipynb", 30,
+             f"GPU 0's holder is not the notebook: {rows.nth(0).inner_text()!r}", page)
+    assert rows.nth(1).locator("td").nth(3).inner_text() not in ("free", "–")
+    assert rows.nth(2).locator("td").nth(3).inner_text() == "free"
+    # The cards below start folded, each header saying its values.
+    toggles = page.locator(TOGGLES)
+    assert toggles.count() == GPUS
+    assert {toggles.nth(i).get_attribute("aria-expanded") for i in range(GPUS)} == {"false"}
+    assert re.search(r"64% · 35/80 GB", toggles.nth(3).inner_text())
+
+    # Keyboard: Tab from GPU0's button reaches GPU2's; Enter unfolds its card and moves the focus there.
+    page.locator(f"{OVERVIEW_ROWS} th button").first.focus()
+    for _ in range(6):
+        if active(page)["text"] == "GPU2":
+            break
+        page.keyboard.press("Tab")
+    assert active(page)["text"] == "GPU2", active(page)
+    focus = active(page)
+    assert focus["outline"] != "none" and focus["outlineWidth"] != "0px", focus
+    page.keyboard.press("Enter")
+    focus = active(page)
+    assert "jp-gpuwidget-card-toggle" in focus["cls"] and focus["expanded"] == "true", focus
+    assert focus["outline"] != "none", focus
+    card = page.locator(".jp-gpuwidget-card[data-device='gpu2']")
+    wait_for(lambda: card.locator("canvas").first.is_visible(), 5, "GPU 2's charts did not unfold", page)
+    page.keyboard.press("Space")
+    assert active(page)["expanded"] == "false"
+    assert not card.locator(".jp-gpuwidget-card-body").is_visible()
+
+    # README screenshots: the overview with one card open, light and dark.
+    widen_sidebar(page)
+    page.locator(".jp-gpuwidget-card[data-device='gpu0'] .jp-gpuwidget-card-toggle").click()
+    page.wait_for_timeout(1500)
+    DOCS_IMAGES.mkdir(parents=True, exist_ok=True)
+    page.locator(PANEL).screenshot(path=str(DOCS_IMAGES / "sidebar-gpus.png"))
+    light = page.evaluate("getComputedStyle(document.querySelector('.jp-gpuwidget-overview-table')).color")
+    page.evaluate("window.jupyterapp.commands.execute('apputils:change-theme', {theme: 'JupyterLab Dark'})")
+    wait_for(lambda: page.evaluate("document.body.dataset.jpThemeLight") == "false", 30,
+             "the dark theme did not load", page)
+    page.wait_for_timeout(1200)
+    dark = page.evaluate("getComputedStyle(document.querySelector('.jp-gpuwidget-overview-table')).color")
+    assert dark != light
+    page.locator(PANEL).screenshot(path=str(DOCS_IMAGES / "sidebar-gpus-dark.png"))
+    page.evaluate("window.jupyterapp.commands.execute('apputils:change-theme', {theme: 'JupyterLab Light'})")
+    problems = [m for m in page.console_messages if m.startswith(("error", "warning")) and "gpuwidget" in m]
+    assert not problems, problems
+
+
+def test_a_gpu_that_stops_answering_is_named_in_the_sidebar(gpu_lab, page):
+    """Last in this module: the server never reads the hung GPU source again."""
+    open_lab(page, gpu_lab)
+    if not page.locator(PANEL).is_visible():  # the workspace may have kept it open
+        page.locator(TAB).click()
+    page.wait_for_selector(OVERVIEW_ROWS, timeout=20_000)
+    notice = page.locator(".jp-gpuwidget-stalled")
+    assert notice.inner_text() == ""
+    (gpu_lab.root / "hang-gpu").write_text("")
+    wait_for(lambda: re.fullmatch(rf"⚠ GPU {HUNG_GPU} stopped answering \d+ s ago\.", notice.inner_text()), 30,
+             "no notice that a GPU stopped answering", page)
+    assert notice.get_attribute("role") == "alert"
+    first = int(re.search(r"(\d+) s ago", notice.inner_text()).group(1))
+    wait_for(lambda: int(re.search(r"(\d+) s ago", notice.inner_text()).group(1)) >= first + 2, 10,
+             "the stalled notice does not count on", page)
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    page.locator(PANEL).screenshot(path=str(SCREENSHOTS / "sidebar-stalled.png"))
+
+
+if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "serve":
+    _serve(sys.argv[2:])
