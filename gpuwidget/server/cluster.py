@@ -331,14 +331,16 @@ def _holders(gpus: dict[tuple[str, str], dict[str, Any]], by_uuid: dict[str, tup
 
 def _aligned(values: list[list[Any]], start: float, step: float, points: int, factor: float) -> list[float | None]:
     out: list[float | None] = [None] * points
-    for t, text in values:
-        index = int(round((float(t) - start) / step))
-        if 0 <= index < points:
-            try:
-                value = float(text) * factor
-            except (TypeError, ValueError):
-                continue
-            out[index] = value if math.isfinite(value) else None
+    per_step = 1.0 / step
+    isfinite, floor = math.isfinite, math.floor
+    for t, text in values:  # [unix s, "value"]: Prometheus's values at start + k * step
+        try:
+            index = floor((t - start) * per_step + 0.5)
+            value = float(text) * factor
+        except (TypeError, ValueError):
+            continue
+        if 0 <= index < points and isfinite(value):
+            out[index] = value
     return out
 
 
