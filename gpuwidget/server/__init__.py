@@ -32,8 +32,8 @@ class GpuWidget(Configurable):
     # Prometheus: gpuwidget's figures on the server's own /metrics, and the cluster read back from Prometheus.
     metrics = Bool(True, help="Add gpuwidget's series to the server's {base_url}metrics.").tag(config=True)
     metrics_hostname = Unicode(
-        "", help="The Hostname label of gpuwidget's series (default: this machine's host name; in a pod, "
-                 "set the node's name to join with dcgm-exporter's series).").tag(config=True)
+        "", help="The Hostname label of gpuwidget's series (default, as dcgm-exporter: $NODE_NAME if set, "
+                 "else the host name; in a pod, the node's name makes them join dcgm-exporter's).").tag(config=True)
     metrics_keepalive_s = Float(
         300.0, help="Seconds a scrape of /metrics keeps the shared sampler running (0: scrapes never start it)."
     ).tag(config=True)
@@ -82,6 +82,7 @@ def _load_jupyter_server_extension(serverapp: ServerApp) -> None:
     from gpuwidget.server.handlers import DevicesHandler, SnapshotHandler, StreamHandler
     from gpuwidget.server.monitor import Monitor
     from gpuwidget.server.static import BOKEHJS_ROUTE, BokehJSHandler
+    from gpuwidget.server.subshells import untrack_subshell_requests
 
     config = GpuWidget(parent=serverapp)
     monitor = Monitor(interval=config.interval, history_s=config.history_s)
@@ -97,6 +98,7 @@ def _load_jupyter_server_extension(serverapp: ServerApp) -> None:
     ]
     _add_prometheus(serverapp, config, monitor)
     web_app.add_handlers(".*$", [(url_path_join(base_url, route), handler) for route, handler in routes])
+    untrack_subshell_requests(serverapp)  # a live plot's widget comms must not make the page say "Idle"
 
     async def refresh() -> None:
         if monitor.subscribers:
@@ -108,6 +110,7 @@ def _load_jupyter_server_extension(serverapp: ServerApp) -> None:
 
 def _add_prometheus(serverapp: ServerApp, config: GpuWidget, monitor: Any) -> None:
     """The collector on jupyter_server's /metrics, and the cluster route's Prometheus settings."""
+    import os
     import socket
 
     from gpuwidget.server.cluster import Cluster, PrometheusConfig
@@ -124,7 +127,7 @@ def _add_prometheus(serverapp: ServerApp, config: GpuWidget, monitor: Any) -> No
     if not config.metrics:
         return
     register(GpuWidgetCollector(
-        monitor, config.metrics_hostname or socket.gethostname(),
+        monitor, config.metrics_hostname or os.environ.get("NODE_NAME") or socket.gethostname(),
         notebooks_allowed=lambda: bool(settings.get("authenticate_prometheus", True)),
         status_dir=lambda: getattr(serverapp.kernel_manager, "connection_dir", None) or serverapp.runtime_dir,
         keepalive=ScrapeKeepalive(monitor, config.metrics_keepalive_s)))
