@@ -26,7 +26,7 @@ class GpuWatchMagics(Magics):
 
     @cell_magic
     def gpuwatch(self, line: str, cell: str) -> Any:
-        """%%gpuwatch [--interval S] [--gpus 0,1] [--no-live] [--no-advice] [--tune] [--save PATH] [--quiet]
+        """%%gpuwatch [--interval S] [--gpus 0,1] [--view V] [--no-live] [--no-advice] [--tune] [--save PATH] [--quiet]
 
         Watch the GPU(s), the host and the workload while the cell runs: a live plot
         under the cell, and when it ends a summary of where the time went. The cell
@@ -36,7 +36,10 @@ class GpuWatchMagics(Magics):
         Options:
           --interval S   seconds between samples (default 0.25; 0.01 to 60)
           --gpus 0,1     GPUs to watch, numbered as torch numbers them (default: all visible)
-          --no-live      no live plot while the cell runs
+          --view V       the live view: bokeh (interactive plot), static (a chart redrawn
+                         every second, for front-ends without widgets: VS Code, Colab),
+                         none, or auto (default: static in VS Code and Colab, else bokeh)
+          --no-live      no live plot while the cell runs (same as --view none)
           --no-advice    summary figures only, no findings
           --tune         after the cell, measure DataLoader settings on its loader (about 20 s)
           --save PATH    also write the run to PATH (.json, .html or .csv)

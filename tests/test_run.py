@@ -144,8 +144,8 @@ def test_run_options_are_watch_options_saved_as_plain_data(tmp_path):
     trace = Trace()
     trace.append(0.0, {"cpu.util": 10.0})
     run = Run(trace=trace, options=options, finished=True)
-    assert run.to_dict()["options"] == {"interval": 0.5, "gpus": [0, 1], "live": True, "advice": False,
-                                        "tune": False, "save": None, "quiet": False}
+    assert run.to_dict()["options"] == {"interval": 0.5, "gpus": [0, 1], "live": True, "view": "auto",
+                                        "advice": False, "tune": False, "save": None, "quiet": False}
     loaded = Run.load(run.save(tmp_path / "run.json"))
     assert loaded.options == options
     assert "main cause: advice off (--no-advice)" in loaded._repr_mimebundle_()["text/plain"]

@@ -9,6 +9,18 @@ shaded bands.
 
 BokehJS is put on the page from the installed bokeh package (no CDN) by
 :func:`ensure_bokehjs`.
+
+The plot only receives. jupyter_bokeh's view sends every change the browser makes to a
+document back to the kernel, including an echo of each streamed patch (it collects the
+events the patch itself raises and sends them after applying it) and the ranges and sizes
+BokehJS computes. Those comm messages reach a busy kernel: JupyterLab 4.6 sends them on a
+kernel subshell, whose busy/idle status the page shows as the kernel's ("Idle" while the
+cell runs), and a subshell JupyterLab deletes once the plot's comms are closed still holds
+some of them ("Task was destroyed but it is pending!" under the next cell); the rest wait
+for the cell to end and find the comms closed ("No such comm", dozens per cell). Nothing
+in the live plot needs the kernel to hear from the page (pan, zoom and the legend work in
+the browser), so :data:`CLIENT_JS`, sent with BokehJS's loader, keeps jupyter_bokeh's listener
+off documents tagged :data:`LIVE_TAG` and gives the plot JupyterLab's theme colours.
 """
 
 from __future__ import annotations
@@ -16,6 +28,7 @@ from __future__ import annotations
 import html
 import json
 import math
+import re
 import threading
 import uuid
 from typing import Any
@@ -27,6 +40,7 @@ from gpuwidget.clock import now
 from gpuwidget.facts import MachineFacts
 from gpuwidget.probes import DATA_WAIT_SPAN
 from gpuwidget.trace import Frame, Trace
+from gpuwidget.ui.static import status_parts
 
 PUSH_INTERVAL_S = 0.25
 MAX_POINTS = 2000
@@ -35,6 +49,44 @@ MAX_POINTS = 2000
 MIN_BAND_S = 0.002
 MERGE_GAP_S = 0.02
 MAX_BANDS = 2000
+# The x axis starts at 0..INITIAL_SPAN_S s (an empty Bokeh plot would show -0.5..1) and
+# doubles whenever the run outgrows it, so a pan or zoom survives for a while.
+INITIAL_SPAN_S = 10.0
+LIVE_TAG = "gpuwidget-live"
+
+# Runs in the page before each live plot is shown (idempotent): jupyter_bokeh's listener (the
+# one that talks to the kernel: BokehJS's own take batches) is not added to a live plot's
+# document, and the plot gets the theme's colours, read once from JupyterLab's CSS variables
+# (a canvas cannot follow them). Sent with every BokehJS loader, so kept short (spaces around
+# punctuation dropped: it has no string with spaces in it).
+CLIENT_JS = re.sub(r"\s*([-+{}()\[\];,=:|&!?<>])\s*", r"\1", """(function () {
+  var B = window.Bokeh;
+  if (!B || !B.require) { return; }
+  var D = B.require("document").Document.prototype;
+  if (D.gpuwidgetOneWay) { return; }
+  var add = D.on_change;
+  D.gpuwidgetOneWay = true;
+  D.on_change = function (listener, batches) {
+    if (batches || !this.roots().some(function (r) { return r.tags.indexOf(__TAG__) >= 0; })) {
+      return add.call(this, listener, batches);
+    }
+    if (!this.themed) { this.themed = true; theme(this); }
+  };
+  function theme(doc) {
+    var style = getComputedStyle(document.body);
+    var v = function (name) { return style.getPropertyValue("--jp-" + name).trim(); };
+    var text = v("ui-font-color1"), line = v("border-color1"), grid = v("border-color2");
+    if (!text) { return; }
+    var roles = {axis_label_text_color: text, label_text_color: text, major_label_text_color: v("ui-font-color2"),
+      axis_line_color: line, major_tick_line_color: line, minor_tick_line_color: line,
+      grid_line_color: grid, outline_line_color: grid, border_line_color: grid};
+    doc.all_models.forEach(function (m) {
+      var set = m.type === "Legend" ? {background_fill_color: v("layout-color0")} : {};
+      for (var k in roles) { if (k in m.properties && m[k] !== null) { set[k] = roles[k]; } }
+      m.setv(set);
+    });
+  }
+})();""").replace("__TAG__", json.dumps(LIVE_TAG))
 
 
 _bokehjs_inlined = False
@@ -99,7 +151,8 @@ def ensure_bokehjs(force: bool = False) -> str:
     # With a display id, so that retire_bokehjs_loader() can empty it: the page keeps BokehJS,
     # the saved notebook does not (1.3 MB inline), and nothing runs again when it is reopened.
     _loader_display_id = f"gpuwidget-bokehjs-{uuid.uuid4().hex}"
-    publish_display_data({"application/javascript": code, "text/plain": ""},
+    # The live plot's page side (CLIENT_JS) rides along: it needs BokehJS and must run before the plot.
+    publish_display_data({"application/javascript": code + "\n" + CLIENT_JS, "text/plain": ""},
                          metadata={"gpuwidget": {"bokehjs": bokeh.__version__, "loader": kind}},
                          transient={"display_id": _loader_display_id})
     return kind
@@ -148,6 +201,8 @@ class LiveView:
         self._series.append(("cpu_util", "CPU (all cores)", CPU_COLOR, "solid"))
         self._series.append(("proc_cpu", "this process (% of a core)", PROCESS_COLOR, "dotted"))
 
+        self._x_end = INITIAL_SPAN_S
+        self._x_range = Range1d(start=0, end=INITIAL_SPAN_S)
         self.source = ColumnDataSource(data={"t": [], **{key: [] for key, *_ in self._series}})
         self.bands = ColumnDataSource(data={"left": [], "right": []})
         fig = figure(
@@ -155,12 +210,17 @@ class LiveView:
             sizing_mode="stretch_width",
             x_axis_label="seconds",
             y_axis_label="%",
+            x_range=self._x_range,
             y_range=Range1d(start=0, end=105),
             tools="xpan,xwheel_zoom,box_zoom,reset,save",
             active_scroll=None,
             toolbar_location="right",
         )
         fig.toolbar.logo = None
+        fig.tags = [LIVE_TAG]
+        # Transparent: the notebook's own background shows through, light or dark.
+        fig.background_fill_alpha = 0
+        fig.border_fill_alpha = 0
         wait = fig.quad(left="left", right="right", bottom=0, top=105, source=self.bands,
                         fill_color=WAIT_COLOR, fill_alpha=0.3, line_alpha=0)
         items: list[tuple[str, list[Any]]] = [("waiting for data", [wait])]
@@ -175,6 +235,15 @@ class LiveView:
         self.model = BokehModel(fig)
         self.header = ipywidgets.HTML(value=self._header_html(0.0, {}))
         self.widget = ipywidgets.VBox([self.header, self.model])
+        self.widget.add_class(LIVE_TAG)
+        self.handle: Any = None
+
+    def show(self) -> Any:
+        """Display the widget (after :func:`ensure_bokehjs`, which also sends :data:`CLIENT_JS`); returns its handle."""
+        from IPython.display import display
+
+        self.handle = display(self.widget, display_id=True)
+        return self.handle
 
     # ---------------------------------------------------------------- updates
 
@@ -193,6 +262,9 @@ class LiveView:
             frame = self.trace.recent_since(self._last_t, columns)
             if len(frame):
                 self._last_t = float(frame.t[-1])
+                if self._last_t > self._x_end:
+                    self._x_end = max(2 * self._x_end, self._last_t)
+                    self._x_range.end = self._x_end
                 data = self._plot_data(frame)
                 if self._points + len(frame) > MAX_POINTS:
                     # Redraw the whole run, downsampled with spikes kept, then go on streaming.
@@ -238,24 +310,13 @@ class LiveView:
 
     def _header_html(self, elapsed: float, last: dict[str, float]) -> str:
         parts = [f"<b>gpuwidget</b> · watching {html.escape(self.label)} · {elapsed:5.1f} s"]
-        if self._gpus:
-            for index in self._gpus:
-                util = last.get(f"gpu{index}.util")
-                used = last.get(f"gpu{index}.mem_used")
-                total = last.get(f"gpu{index}.mem_total")
-                text = f"GPU{index}"
-                if util is not None:
-                    text += f" {util:.0f}%"
-                if used is not None and total:
-                    text += f" · {used / 1e9:.1f}/{total / 1e9:.0f} GB"
-                parts.append(html.escape(text))
-        else:
-            parts.append(f"<span style='color:#b35c00'>{html.escape(str(self._gpu_message))}: "
-                         "host metrics only</span>")
-        cpu = last.get("cpu.util")
-        if cpu is not None:
-            parts.append(f"CPU {cpu:.0f}%")
-        return ("<div style='font-family:var(--jp-ui-font-family,sans-serif);font-size:12px;"
+        figures = [html.escape(part) for part in status_parts(elapsed, last, self._gpus, self._gpu_message)]
+        if not self._gpus:  # the no-GPU notice stands out
+            figures[0] = f"<span style='color:#b35c00'>{figures[0]}</span>"
+        parts += figures
+        # Bokeh's toolbar icons take their colour from this variable (it reaches into their shadow DOM).
+        return (f"<style>.{LIVE_TAG}{{--bokeh-icon-color:var(--jp-ui-font-color2,#747679)}}</style>"
+                "<div style='font-family:var(--jp-ui-font-family,sans-serif);font-size:12px;"
                 "color:var(--jp-ui-font-color1,#222)'>" + " &nbsp;|&nbsp; ".join(parts) + "</div>")
 
 

@@ -1,0 +1,210 @@
+"""The live view that needs no widget manager: an SVG chart the sampler thread redraws in place.
+
+VS Code shows third-party widgets only where its users allow a CDN, Colab only with its own
+widget manager; a plain display output works in both, and everywhere else. This view shows
+one output (an ``image/svg+xml`` chart and a ``text/plain`` line) and, from the sampler
+thread, replaces it about once a second (:data:`UPDATE_INTERVAL_S`) with IPython's display
+update: an ``update_display_data`` message, which front-ends apply while the cell runs. When
+the cell ends the run's panel replaces it, as it replaces the Bokeh plot.
+
+The chart is drawn here, not by the panel's ``report.chart_svg``: that one reads every kept
+span of the run each time, 14 ms for 20,000 data waits, where this one takes the waits
+that arrived since its last update and keeps them as pixel-free intervals; a redraw costs
+about a millisecond at any run length (BENCHMARKS.md). Same series, colours and 0-100 %
+axis as the other charts (gpuwidget.chart).
+"""
+
+from __future__ import annotations
+
+import html
+import math
+import threading
+from typing import Any
+
+import numpy as np
+
+from gpuwidget.chart import CPU_COLOR, PALETTE, WAIT_COLOR, merge_bands, percent_data, plot_columns
+from gpuwidget.clock import now
+from gpuwidget.facts import MachineFacts
+from gpuwidget.probes import DATA_WAIT_SPAN
+from gpuwidget.trace import Span, Trace
+
+UPDATE_INTERVAL_S = 1.0
+# The time axis starts at 0..INITIAL_SPAN_S s and doubles when the run outgrows it.
+INITIAL_SPAN_S = 10.0
+WIDTH = 640
+HEIGHT = 160
+# Plot area inside the SVG: room for the header line above, the % labels left, the time
+# labels and the legend below.
+LEFT, TOP, RIGHT, BOTTOM = 38, 22, 14, 40
+# Waits closer than this are one interval (as in the Bokeh plot); at most this many intervals are kept.
+MERGE_GAP_S = 0.02
+MAX_INTERVALS = 4000
+TEXT_COLOR = "#888"  # reads on light and dark backgrounds alike
+
+
+def status_parts(elapsed: float, last: dict[str, float], gpus: list[int], gpu_message: str | None) -> list[str]:
+    """The running figures after the title: per GPU its utilisation and memory, then the host CPU."""
+    parts = []
+    if gpus:
+        for index in gpus:
+            util = last.get(f"gpu{index}.util")
+            used = last.get(f"gpu{index}.mem_used")
+            total = last.get(f"gpu{index}.mem_total")
+            text = f"GPU{index}"
+            if util is not None and math.isfinite(util):
+                text += f" {util:.0f}%"
+            if used is not None and total:
+                text += f" · {used / 1e9:.1f}/{total / 1e9:.0f} GB"
+            parts.append(text)
+    else:
+        parts.append(f"{gpu_message}: host metrics only")
+    cpu = last.get("cpu.util")
+    if cpu is not None and math.isfinite(cpu):
+        parts.append(f"CPU {cpu:.0f}%")
+    return parts
+
+
+class StaticView:
+    """A chart of one Trace, shown with :meth:`show` and redrawn from the sampler thread."""
+
+    def __init__(self, trace: Trace, machine: MachineFacts, label: str = "") -> None:
+        self.trace = trace
+        self.label = label
+        self._gpus = [int(d["index"]) for d in machine.get("gpus") or []]
+        self._gpu_message = machine.get("gpu_message")
+        self._columns = plot_columns(self._gpus, process=False)
+        # (label, colour, dash, column of percent_data)
+        self._series: list[tuple[str, str, str, str]] = []
+        for n, index in enumerate(self._gpus):
+            color = PALETTE[n % len(PALETTE)]
+            self._series.append((f"GPU{index} util", color, "", f"gpu{index}_util"))
+            self._series.append((f"GPU{index} memory", color, "4 3", f"gpu{index}_mem"))
+        self._series.append(("CPU (all cores)", CPU_COLOR, "", "cpu_util"))
+        self._lock = threading.Lock()
+        self._intervals: list[tuple[float, float]] = []
+        self._intervals_end = -math.inf
+        self._x_end = INITIAL_SPAN_S
+        self._last_update = -math.inf
+        self._closed = False
+        self.handle: Any = None
+        self.updates = 0
+
+    def show(self) -> Any:
+        """Display the (empty) chart; returns the display handle the run's panel later replaces it through."""
+        from IPython.display import display
+
+        self.handle = display(self.bundle(), raw=True, display_id=True)
+        return self.handle
+
+    def on_tick(self, trace: Trace) -> None:
+        """Sampler-thread hook: redraw at most every UPDATE_INTERVAL_S."""
+        if now() - self._last_update >= UPDATE_INTERVAL_S:
+            self.update()
+
+    def update(self) -> None:
+        """Replace the displayed chart with the current one (safe from any thread)."""
+        with self._lock:
+            if self._closed or self.handle is None:
+                return
+            self._last_update = now()
+            self.handle.update(self.bundle(), raw=True)
+            self.updates += 1
+
+    def close(self) -> None:
+        """Stop updating; the run's panel replaces the chart."""
+        with self._lock:
+            self._closed = True
+
+    # ---------------------------------------------------------------- rendering
+
+    def bundle(self) -> dict[str, str]:
+        """The output: the chart as SVG, and one line of text for front-ends without images."""
+        last = self.trace.last()
+        values = last[1] if last else {}
+        elapsed = self.trace.now()
+        title = " ".join(["gpuwidget · watching", *([self.label] if self.label else []), f"· {elapsed:.1f} s"])
+        line = " | ".join([title, *status_parts(elapsed, values, self._gpus, self._gpu_message)])
+        return {"image/svg+xml": self.svg(line), "text/plain": line}
+
+    def svg(self, header: str) -> str:
+        frame = self.trace.plot_view(self._columns, max_points=2 * (WIDTH - LEFT - RIGHT))
+        t = frame.t
+        if len(t) and float(t[-1]) > self._x_end:
+            self._x_end = max(2 * self._x_end, float(t[-1]))
+        plot_w, plot_h = WIDTH - LEFT - RIGHT, HEIGHT - TOP - BOTTOM
+        x_scale = plot_w / self._x_end
+
+        def y(v: np.ndarray) -> np.ndarray:
+            return TOP + (1 - np.clip(v, 0.0, 100.0) / 100) * plot_h
+
+        parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{HEIGHT}" '
+                 f'viewBox="0 0 {WIDTH} {HEIGHT}" font-family="sans-serif" font-size="10" fill="{TEXT_COLOR}">',
+                 f'<text x="0" y="11" font-size="11">{html.escape(header)}</text>']
+        for x0, x1 in self._wait_pixels(plot_w, x_scale):
+            parts.append(f'<rect x="{LEFT + x0}" y="{TOP}" width="{x1 - x0}" height="{plot_h}" '
+                         f'fill="{WAIT_COLOR}" fill-opacity="0.3"/>')
+        for level in (0, 50, 100):
+            level_y = float(y(np.array(level)))
+            parts.append(f'<line x1="{LEFT}" x2="{LEFT + plot_w}" y1="{level_y:.1f}" y2="{level_y:.1f}" '
+                         f'stroke="{TEXT_COLOR}" stroke-opacity="0.35"/>')
+            parts.append(f'<text x="{LEFT - 5}" y="{level_y + 3.5:.1f}" text-anchor="end">{level}%</text>')
+        for tick, anchor in ((0.0, "start"), (self._x_end / 2, "middle"), (self._x_end, "end")):
+            parts.append(f'<text x="{LEFT + tick * x_scale:.1f}" y="{TOP + plot_h + 12}" '
+                         f'text-anchor="{anchor}">{tick:g} s</text>')
+        if len(t) >= 2:
+            data = percent_data(frame, self._gpus, process=False)
+            xs = LEFT + t * x_scale
+            for _, color, dash, key in self._series:
+                points = _points(xs, y(data[key]))
+                if points:
+                    dash_attr = f' stroke-dasharray="{dash}"' if dash else ""
+                    parts.append(f'<polyline points="{points}" fill="none" stroke="{color}" '
+                                 f'stroke-width="1.4"{dash_attr}/>')
+        parts.append(self._legend(TOP + plot_h + 28))
+        parts.append("</svg>")
+        return "".join(parts)
+
+    def _legend(self, baseline: float) -> str:
+        items = [(name, color, dash, 1.0) for name, color, dash, _ in self._series]
+        items.append(("waiting for data", WAIT_COLOR, "", 0.6))
+        out, x = [], float(LEFT)
+        for name, color, dash, opacity in items:
+            dash_attr = f' stroke-dasharray="{dash}"' if dash else ""
+            out.append(f'<line x1="{x:.0f}" x2="{x + 14:.0f}" y1="{baseline - 3.5}" y2="{baseline - 3.5}" '
+                       f'stroke="{color}" stroke-width="{4 if opacity < 1 else 2}" stroke-opacity="{opacity}"'
+                       f'{dash_attr}/>')
+            out.append(f'<text x="{x + 18:.0f}" y="{baseline}">{html.escape(name)}</text>')
+            x += 18 + 5.6 * len(name) + 14
+        return "".join(out)
+
+    def _wait_pixels(self, plot_w: int, x_scale: float) -> list[tuple[int, int]]:
+        """Runs of pixel columns in which the loop waited for data (from the waits seen so far)."""
+        spans = self.trace.spans(DATA_WAIT_SPAN, t0=self._intervals_end)
+        new = merge_bands(spans, MERGE_GAP_S, after=self._intervals_end)
+        if new:
+            if self._intervals and new[0][0] - self._intervals[-1][1] <= MERGE_GAP_S:
+                new[0] = (self._intervals.pop()[0], new[0][1])
+            self._intervals.extend(new)
+            self._intervals_end = new[-1][1]
+            if len(self._intervals) > MAX_INTERVALS:  # merge neighbours: detail finer than a pixel is lost anyway
+                kept = [Span(DATA_WAIT_SPAN, a, b, {}) for a, b in self._intervals]
+                self._intervals = merge_bands(kept, gap=self._x_end / plot_w)
+        if not self._intervals:
+            return []
+        bounds = np.array(self._intervals) * x_scale
+        start = np.clip(np.floor(bounds[:, 0]).astype(int), 0, plot_w - 1)
+        end = np.clip(np.ceil(bounds[:, 1]).astype(int), start + 1, plot_w)
+        covered = np.zeros(plot_w + 1, dtype=int)
+        np.add.at(covered, start, 1)
+        np.add.at(covered, end, -1)
+        waiting = np.cumsum(covered[:-1]) > 0
+        edges = np.flatnonzero(np.diff(np.r_[0, waiting.astype(int), 0]))
+        return [(int(a), int(b)) for a, b in zip(edges[0::2], edges[1::2])]
+
+
+def _points(xs: np.ndarray, ys: np.ndarray) -> str:
+    keep = np.isfinite(ys)
+    if keep.sum() < 2:
+        return ""
+    return " ".join(f"{a:.1f},{b:.1f}" for a, b in zip(xs[keep], ys[keep]))
