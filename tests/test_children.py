@@ -235,7 +235,12 @@ def test_forked_and_spawned_children_report_and_loader_workers_do_not() -> None:
     assert ranks[fork_pid]["steps"] == 12 and ranks[spawn_pid]["steps"] == 8
     assert all(entry["finished"] for entry in run.workload["ranks"])
     assert run.summary["training_processes"] == 2
+    # Only children trained: the job's figures (throughput summed, data wait the mean, the slowest rank's step).
     assert run.summary["samples_per_s"] == pytest.approx(sum(e["samples_per_s"] for e in run.ranks))
+    assert run.summary["data_wait_fraction"] == pytest.approx(sum(e["data_wait_fraction"] for e in run.ranks) / 2)
+    assert run.summary["step_time_p50"] == max(e["step_time_p50_s"] for e in run.ranks)
+    assert all("step_times" not in loader for entry in run.workload["ranks"] for loader in entry["loaders"])
+    assert run.workload["loaders"][0]["step_times"]  # the busiest child's own, in full
     assert_nothing_left(directory)
 
 

@@ -244,10 +244,12 @@ class ChildChannel:
         self._closing = True
         with contextlib.suppress(OSError):
             self._wake_w.send(b"x")
-        self._thread.join(DRAIN_S + 2.0)
-        if self._thread.is_alive():
-            self.errors.append("child channel thread did not stop in time")
-        shutil.rmtree(self.directory, ignore_errors=True)
+        try:  # a Ctrl-C here still removes the directory; the thread closes its sockets on its own
+            self._thread.join(DRAIN_S + 2.0)
+            if self._thread.is_alive():
+                self.errors.append("child channel thread did not stop in time")
+        finally:
+            shutil.rmtree(self.directory, ignore_errors=True)
 
     def close_in_forked_child(self) -> None:
         """A forked child's copies of the sockets (the thread was not copied): close them, touch nothing else."""

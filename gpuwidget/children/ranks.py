@@ -3,8 +3,10 @@
 ``workload["ranks"]`` lists every process that trained: the watch's own when its probes saw
 steps, then each child that iterated a DataLoader or joined a process group (by rank, then
 pid). Each entry has the public figures of :data:`PUBLIC_KEYS` (``Run.ranks``) plus that
-process's ``local_rank``, ``world_size``, ``loaders``, ``model``, ``host`` evidence and
-``finished`` (False: it was killed or crashed, and its figures are those it last sent).
+process's ``local_rank``, ``world_size``, ``loaders`` (without the per-step lists: the entry
+has their percentiles), ``model``, ``cuda``, ``host`` evidence (``run_delay_fraction``,
+``cpu_fraction`` of its main thread) and ``finished`` (False: it was killed or crashed, and its
+figures are those it last sent).
 
 When the watch's own process did not train (a launcher, ``subprocess.run``, ``gpuwatch``)
 the workload's loaders, model and CUDA facts are the busiest child's (the one with the most
@@ -26,6 +28,7 @@ from gpuwidget.advice.summary import percentiles, primary_loader
 from gpuwidget.children.channel import ChildRecord
 from gpuwidget.facts import Summary, WorkloadFacts
 
+PER_STEP_LISTS = ("step_times", "wait_times")
 PUBLIC_KEYS = ("rank", "pid", "gpu", "steps", "samples_per_s", "data_wait_fraction",
                "step_time_p50_s", "step_time_p95_s")
 
@@ -108,6 +111,9 @@ def merge(workload: WorkloadFacts, records: Iterable[ChildRecord], identity: Map
         merged["model"] = busiest["model"]
         merged["cuda"] = busiest["cuda"]
         merged["trained_in"] = {"pid": busiest["pid"], "rank": busiest["rank"]}
+    for entry in entries:  # the entry has the percentiles: the per-step lists would only repeat them per rank
+        entry["loaders"] = [{key: value for key, value in loader.items() if key not in PER_STEP_LISTS}
+                            for loader in entry["loaders"]]
     return cast(WorkloadFacts, merged)
 
 
