@@ -94,28 +94,121 @@ DCGM_POWER_OFFSET_W = 0.5
 MODEL = "NVIDIA H100 80GB HBM3"
 
 
+DCGM_GPUS_LISTED = [(0, HOSTS[0], index) for index in range(8)] + [(2, DCGM_HOST, index) for index in range(DCGM_GPUS)]
+
+
+def dcgm_labels(host_number: int, host: str, index: int) -> dict[str, str]:
+    """The labels dcgm-exporter puts on one GPU's series (dgx-c's GPU 0 mapped to a Kubernetes pod)."""
+    labels = {"gpu": str(index), "UUID": gpu_uuid(host_number, index),
+              "pci_bus_id": f"00000000:{0x18 + index:02X}:00.0", "device": f"nvidia{index}", "modelName": MODEL,
+              "Hostname": host, "DCGM_FI_DRIVER_VERSION": "580.65.06"}
+    if host == DCGM_HOST and index == 0:
+        labels.update({"namespace": "research", "pod": "train-llm-0", "container": "trainer"})
+    return labels
+
+
+def dcgm_values(host_number: int, index: int, util_percent: float | None = None) -> dict[str, float]:
+    """dcgm-exporter's readings of one GPU in its own units (percent, MiB, W)."""
+    util = gpu_util_percent(host_number, index) if util_percent is None else util_percent
+    used = gpu_memory_used(host_number, index) if util_percent is None else _memory_for(util)
+    return {"DCGM_FI_DEV_GPU_UTIL": util, "DCGM_FI_DEV_FB_USED": used // MIB,
+            "DCGM_FI_DEV_FB_FREE": (GPU_MEMORY_TOTAL - used) // MIB,
+            "DCGM_FI_DEV_POWER_USAGE": (gpu_power_w(host_number, index) if util_percent is None
+                                        else _power_for(util)) + DCGM_POWER_OFFSET_W,
+            "DCGM_FI_DEV_GPU_TEMP": 60}
+
+
+DCGM_HELP = {
+    "DCGM_FI_DEV_GPU_UTIL": "GPU utilization (in %).",
+    "DCGM_FI_DEV_FB_USED": "Framebuffer memory used (in MiB).",
+    "DCGM_FI_DEV_FB_FREE": "Framebuffer memory free (in MiB).",
+    "DCGM_FI_DEV_POWER_USAGE": "Power draw (in W).",
+    "DCGM_FI_DEV_GPU_TEMP": "GPU temperature (in C).",
+}
+
+
+def _labels(labels: dict[str, str]) -> str:
+    return ",".join(f'{key}="{value}"' for key, value in labels.items())
+
+
 def dcgm_text() -> str:
     """dcgm-exporter's exposition for node-a's 8 GPUs and dgx-c's 4 (units as dcgm reports them)."""
-    metrics = [
-        ("DCGM_FI_DEV_GPU_UTIL", "GPU utilization (in %).", lambda h, i: gpu_util_percent(h, i)),
-        ("DCGM_FI_DEV_FB_USED", "Framebuffer memory used (in MiB).", lambda h, i: gpu_memory_used(h, i) // MIB),
-        ("DCGM_FI_DEV_FB_FREE", "Framebuffer memory free (in MiB).",
-         lambda h, i: (GPU_MEMORY_TOTAL - gpu_memory_used(h, i)) // MIB),
-        ("DCGM_FI_DEV_POWER_USAGE", "Power draw (in W).", lambda h, i: gpu_power_w(h, i) + DCGM_POWER_OFFSET_W),
-        ("DCGM_FI_DEV_GPU_TEMP", "GPU temperature (in C).", lambda h, i: 60),
-    ]
-    gpus = [(0, HOSTS[0], index) for index in range(8)] + [(2, DCGM_HOST, index) for index in range(DCGM_GPUS)]
     lines = []
-    for name, text, value in metrics:
+    for name, text in DCGM_HELP.items():
         lines += [f"# HELP {name} {text}", f"# TYPE {name} gauge"]
-        for host_number, host, index in gpus:
-            labels = (f'gpu="{index}",UUID="{gpu_uuid(host_number, index)}",'
-                      f'pci_bus_id="00000000:{0x18 + index:02X}:00.0",device="nvidia{index}",modelName="{MODEL}",'
-                      f'Hostname="{host}",DCGM_FI_DRIVER_VERSION="580.65.06"')
-            if host == DCGM_HOST and index == 0:
-                labels += ',namespace="research",pod="train-llm-0",container="trainer"'
-            lines.append(f"{name}{{{labels}}} {value(host_number, index)}")
+        for host_number, host, index in DCGM_GPUS_LISTED:
+            lines.append(f"{name}{{{_labels(dcgm_labels(host_number, host, index))}}} "
+                         f"{dcgm_values(host_number, index)[name]}")
     return "\n".join(lines) + "\n"
+
+
+# ------------------------------------------------------------------ an hour of history (backfill)
+
+
+def history_util_percent(host_number: int, index: int, k: int) -> float:
+    """A GPU's utilisation at step ``k`` of the backfilled past: jobs of ~10 minutes, some GPUs idle between."""
+    if index == 7 or (host_number == 2 and index == DCGM_GPUS - 1):
+        return 0.0  # always idle, as now
+    job = (k + 11 * index + 29 * host_number) // 40
+    if (job + index + host_number) % 4 == 0:
+        return 0.0
+    return float(min(100, max(5, gpu_util_percent(host_number, index) + 25 * ((k * (index + 3)) % 7 - 3) // 3)))
+
+
+def _memory_for(util_percent: float) -> int:
+    return int((2 + util_percent * 0.6) * GIB) if util_percent > 0 else GIB // 2
+
+
+def _power_for(util_percent: float) -> float:
+    return 90.0 + 5.0 * util_percent
+
+
+def history_openmetrics(jobs: Sequence[tuple[str, str, dict[str, str], int]], end: float, window_s: float = 3600,
+                        step_s: float = 15) -> str:
+    """OpenMetrics with timestamps (for ``promtool tsdb create-blocks-from openmetrics``): the past
+    ``window_s`` up to ``end`` of every GPU, labelled exactly as Prometheus labels the live scrapes,
+    so the backfilled and the scraped samples are one series.
+
+    ``jobs``: (job, instance, target labels, host number) per gpuwidget server, and ("dcgm", instance, {}, -1).
+    """
+    families: dict[str, list[str]] = {}
+    steps = int(window_s // step_s)
+    times = [end - (steps - k) * step_s for k in range(steps + 1)]
+    for job, instance, target_labels, host_number in jobs:
+        scrape_labels = {"job": job, "instance": instance, **target_labels}
+        if host_number >= 0:
+            for index in range(8):
+                labels = _labels({"gpu": str(index), "UUID": gpu_uuid(host_number, index), "modelName": MODEL,
+                                  "Hostname": HOSTS[host_number], **scrape_labels})
+                for k, t in enumerate(times):
+                    util = history_util_percent(host_number, index, k)
+                    for name, value in (("gpuwidget_gpu_utilization_ratio", util / 100),
+                                        ("gpuwidget_gpu_memory_used_bytes", float(_memory_for(util))),
+                                        ("gpuwidget_gpu_memory_total_bytes", float(GPU_MEMORY_TOTAL)),
+                                        ("gpuwidget_gpu_power_watts", _power_for(util))):
+                        families.setdefault(name, []).append(f"{name}{{{labels}}} {value} {t:.3f}")
+            continue
+        for number, host, index in DCGM_GPUS_LISTED:
+            labels = _labels({**dcgm_labels(number, host, index), **scrape_labels})
+            for k, t in enumerate(times):
+                for name, value in dcgm_values(number, index, history_util_percent(number, index, k)).items():
+                    families.setdefault(name, []).append(f"{name}{{{labels}}} {value} {t:.3f}")
+    lines: list[str] = []
+    for name, samples in families.items():
+        lines.append(f"# TYPE {name} gauge")
+        lines += samples
+    lines.append("# EOF")
+    return "\n".join(lines) + "\n"
+
+
+def backfill(workdir: Path, text: str) -> Path:
+    """A TSDB folder holding ``text`` (OpenMetrics), built by promtool; Prometheus starts on it."""
+    source = workdir / "history.om"
+    source.write_text(text)
+    data = workdir / "tsdb"
+    subprocess.run([PROMTOOL, "tsdb", "create-blocks-from", "openmetrics", str(source), str(data)],
+                   check=True, capture_output=True, timeout=120)
+    return data
 
 
 # ------------------------------------------------------------------ pieces
@@ -264,9 +357,9 @@ def start_jupyter(workdir: Path, number: int, port: int, *, base_url: str = "/",
 
 @contextlib.contextmanager
 def cluster(workdir: Path | None = None, *, lab: bool = False, viewer_args: Sequence[str] = (),
-            selector: str | None = None) -> Iterator[ClusterSetup]:
+            selector: str | None = None, history_s: float = 0) -> Iterator[ClusterSetup]:
     """:func:`start_cluster` as a context manager (everything stopped at the end)."""
-    setup = start_cluster(workdir, lab=lab, viewer_args=viewer_args, selector=selector)
+    setup = start_cluster(workdir, lab=lab, viewer_args=viewer_args, selector=selector, history_s=history_s)
     try:
         yield setup
     finally:
@@ -274,12 +367,18 @@ def cluster(workdir: Path | None = None, *, lab: bool = False, viewer_args: Sequ
 
 
 def start_cluster(workdir: Path | None = None, *, lab: bool = False, viewer_args: Sequence[str] = (),
-                  selector: str | None = None) -> ClusterSetup:
+                  selector: str | None = None, history_s: float = 0) -> ClusterSetup:
     """Two gpuwidget Jupyter servers, a dcgm-exporter file and Prometheus scraping them, all ready.
 
     The first server (base URL ``/user/alice/``; a JupyterLab with ``lab=True``, plus
     ``viewer_args``) reads the cluster from the Prometheus (``GpuWidget.prometheus_url``, and
-    ``cluster_selector`` when ``selector`` is given). Call :meth:`ClusterSetup.close` when done.
+    ``cluster_selector`` when ``selector`` is given). With ``history_s``, Prometheus starts with
+    that much past of every GPU, backfilled with promtool (jobs come and go, some GPUs stay idle),
+    and the live scrapes go on from there: a sidebar shows a full hour at once. Call
+    :meth:`ClusterSetup.close` when done. From a browser test::
+
+        with prom.cluster(tmp_path, lab=True, history_s=3600) as setup:
+            page.goto(f"{setup.viewer.url}lab?token={setup.viewer.token}")
     """
     require_prometheus()
     workdir = Path(workdir or tempfile.mkdtemp(prefix="gpuwidget-prom-"))
@@ -301,7 +400,12 @@ def start_cluster(workdir: Path | None = None, *, lab: bool = False, viewer_args
         jobs = [(f"jupyter-{server.hostname}", f"127.0.0.1:{server.port}", f"{server.base_url}metrics",
                  server.token, {"pod": f"jupyter-{server.hostname}"}) for server in servers]
         jobs.append(("dcgm", f"127.0.0.1:{dcgm.server_address[1]}", "/metrics", None, {}))
-        setup.processes.append(start_prometheus(workdir, prometheus_config(jobs), prometheus_port))
+        data = None
+        if history_s:
+            past = [(name, target, labels, number) for number, (name, target, _, _, labels) in enumerate(jobs)]
+            past[-1] = ("dcgm", past[-1][1], {}, -1)
+            data = backfill(workdir, history_openmetrics(past, time.time() - 2 * SCRAPE_INTERVAL_S, history_s))
+        setup.processes.append(start_prometheus(workdir, prometheus_config(jobs), prometheus_port, data=data))
         for server in servers:
             assert server.process is not None and server.log is not None
             wait_ready(f"{server.url}api/status?token={server.token}", server.process, server.log, 90)
@@ -339,12 +443,14 @@ def main() -> None:
     jupyter.add_argument("--number", type=int, default=0)
     jupyter.add_argument("--app", choices=("server", "lab"), default="server")
     jupyter.add_argument("argv", nargs="*")
-    commands.add_parser("up", help="start the whole setup and print its URLs until interrupted")
+    up = commands.add_parser("up", help="start the whole setup and print its URLs until interrupted")
+    up.add_argument("--lab", action="store_true", help="the first server a JupyterLab")
+    up.add_argument("--history", type=float, default=0, help="seconds of backfilled past (e.g. 3600)")
     options = parser.parse_args()
     if options.command == "jupyter":
         _serve_jupyter(options.number, options.app, options.argv)
         return
-    with cluster() as setup:
+    with cluster(lab=options.lab, history_s=options.history) as setup:
         print(f"prometheus {setup.prometheus_url}\ndcgm {setup.dcgm_url}")
         for server in setup.servers:
             print(f"{server.hostname} {server.url}?token={server.token}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import socket
 import time
@@ -243,3 +244,31 @@ tests:
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     for query in README_QUERIES.values():
         assert " ".join(query.split()) in " ".join(readme.split()), query
+
+
+def test_an_hour_backfilled_is_read_at_the_sidebars_resolution(tmp_path):
+    """The sidebar's request (window_s=3600, default step): 241 points per GPU from a Prometheus
+    holding an hour of history (tests/prom.py's backfill, as the browser tests use it)."""
+    prom.require_prometheus()
+    jobs = [("jupyter-node-a", "127.0.0.1:1", {"pod": "jupyter-node-a"}, 0),
+            ("jupyter-node-b", "127.0.0.1:2", {"pod": "jupyter-node-b"}, 1), ("dcgm", "127.0.0.1:3", {}, -1)]
+    history_end = math.floor(time.time()) - 59.5  # half a second off the steps (multiples of 15 s)
+    data = prom.backfill(tmp_path, prom.history_openmetrics(jobs, history_end, 3600))
+    port = prom.free_port()
+    process = prom.start_prometheus(tmp_path, prom.prometheus_config([]), port, data=data)
+    try:
+        reply = asyncio.run(Cluster(PrometheusConfig(url=f"http://127.0.0.1:{port}")).reply(3600))
+    finally:
+        prom.stop_process(process)
+    assert reply["error"] is None and reply["step_s"] == 15 and reply["end"] - reply["start"] == 3600
+    gpus = by_host(reply)
+    assert {host: len(host_gpus) for host, host_gpus in gpus.items()} == {"node-a": 8, "node-b": 8, "dgx-c": 4}
+    util = gpus["node-b"]["3"]["util"]
+    assert len(util) == 241 and sum(value is not None for value in util) >= 230  # the last minute is not backfilled
+    # Each step shows the newest backfilled sample at or before it (samples every 15 s up to history_end).
+    for j, value in enumerate(util):
+        k = math.floor((reply["start"] + 15 * j - (history_end - 3600)) / 15 + 1e-6)  # the sample's number
+        if 0 <= k <= 240:
+            assert value == pytest.approx(prom.history_util_percent(1, 3, k) / 100), j
+    assert set(gpus["node-a"]["7"]["util"]) <= {0.0, None}  # idle all hour
+    assert gpus["dgx-c"]["0"]["holder"] == "research/train-llm-0"
