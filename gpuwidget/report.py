@@ -252,7 +252,9 @@ def run_text(run: Run) -> str:
 #   scripts, no aria/role attributes, and inline styles only with literal values. So the chart
 #   is an <img> (an SVG data URI, which the sanitizer keeps), every label is its own element with
 #   spacing, colours are never the only carrier of meaning, and the copy button stays hidden
-#   (its display comes from the <style> block) rather than showing a button that does nothing;
+#   rather than showing a button that does nothing: it is shown by the <style> block only while
+#   it keeps its data-copy attribute, which sanitizers strip (so another, trusted output's
+#   stylesheet on the same page cannot show it either);
 # - other front-ends (VS Code, nbconvert) without JupyterLab's variables: every var() has a
 #   fallback that works on light and dark backgrounds (inherited text colour, translucent greys).
 
@@ -264,7 +266,7 @@ _CODE_BACKGROUND = "var(--jp-layout-color2,rgba(128,128,128,.14))"
 
 # Only in trusted output (a sanitizer drops <style> with its content). Scoped to the panel.
 _PANEL_CSS = """<style>
-.gpuwidget-run .gpuwidget-copy{display:inline-block!important;font:inherit;font-size:12px;line-height:18px;
+.gpuwidget-run .gpuwidget-copy[data-copy]{display:inline-block!important;font:inherit;font-size:12px;line-height:18px;
  padding:1px 10px;border-radius:3px;cursor:pointer;color:var(--jp-ui-font-color1,inherit);
  background:var(--jp-layout-color1,transparent);border:1px solid var(--jp-border-color1,rgba(128,128,128,.6))}
 .gpuwidget-run .gpuwidget-copy:hover{background:var(--jp-layout-color2,rgba(128,128,128,.15))}
@@ -293,7 +295,7 @@ _COPY_JS = (
 )
 
 _STYLE = (
-    "font-family:var(--jp-ui-font-family,-apple-system,'Segoe UI',sans-serif);font-size:13px;"
+    "font-family:var(--jp-ui-font-family,-apple-system,Segoe UI,sans-serif);font-size:13px;"
     f"border:1px solid {_BORDER};border-radius:6px;padding:10px 12px;max-width:900px;"
     "box-sizing:border-box"
 )
@@ -314,7 +316,7 @@ def code_html(code: str, label: str = "Change") -> str:
         "<div class='gpuwidget-change' style='margin:6px 0 2px 0'>"
         "<div style='display:flex;align-items:center;flex-wrap:wrap;margin-bottom:3px'>"
         f"<span style='font-size:12px;color:{_MUTED};margin-right:10px'>{html.escape(label)}</span>"
-        "<button type='button' class='gpuwidget-copy' style='display:none' "
+        "<button type='button' class='gpuwidget-copy' data-copy='code' style='display:none' "
         f"aria-label='Copy the code of this change' onclick=\"{html.escape(_COPY_JS)}\">Copy</button>"
         "<span class='gpuwidget-copied' role='status' aria-live='polite' "
         "style='font-size:12px;margin-left:8px'></span></div>"
