@@ -78,7 +78,18 @@ def read_with(setup: prom.ClusterSetup, selector: str | None):
     return lambda: asyncio.run(cluster.reply(30, 1))
 
 
+def scraped(setup: prom.ClusterSetup, query: str, count: int, timeout: float = 45) -> None:
+    """Wait until Prometheus has ``count`` series for ``query`` (both servers' GPUs scraped, say)."""
+    deadline = time.monotonic() + timeout
+    url = f"{setup.prometheus_url}/api/v1/query?{urllib.parse.urlencode({'query': query})}"
+    while len(get_json(url)["data"]["result"]) != count:
+        assert time.monotonic() < deadline, f"Prometheus never had {count} series of {query}"
+        time.sleep(0.5)
+
+
 def test_the_cluster_route_reads_both_exporters_and_prefers_gpuwidgets_own_series(setup):
+    # Until a server's sampler is up, its GPUs are dcgm-exporter's alone (node-a's are in both).
+    scraped(setup, "gpuwidget_gpu_power_watts", 16)
     reply = wait_for(lambda: cluster_route(setup), {"node-a": 8, "node-b": 8, "dgx-c": 4})
     assert reply["configured"] and reply["error"] is None and reply["selector"] is None
     assert reply["source"] == "gpuwidget" and reply["step_s"] == 1
