@@ -147,9 +147,9 @@ export class ClusterView {
     ramp.style.background = heatGradientCss();
     const none = element('span', 'jp-gpuwidget-cluster-swatch jp-mod-nodata');
     legend.append(
-      element('span', '', '0%'),
+      element('span', '', 'Utilisation 0%'),
       ramp,
-      element('span', '', '100% util'),
+      element('span', '', '100%'),
       none,
       element('span', '', 'no data')
     );

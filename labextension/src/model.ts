@@ -293,6 +293,11 @@ export class SidebarModel {
 
   /** New static facts (from `GET /devices` or `hello`); sizes the ring buffer for them. */
   setDevices(devices: IDevicesReply): void {
+    if (devices.cluster === undefined && this.devices?.cluster !== undefined) {
+      // Only `GET /devices` says whether the server has a cluster (the stream's hello and
+      // the snapshot carry the same facts without it): keep what it said.
+      devices = { ...devices, cluster: this.devices.cluster };
+    }
     this.devices = devices;
     const capacity = historyCapacity(devices.history_s, this.interval);
     if (capacity !== this.series.capacity) {

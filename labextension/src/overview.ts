@@ -161,7 +161,7 @@ export class GpuOverview {
     const head = table.createTHead().insertRow();
     for (const [heading, className] of [
       ['GPU', ''],
-      ['Util', ''],
+      ['Util', 'jp-gpuwidget-number'],
       ['Memory', 'jp-gpuwidget-number'],
       ['Power', 'jp-gpuwidget-number'],
       ['Held by', '']

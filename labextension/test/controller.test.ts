@@ -347,6 +347,20 @@ describe('SidebarController and the cluster', () => {
     expect(server.clusterAsks).toHaveLength(5);
   });
 
+  it("keeps asking after the stream's hello, which does not repeat the cluster flag", async () => {
+    const { server, clock, model, controller } = setup();
+    server.reply = { ...gpuDevices(), cluster: true };
+    controller.setVisible(true);
+    await settle();
+    const socket = server.sockets[0];
+    socket.open();
+    socket.send(hello(gpuDevices())); // as the server sends it: no `cluster`
+    expect(model.devices?.cluster).toBe(true);
+    await clock.advance(CLUSTER_REFRESH_MS);
+    expect(server.clusterAsks).toHaveLength(2);
+    expect(model.cluster.kind).toBe('ready');
+  });
+
   it('keeps the last cluster on screen and says what failed', async () => {
     const { server, clock, model, controller } = setup();
     server.reply = { ...gpuDevices(), cluster: true };

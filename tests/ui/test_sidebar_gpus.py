@@ -248,7 +248,10 @@ def test_eight_gpus_at_a_glance_folded_cards_and_the_keyboard(gpu_lab, page):
     assert active(page)["expanded"] == "false"
     assert not card.locator(".jp-gpuwidget-card-body").is_visible()
 
-    # README screenshots: the overview with one card open, light and dark.
+    # At JupyterLab's default sidebar width (for a look when it fails), then README screenshots:
+    # the overview with one card open, light and dark.
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    page.locator(PANEL).screenshot(path=str(SCREENSHOTS / "sidebar-gpus-narrow.png"))
     widen_sidebar(page)
     page.locator(".jp-gpuwidget-card[data-device='gpu0'] .jp-gpuwidget-card-toggle").click()
     page.wait_for_timeout(1500)
