@@ -41,7 +41,8 @@ SYNTHETIC_REPLY_JS = """(hosts, gpus) => {
   return {
     configured: true, source: 'gpuwidget', error: null, step_s: step, start: end - points * step, end,
     selector: null,
-    hosts: Array.from({length: hosts}, (_, h) => ({host: `gpu-node-${h + 1}`, gpus: Array.from({length: gpus}, (_, g) => ({
+    hosts: Array.from({length: hosts}, (_, h) => ({host: `gpu-node-${h + 1}`,
+                                                  gpus: Array.from({length: gpus}, (_, g) => ({
       gpu: String(g), uuid: `GPU-${h}-${g}`, model: 'NVIDIA H100 80GB HBM3',
       holder: (h + g) % 3 ? `user${(h * gpus + g) % 5}/train.ipynb` : null,
       util: Array.from({length: points}, (_, k) => (h * gpus + g) % 9 === 4 ? 0.01 :
