@@ -26,10 +26,13 @@ EXPECTED = [
     "04-launch-overhead.ipynb",
     "05-stalls.ipynb",
     "06-exporting-runs.ipynb",
+    "07-multi-process.ipynb",
 ]
 LOADER_RULES = {"dataloader-starved", "dataloader-cpu-bound", "io-bound"}
 # Each notebook runs in well under two minutes on a 2-core CPU; a cell never takes this long.
 CELL_TIMEOUT = 180
+# A watched cell's saved outputs (its panel; nbclient also saves its closed widgets' state).
+MAX_GROWTH_PER_PANEL_CELL = 100_000
 
 
 def execute(name: str, workdir: Path):
@@ -40,6 +43,10 @@ def execute(name: str, workdir: Path):
     client.execute()
     errors = [o for cell in nb.cells if cell.cell_type == "code" for o in cell.outputs if o.output_type == "error"]
     assert not errors, [f"{o.ename}: {o.evalue}" for o in errors]
+    # Saved small: no BokehJS inline (1.3 MB) and no widget view stays behind, only the panels.
+    showing = sum(1 for c in nb.cells if c.cell_type == "code" and panels(c))
+    grown = len(nbformat.writes(nb)) - (NOTEBOOKS / name).stat().st_size
+    assert grown < MAX_GROWTH_PER_PANEL_CELL * max(showing, 1), (name, grown, showing)
     return nb
 
 
@@ -178,3 +185,18 @@ def test_06_exporting_runs_round_trips_and_writes_every_format(tmp_path):
         assert (tmp_path / "runs" / name).stat().st_size > 0
     sidebar = printed(cell(nb, "sidebar-snapshot"))
     assert sidebar.startswith(("No running Jupyter server found", "GPUs:")), sidebar
+
+
+def test_07_multi_process_names_the_straggling_rank_and_its_loader(tmp_path):
+    nb = execute("07-multi-process.ipynb", tmp_path)
+    text, html = panels(cell(nb, "watch-straggler"))[0]
+    assert "rank-straggler" in panel_rules(cell(nb, "watch-straggler"))
+    assert "per process: rank | pid" in text and "<tr>" in html
+    finding = printed(cell(nb, "straggler-finding"))
+    assert "Rank 1 is a straggler" in finding and "(its data loader)" in finding
+    assert re.search(r"rank 0: pid \d+, 32 steps", finding) and re.search(r"rank 1: pid \d+, 32 steps", finding)
+    assert "rank-straggler" not in panel_rules(cell(nb, "watch-fixed"))
+    assert "measured speedup:" in printed(cell(nb, "compare"))
+    # The command line: gpuwatch around torchrun sees both ranks and the same straggler.
+    cli = printed(cell(nb, "cli"))
+    assert "ranks seen: [0, 1]" in cli and "'rank-straggler'" in cli.split("ranks seen:")[1]

@@ -196,6 +196,29 @@ def test_a_rank_with_a_slow_loader_is_named_as_the_straggler(gloo_ranks):
     exec(finding.code, {})  # instructions only: they raise nothing
 
 
+def ddp_rank_with_a_slow_loader(rank: int, world: int, port: int) -> None:
+    """A plain DDP rank, unaware of gpuwidget: the watch around torch.multiprocessing reaches it."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(16, 16))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    for x in DataLoader(Items(160, 16, SLOW_ITEM_S if rank == 1 else 0.0), batch_size=4):
+        model(x).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    dist.destroy_process_group()
+
+
+def test_a_watch_around_spawned_ranks_names_the_straggler():
+    with gpuwidget.watch(display=False) as run:
+        mp.spawn(ddp_rank_with_a_slow_loader, args=(2, free_port()), nprocs=2, join=True)
+    assert sorted(entry["rank"] for entry in run.ranks) == [0, 1]
+    assert all(entry["model"]["ddp"]["world_size"] == 2 for entry in run.workload["ranks"])
+    finding = next(f for f in run.findings if f.rule == "rank-straggler")
+    assert finding.evidence["straggler"] == 1 and finding.change["cause"] == "its data loader"
+    assert finding.evidence["pid"] == next(entry["pid"] for entry in run.ranks if entry["rank"] == 1)
+
+
 def synthetic_rank(rank: int, step_ms: float, wait_fraction: float = 0.0, gpu: int | None = None,
                    run_delay: float | None = None) -> dict[str, Any]:
     entry: dict[str, Any] = {"rank": rank, "pid": 1000 + rank, "gpu": gpu, "steps": 100,
@@ -224,6 +247,30 @@ def test_lockstep_ranks_without_ddp_data_charge_the_slowest_loaders_wait():
     assert finding is not None and finding.evidence["straggler"] == 2 and finding.change["cause"] == "its data loader"
     assert finding.evidence["lockstep"] is True
     assert finding.expected_speedup == pytest.approx(20.1 / (20.1 - 11.0), rel=0.02)
+
+
+def test_waiting_for_the_others_to_start_is_not_straggling():
+    """DDP's averages include the first iterations, where rank 0 also waited for rank 1's process to
+    start; its latest sample (iteration 10 on) shows both ranks waiting alike."""
+    def entry(rank: int, avg_comm_ms: float, latest_comm_ms: float) -> dict[str, Any]:
+        ddp = {"avg_backward_comm_time": int(avg_comm_ms * 1e6), "avg_backward_compute_comm_overlap_time": 0,
+               "backward_comm_time": int(latest_comm_ms * 1e6), "backward_compute_comm_overlap_time": 0}
+        return {**synthetic_rank(rank, 4.0), "model": {"ddp": ddp}}
+
+    ranks = [entry(0, 30.0, 1.0), entry(1, 1.1, 1.0)]
+    assert rank_straggler.check({}, {"ranks": ranks}, NO_GPU) is None
+    late = [entry(0, 30.0, 3.0), entry(1, 1.1, 0.2)]  # rank 0 still waits 3 ms a step: rank 1 lags
+    finding = rank_straggler.check({}, {"ranks": late}, NO_GPU)
+    assert finding is not None and finding.evidence["straggler"] == 1
+    assert finding.evidence["own_time_ms_by_rank"] == {"rank 0": 1.0, "rank 1": 3.8}
+
+
+def test_a_fraction_of_a_millisecond_is_no_straggler_whatever_the_ratio():
+    ranks = [synthetic_rank(0, 1.0), synthetic_rank(1, 1.0), synthetic_rank(2, 1.09)]
+    for rank in ranks:  # all in lockstep on a 1 ms step, DDP's wait leaving 0.05 ms own work on two
+        rank["model"] = {"ddp": {"avg_backward_comm_time": 950_000 if rank["rank"] < 2 else 1_000_000}}
+    # 0.04 ms more than the others: under 10% of its step.
+    assert rank_straggler.check({}, {"ranks": ranks}, NO_GPU) is None
 
 
 def test_equal_ranks_have_no_straggler():

@@ -39,3 +39,19 @@ def processes_with_models(summary: Summary, workload: WorkloadFacts) -> list[tup
 
 def median(values: Iterable[float]) -> float:
     return float(statistics.median(values))
+
+
+NS = 1e-9
+
+
+def ddp_exposed_comm_s(ddp: Mapping[str, Any] | None) -> float | None:
+    """Seconds per step DDP's all-reduce ran past the end of backward (``backward_comm_time -
+    backward_compute_comm_overlap_time``), the smaller of its average over the iterations DDP samples
+    and its latest sample: the first iterations, in the average, include waiting for the other ranks
+    to start at all (process start-up, imports). None without DDP's timings."""
+    if not ddp:
+        return None
+    estimates = [(int(ddp[f"{prefix}backward_comm_time"])
+                  - int(ddp.get(f"{prefix}backward_compute_comm_overlap_time") or 0)) * NS
+                 for prefix in ("avg_", "") if ddp.get(f"{prefix}backward_comm_time")]
+    return max(0.0, min(estimates)) if estimates else None

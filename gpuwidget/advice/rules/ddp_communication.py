@@ -3,9 +3,10 @@
 DDP groups gradients into buckets and all-reduces each bucket as soon as its gradients are ready,
 so communication runs while backward still computes (Li et al., "PyTorch Distributed", VLDB 2020).
 Its own logging data (``model._get_ddp_logging_data()``) times both: the all-reduce that runs past
-the end of backward (``avg_backward_comm_time - avg_backward_compute_comm_overlap_time``) is time
-every step waits on the network. Many tiny buckets pay a fixed latency per all-reduce; fewer
-all-reduces per optimizer step (``no_sync()`` with gradient accumulation) pay it less often.
+the end of backward (``backward_comm_time - backward_compute_comm_overlap_time``, see
+``_ranks.ddp_exposed_comm_s``) is time every step waits on the network. Many tiny buckets pay a
+fixed latency per all-reduce; fewer all-reduces per optimizer step (``no_sync()`` with gradient
+accumulation) pay it less often.
 
 With several ranks the rule judges the rank that waited least: a straggler's late arrival shows up
 as communication time on every *other* rank (that is ``rank-straggler``'s finding), while the
@@ -19,7 +20,7 @@ from typing import Any
 
 from gpuwidget.advice.code import model_code
 from gpuwidget.advice.finding import Finding
-from gpuwidget.advice.rules._ranks import processes_with_models
+from gpuwidget.advice.rules._ranks import ddp_exposed_comm_s, processes_with_models
 from gpuwidget.facts import DdpFacts, MachineFacts, Summary, WorkloadFacts
 
 RULE = "ddp-communication"
@@ -89,11 +90,9 @@ def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> F
 
 def _figures(ddp: DdpFacts | None, step_s: float | None, who: str) -> dict[str, Any] | None:
     """Per-step figures of one process, in seconds; None without DDP's timings."""
-    if not ddp or not ddp.get("avg_backward_comm_time"):
+    exposed = ddp_exposed_comm_s(ddp)
+    if ddp is None or exposed is None:
         return None
-    comm = int(ddp.get("avg_backward_comm_time", 0)) * NS
-    overlap = int(ddp.get("avg_backward_compute_comm_overlap_time", 0)) * NS
-    exposed = max(0.0, comm - overlap)
     own = (int(ddp.get("avg_forward_compute_time", 0)) + int(ddp.get("avg_backward_compute_time", 0))) * NS
     step = step_s if step_s and step_s > exposed else own + exposed
     if step <= 0:

@@ -6,13 +6,15 @@ step time alone looks alike; what differs is the time a rank spends on its *own*
 less the time it waited for the others:
 
 - where DDP's logging data is there, the waiting is measured: all-reduce time left after backward
-  (``avg_backward_comm_time - avg_backward_compute_comm_overlap_time``);
+  (``_ranks.ddp_exposed_comm_s``; its first iterations, where a rank also waits for the others to
+  *start*, are no straggling and are kept out);
 - without it, if the ranks ran in lockstep (median step times within ``LOCKSTEP_TOLERANCE``), a rank
   waited at least as long as the slowest loader's extra data wait over its own;
 - ranks that do not synchronise (independent processes) waited for nobody: their step times compare
   as they are, and the bound is the contract's current step time over the median step time.
 
-A rank whose own work takes ``1 / RELATIVE_SCORE`` times the others' median is named, with its cause
+A rank whose own work takes ``1 / RELATIVE_SCORE`` times the others' median, and at least
+``MIN_EXTRA_SHARE`` of a step more than they, is named, with its cause
 where one was measured: its loader's data wait, its GPU's clock slowdowns (NVML, per GPU), or its
 host run delay (waiting for a core).
 """
@@ -23,7 +25,7 @@ from typing import Any
 
 from gpuwidget.advice.finding import Finding
 from gpuwidget.advice.loader import CONTENTION_DELAY_FRACTION
-from gpuwidget.advice.rules._ranks import median, rank_label, ranks
+from gpuwidget.advice.rules._ranks import ddp_exposed_comm_s, median, rank_label, ranks
 from gpuwidget.advice.rules.gpu_throttled import THROTTLED_SHARE
 from gpuwidget.facts import MachineFacts, Summary, WorkloadFacts
 
@@ -36,9 +38,12 @@ RELATIVE_SCORE = 0.7
 LOCKSTEP_TOLERANCE = 0.1
 # Above this gain bound the finding is critical.
 CRITICAL_BOUND = 1.5
-# A cause explains the straggler when it accounts for at least this share of its extra time.
-CAUSE_SHARE = 0.5
-NS = 1e-9
+# The straggler's extra work must be at least this share of its step: differences of a fraction of a
+# millisecond on a short step are noise (timer and scheduler jitter), whatever their ratio.
+MIN_EXTRA_SHARE = 0.1
+# A measured cause is named when it accounts for at least this share of the straggler's extra time
+# (the rest is noise of a shared machine or unmeasured work); the suggestion says how much it explains.
+CAUSE_SHARE = 1 / 3
 
 
 def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> Finding | None:
@@ -54,6 +59,8 @@ def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> F
     others = [value for index, value in enumerate(own) if index != slow]
     reference = median(others)
     if own[slow] <= 0 or reference / own[slow] >= RELATIVE_SCORE:
+        return None
+    if own[slow] - reference < MIN_EXTRA_SHARE * steps[slow]:
         return None
     straggler = timed[slow]
     extra = own[slow] - reference
@@ -93,10 +100,9 @@ def _data_wait_s(rank: dict[str, Any]) -> float:
 
 def _collective_wait_s(rank: dict[str, Any], step: float, waits: list[float], lockstep: bool) -> float:
     """Seconds per step this rank waited for the others (see the module docstring)."""
-    ddp = (rank.get("model") or {}).get("ddp") or {}
-    if ddp.get("avg_backward_comm_time"):
-        exposed = (int(ddp["avg_backward_comm_time"]) - int(ddp.get("avg_backward_compute_comm_overlap_time", 0))) * NS
-        return min(step, max(0.0, exposed))
+    exposed = ddp_exposed_comm_s((rank.get("model") or {}).get("ddp"))
+    if exposed is not None:
+        return min(step, exposed)
     if lockstep:
         return max(waits) - _data_wait_s(rank)
     return 0.0
@@ -112,7 +118,8 @@ def _cause(rank: dict[str, Any], wait: float, others_wait: float, extra: float, 
         return ("its data loader", {"data_wait_ms": round(wait * 1e3, 2), "num_workers": workers,
                                     "others_data_wait_ms": round(others_wait * 1e3, 2)},
                 f"It waits {wait * 1e3:.1f} ms per step for its DataLoader{name} against {others_wait * 1e3:.1f} ms "
-                f"on the others: give its loader more workers (num_workers={workers} now) or check that its shard "
+                f"on the others ({(wait - others_wait) * 1e3:.1f} of its {extra * 1e3:.1f} ms extra): give its loader "
+                f"more workers (num_workers={workers} now) or check that its shard "
                 "is not larger or slower to read than the others' (storage, sample sizes).")
     gpu = rank.get("gpu")
     throttled = (summary.get("gpu_throttle_fraction_by_gpu") or {}).get(str(gpu)) if gpu is not None else None
@@ -121,9 +128,9 @@ def _cause(rank: dict[str, Any], wait: float, others_wait: float, extra: float, 
                 f"GPU {gpu} reported a clock slowdown (thermal, hardware or power brake) in {throttled:.0%} of its "
                 "busy samples: the same work takes longer there. Have the machine's cooling and power looked at, "
                 "or leave that GPU out (CUDA_VISIBLE_DEVICES).")
-    delays = [float((r.get("host") or {}).get("run_delay_fraction") or 0.0) for r in timed]
+    delays = [float((r.get("host") or {}).get("run_delay_fraction") or 0.0) for r in timed if r is not rank]
     delay = float((rank.get("host") or {}).get("run_delay_fraction") or 0.0)
-    if delay >= CONTENTION_DELAY_FRACTION and delay > median(delays):
+    if delay - median(delays) >= CONTENTION_DELAY_FRACTION:
         return ("its host process waited for a CPU", {"run_delay_fraction": round(delay, 3)},
                 f"Its process was ready to run but waited for a core {delay:.0%} of the time: other processes hold "
                 "its CPUs. Give each rank cores of its own (os.sched_setaffinity, numactl) or move the other jobs.")
