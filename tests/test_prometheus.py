@@ -88,8 +88,9 @@ def scraped(setup: prom.ClusterSetup, query: str, count: int, timeout: float = 4
 
 
 def test_the_cluster_route_reads_both_exporters_and_prefers_gpuwidgets_own_series(setup):
-    # Until a server's sampler is up, its GPUs are dcgm-exporter's alone (node-a's are in both).
-    scraped(setup, "gpuwidget_gpu_power_watts", 16)
+    # Until a server's sampler is up, its GPUs are dcgm-exporter's alone (node-a's are in both): wait
+    # until both servers' GPUs were in 2 s ago (the route's window ends on a whole second).
+    scraped(setup, "gpuwidget_gpu_power_watts offset 2s", 16)
     reply = wait_for(lambda: cluster_route(setup), {"node-a": 8, "node-b": 8, "dgx-c": 4})
     assert reply["configured"] and reply["error"] is None and reply["selector"] is None
     assert reply["source"] == "gpuwidget" and reply["step_s"] == 1
@@ -189,6 +190,12 @@ def test_a_selector_that_would_add_promql_is_refused(selector):
         check_selector(selector)
     with pytest.raises(TraitError):
         GpuWidget(cluster_selector=selector)
+
+
+def test_prometheus_url_must_be_http():
+    with pytest.raises(TraitError):
+        GpuWidget(prometheus_url="prometheus:9090")
+    assert GpuWidget(prometheus_url=" https://prom.example.org/ ").prometheus_url == "https://prom.example.org/"
 
 
 def test_label_matcher_sets_are_accepted():

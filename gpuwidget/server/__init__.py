@@ -50,6 +50,13 @@ class GpuWidget(Configurable):
     prometheus_timeout_s = Float(10.0, help="Seconds a Prometheus query may take.").tag(config=True)
     prometheus_connect_timeout_s = Float(3.0, help="Seconds to connect to Prometheus.").tag(config=True)
 
+    @validate("prometheus_url")
+    def _check_url(self, proposal: Any) -> str:
+        url = str(proposal["value"]).strip()
+        if url and not url.startswith(("http://", "https://")):
+            raise TraitError(f"prometheus_url must be an http:// or https:// URL, not {url!r}")
+        return url
+
     @validate("cluster_selector")
     def _check_selector(self, proposal: Any) -> str:
         from gpuwidget.server.cluster import check_selector
