@@ -271,7 +271,7 @@ class ChildAgent:
     def send(self, message: dict[str, Any]) -> None:
         data = encode(message)
         with self._send_lock:
-            if self._retired and message.get("kind") != "facts":
+            if self._retired:
                 return
             if self._sock is None:
                 sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
