@@ -1,7 +1,7 @@
 """``gpuwatch``: watch a command (a training script, ``torchrun``) as ``%%gpuwatch`` watches a cell.
 
-    gpuwatch [--interval S] [--gpus 0,1] [--no-live] [--no-advice] [--tune] [--save PATH] [--quiet] \\
-        -- python train.py ARGS
+    gpuwatch [--interval S] [--gpus 0,1] [--view V] [--no-live] [--no-advice] [--tune] [--save PATH] \\
+        [--quiet] -- python train.py ARGS
 
 The command runs inside the same :class:`~gpuwidget.session.Watch` as a watched cell: the same
 options and checks, the same sampler and Run, the same rules; the watch's child channel reaches
@@ -46,7 +46,8 @@ for a notebook cell. Exits with COMMAND's status.
 options:
   --interval S   seconds between samples (default 0.25; 0.01 to 60)
   --gpus 0,1     GPUs to watch, numbered as torch numbers them (default: all visible)
-  --no-live      no status line while the command runs
+  --view V       auto, bokeh or static: a status line while the command runs; none: no status line
+  --no-live      the same as --view none
   --no-advice    summary figures only, no findings
   --tune         after the command, measure DataLoader settings (needs the loader in this process)
   --save PATH    also write the run to PATH (.json, .html or .csv)

@@ -123,6 +123,7 @@ def test_ctrl_c_reaches_the_command_and_still_yields_a_report(train_script, tmp_
     (["--save", "run.txt", "--"], "--save: use a .json, .html or .csv file name"),
     (["--bogus", "--"], "unknown option '--bogus'"),
     (["--gpus", "x", "--"], "--gpus: expected GPU numbers"),
+    (["--view", "bogus", "--"], "--view: expected one of auto, bokeh, static, none"),
 ])
 def test_bad_options_exit_2_with_one_line_before_the_command_runs(args, message, tmp_path):
     marker = tmp_path / "ran"
@@ -167,7 +168,8 @@ def test_a_status_line_goes_to_stderr_while_the_command_runs():
     assert result.returncode == 0
     lines = [line for line in result.stderr.splitlines() if line.startswith("gpuwatch ")]
     assert lines and " s · " in lines[0] and "CPU" in lines[0]
-    assert gpuwatch("--no-live", "--", sys.executable, "-c", "import time; time.sleep(1.5)").stderr == ""
+    for off in ("--no-live", "--view=none"):
+        assert gpuwatch(off, "--", sys.executable, "-c", "import time; time.sleep(1.5)").stderr == ""
 
 
 def test_the_status_line_counts_steps_and_data_wait_from_the_live_trace():
