@@ -16,7 +16,13 @@ import { Widget } from '@lumino/widgets';
 
 import { ChartData, ChartPalette, TimeChart } from './charts';
 import { ClusterView } from './clusterview';
-import { NO_VALUE, baseName, formatBytes, noGpuDetail } from './format';
+import {
+  NO_VALUE,
+  baseName,
+  formatBytes,
+  formatClock,
+  noGpuDetail
+} from './format';
 import {
   IChartDef,
   GPU_METRICS,
@@ -97,6 +103,7 @@ export class GpuPanel extends Widget {
   private _status = element('div', 'jp-gpuwidget-status');
   private _notice = element('div', 'jp-gpuwidget-notice');
   private _stalled = element('div', 'jp-gpuwidget-notice jp-gpuwidget-stalled');
+  private _stalledKey = '';
   private _overview: GpuOverview;
   private _cardsNode = element('div', 'jp-gpuwidget-cards');
   private _cluster = new ClusterView();
@@ -357,14 +364,45 @@ export class GpuPanel extends Widget {
   }
 
   private _renderStalled(): void {
-    const lines = stalledLines(this.model.stalled, Date.now() / 1000);
-    const text = lines.length ? `⚠ ${lines.join('; ')}.` : '';
-    if (this._stalled.textContent !== text) {
-      this._stalled.textContent = text;
+    const { sources, receivedS } = this.model.stalled;
+    const key = sources.map(source => source.source).join('\n');
+    if (key !== this._stalledKey) {
+      // Rebuilt only when the set of stalled sources changes: the region is a live one, and
+      // a screen reader should hear "GPU 1 stopped answering at 14:02:31" once, not a
+      // count every second (the visible count is hidden from it).
+      this._stalledKey = key;
+      this._stalled.replaceChildren();
+      if (sources.length) {
+        const names = sources.map(
+          ({ source, since_s }) =>
+            `${source} stopped answering at ${formatClock(receivedS - since_s, true)}`
+        );
+        const spoken = element(
+          'span',
+          'jp-gpuwidget-visually-hidden',
+          `${names.join('; ')}. Its figures stop until the Jupyter server restarts.`
+        );
+        const shown = element('strong', 'jp-gpuwidget-stalled-text');
+        shown.setAttribute('aria-hidden', 'true');
+        const detail = element(
+          'p',
+          '',
+          'Its figures stop until the Jupyter server restarts (the server does not ask it again).'
+        );
+        detail.setAttribute('aria-hidden', 'true');
+        this._stalled.append(spoken, shown, detail);
+      }
+    }
+    const shown = this._stalled.querySelector('.jp-gpuwidget-stalled-text');
+    if (shown) {
+      const text = `⚠ ${stalledLines(this.model.stalled, Date.now() / 1000).join('; ')}.`;
+      if (shown.textContent !== text) {
+        shown.textContent = text;
+      }
     }
     this._stalled.classList.toggle(
       'jp-gpuwidget-notice-warn',
-      lines.length > 0
+      sources.length > 0
     );
   }
 

@@ -407,9 +407,35 @@ describe('GpuPanel stalled sources', () => {
     const notice = panel.node.querySelector(
       '.jp-gpuwidget-stalled'
     ) as HTMLElement;
-    expect(notice.textContent).toBe('⚠ GPU 1 stopped answering 12 s ago.');
+    const shown = () =>
+      notice.querySelector('.jp-gpuwidget-stalled-text')?.textContent;
+    expect(shown()).toBe('⚠ GPU 1 stopped answering 12 s ago.');
+    expect(notice.textContent).toContain(
+      'Its figures stop until the Jupyter server restarts'
+    );
     expect(notice.getAttribute('role')).toBe('alert');
-    model.handle(sample(T0 + 1, { 'gpu0.util': 6 }));
+    // A screen reader hears the time it stopped, once; the counting text is hidden from it.
+    const spoken = notice.querySelector(
+      '.jp-gpuwidget-visually-hidden'
+    ) as HTMLElement;
+    expect(spoken.textContent).toMatch(
+      /^GPU 1 stopped answering at .+\. Its figures stop until the Jupyter server restarts\.$/
+    );
+    expect(
+      notice
+        .querySelector('.jp-gpuwidget-stalled-text')!
+        .getAttribute('aria-hidden')
+    ).toBe('true');
+    model.handle({
+      type: 'sample',
+      t: T0 + 1,
+      values: { 'gpu0.util': 5 },
+      stalled: [{ source: 'GPU 1', since_s: 13.4 }]
+    });
+    panel.render();
+    expect(notice.querySelector('.jp-gpuwidget-visually-hidden')).toBe(spoken);
+    expect(shown()).toBe('⚠ GPU 1 stopped answering 13 s ago.');
+    model.handle(sample(T0 + 2, { 'gpu0.util': 6 }));
     panel.render();
     expect(notice.textContent).toBe('');
   });
