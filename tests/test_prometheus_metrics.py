@@ -137,40 +137,52 @@ async def test_kernels_report_gpu_memory_and_their_watched_cell_notebook_only_wh
     fake.processes(2, compute=[(kernel_pid, 3 * GIB)])
     fake_nvml(fake)
     monitor.close()
+    from gpuwidget.server import _kernel_pids
+
+    await scrape(jp_fetch)  # starts the sampler and its kernel table refresh
+    await monitor.refresh_kernels(lambda: _kernel_pids(jp_serverapp), jp_serverapp.session_manager.list_sessions)
     client = manager.client()
     client.start_channels()
     try:
         await client.wait_for_ready(timeout=60)
-        # A real watched cell in the kernel: a loader that makes the loop wait for data.
+        # A real watched cell in the kernel: a loader that makes the loop wait for data, for ~4 s.
         code = (
             "%load_ext gpuwidget\n"
             "import time, torch\n"
             "from torch.utils.data import DataLoader, Dataset\n"
             "class Slow(Dataset):\n"
-            "    def __len__(self): return 48\n"
+            "    def __len__(self): return 1000\n"
             "    def __getitem__(self, i): time.sleep(0.004); return torch.zeros(4)\n"
             "loader = DataLoader(Slow(), batch_size=4)\n"
         )
         outcome = await client.execute_interactive(code, timeout=120)
         assert outcome["content"]["status"] == "ok"
-        outcome = await client.execute_interactive(
-            "%%gpuwatch --quiet --interval 0.05\nfor x in loader:\n    pass\n", timeout=120)
-        assert outcome["content"]["status"] == "ok"
+        cell = asyncio.ensure_future(client.execute_interactive(
+            "%%gpuwatch --quiet --interval 0.05\nfor x in loader:\n    pass\n", timeout=120))
+        # While it runs: its figures so far, every WRITE_EVERY_S.
+        while True:
+            found = await scrape(jp_fetch)
+            running = found.get("gpuwidget_kernel_watch_info", [({}, 0)])[0][0].get("state") == "running"
+            if running and found.get("gpuwidget_kernel_steps", [({}, 0)])[0][1] > 0:
+                break
+            assert not cell.done(), f"the cell ended before /metrics saw it running: {sorted(found)}"
+            await asyncio.sleep(0.2)
+        assert 0 < found["gpuwidget_kernel_steps"][0][1] < 250
+        assert found["gpuwidget_kernel_watch_info"][0][0]["cause"] == ""  # not known before the end
+        assert 0.5 < found["gpuwidget_kernel_data_wait_ratio"][0][1] <= 1
+        assert (await cell)["content"]["status"] == "ok"
         asked = await client.execute_interactive("import gpuwidget", timeout=60, user_expressions={
             "run": "[gpuwidget.last_run().findings[0].rule, gpuwidget.last_run().summary['steps']]"})
         cause, steps = eval(asked["content"]["user_expressions"]["run"]["data"]["text/plain"])
     finally:
         client.stop_channels()
-    from gpuwidget.server import _kernel_pids
-
-    await scrape(jp_fetch)  # starts the sampler and its kernel table refresh
-    await monitor.refresh_kernels(lambda: _kernel_pids(jp_serverapp), jp_serverapp.session_manager.list_sessions)
     deadline = time.monotonic() + 20
     while True:
         found = await scrape(jp_fetch)
-        if "gpuwidget_kernel_gpu_memory_used_bytes" in found and "gpuwidget_kernel_watch_info" in found:
+        info = found.get("gpuwidget_kernel_watch_info", [({}, 0)])[0][0]
+        if "gpuwidget_kernel_gpu_memory_used_bytes" in found and info.get("state") == "finished":
             break
-        assert time.monotonic() < deadline, f"no kernel series in {sorted(found)}"
+        assert time.monotonic() < deadline, f"no finished watch in {found}"
         await asyncio.sleep(0.2)
     (labels, memory), = found["gpuwidget_kernel_gpu_memory_used_bytes"]
     assert memory == 3 * GIB and labels["gpu"] == "2" and labels["UUID"] == fake.gpu(2).uuid
@@ -178,7 +190,7 @@ async def test_kernels_report_gpu_memory_and_their_watched_cell_notebook_only_wh
     (info, one), = found["gpuwidget_kernel_watch_info"]
     assert one == 1 and info["state"] == "finished" and info["notebook"] == "experiments/train.ipynb"
     assert info["cause"] == cause and cause in ("io-bound", "dataloader-starved")  # the kernel's own main finding
-    assert found["gpuwidget_kernel_steps"][0][1] == steps == 12
+    assert found["gpuwidget_kernel_steps"][0][1] == steps == 250
     assert 0.5 < found["gpuwidget_kernel_data_wait_ratio"][0][1] <= 1
     assert found["gpuwidget_kernel_samples_per_second"][0][1] > 0
     status_file = status_path(jp_serverapp.kernel_manager.connection_dir, kernel_pid)
