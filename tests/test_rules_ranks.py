@@ -147,6 +147,10 @@ def test_ddp_communication_judges_the_rank_that_waited_least():
     finding = ddp_communication.check({}, {"ranks": [entry(0, 5.0), entry(1, 1.0)]}, NO_GPU)
     assert finding is not None and finding.evidence["judged"] == "rank 1"
     assert "bucket_cap_mb" not in finding.change  # buckets already at the default
+    # Every DDP setting is already as advised: the code is the accumulation pattern only, no re-wrap.
+    assert set(finding.change) == {"no_sync_accumulation_steps"}
+    assert all(line.startswith("#") for line in finding.code.splitlines())
+    exec(finding.code, {})
 
 
 @pytest.fixture
@@ -171,6 +175,7 @@ def test_ddp_communication_code_runs_as_pasted_and_rewraps_the_users_model(singl
     assert rewrapped is not model and rewrapped.module is net
     assert rewrapped.bucket_bytes_cap == 25 * 2**20 and rewrapped.gradient_as_bucket_view
     assert rewrapped.static_graph
+    assert "With a world size of 1 there is no other rank" in finding.suggestion
     rewrapped(torch.randn(4, 8)).sum().backward()  # it trains
     assert net[0].weight.grad is not None
     unnamed = ddp_communication.check({"step_time_p50": 0.008}, {"model": {"name": None, "ddp": ddp}}, NO_GPU)

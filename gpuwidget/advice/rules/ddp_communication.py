@@ -73,6 +73,9 @@ def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> F
     sentences = [f"{exposed_ms:.1f} ms of each {step_ms:.1f} ms step ({share:.0%}) waits for DDP's gradient "
                  f"all-reduce after backward has finished ({figures['who']}, world size {ddp.get('world_size')})."]
     sentences += reasons
+    if ddp.get("world_size") == 1:
+        sentences.append("With a world size of 1 there is no other rank to exchange gradients with: until more "
+                         "processes are launched, training the unwrapped module (model.module) skips this cost.")
     sentences.append(f"With gradient accumulation, skip the all-reduce on {accumulate - 1} of every {accumulate} "
                      f"micro-batches with model.no_sync(): the exposed {exposed_ms:.1f} ms is then paid once "
                      f"per {accumulate} batches (keep the effective batch size in mind for the learning rate).")
@@ -134,7 +137,7 @@ def _code(name: str | None, keywords: dict[str, Any], accumulate: int) -> str:
     lines = ["from torch.nn.parallel import DistributedDataParallel",
              model_code(name, "{model} = DistributedDataParallel({model}.module, device_ids={model}.device_ids"
                         + listed + ")  # on every rank",
-                        "where you wrap the model in DistributedDataParallel")]
+                        "where you wrap the model in DistributedDataParallel")] if keywords else []
     lines += [f"# Gradient accumulation: all-reduce once every {accumulate} micro-batches.",
               "# import contextlib",
               "# for i, (x, y) in enumerate(loader):",
