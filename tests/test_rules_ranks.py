@@ -360,3 +360,32 @@ def test_gpus_no_rank_uses_are_named():
     assert finding is not None and finding.evidence["gpus_no_rank_used"] == [3]
     # One process is not a multi-rank run: its idle neighbours are the summary's note, not a finding.
     assert gpu_imbalance.check(summary, {"model": None, "ranks": ranks[:1]}, FOUR_GPUS) is None
+
+
+def test_from_a_four_gpu_trace_the_throttled_ranks_gpu_and_the_gpus_no_rank_used_are_named():
+    """The summary's own per-GPU figures from NVML columns (GPU 1 slowed by heat while busy, GPUs 2
+    and 3 idle) and two ranks on GPUs 0 and 1, the one on GPU 1 slower: the whole advisor."""
+    from gpuwidget.advice.advisor import advise
+    from gpuwidget.advice.summary import summarize
+    from gpuwidget.trace import Trace
+
+    gib = 2**30
+    trace = Trace()
+    for tick in range(40):
+        row: dict[str, float] = {"cpu.util": 20.0}
+        for index in range(4):
+            busy = index < 2
+            row.update({f"gpu{index}.util": 95.0 if busy else 0.0, f"gpu{index}.mem_total": 80 * gib,
+                        f"gpu{index}.mem_used": 30 * gib if busy else 0.5 * gib,
+                        f"gpu{index}.proc_mem": 30 * gib if busy else 0.0,
+                        f"gpu{index}.sm_clock_max": 1.98e9,
+                        f"gpu{index}.sm_clock": 1.2e9 if index == 1 else 1.98e9,
+                        f"gpu{index}.clock_events": 0x20 if index == 1 else 0.0})  # 0x20: thermal slowdown
+        trace.append(tick * 0.1, row)
+    summary = summarize(trace, {}, duration_s=4.0)
+    assert summary["gpu_throttle_fraction_by_gpu"] == {"0": 0.0, "1": 1.0}
+    ranks = [synthetic_rank(0, 10.0, gpu=0), synthetic_rank(1, 15.5, gpu=1)]
+    findings = {f.rule: f for f in advise(summary, {"model": None, "loaders": [], "ranks": ranks}, FOUR_GPUS)}
+    straggler = findings["rank-straggler"]
+    assert straggler.change == {"rank": 1, "cause": "its GPU 1 slowed its clocks"}
+    assert findings["gpu-imbalance"].evidence["gpus_no_rank_used"] == [2, 3]
