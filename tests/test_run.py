@@ -70,8 +70,9 @@ def test_run_renders_the_same_content_as_html_and_text():
                      "main cause: The loop waits for data (up to 1.19x faster)",
                      "time: waiting for data 400 ms (8%) · computing 4.0 s (82%) · other 500 ms (10%)"):
         assert fragment in text
-    for fragment in ("GPU busy", "81%", "dataloader-starved", "up to 1.19x", "num_workers=4", "data:image/svg+xml,%3Csvg",
-                     "class='gpuwidget-breakdown'", "The loop waits for data (up to 1.19x faster)"):
+    for fragment in ("GPU busy", "81%", "dataloader-starved", "up to 1.19x", "num_workers=4",
+                     "data:image/svg+xml,%3Csvg", "class='gpuwidget-breakdown'",
+                     "The loop waits for data (up to 1.19x faster)"):
         assert fragment in page
     assert "GPU0 NVIDIA H200: busy 81%, peak memory 56%" in text
 
