@@ -22,7 +22,7 @@ import pytest
 from traitlets import TraitError
 
 from gpuwidget.server import GpuWidget
-from gpuwidget.server.cluster import Cluster, PrometheusConfig, check_selector
+from gpuwidget.server.cluster import SOURCES, Cluster, PrometheusConfig, check_selector
 
 import prom
 
@@ -290,3 +290,43 @@ def test_an_hour_backfilled_is_read_at_the_sidebars_resolution(tmp_path):
             assert value == pytest.approx(prom.history_util_percent(1, 3, k) / 100), j
     assert set(gpus["node-a"]["7"]["util"]) <= {0.0, None}  # idle all hour
     assert gpus["dgx-c"]["0"]["holder"] == "research/train-llm-0"
+
+
+def test_the_token_and_headers_reach_prometheus_and_a_refusal_says_so():
+    """A Prometheus behind an auth proxy (as in Mimir, Thanos or a hosted service): 401 without credentials."""
+    import http.server
+    import threading
+
+    seen: list[dict[str, str]] = []
+
+    class Proxy(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            seen.append({**self.headers, "path": self.path})
+            ok = self.headers.get("Authorization") == "Bearer s3cret" and self.headers.get("X-Scope-OrgID") == "team"
+            body = json.dumps({"status": "success", "data": {"resultType": "matrix", "result": []}} if ok
+                              else {"status": "error", "error": "unauthorized"}).encode()
+            self.send_response(200 if ok else 401)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Proxy)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        refused = asyncio.run(Cluster(PrometheusConfig(url=url)).reply(60))
+        assert refused["error"] == (f"Prometheus at {url} refused gpuwidget's credentials (HTTP 401): "
+                                    "set GpuWidget.prometheus_token or prometheus_headers")
+        allowed = asyncio.run(Cluster(PrometheusConfig(url=url, token="s3cret", headers={"X-Scope-OrgID": "team"},
+                                                       selector='{job="gpu"}')).reply(60))
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert allowed["error"] is None and allowed["hosts"] == [] and allowed["source"] is None
+    assert len(seen) == 2 * 9 and all(headers["Accept"] == "application/json" for headers in seen)
+    queries = [urllib.parse.parse_qs(urllib.parse.urlsplit(headers["path"]).query)["query"][0] for headers in seen[9:]]
+    assert sorted(queries) == sorted(f'{query.metric}{{job="gpu"}}' for _, source in SOURCES for query in source)
