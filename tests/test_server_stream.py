@@ -160,6 +160,7 @@ async def test_a_client_that_stops_reading_has_samples_dropped_then_is_closed(
 # --------------------------------------------------------------------------------------- churn
 
 
+@pytest.mark.parametrize("ping_ms", [30_000])  # the tabs share the server's loop: a late pong is not the point here
 async def test_fifty_reconnecting_tabs_share_history_built_off_the_event_loop(
         jp_ws_fetch, fake_nvml, monitor, monkeypatch):
     fake = FakeNvml.gpus(8)
@@ -171,9 +172,9 @@ async def test_fifty_reconnecting_tabs_share_history_built_off_the_event_loop(
     build_threads: list[threading.Thread] = []
     build = monitor._build_history
 
-    def counted(version: int) -> bytes:
+    def counted():
         build_threads.append(threading.current_thread())
-        return build(version)
+        return build()
 
     monkeypatch.setattr(monitor, "_build_history", counted)
     lags: list[float] = []
@@ -204,8 +205,8 @@ async def test_fifty_reconnecting_tabs_share_history_built_off_the_event_loop(
     assert min(sizes) > 500_000  # an hour of 8 GPUs, reduced for plotting
     assert loop_thread not in build_threads
     assert len(build_threads) <= rows_meanwhile + 2  # one build per row at most, not one per tab
-    # Unshared and on the loop this was 100 builds of ~60 ms: seconds of stall.
-    assert max(lags) < 1.0, f"event loop stalled {max(lags):.2f} s"
+    # Unshared and on the loop this was 100 builds of ~60 ms: 6 s of stall (the margin is for a loaded machine).
+    assert max(lags) < 2.0, f"event loop stalled {max(lags):.2f} s"
 
 
 async def test_clients_vanishing_mid_history_leave_no_unretrieved_task_errors(
@@ -363,3 +364,35 @@ async def test_a_gpu_that_stops_answering_is_named_to_the_sidebar_and_the_host_g
     finally:
         ws.close()
         released.set()
+
+
+@pytest.mark.parametrize("interval_s", [0.2])
+async def test_a_tab_served_a_reused_history_gets_every_row_once_from_it_its_catch_up_and_live(
+        jp_ws_fetch, monitor, monkeypatch):
+    builds = []
+    build = monitor._build_history
+    monkeypatch.setattr(monitor, "_build_history", lambda: builds.append(1) or build())
+    first = await jp_ws_fetch("gpuwidget", "api", "stream")  # keeps the sampler running
+    try:
+        await read_until(first, "sample")
+        seen = []
+        for _ in range(4):  # each tab comes a few rows after the last one's history was built
+            ws = await jp_ws_fetch("gpuwidget", "api", "stream")
+            try:
+                history = await read_until(ws, "history")
+                times = list(history["t"])
+                while len(times) < len(history["t"]) + 3:
+                    message = json.loads(await asyncio.wait_for(ws.read_message(), 10))
+                    if message["type"] == "sample":
+                        times.append(message["t"])
+                seen.append(times)
+            finally:
+                ws.close()
+    finally:
+        first.close()
+    rows = [round(monitor.trace.start_wall + t, 3) for t in monitor.trace.window().t]
+    for times in seen:
+        assert times == sorted(set(times)), "a row came twice or out of order"
+        assert times == [t for t in rows if times[0] <= t <= times[-1]], "a row is missing"
+    # Most tabs got the history already built, followed by the rows since (a fresh build each misses nothing).
+    assert len(builds) <= 2, f"{len(builds)} builds for {len(seen) + 1} tabs"

@@ -144,12 +144,13 @@ class StreamHandler(WebSocketMixin, WebSocketHandler, JupyterHandler, _MonitorHa
         monitor = self.monitor
         outbox = self._outbox = Outbox(self.write_message, self._close_behind)
         outbox.send(monitor.hello_text(), droppable=False)
-        history = await monitor.history_message()
+        history, reached = await monitor.history_messages()
         if self._gone or outbox.closed:
             return  # left while the history was built: never subscribed
-        outbox.send(history, droppable=False)
+        for message in history:  # the history, then the samples since it was built
+            outbox.send(message, droppable=False)
         outbox.send(monitor.processes_text(), droppable=False)
-        self._token = monitor.subscribe(self._send, self._interval)
+        self._token = monitor.subscribe(self._send, self._interval, after_t=reached)
 
     def _send(self, text: str) -> None:
         assert self._outbox is not None

@@ -8,8 +8,10 @@ processes holding GPU memory are listed (on the sampler thread) and matched to t
 server's kernels and notebooks (whose pids and paths the event loop keeps up to date).
 
 A new subscriber's history (an hour of every column, reduced for plotting) is built in a
-worker thread, at most once per trace row, and the same bytes go to every subscriber that
-arrives before the next row: fifty reconnecting tabs cost one build, not fifty on the loop.
+worker thread and the same bytes go to every subscriber: fifty reconnecting tabs cost one
+build, not fifty on the loop. A history a few rows old is served again, followed by the
+sample messages of the rows since (kept as sent to everyone): rebuilding it every tick
+took more of the server's CPU per connection than everything else gpuwidget does for one.
 
 A source whose read stops returning (a GPU falling off the bus) is dropped by the sampler's
 watchdog and stays dropped for the life of the server: later samplers, snapshots and process
@@ -28,6 +30,7 @@ import logging
 import math
 import threading
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -68,6 +71,12 @@ STOP_AFTER_IDLE_S = 1.0
 TRIM_AFTER_IDLE_S = 20.0
 # A first snapshot reads twice this far apart: utilisation is a difference of counters.
 FIRST_READING_GAP_S = 0.1
+# A built history is served again while at most this many rows behind the trace and this young;
+# the rows since follow it as the sample messages everyone already got. An hour of 8 GPUs takes
+# ~60 ms of a thread to build (and competes with the loop for the GIL): once a second it was
+# 0.7 ms of server CPU per connection under churn; with 5 rows of catch-up, a fifth of that.
+HISTORY_CATCH_UP_ROWS = 5
+HISTORY_REUSE_S = 10.0
 
 Send = Callable[[str], None]
 
@@ -88,6 +97,18 @@ class Subscriber:
     send: Send
     every: int = 1  # write every n-th tick
     sent: int = 0
+    after_t: float = -math.inf  # its history reached this time: samples up to it are not sent again
+
+
+@dataclass(frozen=True)
+class _History:
+    """A built history message: from which trace, up to which row and time, when built."""
+
+    trace: Trace
+    rows: int  # trace.rows_total when the build began
+    last_t: float  # wall time of its newest point (-inf when empty)
+    data: bytes
+    built: float  # time.monotonic()
 
 
 @dataclass
@@ -125,9 +146,12 @@ class Monitor:
         self._sampler: Sampler | None = None
         self._sources: MonitorSources | None = None
         self._devices: dict[str, Any] | None = None
-        # The shared history message: (trace version it was built from, bytes), and the last build.
-        self._history_bytes: tuple[int, bytes] | None = None
-        self._history_build: asyncio.Future[bytes] | None = None
+        # The shared history message, the build under way, and the newest sample messages sent to
+        # everyone as (row number, wall time, text): what a reused history is followed by.
+        self._history: _History | None = None
+        self._history_build: asyncio.Future[_History] | None = None
+        self._recent_samples: deque[tuple[int, float, str]] = deque(maxlen=HISTORY_CATCH_UP_ROWS)
+        self._hello: tuple[dict[str, Any], str] | None = None
         # One thread builds histories, one at a time: a build peaks at ~25 MB of temporaries, and
         # builds spread over the loop's default executor left that much in each thread's malloc
         # arena (+70 MB of server RSS after 50 tabs reconnected for 3 s, not handed back).
@@ -227,10 +251,11 @@ class Monitor:
 
     # ------------------------------------------------------------- subscribers
 
-    def subscribe(self, send: Send, interval: float | None = None) -> int:
+    def subscribe(self, send: Send, interval: float | None = None, after_t: float = -math.inf) -> int:
         """Register a subscriber; the first one starts the sampler. Returns a token.
 
-        ``interval`` is a finite number of seconds (the handler refuses others with 400).
+        ``interval`` is a finite number of seconds (the handler refuses others with 400);
+        samples up to ``after_t`` (what its history reached) are not sent to it.
         """
         every = 1 if not interval else max(1, math.ceil(interval / self.interval - 1e-9))
         with contextlib.suppress(RuntimeError):  # fan-out happens on the loop the subscribers live on
@@ -238,7 +263,7 @@ class Monitor:
         with self._lock:
             token = self._next_id
             self._next_id += 1
-            self._subscribers[token] = Subscriber(send, every)
+            self._subscribers[token] = Subscriber(send, every, after_t=after_t)
         self.start()
         return token
 
@@ -314,10 +339,20 @@ class Monitor:
         return {"t": round(self.trace.start_wall + t, 3), "values": {k: finite_or_none(v) for k, v in values.items()}}
 
     def hello_text(self) -> str:
-        return _message("hello", devices=self.devices(), stalled=self.stalled())
+        """The hello message; encoded once while no source has stalled (then it carries a clock)."""
+        devices = self.devices()
+        if self._stalled:
+            return _message("hello", devices=devices, stalled=self.stalled())
+        if self._hello is None or self._hello[0] is not devices:
+            self._hello = (devices, _message("hello", devices=devices, stalled=[]))
+        return self._hello[1]
 
     def history_text(self) -> str:
-        """The history message, encoded one column at a time.
+        """The history message, encoded one column at a time."""
+        return self._history_text()[0]
+
+    def _history_text(self) -> tuple[str, float]:
+        """(the history message, the wall time of its newest point), encoded one column at a time.
 
         json's C encoder holds the GIL for a whole call: one call over an hour of 8 GPUs would
         stop the event loop for its ~50 ms even from a worker thread; one call per column lets
@@ -326,31 +361,46 @@ class Monitor:
         """
         t, values = self._history_frame(None)
         columns = ",".join(f"{_encode(name)}:{_encode(_for_plot(column))}" for name, column in values.items())
-        return f'{{"type":"history","t":{_encode(t)},"columns":{{{columns}}}}}'
+        return f'{{"type":"history","t":{_encode(t)},"columns":{{{columns}}}}}', (t[-1] if t else -math.inf)
 
-    async def history_message(self) -> bytes:
-        """The history message for a new subscriber, UTF-8 encoded, built off the event loop.
+    async def history_messages(self) -> tuple[list[bytes | str], float]:
+        """What a new subscriber gets before live samples: the history (UTF-8), then the sample
+        messages of the rows it lacks; and the wall time they reach (later samples are live).
 
-        Built at most once per trace row and shared: subscribers arriving in the same tick, or
-        while a build is under way, get the same bytes (an hour of 8 GPUs is ~2.5 MB and ~60 ms
-        to build). A subscriber that goes away while it waits does not cancel the build the
-        others wait on.
+        The history is built off the event loop, shared by every subscriber, and served again
+        while at most :data:`HISTORY_CATCH_UP_ROWS` rows behind (and :data:`HISTORY_REUSE_S` old).
+        A subscriber that goes away while it waits does not cancel the build the others wait on.
+        Nothing here awaits after the catch-up is chosen: the caller subscribes in the same step,
+        so no row falls between the catch-up and the live samples.
         """
-        version = self.trace.version
-        if self._history_bytes is not None and self._history_bytes[0] == version:
-            return self._history_bytes[1]
-        if self._history_build is None or self._history_build.done():
-            if self._history_thread is None:
-                self._history_thread = ThreadPoolExecutor(1, thread_name_prefix="gpuwidget-history")
-            self._history_build = asyncio.get_running_loop().run_in_executor(
-                self._history_thread, self._build_history, version)
-        return await asyncio.shield(self._history_build)
+        history = self._history
+        if history is None or not self._reusable(history):
+            if self._history_build is None or self._history_build.done():
+                if self._history_thread is None:
+                    self._history_thread = ThreadPoolExecutor(1, thread_name_prefix="gpuwidget-history")
+                self._history_build = asyncio.get_running_loop().run_in_executor(
+                    self._history_thread, self._build_history)
+            history = await asyncio.shield(self._history_build)
+        catch_up = [(t, text) for _, t, text in self._recent_samples if t > history.last_t]
+        return [history.data, *(text for _, text in catch_up)], max([history.last_t, *(t for t, _ in catch_up)])
 
-    def _build_history(self, version: int) -> bytes:
-        """Worker thread: encode the history once; the loop serves the same bytes until the next row."""
-        message = self.history_text().encode()
-        self._history_bytes = (version, message)
-        return message
+    def _reusable(self, history: _History) -> bool:
+        """Whether ``history`` plus the kept sample messages still give a new subscriber every row."""
+        if history.trace is not self.trace:
+            return False
+        rows = self.trace.rows_total
+        if rows == history.rows:
+            return True
+        kept = [row for row, _, _ in self._recent_samples]
+        return (rows - history.rows <= HISTORY_CATCH_UP_ROWS and time.monotonic() - history.built <= HISTORY_REUSE_S
+                and bool(kept) and kept[0] <= history.rows + 1)
+
+    def _build_history(self) -> _History:
+        """Worker thread: encode the history once; the loop serves it (with catch-up) for a few rows."""
+        trace, rows, built = self.trace, self.trace.rows_total, time.monotonic()
+        text, last_t = self._history_text()
+        self._history = _History(trace, rows, last_t, text.encode(), built)
+        return self._history
 
     def processes_text(self) -> str:
         return self._processes_text
@@ -379,15 +429,16 @@ class Monitor:
             self._note_stalled(sampler)
         latest = self.latest()
         text = _message("sample", t=latest["t"], values=latest["values"], stalled=self.stalled(latest["t"]))
+        row = (trace.rows_total, -math.inf if latest["t"] is None else latest["t"], text)
         now = trace.now()
         processes = None
         if now - self._last_processes >= PROCESSES_EVERY_S:
             self._last_processes = now
             processes = self._list_processes(latest["t"])
         if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._fan_out, text, processes)
+            self._loop.call_soon_threadsafe(self._fan_out, row, processes)
         else:
-            self._fan_out(text, processes)
+            self._fan_out(row, processes)
 
     def _list_processes(self, t: float | None) -> str:
         sources = self._sources
@@ -421,9 +472,13 @@ class Monitor:
 
     # ------------------------------------------------------------- event loop
 
-    def _fan_out(self, text: str, processes: str | None) -> None:
+    def _fan_out(self, row: tuple[int, float, str], processes: str | None) -> None:
+        self._recent_samples.append(row)
+        _, t, text = row
         for token, subscriber in list(self._subscribers.items()):
             try:
+                if t <= subscriber.after_t:
+                    continue  # its history or catch-up had this row
                 if subscriber.sent % subscriber.every == 0:
                     subscriber.send(text)
                 subscriber.sent += 1
