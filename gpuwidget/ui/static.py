@@ -41,6 +41,7 @@ LEFT, TOP, RIGHT, BOTTOM = 38, 22, 14, 40
 MERGE_GAP_S = 0.02
 MAX_INTERVALS = 4000
 TEXT_COLOR = "#888"  # reads on light and dark backgrounds alike
+HEADER_CHARS = 108  # what fits the width at 11 px (the text line has it all)
 
 
 def status_parts(elapsed: float, last: dict[str, float], gpus: list[int], gpu_message: str | None) -> list[str]:
@@ -140,7 +141,7 @@ class StaticView:
 
         parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{HEIGHT}" '
                  f'viewBox="0 0 {WIDTH} {HEIGHT}" font-family="sans-serif" font-size="10" fill="{TEXT_COLOR}">',
-                 f'<text x="0" y="11" font-size="11">{html.escape(header)}</text>']
+                 f'<text x="0" y="11" font-size="11">{html.escape(_fit(header, HEADER_CHARS))}</text>']
         for x0, x1 in self._wait_pixels(plot_w, x_scale):
             parts.append(f'<rect x="{LEFT + x0}" y="{TOP}" width="{x1 - x0}" height="{plot_h}" '
                          f'fill="{WAIT_COLOR}" fill-opacity="0.3"/>')
@@ -201,6 +202,10 @@ class StaticView:
         waiting = np.cumsum(covered[:-1]) > 0
         edges = np.flatnonzero(np.diff(np.r_[0, waiting.astype(int), 0]))
         return [(int(a), int(b)) for a, b in zip(edges[0::2], edges[1::2])]
+
+
+def _fit(text: str, chars: int) -> str:
+    return text if len(text) <= chars else text[: chars - 1] + "…"
 
 
 def _points(xs: np.ndarray, ys: np.ndarray) -> str:

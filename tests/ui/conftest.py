@@ -148,13 +148,14 @@ KERNEL_READY_JS = """() => {
 }"""
 
 
-def open_notebook(page, lab: Lab, name: str) -> None:
+def open_notebook(page, lab: Lab, name: str, reset: bool = False) -> None:
     """Open a notebook and wait until its kernel is idle and the app is scriptable.
 
     JupyterLab sometimes asks which kernel to use even though the notebook names one
-    (a race with loading the kernel specs); the named kernel is accepted.
+    (a race with loading the kernel specs); the named kernel is accepted. ``reset``: the
+    notebook alone, without the tabs earlier tests left in the lab's workspace.
     """
-    page.goto(lab.page_url(f"lab/tree/{name}"))
+    page.goto(lab.page_url(f"lab/tree/{name}") + ("&reset" if reset else ""))
     page.wait_for_function("window.jupyterapp !== undefined", timeout=60_000)
     page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
     deadline = time.monotonic() + 60

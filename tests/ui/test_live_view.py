@@ -77,3 +77,137 @@ def test_plot_data_grows_while_the_cell_runs_then_the_report_stays(lab, page):
     cell.screenshot(path=str(SCREENSHOTS / "report.png"))
     errors = [m for m in page.console_messages if m.startswith("error") and "Bokeh" in m]
     assert not errors, errors
+
+
+# The live plot's x range ([start, end]) in the newest live document, null before one exists.
+X_RANGE_JS = """() => {
+  let range = null;
+  for (const doc of (window.Bokeh ? window.Bokeh.documents : [])) {
+    for (const root of doc.roots()) {
+      if ((root.tags || []).includes('gpuwidget-live')) { range = [root.x_range.start, root.x_range.end]; }
+    }
+  }
+  return range;
+}"""
+
+# What the page tells the kernel (comm messages) and what streams the kernel sends it.
+RECORD_JS = """() => {
+  const kernel = window.jupyterapp.shell.currentWidget.sessionContext.session.kernel;
+  window.gpuwidgetSent = [];
+  window.gpuwidgetStreams = [];
+  kernel.anyMessage.connect((_, args) => {
+    const msg = args.msg;
+    if (args.direction === 'send' && msg.header.msg_type.startsWith('comm_')) {
+      window.gpuwidgetSent.push(msg.header.msg_type);
+    }
+    if (args.direction === 'recv' && msg.header.msg_type === 'stream') {
+      window.gpuwidgetStreams.push(msg.content.text);
+    }
+  });
+}"""
+
+
+def kernel_status(page) -> str:
+    """What the status bar says the kernel is doing ('Idle', 'Busy', ...)."""
+    for text in page.locator(".jp-StatusBar-Item").all_inner_texts():
+        if "(ipykernel) |" in text:
+            return text.rsplit("|", 1)[1].strip()
+    return ""
+
+
+def test_three_watched_cells_keep_the_kernel_busy_and_leave_no_stderr_or_comm_errors(lab, page):
+    open_notebook(page, lab, "watch_three.ipynb", reset=True)
+    page.evaluate(RECORD_JS)
+    run_all_cells(page)
+    wait_for(lambda: page.evaluate(X_RANGE_JS), 60, "no live plot appeared", page)
+    # The empty plot starts on 0..10 s, not Bokeh's -0.5..1.
+    assert page.evaluate(X_RANGE_JS) == [0, 10]
+
+    # While the three cells run (3 s each) the status bar says Busy, as it does without a plot.
+    samples = []
+    while page.locator(".gpuwidget-run").count() < 3 and len(samples) < 300:
+        samples.append(kernel_status(page))
+        page.wait_for_timeout(100)
+    assert len(samples) >= 40, samples
+    assert samples.count("Busy") >= 0.8 * len(samples), samples
+
+    page.wait_for_timeout(1500)  # what a kernel sends late lands in the last cell
+    stderr = page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']")
+    assert stderr.count() == 0, stderr.all_inner_texts()
+    streams = page.evaluate("window.gpuwidgetStreams")
+    assert not [text for text in streams if "No such comm" in text or "Task was destroyed" in text], streams
+    assert not [m for m in page.console_messages if "No such comm" in m]
+    assert "No such comm" not in lab.log.read_text()
+    # The plots only receive: the page sent the kernel no comm message for them.
+    assert page.evaluate("window.gpuwidgetSent") == []
+
+
+def test_live_plot_follows_the_dark_theme(lab, page):
+    from PIL import Image, ImageStat
+
+    open_notebook(page, lab, "watch_dark.ipynb", reset=True)
+    page.evaluate("window.jupyterapp.commands.execute('apputils:change-theme', {theme: 'JupyterLab Dark'})")
+    try:
+        wait_for(lambda: page.evaluate("document.body.dataset.jpThemeLight") == "false", 30,
+                 "the dark theme did not load", page)
+        run_all_cells(page)
+        wait_for(lambda: page.evaluate(POINTS_JS) >= 5, 60, "no live data reached the plot", page)
+        colours = page.evaluate("""() => {
+          const css = (name) => getComputedStyle(document.body).getPropertyValue(name).trim();
+          let axis = null;
+          for (const doc of window.Bokeh.documents) {
+            for (const model of doc.all_models) {
+              if (model.type === 'LinearAxis') { axis = model.axis_label_text_color; }
+            }
+          }
+          return [axis, css('--jp-ui-font-color1')];
+        }""")
+        assert colours[0] == colours[1], colours
+        plot = page.locator(".jp-Notebook .jp-Cell").nth(2).locator(".bk-Figure, .bk-Plot, .bk-root").first
+        SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+        shot = SCREENSHOTS / "live-view-dark.png"
+        plot.screenshot(path=str(shot))
+        # No white box: the plot is as dark as the notebook around it.
+        assert ImageStat.Stat(Image.open(shot).convert("L")).mean[0] < 90
+        page.wait_for_selector(".gpuwidget-run[data-outcome='ok']", timeout=60_000)
+    finally:
+        page.evaluate("window.jupyterapp.commands.execute('apputils:change-theme', {theme: 'JupyterLab Light'})")
+        wait_for(lambda: page.evaluate("document.body.dataset.jpThemeLight") == "true", 30,
+                 "the light theme did not come back", page)
+
+
+def test_static_view_draws_its_chart_in_the_browser_then_the_panel_replaces_it(lab, page):
+    from urllib.parse import unquote
+
+    from PIL import Image
+
+    open_notebook(page, lab, "watch_static.ipynb", reset=True)
+    run_all_cells(page)
+    image = page.locator(".jp-Notebook .jp-Cell").nth(2).locator(
+        ".jp-OutputArea-output[data-mime-type='image/svg+xml'] img")
+    sources: list[str] = []
+
+    def two_charts() -> bool:
+        if image.count():
+            source = image.first.get_attribute("src") or ""
+            if source and source not in sources:
+                sources.append(source)
+        return len(sources) >= 2
+
+    wait_for(two_charts, 60, "the chart was not redrawn while the cell ran", page)
+    assert cell_is_running(page)
+    svg = unquote(sources[-1].split(",", 1)[1])
+    for label in (">0%<", ">100%<", ">0 s<", ">10 s<", ">CPU (all cores)<", "gpuwidget · watching In ["):
+        assert label in svg
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    shot = SCREENSHOTS / "live-view-static.png"
+    image.first.screenshot(path=str(shot))
+    picture = Image.open(shot).convert("RGB")
+    assert picture.width >= 600 and picture.height >= 140
+    # Not blank: text, grid and lines (about 7% of the pixels) differ from the background.
+    colours = sorted(picture.getcolors(maxcolors=1 << 16) or [], reverse=True)
+    background_share = colours[0][0] / (picture.width * picture.height)
+    assert len(colours) > 20 and background_share < 0.97, (len(colours), background_share)
+
+    page.wait_for_selector(".gpuwidget-run[data-outcome='ok']", timeout=60_000)
+    assert image.count() == 0
