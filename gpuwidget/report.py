@@ -264,19 +264,19 @@ _MUTED = "var(--jp-ui-font-color2,#808080)"
 _BORDER = "var(--jp-border-color2,rgba(128,128,128,.35))"
 _CODE_BACKGROUND = "var(--jp-layout-color2,rgba(128,128,128,.14))"
 
-# Only in trusted output (a sanitizer drops <style> with its content). Scoped to the panel.
-_PANEL_CSS = """<style>
-.gpuwidget-run .gpuwidget-copy[data-copy]{display:inline-block!important;font:inherit;font-size:12px;line-height:18px;
- padding:1px 10px;border-radius:3px;cursor:pointer;color:var(--jp-ui-font-color1,inherit);
- background:var(--jp-layout-color1,transparent);border:1px solid var(--jp-border-color1,rgba(128,128,128,.6))}
-.gpuwidget-run .gpuwidget-copy:hover{background:var(--jp-layout-color2,rgba(128,128,128,.15))}
-.gpuwidget-run .gpuwidget-copy:active{background:var(--jp-layout-color3,rgba(128,128,128,.3))}
-.gpuwidget-run button:focus-visible,.gpuwidget-run [tabindex]:focus-visible{
- outline:2px solid var(--jp-brand-color1,#1a73e8);outline-offset:2px}
-.gpuwidget-run pre.gpuwidget-code,.gpuwidget-run pre.gpuwidget-code code{
- font-family:var(--jp-code-font-family,ui-monospace,SFMono-Regular,Menlo,Consolas,monospace);
- font-size:var(--jp-code-font-size,12px);line-height:var(--jp-code-line-height,1.4)}
-</style>"""
+# Only in trusted output (a sanitizer drops <style> with its content). Scoped to the run's panel
+# and to a finding shown on its own (both carry data-gpuwidget).
+_SCOPE = "[data-gpuwidget]"  # not a class name: "gpuwidget-run" in HTML means a run's panel
+_PANEL_CSS = "<style>\n" + "\n".join(f"{_SCOPE} {rule}" for rule in (
+    ".gpuwidget-copy[data-copy]{display:inline-block!important;font:inherit;font-size:12px;line-height:18px;"
+    "padding:1px 10px;border-radius:3px;cursor:pointer;color:var(--jp-ui-font-color1,inherit);"
+    "background:var(--jp-layout-color1,transparent);border:1px solid var(--jp-border-color1,rgba(128,128,128,.6))}",
+    ".gpuwidget-copy:hover{background:var(--jp-layout-color2,rgba(128,128,128,.15))}",
+    ".gpuwidget-copy:active{background:var(--jp-layout-color3,rgba(128,128,128,.3))}",
+    ":focus-visible{outline:2px solid var(--jp-brand-color1,#1a73e8);outline-offset:2px}",
+    "pre.gpuwidget-code{font-family:var(--jp-code-font-family,ui-monospace,SFMono-Regular,Menlo,Consolas,monospace);"
+    "font-size:var(--jp-code-font-size,12px);line-height:var(--jp-code-line-height,1.4)}",
+)) + "\n</style>"
 
 # Copies the change's code, then says so in the live region beside the button. The async
 # Clipboard API needs a secure context (https or localhost); elsewhere the code is selected and
@@ -329,7 +329,7 @@ def finding_html(finding: Finding, standalone: bool = True) -> str:
     """One finding; ``standalone`` adds the panel's stylesheet (a finding shown on its own)."""
     color = SEVERITY_COLOR.get(finding.severity, "#808080")
     parts = [
-        _PANEL_CSS + f"<div class='gpuwidget-run' style='{_STYLE}'>" if standalone else "",
+        _PANEL_CSS + f"<div class='gpuwidget-card' data-gpuwidget='finding' style='{_STYLE}'>" if standalone else "",
         f"<div class='gpuwidget-finding' data-rule='{html.escape(finding.rule)}' "
         f"data-severity='{html.escape(finding.severity)}' role='group' aria-label='{html.escape(finding.title)}' "
         f"style='border-left:4px solid {color};padding:4px 10px;margin:8px 0'>",
@@ -363,7 +363,7 @@ def run_html(run: Run) -> str:
     status = status_line(run)
     body = [
         _PANEL_CSS,
-        f"<section class='gpuwidget-run' data-outcome='{run.outcome}' role='region' "
+        f"<section class='gpuwidget-run' data-gpuwidget='run' data-outcome='{run.outcome}' role='region' "
         f"aria-label='gpuwidget report: {html.escape(status)}' style='{_STYLE}'>",
         f"<div class='gpuwidget-status' style='margin-bottom:6px'><b>gpuwidget</b> \u00b7 {html.escape(status)}</div>",
         (f"<div class='gpuwidget-cause' style='font-size:14px;margin-bottom:8px'>"

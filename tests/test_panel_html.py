@@ -14,8 +14,9 @@ from gpuwidget.report import SEVERITY_LABEL, chart_svg, finding_html, run_html
 
 # Every attribute the panel writes. A stray name here means an attribute value broke its quotes
 # (a font list "'Segoe UI'" inside style='...' once turned the panel's style into junk attributes).
-ATTRIBUTES = {"class", "style", "role", "aria-label", "aria-live", "aria-hidden", "aria-level", "data-outcome",
-              "data-rule", "data-severity", "data-copy", "type", "onclick", "src", "alt", "width", "height", "title"}
+ATTRIBUTES = {"class", "style", "role", "aria-label", "aria-live", "aria-hidden", "aria-level", "data-gpuwidget",
+              "data-outcome", "data-rule", "data-severity", "data-copy", "type", "onclick", "src", "alt", "width",
+              "height", "title"}
 
 
 class Tags(HTMLParser):
@@ -76,8 +77,7 @@ def test_stylesheet_touches_only_the_panel_and_code_follows_the_theme():
     markup = run_html(gpu_run())
     style = markup[markup.index("<style>") + 7:markup.index("</style>")]
     for rule in re.findall(r"([^{}]+)\{", style):
-        for selector in rule.split(","):
-            assert selector.strip().startswith(".gpuwidget-run"), selector
+        assert rule.strip().startswith("[data-gpuwidget] "), rule
     found = tags(markup)
     (code_style,) = [found[n + 1][1]["style"] for n, (tag, _) in enumerate(found) if tag == "pre"]
     # The code's own background would show as stripes over the block's in a dark theme.
@@ -97,6 +97,8 @@ def test_severity_is_told_in_words_not_only_colour():
                           markup)
         assert badge is not None and badge.group(2) == word  # an icon, then the word
         assert f"data-severity='{severity}'" in markup
+        # Shown on its own, a finding is a card with the panel's stylesheet, not a run's panel.
+        assert "class='gpuwidget-card'" in markup and "gpuwidget-run" not in markup
 
 
 def test_status_names_the_exception_type():
