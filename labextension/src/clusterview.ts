@@ -16,11 +16,27 @@ import {
   heatGradientCss,
   rowDescription
 } from './cluster';
-import { formatClock, formatPercent } from './format';
+import {
+  formatBytesOf,
+  formatClock,
+  formatPercent,
+  formatWatts
+} from './format';
 import { ClusterState } from './model';
 import { IClusterReply, Reading } from './protocol';
 
 let nextId = 0;
+
+/** The newest reading of a series, or null. */
+function lastReading(values: Reading[]): number | null {
+  for (let i = values.length - 1; i >= 0; i--) {
+    const value = values[i];
+    if (typeof value === 'number' && Number.isFinite(value)) {
+      return value;
+    }
+  }
+  return null;
+}
 
 function element<K extends keyof HTMLElementTagNameMap>(
   tag: K,
@@ -107,7 +123,7 @@ export class ClusterView {
           message = 'No Prometheus is configured for this server.';
           error = true;
         } else if (reply.error) {
-          message = `Prometheus: ${reply.error}`;
+          message = `The cluster could not be read: ${reply.error}`;
           error = true;
         }
         this._meta.textContent = this._metaText(reply, state.atMs);
@@ -239,9 +255,15 @@ export class ClusterView {
     const mean = row.stats.mean;
     readout.textContent =
       mean === null ? 'no data' : row.idle ? 'idle' : formatPercent(100 * mean);
-    readout.title =
+    const now = [
+      `memory ${formatBytesOf(lastReading(row.gpu.memory_used_bytes), row.gpu.memory_total_bytes)}`,
+      `power ${formatWatts(lastReading(row.gpu.power_w))}`
+    ];
+    readout.title = [
       mean === null
-        ? 'No readings'
-        : `mean ${formatPercent(100 * mean)}, peak ${formatPercent(100 * (row.stats.peak ?? 0))}`;
+        ? 'No utilisation readings'
+        : `Utilisation mean ${formatPercent(100 * mean)}, peak ${formatPercent(100 * (row.stats.peak ?? 0))}`,
+      `Now: ${now.join(', ')}`
+    ].join('\n');
   }
 }

@@ -303,27 +303,35 @@ export class SidebarController {
   }
 
   private async _fetchCluster(): Promise<void> {
+    let message: string;
     try {
       const reply = await this._api.cluster(CLUSTER_WINDOW_S);
-      if (this._clusterPoller.running) {
-        this.model.setCluster({ kind: 'ready', reply, atMs: Date.now() });
+      if (!this._clusterPoller.running) {
+        return;
       }
+      if (!reply.error) {
+        this.model.setCluster({ kind: 'ready', reply, atMs: Date.now() });
+        return;
+      }
+      // The route answered, Prometheus did not (down, slow, refusing): say so, keep the last strip.
+      message = reply.error;
     } catch (error) {
       if (!this._clusterPoller.running) {
         return;
       }
-      const previous = this.model.cluster;
-      this.model.setCluster({
-        kind: 'error',
-        message: describeError(error),
-        last:
-          previous.kind === 'ready'
-            ? previous.reply
-            : previous.kind === 'error'
-              ? previous.last
-              : null
-      });
+      message = describeError(error);
     }
+    const previous = this.model.cluster;
+    this.model.setCluster({
+      kind: 'error',
+      message,
+      last:
+        previous.kind === 'ready'
+          ? previous.reply
+          : previous.kind === 'error'
+            ? previous.last
+            : null
+    });
   }
 
   private _cancelStop(): void {

@@ -112,6 +112,9 @@ describe('ClusterView', () => {
     expect(a3.querySelector('.jp-gpuwidget-cluster-readout')!.textContent).toBe(
       'idle'
     );
+    expect(
+      (a3.querySelector('.jp-gpuwidget-cluster-readout') as HTMLElement).title
+    ).toBe('Utilisation mean 2%, peak 4%\nNow: memory 20/80 GB, power 250 W');
     // Holder next to the GPU.
     expect(rows[0].querySelector('th')!.textContent).toBe('GPU 0user0');
     expect(
@@ -165,7 +168,7 @@ describe('ClusterView', () => {
     ) as HTMLElement;
     expect(message.hidden).toBe(false);
     expect(message.textContent).toBe(
-      'Prometheus: Prometheus at http://prom:9090 did not answer (connection refused)'
+      'The cluster could not be read: Prometheus at http://prom:9090 did not answer (connection refused)'
     );
     expect(message.getAttribute('role')).toBe('status');
 

@@ -27,7 +27,7 @@ class FakeServer implements IGpuApi {
   intervals: number[] = [];
   snapshots = 0;
   clusterAsks: number[] = [];
-  clusterState: 'up' | 'down' = 'up';
+  clusterState: 'up' | 'down' | 'prometheus-down' = 'up';
   /** The time of the next snapshot's latest row. */
   snapshotT = T0;
 
@@ -60,6 +60,12 @@ class FakeServer implements IGpuApi {
         'http://h/gpuwidget/api/cluster',
         'cluster answered 502 Bad Gateway'
       );
+    }
+    if (this.clusterState === 'prometheus-down') {
+      return {
+        ...clusterReply(0, 0),
+        error: 'Prometheus at http://prom:9090 cannot be reached: refused'
+      };
     }
     return clusterReply();
   }
@@ -376,5 +382,14 @@ describe('SidebarController and the cluster', () => {
     server.clusterState = 'up';
     await clock.advance(CLUSTER_REFRESH_MS);
     expect(model.cluster.kind).toBe('ready');
+
+    // The route answers, but Prometheus did not: the same, with the route's words.
+    server.clusterState = 'prometheus-down';
+    await clock.advance(CLUSTER_REFRESH_MS);
+    expect(model.cluster).toMatchObject({
+      kind: 'error',
+      message: 'Prometheus at http://prom:9090 cannot be reached: refused',
+      last: clusterReply()
+    });
   });
 });

@@ -111,7 +111,7 @@ def wait_for_every_gpu(setup: prom.ClusterSetup, expected: int, timeout: float =
         time.sleep(0.5)
 
 
-def test_cluster_section_shows_every_host_and_gpu_from_prometheus_and_names_the_idle_ones(cluster_setup, page):
+def test_cluster_section_shows_every_gpu_names_the_idle_ones_and_says_when_prometheus_is_down(cluster_setup, page):
     viewer = cluster_setup.viewer
     expected = 2 * 8 + prom.DCGM_GPUS
     wait_for_every_gpu(cluster_setup, expected)
@@ -178,3 +178,26 @@ def test_cluster_section_shows_every_host_and_gpu_from_prometheus_and_names_the_
     page.wait_for_timeout(500)
     DOCS_IMAGES.mkdir(parents=True, exist_ok=True)
     page.locator(CLUSTER).screenshot(path=str(DOCS_IMAGES / "sidebar-cluster.png"))
+
+    # Prometheus goes down: the section says so in words (the route's own), in a fresh page.
+    prom.stop_process(cluster_setup.processes[-1])
+    wait_for(lambda: cluster_error(cluster_setup), 20, "the cluster route did not notice Prometheus had gone", page)
+    page.reload()
+    page.wait_for_function("window.jupyterapp !== undefined", timeout=60_000)
+    page.wait_for_selector(TAB, timeout=30_000)
+    if not page.locator(PANEL).is_visible():
+        page.locator(TAB).click()
+    message = page.locator(".jp-gpuwidget-cluster-message")
+    wait_for(lambda: message.is_visible() and "Prometheus at" in message.inner_text(), 20,
+             "no message that Prometheus is down", page)
+    assert message.inner_text().startswith("The cluster could not be read: Prometheus at http://127.0.0.1:"), \
+        message.inner_text()
+    assert message.get_attribute("role") == "status"
+    assert page.locator(CLUSTER_ROWS).count() == 0
+
+
+def cluster_error(setup: prom.ClusterSetup) -> str | None:
+    """The cluster route's error now (its replies are cached 5 s), or None."""
+    viewer = setup.viewer
+    with urllib.request.urlopen(f"{viewer.url}gpuwidget/api/cluster?window_s=3600&token={viewer.token}") as reply:
+        return json.load(reply)["error"]
