@@ -137,7 +137,7 @@ def test_redraw_cost_does_not_grow_with_the_run():
     for _ in range(5):
         view.bundle()
     per_redraw = (time.perf_counter() - started) / 5
-    assert per_redraw < 0.05, f"{per_redraw * 1000:.1f} ms per redraw"  # about 2 ms here (BENCHMARKS.md)
+    assert per_redraw < 0.05, f"{per_redraw * 1000:.1f} ms per redraw"  # under 1 ms here (BENCHMARKS.md)
 
 
 # ------------------------------------------------------------------ in a real kernel, without a widget manager
@@ -217,3 +217,20 @@ def test_auto_shows_the_static_view_in_a_vscode_kernel(vscode_kernel):
     assert [m for _, m in messages if m["msg_type"] == "display_data" and "image/svg+xml" in m["content"]["data"]]
     assert not [m for _, m in messages if m["msg_type"].startswith("comm_")]
     assert not [m for _, m in messages if "application/javascript" in m["content"].get("data", {})]
+
+
+# ------------------------------------------------------------------ the server: subshell requests are not activity
+
+
+@pytest.fixture
+def jp_server_config():
+    return {"ServerApp": {"jpserver_extensions": {"gpuwidget": True}}}
+
+
+@pytest.mark.server
+def test_server_does_not_take_subshell_requests_for_the_kernels_activity(jp_serverapp):
+    """JupyterLab creates a subshell for a live plot's widget comms; the kernel's idle status for that
+    request must not read as the kernel's state (the browser test pins what the status bar shows)."""
+    untracked = jp_serverapp.kernel_manager.untracked_message_types
+    assert {"create_subshell_request", "delete_subshell_request"} <= set(untracked)
+    assert "debug_request" in untracked and "execute_request" not in untracked and "comm_msg" not in untracked

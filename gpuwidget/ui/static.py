@@ -9,9 +9,11 @@ the cell ends the run's panel replaces it, as it replaces the Bokeh plot.
 
 The chart is drawn here, not by the panel's ``report.chart_svg``: that one reads every kept
 span of the run each time, 14 ms for 20,000 data waits, where this one takes the waits
-that arrived since its last update and keeps them as pixel-free intervals; a redraw costs
-about a millisecond at any run length (BENCHMARKS.md). Same series, colours and 0-100 %
-axis as the other charts (gpuwidget.chart).
+that arrived since its last update and keeps them as pixel-free intervals, and draws whole
+pixels. A redraw costs 0.5 ms of CPU for one GPU, 5 ms for 8 GPUs after an hour
+(BENCHMARKS.md); one that costs more than :data:`MAX_CPU_SHARE` of a core at one a second
+makes the next come later. Same series, colours and 0-100 % axis as the other charts
+(gpuwidget.chart).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import html
 import math
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -30,6 +33,8 @@ from gpuwidget.probes import DATA_WAIT_SPAN
 from gpuwidget.trace import Span, Trace
 
 UPDATE_INTERVAL_S = 1.0
+# Redraws slow down rather than take more than this share of a core (8 GPUs after hours).
+MAX_CPU_SHARE = 0.005
 # The time axis starts at 0..INITIAL_SPAN_S s and doubles when the run outgrows it.
 INITIAL_SPAN_S = 10.0
 WIDTH = 640
@@ -87,6 +92,7 @@ class StaticView:
         self._intervals_end = -math.inf
         self._x_end = INITIAL_SPAN_S
         self._last_update = -math.inf
+        self._interval = UPDATE_INTERVAL_S
         self._closed = False
         self.handle: Any = None
         self.updates = 0
@@ -99,8 +105,8 @@ class StaticView:
         return self.handle
 
     def on_tick(self, trace: Trace) -> None:
-        """Sampler-thread hook: redraw at most every UPDATE_INTERVAL_S."""
-        if now() - self._last_update >= UPDATE_INTERVAL_S:
+        """Sampler-thread hook: redraw every UPDATE_INTERVAL_S (later if a redraw costs over MAX_CPU_SHARE)."""
+        if now() - self._last_update >= self._interval:
             self.update()
 
     def update(self) -> None:
@@ -109,7 +115,9 @@ class StaticView:
             if self._closed or self.handle is None:
                 return
             self._last_update = now()
+            started = time.thread_time()
             self.handle.update(self.bundle(), raw=True)
+            self._interval = max(UPDATE_INTERVAL_S, (time.thread_time() - started) / MAX_CPU_SHARE)
             self.updates += 1
 
     def close(self) -> None:
@@ -129,7 +137,8 @@ class StaticView:
         return {"image/svg+xml": self.svg(line), "text/plain": line}
 
     def svg(self, header: str) -> str:
-        frame = self.trace.plot_view(self._columns, max_points=2 * (WIDTH - LEFT - RIGHT))
+        # A minimum and a maximum every 4 px: spikes stay, the SVG stays small (a few kB per series).
+        frame = self.trace.plot_view(self._columns, max_points=(WIDTH - LEFT - RIGHT) // 2)
         t = frame.t
         if len(t) and float(t[-1]) > self._x_end:
             self._x_end = max(2 * self._x_end, float(t[-1]))
@@ -209,7 +218,11 @@ def _fit(text: str, chars: int) -> str:
 
 
 def _points(xs: np.ndarray, ys: np.ndarray) -> str:
+    """SVG polyline points, whole pixels ("x y x y ...": formatting ints is what keeps a redraw cheap)."""
     keep = np.isfinite(ys)
     if keep.sum() < 2:
         return ""
-    return " ".join(f"{a:.1f},{b:.1f}" for a, b in zip(xs[keep], ys[keep]))
+    pairs = np.empty(2 * int(keep.sum()), dtype=int)
+    pairs[0::2] = np.rint(xs[keep])
+    pairs[1::2] = np.rint(ys[keep])
+    return " ".join(map(str, pairs.tolist()))
