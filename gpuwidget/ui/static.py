@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from gpuwidget.chart import CPU_COLOR, PALETTE, WAIT_COLOR, merge_bands, percent_data, plot_columns
+from gpuwidget.chart import CPU_COLOR, PALETTE, WAIT_COLOR, merge_bands
 from gpuwidget.clock import now
 from gpuwidget.facts import MachineFacts
 from gpuwidget.probes import DATA_WAIT_SPAN
@@ -79,8 +79,10 @@ class StaticView:
         self.label = label
         self._gpus = [int(d["index"]) for d in machine.get("gpus") or []]
         self._gpu_message = machine.get("gpu_message")
-        self._columns = plot_columns(self._gpus, process=False)
-        # (label, colour, dash, column of percent_data)
+        # A GPU's memory total does not change: it is read from the last row, not downsampled
+        # with the rest (a third fewer columns through plot_view, the dearest part of a redraw).
+        self._columns = ["cpu.util", *(f"gpu{i}.{m}" for i in self._gpus for m in ("util", "mem_used"))]
+        # (label, colour, dash, key in _percent)
         self._series: list[tuple[str, str, str, str]] = []
         for n, index in enumerate(self._gpus):
             color = PALETTE[n % len(PALETTE)]
@@ -163,7 +165,7 @@ class StaticView:
             parts.append(f'<text x="{LEFT + tick * x_scale:.1f}" y="{TOP + plot_h + 12}" '
                          f'text-anchor="{anchor}">{tick:g} s</text>')
         if len(t) >= 2:
-            data = percent_data(frame, self._gpus, process=False)
+            data = self._percent(frame, values_now=self.trace.last())
             xs = LEFT + t * x_scale
             for _, color, dash, key in self._series:
                 points = _points(xs, y(data[key]))
@@ -174,6 +176,17 @@ class StaticView:
         parts.append(self._legend(TOP + plot_h + 28))
         parts.append("</svg>")
         return "".join(parts)
+
+    def _percent(self, frame: Any, values_now: tuple[float, dict[str, float]] | None) -> dict[str, np.ndarray]:
+        """The plotted series on the 0-100 % axis, keyed as gpuwidget.chart.percent_data keys them."""
+        last = values_now[1] if values_now else {}
+        data = {"cpu_util": frame.mean["cpu.util"]}
+        for index in self._gpus:
+            data[f"gpu{index}_util"] = frame.mean[f"gpu{index}.util"]
+            total = last.get(f"gpu{index}.mem_total")
+            used = frame.mean[f"gpu{index}.mem_used"]
+            data[f"gpu{index}_mem"] = 100.0 * used / total if total else np.full(len(used), np.nan)
+        return data
 
     def _legend(self, baseline: float) -> str:
         items = [(name, color, dash, 1.0) for name, color, dash, _ in self._series]
