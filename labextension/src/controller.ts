@@ -4,7 +4,7 @@
  * reconnecting with backoff when the server goes away, and the cluster (where the server
  * has one) every CLUSTER_REFRESH_MS. While the panel is closed and the page visible, the
  * status bar's latest values come from a small `GET /snapshot?window=0` every
- * STATUS_POLL_MS (as jupyter-resource-usage polls its status item): no socket, no
+ * STATUS_POLL_MS by default (as jupyter-resource-usage polls its status item): no socket, no
  * history, and the server keeps no sampler running for it (it reads once per ask).
  */
 
@@ -27,7 +27,7 @@ import {
  */
 export const STOP_GRACE_MS = 2000;
 
-/** How often the status bar asks for the latest values while the panel is closed. */
+/** How often the status bar asks for the latest values while the panel is closed (by default). */
 export const STATUS_POLL_MS = 5000;
 
 /** How often the cluster section asks again (Prometheus's usual scrape interval). */
@@ -88,6 +88,7 @@ export class SidebarController {
   private _statusPoller: Poller;
   private _clusterPoller: Poller;
   private _pollStatus = false;
+  private _statusPollMs = STATUS_POLL_MS;
   private _panelVisible = false;
   private _pageVisible = true;
 
@@ -149,11 +150,21 @@ export class SidebarController {
   }
 
   /**
-   * Keep the status bar current while the panel is closed (index.ts turns this on; off,
-   * a closed panel means no traffic at all).
+   * Keep the status bar current while the panel is closed, asking every `seconds` (index.ts
+   * turns this on, from the settings; 0 or off, a closed panel means no traffic at all).
    */
-  pollWhileClosed(enabled: boolean): void {
-    this._pollStatus = enabled;
+  pollWhileClosed(seconds: number): void {
+    this._pollStatus = seconds > 0;
+    if (this._pollStatus) {
+      this._statusPollMs = seconds * 1000;
+      this._statusPoller.setPeriod(this._statusPollMs);
+      if (this.model.connection.kind === 'polling') {
+        this.model.setConnection({
+          ...this.model.connection,
+          everyS: seconds
+        });
+      }
+    }
     this._updatePolling();
   }
 
@@ -248,7 +259,7 @@ export class SidebarController {
     if (want && !this._statusPoller.running) {
       this.model.setConnection({
         kind: 'polling',
-        everyS: STATUS_POLL_MS / 1000,
+        everyS: this._statusPollMs / 1000,
         error: null
       });
       this._statusPoller.start();
@@ -261,7 +272,7 @@ export class SidebarController {
   }
 
   private async _pollStatusOnce(): Promise<void> {
-    const everyS = STATUS_POLL_MS / 1000;
+    const everyS = this._statusPollMs / 1000;
     try {
       const snapshot = await this._api.snapshot();
       if (this._statusPoller.running) {

@@ -89,7 +89,7 @@ const plugin: JupyterFrontEndPlugin<void> = {
       controller.setPageVisible(document.visibilityState !== 'hidden')
     );
     if (statusBar) {
-      controller.pollWhileClosed(true);
+      controller.pollWhileClosed(DEFAULT_SETTINGS.statusInterval);
       const item = new GpuStatusItem(
         model,
         () => void app.commands.execute(OPEN_COMMAND)
@@ -110,6 +110,9 @@ const plugin: JupyterFrontEndPlugin<void> = {
       const apply = (settings: ISidebarSettings) => {
         controller.setInterval(settings.interval);
         panel.setMetrics(settings.metrics);
+        if (statusBar) {
+          controller.pollWhileClosed(settings.statusInterval);
+        }
       };
       settingRegistry
         .load(PLUGIN_ID)

@@ -19,7 +19,7 @@ export interface IPollerOptions {
 }
 
 export class Poller {
-  readonly periodMs: number;
+  private _periodMs: number;
   private _run: () => Promise<void>;
   private _timers: ITimers;
   private _now: () => number;
@@ -32,13 +32,28 @@ export class Poller {
 
   constructor(options: IPollerOptions) {
     this._run = options.run;
-    this.periodMs = options.periodMs;
+    this._periodMs = options.periodMs;
     this._timers = options.timers ?? BROWSER_TIMERS;
     this._now = options.now ?? (() => Date.now());
   }
 
   get running(): boolean {
     return this._running;
+  }
+
+  get periodMs(): number {
+    return this._periodMs;
+  }
+
+  /** A new period; a round already waiting is re-timed from the end of the last one. */
+  setPeriod(ms: number): void {
+    if (ms === this._periodMs) {
+      return;
+    }
+    this._periodMs = ms;
+    if (this._running && this._timer !== null) {
+      this._schedule(Math.max(0, this._lastEnd + ms - this._now()));
+    }
   }
 
   /**
@@ -51,7 +66,7 @@ export class Poller {
     }
     this._running = true;
     this._generation += 1;
-    const wait = Math.max(0, this._lastEnd + this.periodMs - this._now());
+    const wait = Math.max(0, this._lastEnd + this._periodMs - this._now());
     this._schedule(wait);
   }
 
@@ -96,7 +111,7 @@ export class Poller {
       this._lastEnd = this._now();
     }
     if (generation === this._generation && this._running) {
-      this._schedule(this.periodMs);
+      this._schedule(this._periodMs);
     }
   }
 

@@ -7,16 +7,21 @@ export interface ISidebarSettings {
   interval: number;
   /** GPU charts, in order. */
   metrics: GpuMetric[];
+  /** Seconds between the status bar's asks while the sidebar is closed; 0: never. */
+  statusInterval: number;
 }
 
 export const DEFAULT_SETTINGS: ISidebarSettings = {
   interval: 1,
-  metrics: GPU_METRICS
+  metrics: GPU_METRICS,
+  statusInterval: 5
 };
 
 /** The schema's bounds, again: a hand-edited settings file can hold anything. */
 const MIN_INTERVAL = 0.5;
 const MAX_INTERVAL = 60;
+const MIN_STATUS_INTERVAL = 1;
+const MAX_STATUS_INTERVAL = 300;
 
 export function readSettings(
   composite: Record<string, unknown>
@@ -33,5 +38,12 @@ export function readSettings(
           all.indexOf(metric) === index
       )
     : DEFAULT_SETTINGS.metrics;
-  return { interval, metrics };
+  const status = composite.statusInterval;
+  const statusInterval =
+    typeof status === 'number' && Number.isFinite(status)
+      ? status <= 0
+        ? 0
+        : Math.min(MAX_STATUS_INTERVAL, Math.max(MIN_STATUS_INTERVAL, status))
+      : DEFAULT_SETTINGS.statusInterval;
+  return { interval, metrics, statusInterval };
 }

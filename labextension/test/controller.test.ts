@@ -241,7 +241,7 @@ describe('SidebarController', () => {
 describe('SidebarController while the panel is closed (the status bar)', () => {
   it('asks for the latest values every STATUS_POLL_MS from the start, without a socket', async () => {
     const { server, clock, model, controller } = setup();
-    controller.pollWhileClosed(true);
+    controller.pollWhileClosed(STATUS_POLL_MS / 1000);
     await settle();
     expect(server.snapshots).toBe(1);
     expect(model.connection).toEqual({
@@ -259,7 +259,7 @@ describe('SidebarController while the panel is closed (the status bar)', () => {
 
   it('stops asking while the panel is open or the browser tab is hidden, and resumes after', async () => {
     const { server, clock, model, controller } = setup();
-    controller.pollWhileClosed(true);
+    controller.pollWhileClosed(STATUS_POLL_MS / 1000);
     await settle();
     controller.setVisible(true);
     await settle();
@@ -288,7 +288,7 @@ describe('SidebarController while the panel is closed (the status bar)', () => {
   it('says why when the server does not answer, and recovers', async () => {
     const { server, clock, model, controller } = setup();
     server.state = 'down';
-    controller.pollWhileClosed(true);
+    controller.pollWhileClosed(STATUS_POLL_MS / 1000);
     await settle();
     expect(model.connection).toEqual({
       kind: 'polling',
@@ -300,10 +300,27 @@ describe('SidebarController while the panel is closed (the status bar)', () => {
     expect(model.connection).toMatchObject({ kind: 'polling', error: null });
   });
 
+  it('follows the setting: another period, or no poll at all', async () => {
+    const { server, clock, model, controller } = setup();
+    controller.pollWhileClosed(5);
+    await settle();
+    controller.pollWhileClosed(30);
+    expect(model.connection).toMatchObject({ kind: 'polling', everyS: 30 });
+    await clock.advance(29_000);
+    expect(server.snapshots).toBe(1);
+    await clock.advance(1000);
+    expect(server.snapshots).toBe(2);
+    controller.pollWhileClosed(0);
+    expect(model.connection.kind).toBe('stopped');
+    await clock.advance(600_000);
+    expect(server.snapshots).toBe(2);
+    expect(clock.pendingCount).toBe(0);
+  });
+
   it('gives up on a missing server extension', async () => {
     const { server, clock, model, controller } = setup();
     server.state = 'missing';
-    controller.pollWhileClosed(true);
+    controller.pollWhileClosed(STATUS_POLL_MS / 1000);
     await settle();
     expect(model.connection.kind).toBe('missing');
     await clock.advance(STATUS_POLL_MS * 10);

@@ -18,4 +18,13 @@ describe('readSettings', () => {
     expect(readSettings({ interval: 600 }).interval).toBe(60);
     expect(readSettings({ interval: '2' }).interval).toBe(1);
   });
+
+  it('reads the status bar interval: 0 turns the poll off, others are clamped', () => {
+    expect(readSettings({}).statusInterval).toBe(5);
+    expect(readSettings({ statusInterval: 0 }).statusInterval).toBe(0);
+    expect(readSettings({ statusInterval: -3 }).statusInterval).toBe(0);
+    expect(readSettings({ statusInterval: 0.2 }).statusInterval).toBe(1);
+    expect(readSettings({ statusInterval: 9999 }).statusInterval).toBe(300);
+    expect(readSettings({ statusInterval: 'x' }).statusInterval).toBe(5);
+  });
 });

@@ -190,6 +190,7 @@ def test_settings_schema_is_served(lab):
     properties = settings["schema"]["properties"]
     assert properties["interval"]["default"] == 1
     assert properties["metrics"]["default"] == ["utilization", "memory", "power", "temperature", "pcie"]
+    assert properties["statusInterval"]["default"] == 5
 
 
 def test_eight_gpus_with_an_hour_of_history_redraw_within_a_frame_budget(lab, page):
