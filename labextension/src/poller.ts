@@ -26,7 +26,7 @@ export class Poller {
   private _timer: unknown = null;
   private _running = false;
   private _inFlight = false;
-  /** Bumped on every start and stop, so a late round of an old run schedules nothing. */
+  /** Bumped on every start and stop, so a timer of an old run starts nothing. */
   private _generation = 0;
   private _lastEnd = -Infinity;
 
@@ -66,6 +66,9 @@ export class Poller {
     }
     this._running = true;
     this._generation += 1;
+    if (this._inFlight) {
+      return; // the round under way schedules the next when it ends
+    }
     const wait = Math.max(0, this._lastEnd + this._periodMs - this._now());
     this._schedule(wait);
   }
@@ -79,28 +82,22 @@ export class Poller {
     this._clear();
   }
 
-  /** Run a round now (when running), whatever the timer says. */
-  refresh(): void {
-    if (this._running && !this._inFlight) {
-      this._clear();
-      void this._round(this._generation);
-    }
-  }
-
   private _schedule(ms: number): void {
     this._clear();
     const generation = this._generation;
     if (ms <= 0) {
-      void this._round(generation);
+      void this._round();
       return;
     }
     this._timer = this._timers.setTimeout(() => {
       this._timer = null;
-      void this._round(generation);
+      if (generation === this._generation) {
+        void this._round();
+      }
     }, ms);
   }
 
-  private async _round(generation: number): Promise<void> {
+  private async _round(): Promise<void> {
     this._inFlight = true;
     try {
       await this._run();
@@ -110,7 +107,7 @@ export class Poller {
       this._inFlight = false;
       this._lastEnd = this._now();
     }
-    if (generation === this._generation && this._running) {
+    if (this._running && this._timer === null) {
       this._schedule(this._periodMs);
     }
   }

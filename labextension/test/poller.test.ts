@@ -73,6 +73,36 @@ describe('Poller', () => {
     expect(rounds).toEqual([0, 1000]);
   });
 
+  it('a stop and start during a slow round asks nothing more until that round ends', async () => {
+    const { clock, rounds, poller, hold, release } = setup();
+    hold(true);
+    poller.start();
+    await settle();
+    await clock.advance(5000);
+    poller.stop();
+    poller.start();
+    await settle();
+    expect(rounds).toEqual([0]);
+    hold(false);
+    release();
+    await settle();
+    await clock.advance(1000);
+    expect(rounds).toEqual([0, 6000]);
+  });
+
+  it('a stop during a slow round leaves nothing scheduled after it', async () => {
+    const { clock, rounds, poller, hold, release } = setup();
+    hold(true);
+    poller.start();
+    await settle();
+    poller.stop();
+    release();
+    await settle();
+    await clock.advance(10_000);
+    expect(rounds).toEqual([0]);
+    expect(clock.pendingCount).toBe(0);
+  });
+
   it('keeps polling after a round fails', async () => {
     const clock = new FakeClock();
     let calls = 0;
