@@ -268,6 +268,9 @@ def test_eight_gpus_at_a_glance_folded_cards_and_the_keyboard(gpu_lab, page):
     page.evaluate("window.jupyterapp.commands.execute('apputils:change-theme', {theme: 'JupyterLab Light'})")
     problems = [m for m in page.console_messages if m.startswith(("error", "warning")) and "gpuwidget" in m]
     assert not problems, problems
+    # No Prometheus configured here: no cluster section, and it was never asked for.
+    assert page.locator(".jp-gpuwidget-cluster").is_hidden()
+    assert not any("/gpuwidget/api/cluster" in url for url in traffic["requests"]), traffic["requests"]
 
 
 def test_a_gpu_that_stops_answering_is_named_in_the_sidebar(gpu_lab, page):
