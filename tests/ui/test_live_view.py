@@ -72,8 +72,14 @@ def test_plot_data_grows_while_the_cell_runs_then_the_report_stays(lab, page):
     report = page.wait_for_selector(".gpuwidget-run[data-outcome='ok']", timeout=60_000)
     assert "no NVIDIA GPU found" in report.inner_text()
     assert page.locator(".gpuwidget-run .gpuwidget-chart img").count() >= 1
-    finding = page.locator(".gpuwidget-finding[data-rule='dataloader-starved']")
-    assert "train_loader = DataLoader(train_ds, batch_size=32, shuffle=True, num_workers=" in finding.inner_text()
+    # Starved (more workers for train_loader), or CPU-bound where other suites hold the machine's
+    # cores meanwhile (cheaper samples in the user's own Photos dataset).
+    finding = page.locator(".gpuwidget-finding[data-rule='dataloader-starved'], "
+                           ".gpuwidget-finding[data-rule='dataloader-cpu-bound']").first
+    if finding.get_attribute("data-rule") == "dataloader-starved":
+        assert "train_loader = DataLoader(train_ds, batch_size=32, shuffle=True, num_workers=" in finding.inner_text()
+    else:
+        assert "Photos.__getitem__" in finding.locator(".gpuwidget-code").first.inner_text()
     cell.screenshot(path=str(SCREENSHOTS / "report.png"))
     errors = [m for m in page.console_messages if m.startswith("error") and "Bokeh" in m]
     assert not errors, errors
