@@ -334,7 +334,8 @@ def finding_html(finding: Finding, standalone: bool = True) -> str:
         f"data-severity='{html.escape(finding.severity)}' role='group' aria-label='{html.escape(finding.title)}' "
         f"style='border-left:4px solid {color};padding:4px 10px;margin:8px 0'>",
         f"<div>{severity_badge(finding.severity)}<b>{html.escape(finding.title)}</b> "
-        f"<code style='font-size:11px;color:{_MUTED};background:transparent'>{html.escape(finding.rule)}</code>",
+        f"<span class='gpuwidget-rule' style='font-family:monospace;font-size:11px;color:{_MUTED}'>"
+        f"{html.escape(finding.rule)}</span>",
     ]
     if finding.expected_speedup is not None:
         parts.append(f" <span style='white-space:nowrap'>\u2192 {html.escape(_gain(finding))}</span>")

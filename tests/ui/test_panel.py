@@ -21,14 +21,15 @@ MAX_GROWTH_PER_WATCHED_CELL = 100_000
 
 # Text of every output of one cell, in order, with what kind each is.
 OUTPUTS_JS = """(index) => {
-  const cell = document.querySelectorAll('.jp-Notebook .jp-Cell')[index];
+  const cell = document.querySelectorAll(
+    '.jp-NotebookPanel:not(.lm-mod-hidden) .jp-Notebook .jp-Cell')[index];
   return [...cell.querySelectorAll('.jp-OutputArea-output')].map(node => ({
     panel: !!node.querySelector('.gpuwidget-run'), text: node.innerText }));
 }"""
 
 # Boxes of the first change's copy button and code, and whether the code fits its block.
 COPY_LAYOUT_JS = """() => {
-  const change = document.querySelector('.gpuwidget-change');
+  const change = document.querySelector('.jp-NotebookPanel:not(.lm-mod-hidden) .gpuwidget-change');
   const box = node => { const r = node.getBoundingClientRect();
     return {left: r.left, right: r.right, top: r.top, bottom: r.bottom, width: r.width}; };
   const pre = change.querySelector('pre');
@@ -110,7 +111,7 @@ def test_panel_after_output_copyable_themed_small_and_reopens_clean(lab, wide_pa
     page = wide_page
     path = lab.root / "panel.ipynb"
     size_before = path.stat().st_size
-    open_notebook(page, lab, "panel.ipynb")
+    open_notebook(page, lab, "panel.ipynb", reset=True)
     run_all_cells(page)
     page.wait_for_selector(".gpuwidget-run[data-outcome='error']", timeout=120_000)
 
@@ -162,7 +163,8 @@ def test_panel_after_output_copyable_themed_small_and_reopens_clean(lab, wide_pa
     panel.screenshot(path=str(SCREENSHOTS / "panel-light.png"))
     # Dark theme: the code block is one colour (the code's own background is see-through).
     set_theme(page, "JupyterLab Dark")
-    colours = page.evaluate("""() => { const pre = document.querySelector('.gpuwidget-change pre');
+    colours = page.evaluate("""() => { const pre = document.querySelector(
+        '.jp-NotebookPanel:not(.lm-mod-hidden) .gpuwidget-change pre');
         return {code: getComputedStyle(pre.querySelector('code')).backgroundColor,
                 pre: getComputedStyle(pre).backgroundColor}; }""")
     assert colours["code"] == "rgba(0, 0, 0, 0)", colours
@@ -185,7 +187,7 @@ def test_panel_after_output_copyable_themed_small_and_reopens_clean(lab, wide_pa
 
     # Reopened after its kernel is gone: no widget errors anywhere.
     close_notebook(page)
-    open_notebook(page, lab, "panel.ipynb")
+    open_notebook(page, lab, "panel.ipynb", reset=True)
     page.wait_for_selector(".gpuwidget-run[data-outcome='error']", timeout=30_000)
     page.wait_for_timeout(1500)  # the widget manager restores (and would report missing models)
     assert no_widget_errors(page), page.locator(NOTEBOOK).inner_text()[:2000]
@@ -194,7 +196,7 @@ def test_panel_after_output_copyable_themed_small_and_reopens_clean(lab, wide_pa
     # As a colleague receives it: any change to the file makes it untrusted (sanitized HTML).
     saved["metadata"]["received_from"] = "a colleague"
     (lab.root / "received.ipynb").write_text(json.dumps(saved))
-    open_notebook(page, lab, "received.ipynb")
+    open_notebook(page, lab, "received.ipynb", reset=True)
     assert page.evaluate("window.jupyterapp.shell.currentWidget.context.path") == "received.ipynb"
     panel = cells(page).nth(2).locator(".gpuwidget-run")
     panel.wait_for(timeout=30_000)
