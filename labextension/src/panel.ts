@@ -377,17 +377,18 @@ export class GpuPanel extends Widget {
           ({ source, since_s }) =>
             `${source} stopped answering at ${formatClock(receivedS - since_s, true)}`
         );
+        const its = sources.length > 1 ? 'Their' : 'Its';
         const spoken = element(
           'span',
           'jp-gpuwidget-visually-hidden',
-          `${names.join('; ')}. Its figures stop until the Jupyter server restarts.`
+          `${names.join('; ')}. ${its} figures stop until the Jupyter server restarts.`
         );
         const shown = element('strong', 'jp-gpuwidget-stalled-text');
         shown.setAttribute('aria-hidden', 'true');
         const detail = element(
           'p',
           '',
-          'Its figures stop until the Jupyter server restarts (the server does not ask it again).'
+          `${its} figures stop until the Jupyter server restarts (the server does not ask ${sources.length > 1 ? 'them' : 'it'} again).`
         );
         detail.setAttribute('aria-hidden', 'true');
         this._stalled.append(spoken, shown, detail);
