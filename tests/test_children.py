@@ -215,6 +215,41 @@ def test_killed_child_does_not_break_the_watch(tmp_path: Path) -> None:
     assert_nothing_left(directory)
 
 
+OUTLIVES = textwrap.dedent("""
+    import pathlib, sys, threading, time
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+    from torch.utils.data.dataloader import _BaseDataLoaderIter
+
+    def state():
+        threads = [t.name for t in threading.enumerate() if t.name.startswith("gpuwidget")]
+        return hasattr(_BaseDataLoaderIter.__next__, "__wrapped__"), threads
+
+    loader = DataLoader(TensorDataset(torch.randn(8, 4)), batch_size=4)
+    print(*state(), flush=True)
+    while not pathlib.Path(sys.argv[1]).exists():  # "train": sends spans; "idle": never says anything
+        for (x,) in (loader if sys.argv[2] == "train" else []):
+            time.sleep(0.01)
+        time.sleep(0.01)
+    time.sleep(1.0)
+    print(*state(), flush=True)
+""")
+
+
+def test_child_that_outlives_the_watch_drops_its_probes(tmp_path: Path) -> None:
+    script, flag = tmp_path / "outlives.py", tmp_path / "watch-ended"
+    script.write_text(OUTLIVES)
+    with gpuwidget.watch(display=False):
+        children = [subprocess.Popen([sys.executable, str(script), str(flag), mode], stdout=subprocess.PIPE, text=True)
+                    for mode in ("train", "idle")]
+        during = [child.stdout.readline().strip() for child in children]
+    flag.touch()
+    after = [child.communicate(timeout=60)[0].strip() for child in children]
+    assert [child.returncode for child in children] == [0, 0]
+    assert during == ["True ['gpuwidget-child']"] * 2
+    assert after == ["False []"] * 2
+
+
 # --------------------------------------------------------------------------- multiprocessing
 
 

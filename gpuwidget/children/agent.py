@@ -163,7 +163,9 @@ class ChildAgent:
 
     def _loop(self) -> None:
         while not self._stop.wait(FLUSH_INTERVAL_S):
-            if is_loader_worker():
+            # A DataLoader's worker; or the watch has ended (its socket is gone): a forkserver or a
+            # pool started during the watch outlives it, and so do the processes it starts later.
+            if is_loader_worker() or not os.path.exists(self.address):
                 self.retire()
                 return
             try:

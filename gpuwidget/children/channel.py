@@ -22,7 +22,7 @@ import socket
 import tempfile
 import threading
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from gpuwidget.children.protocol import decode_frames
@@ -234,9 +234,9 @@ class ChildChannel:
     def snapshot(self) -> list[ChildRecord]:
         """The records so far (copies of their mutable parts), by pid."""
         with self._lock:
-            return [ChildRecord(r.pid, dict(r.identity), dict(r.progress), deque(r.step_times, STEP_HISTORY),
-                                deque(r.wait_times, STEP_HISTORY), r.workload, dict(r.host), r.finished,
-                                r.dropped_spans)
+            return [replace(r, identity=dict(r.identity), progress=dict(r.progress),
+                            step_times=deque(r.step_times, STEP_HISTORY), wait_times=deque(r.wait_times, STEP_HISTORY),
+                            host=dict(r.host))
                     for _, r in sorted(self.records.items())]
 
     def close(self) -> None:
