@@ -14,7 +14,8 @@ Signals: the command runs in a process group of its own. At a terminal that grou
 terminal's foreground group for the command's lifetime (as a shell does for a job), so Ctrl-C,
 Ctrl-\\ and terminal input reach the command exactly as if it were not watched; a SIGINT, SIGTERM
 or SIGHUP sent to gpuwatch itself is passed on to the command's group. Either way the command
-decides how to end, and the report is printed after it has.
+decides how to end, and the report is printed after it has. Ctrl-Z stops the command, and gpuwatch
+with it, so the shell gets its prompt back; ``fg`` continues both.
 """
 
 from __future__ import annotations
@@ -59,6 +60,8 @@ options:
 STATUS_REFRESH_S = 1.0
 LOG_STATUS_EVERY_S = 10.0
 STATUS_FIRST_S = 1.0
+# How often the wait looks at the command (ended? stopped by Ctrl-Z?): quick enough to follow it at once.
+POLL_S = 0.05
 # Signals passed on to the command's process group when gpuwatch itself receives them.
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # After this many forwarded interrupts the command's group is killed (a command that ignores them).
@@ -149,7 +152,10 @@ def watch_command(command: Sequence[str], watch: Watch, options: WatchOptions) -
             error, status = exc, 126
         else:
             terminal = _give_terminal(process.pid)
-            status = _wait(process, run, options)
+            # The status line is written from the background group then: a terminal with `stty tostop`
+            # would stop gpuwatch for it (SIGTTOU); ignored, the write goes through.
+            previous.setdefault(signal.SIGTTOU, signal.signal(signal.SIGTTOU, signal.SIG_IGN))
+            status = _wait(process, run, options, terminal)
             error = _ending(status)
     finally:
         if terminal is not None:
@@ -169,26 +175,57 @@ def _start(command: Sequence[str]) -> subprocess.Popen[bytes]:
     return subprocess.Popen(list(command), preexec_fn=os.setpgrp)  # noqa: PLW1509 - setpgrp only
 
 
-def _wait(process: subprocess.Popen[bytes], run: Run, options: WatchOptions) -> int:
+def _wait(process: subprocess.Popen[bytes], run: Run, options: WatchOptions, terminal: int | None) -> int:
     """Wait for the command, drawing the status line; its status as a shell gives it."""
     show = _status_writer(sys.stderr) if options.live and not options.quiet else None
     started = time.monotonic()
     last_line = -LOG_STATUS_EVERY_S
+    next_look = started + STATUS_REFRESH_S
     try:
-        while True:
-            try:
-                code = process.wait(timeout=STATUS_REFRESH_S)
-                break
-            except subprocess.TimeoutExpired:
+        while (code := _poll(process, terminal)) is None:
+            if time.monotonic() >= next_look:
+                next_look += STATUS_REFRESH_S
                 elapsed = time.monotonic() - started
                 due = show is not None and (show.live or elapsed - last_line >= LOG_STATUS_EVERY_S)
                 if show is not None and due and elapsed >= STATUS_FIRST_S:
                     show(status_text(run, elapsed))
                     last_line = elapsed
+            time.sleep(POLL_S)
     finally:
         if show is not None:
             show.close()
     return 128 - code if code < 0 else code
+
+
+def _poll(process: subprocess.Popen[bytes], terminal: int | None) -> int | None:
+    """The command's exit code (negative: the signal) once it has ended, else None. When the command
+    stops at the terminal (Ctrl-Z), gpuwatch stops with it, as the shell's job it is, and when the
+    shell continues the job it hands the terminal back (``fg``) and continues the command."""
+    if process.returncode is not None:
+        return process.returncode
+    try:
+        pid, status = os.waitpid(process.pid, os.WNOHANG | os.WUNTRACED)
+    except ChildProcessError:  # reaped elsewhere: nothing more to learn
+        process.returncode = 1
+        return process.returncode
+    if pid == 0:
+        return None
+    if os.WIFSTOPPED(status):
+        if terminal is not None:
+            _stop_with(process.pid, terminal)
+        return None
+    process.returncode = os.waitstatus_to_exitcode(status)
+    return process.returncode
+
+
+def _stop_with(group: int, fd: int) -> None:
+    """Stop gpuwatch while the command is stopped; on continuing, continue the command too."""
+    _take_terminal_back(fd)
+    os.kill(os.getpid(), signal.SIGTSTP)  # here until the shell sends SIGCONT (fg or bg)
+    with contextlib.suppress(OSError):
+        if os.tcgetpgrp(fd) == os.getpgrp():  # fg gave the terminal back to us: pass it on
+            _set_foreground(fd, group)
+        os.killpg(group, signal.SIGCONT)
 
 
 def _ending(status: int) -> BaseException | None:

@@ -4,6 +4,7 @@ gpuwatch's, Ctrl-C reaches it and still leaves a report, and bad options stop be
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -187,48 +188,60 @@ def test_the_status_line_counts_steps_and_data_wait_from_the_live_trace():
     assert line.startswith("gpuwatch 2 s · 16 steps (8.0/s) · data wait ") and "CPU" in line
 
 
-def test_ctrl_c_at_a_terminal_goes_to_the_command_as_if_unwatched(train_script):
-    """A real pseudo-terminal: gpuwatch hands it to the command's process group, so the terminal's
-    Ctrl-C interrupts the command (not gpuwatch), the status line is drawn in place, the report follows."""
-    import fcntl
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash for a shell with job control")
+def test_at_a_terminal_ctrl_z_fg_and_ctrl_c_work_as_if_unwatched(train_script):
+    """An interactive bash on a pseudo-terminal runs gpuwatch as a job: the command holds the terminal,
+    so Ctrl-Z stops it (and gpuwatch: bash says Stopped and nothing trains), fg continues both, Ctrl-C
+    interrupts the command, not gpuwatch; the status line is redrawn in place and the report follows."""
     import pty
     import select
-    import termios
 
     master, slave = pty.openpty()
-
-    def controlling_terminal() -> None:  # the pty becomes the session's terminal, as in a shell
-        os.setsid()
-        fcntl.ioctl(0, termios.TIOCSCTTY, 0)
-
-    process = subprocess.Popen([*GPUWATCH, "--", sys.executable, "-u", str(train_script), "1000", "0"],
-                               stdin=slave, stdout=slave, stderr=slave, cwd=ROOT,
-                               preexec_fn=controlling_terminal)  # noqa: PLW1509 - the child's own setup
+    shell = subprocess.Popen(["bash", "--norc", "--noprofile", "-i"], stdin=slave, stdout=slave, stderr=slave,
+                             start_new_session=True, cwd=ROOT, env={**os.environ, "PS1": "PROMPT$ "})
     os.close(slave)
     output = b""
 
-    def read_until(done: Any, timeout: float) -> None:
+    def read_until(done: Any, timeout: float) -> bool:
         nonlocal output
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and not done():
-            ready, _, _ = select.select([master], [], [], 0.2)
-            if ready:
+            if select.select([master], [], [], 0.2)[0]:
                 try:
                     output += os.read(master, 65536)
-                except OSError:  # the terminal closed: everyone has exited
-                    return
+                except OSError:  # the terminal closed
+                    break
+        return bool(done())
+
+    def epochs() -> int:
+        return output.count(b"epoch ")
 
     try:
-        read_until(lambda: b"epoch 1" in output, 60)
-        assert b"epoch 1" in output, output[-500:]
-        os.write(master, b"\x03")  # Ctrl-C typed at the terminal
-        read_until(lambda: process.poll() is not None, 60)
-        assert process.wait(timeout=30) == 130
+        assert read_until(lambda: b"PROMPT$ " in output, 30)
+        command = " ".join([*GPUWATCH, "--", sys.executable, "-u", str(train_script), "1000", "0"])
+        os.write(master, command.encode() + b"\n")
+        assert read_until(lambda: epochs() >= 2, 90), output[-500:]
+        os.write(master, b"\x1a")  # Ctrl-Z
+        assert read_until(lambda: b"Stopped" in output, 30), output[-500:]
+        read_until(lambda: False, 1.0)
+        stopped_at = epochs()
+        read_until(lambda: False, 1.5)
+        assert epochs() == stopped_at  # stopped: no epoch ends
+        os.write(master, b"fg\n")
+        assert read_until(lambda: epochs() > stopped_at + 1, 60), output[-500:]
+        os.write(master, b"\x03")  # Ctrl-C
+        assert read_until(lambda: output.rstrip().endswith(b"PROMPT$"), 90), output[-500:]
+        os.write(master, b"echo status=$?\n")
+        assert read_until(lambda: b"status=130" in output, 30), output[-500:]
     finally:
-        if process.poll() is None:
-            process.kill()
+        os.write(master, b"exit\n")
+        try:
+            shell.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            shell.kill()
         os.close(master)
     text = output.decode(errors="replace")
     assert "the script saw KeyboardInterrupt" in text and "interrupted" in text
     assert "\r\x1b[2K" in text and " steps (" in text  # the status line, redrawn in place
-    assert "Traceback" not in text.split("the script saw KeyboardInterrupt", 1)[1].split("gpuwidget run:")[1]
+    report = text.split("the script saw KeyboardInterrupt", 1)[1]
+    assert "gpuwidget run:" in report and "Traceback" not in report.split("gpuwidget run:")[1]
