@@ -300,7 +300,7 @@ def _status_writer(stream: TextIO) -> _Status:
 
         return _Status(stream, True, redraw, stop)
     console = Console(file=stream)
-    spinner: Any = console.status("gpuwatch: starting", spinner="dots")
+    spinner: Any = console.status("gpuwatch: starting", spinner="dots", refresh_per_second=4)
     spinner.start()
     return _Status(stream, True, lambda text: spinner.update(text), spinner.stop)
 
