@@ -321,7 +321,7 @@ def code_html(code: str, label: str = "Change") -> str:
         "<span class='gpuwidget-copied' role='status' aria-live='polite' "
         "style='font-size:12px;margin-left:8px'></span></div>"
         f"<pre class='gpuwidget-code' style='background:{_CODE_BACKGROUND};padding:6px 8px;margin:0;"
-        "border-radius:4px;white-space:pre-wrap;overflow-x:auto'>"
+        "border-radius:4px;white-space:pre-wrap;word-break:normal;overflow-wrap:anywhere;overflow-x:auto'>"
         f"<code style='background:transparent;color:inherit;padding:0'>{html.escape(code)}</code></pre></div>")
 
 
