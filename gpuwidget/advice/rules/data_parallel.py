@@ -21,8 +21,8 @@ def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> F
     if not (model.get("data_parallel") or model.get("class") == "DataParallel"):
         return None
     name = model_name(workload)
-    gpus = int(model.get("data_parallel_gpus") or 0) or len(summary.get("gpus_used") or []) \
-        or len(machine.get("gpus") or [])
+    # One process per visible GPU (DataParallel's device_ids may have left some out: gpu-imbalance says so).
+    gpus = len(machine.get("gpus") or []) or int(model.get("data_parallel_gpus") or 0)
     nproc = str(gpus) if gpus else "gpu"  # torchrun's "gpu": one process per visible GPU
     by_gpu = summary.get("gpu_busy_by_gpu") or {}
     evidence: dict[str, object] = {"model_class": "DataParallel", "gpus": gpus or None}
