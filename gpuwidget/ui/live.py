@@ -52,6 +52,11 @@ MAX_BANDS = 2000
 # The x axis starts at 0..INITIAL_SPAN_S s (an empty Bokeh plot would show -0.5..1) and
 # doubles whenever the run outgrows it, so a pan or zoom survives for a while.
 INITIAL_SPAN_S = 10.0
+# The page builds the plot's view some time after the widget is displayed (0.1-1.5 s, more on a
+# busy machine), and jupyter_bokeh drops the patches that arrive before it: for this long the
+# whole run so far is sent each push (a few dozen rows), so the plot starts at 0 s wherever it
+# was built.
+RESEND_WHOLE_S = 3.0
 LIVE_TAG = "gpuwidget-live"
 
 # Runs in the page before each live plot is shown (idempotent): jupyter_bokeh's listener (the
@@ -191,6 +196,7 @@ class LiveView:
         self._points = 0
         self._bands = 0
         self._closed = False
+        self._created = now()
 
         # (column in the plot, label, colour, dash)
         self._series: list[tuple[str, str, str, str]] = []
@@ -258,6 +264,7 @@ class LiveView:
             if self._closed:
                 return
             self._last_push = now()
+            whole = self._last_push - self._created < RESEND_WHOLE_S
             columns = self._columns()
             frame = self.trace.recent_since(self._last_t, columns)
             if len(frame):
@@ -266,7 +273,7 @@ class LiveView:
                     self._x_end = max(2 * self._x_end, self._last_t)
                     self._x_range.end = self._x_end
                 data = self._plot_data(frame)
-                if self._points + len(frame) > MAX_POINTS:
+                if whole or self._points + len(frame) > MAX_POINTS:
                     # Redraw the whole run, downsampled with spikes kept, then go on streaming.
                     full = self._plot_data(self.trace.plot_view(columns, MAX_POINTS // 2))
                     self.source.data = full
@@ -274,7 +281,7 @@ class LiveView:
                 else:
                     self.source.stream(data)
                     self._points += len(frame)
-            self._push_bands()
+            self._push_bands(whole)
             last = self.trace.last()
             self.header.value = self._header_html(self.trace.now(), last[1] if last else {})
 
@@ -291,9 +298,10 @@ class LiveView:
     def _plot_data(self, frame: Frame) -> dict[str, Any]:
         return {"t": frame.t, **percent_data(frame, self._gpus)}
 
-    def _push_bands(self) -> None:
-        spans = self.trace.spans(DATA_WAIT_SPAN, t0=self._last_band_end)
-        bands = merge_bands(spans, MERGE_GAP_S, after=self._last_band_end)
+    def _push_bands(self, whole: bool = False) -> None:
+        after = -math.inf if whole else self._last_band_end
+        spans = self.trace.spans(DATA_WAIT_SPAN, t0=after)
+        bands = merge_bands(spans, MERGE_GAP_S, after=after)
         keep = [(a, b) for a, b in bands if b - a >= MIN_BAND_S]
         if not keep:
             return
@@ -301,7 +309,7 @@ class LiveView:
         # Arrays, not lists: BokehJS silently stops applying patches after a list is streamed
         # into this source (seen with bokeh 3.9 and jupyter_bokeh 4.1).
         new: dict[str, Any] = {"left": np.array([a for a, _ in keep]), "right": np.array([b for _, b in keep])}
-        if self._bands + len(keep) > MAX_BANDS:
+        if whole or self._bands + len(keep) > MAX_BANDS:
             self.bands.data = new
             self._bands = len(keep)
         else:

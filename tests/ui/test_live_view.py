@@ -96,6 +96,19 @@ X_RANGE_JS = """() => {
   return range;
 }"""
 
+# Time of the first point in the newest live plot.
+FIRST_T_JS = """() => {
+  let first = null;
+  for (const doc of window.Bokeh.documents) {
+    for (const model of doc.all_models) {
+      if (model.type === 'ColumnDataSource' && model.data.cpu_util !== undefined && model.data.t.length) {
+        first = model.data.t[0];
+      }
+    }
+  }
+  return first;
+}"""
+
 # What the page tells the kernel (comm messages) and what streams the kernel sends it.
 RECORD_JS = """() => {
   const kernel = window.jupyterapp.shell.currentWidget.sessionContext.session.kernel;
@@ -128,6 +141,9 @@ def test_three_watched_cells_keep_the_kernel_busy_and_leave_no_stderr_or_comm_er
     wait_for(lambda: page.evaluate(X_RANGE_JS), 60, "no live plot appeared", page)
     # The empty plot starts on 0..10 s, not Bokeh's -0.5..1.
     assert page.evaluate(X_RANGE_JS) == [0, 10]
+    # It shows the run from its first sample, however late the page built the plot's view.
+    wait_for(lambda: page.evaluate(POINTS_JS) >= 3, 30, "no live data reached the plot", page)
+    assert page.evaluate(FIRST_T_JS) < 0.5
 
     # While the three cells run (3 s each) the status bar says Busy, as it does without a plot.
     samples = []
