@@ -190,7 +190,7 @@ def test_status_bar_is_live_before_the_sidebar_is_opened_without_a_socket(gpu_la
     assert "jp-mod-stale" not in status.get_attribute("class")
     assert "Updated every 5 s while the GPU panel is closed" in status.get_attribute("title")
     assert status.get_attribute("aria-label").startswith("GPU status: GPU0 92%")
-    page.wait_for_timeout(5500)
+    page.wait_for_timeout(2000)
     elapsed = time.monotonic() - start
     # Only the small snapshot, about every 5 s; no stream, no history.
     assert traffic["sockets"] == []
