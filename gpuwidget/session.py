@@ -125,12 +125,12 @@ def _within(deadline_s: float, build: Callable[[], _Built]) -> _Built | None:
     return built[0]
 
 
-def _watch_children(trace: Trace, probes: Probes) -> Any:
+def _watch_children(trace: Trace, probes: Probes, machine: MachineFacts) -> Any:
     """The child channel (gpuwidget.children); None if it cannot start: the watch goes on without children."""
     try:
         from gpuwidget.children import ChildWatch
 
-        return ChildWatch(trace, probes)
+        return ChildWatch(trace, probes, machine)
     except Exception as exc:  # noqa: BLE001
         log.warning("gpuwidget: child processes will not be watched: %s", exc)
         return None
@@ -199,7 +199,7 @@ class Watch:
             self._sampler = Sampler(self._sources, trace, self.options.interval, listeners)
             self._started = now()
             trace.start_clock = self._started
-            self._children = _watch_children(trace, self._probes)
+            self._children = _watch_children(trace, self._probes, machine)
             self._probes.poll()
             self._sampler.start()
         except BaseException:

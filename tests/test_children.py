@@ -22,8 +22,10 @@ from torch.utils.data import DataLoader, Dataset
 
 import gpuwidget
 from gpuwidget.children import ENV_VAR
+from gpuwidget.children.agent import physical_gpu
 from gpuwidget.children.channel import ChildChannel
 from gpuwidget.children.protocol import MAX_MESSAGE_BYTES, encode
+from gpuwidget.children.ranks import watch_gpu
 from gpuwidget.report import run_html, run_text
 from gpuwidget.run import Run
 from gpuwidget.trace import Trace
@@ -188,6 +190,28 @@ def test_subprocess_script_is_the_runs_training_process(tmp_path: Path) -> None:
     path = run.save(tmp_path / "run.json")
     assert json.loads(path.read_text())["ranks"] == run.ranks
     assert Run.load(path).ranks == run.ranks
+
+
+def test_shell_escape_in_a_watched_cell_is_the_runs_rank(ip, tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    result = ip.run_cell(f"%%gpuwatch --quiet\n!{sys.executable} {script} 1\n")
+    assert result.error_in_exec is None
+    (entry,) = gpuwidget.last_run().ranks
+    assert entry["pid"] != os.getpid() and entry["steps"] == 10
+    assert gpuwidget.last_run().summary["steps"] == 10
+    assert ENV_VAR not in os.environ
+
+
+def test_gpu_is_the_hosts_number_behind_cuda_visible_devices() -> None:
+    assert physical_gpu(0, None) == 0
+    assert physical_gpu(1, "4,6") == 6
+    assert physical_gpu(0, "GPU-8a3c,GPU-77f1") is None  # named by UUID: the watch matches the device's UUID
+    assert physical_gpu(2, "4,6") is None
+    machine = {"gpus": [{"index": 0, "uuid": "GPU-11aa"}, {"index": 1, "uuid": "GPU-8A3C"}]}
+    assert watch_gpu({"gpu": None, "gpu_uuid": "8a3c"}, machine) == 1
+    assert watch_gpu({"gpu": 6, "gpu_uuid": "ffff"}, machine) == 6
+    assert watch_gpu({"gpu": None}, machine) is None
 
 
 def test_killed_child_does_not_break_the_watch(tmp_path: Path) -> None:

@@ -17,6 +17,7 @@ reads what exited children left, closes and its directory is removed.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Any
 
 from gpuwidget.children.agent import register_after_fork, start_in_forked_child, unregister_after_fork
@@ -32,8 +33,9 @@ __all__ = ["ENV_VAR", "ChildRecord", "ChildWatch"]
 class ChildWatch:
     """The children side of one watch: channel, environment variable, after-fork hook."""
 
-    def __init__(self, trace: Trace, probes: Any = None) -> None:
+    def __init__(self, trace: Trace, probes: Any = None, machine: Mapping[str, Any] | None = None) -> None:
         self.probes = probes
+        self.machine = machine  # NVML's GPUs, to number a child's GPU by its UUID
         self.channel = ChildChannel(trace)
         self._previous = os.environ.get(ENV_VAR)
         self._closed = False
@@ -58,7 +60,7 @@ class ChildWatch:
 
     def workload(self, workload: WorkloadFacts) -> WorkloadFacts:
         """The watch's own workload facts with ``ranks`` (and the busiest child's facts when only children trained)."""
-        merged = merge(workload, self.records(), _identity())
+        merged = merge(workload, self.records(), _identity(), self.machine)
         errors = self.channel.errors[-10:]
         if self.channel.dropped_processes:
             errors.append(f"{self.channel.dropped_processes} child processes not recorded (limit reached)")

@@ -92,13 +92,15 @@ def _int(value: str | None) -> int | None:
         return None
 
 
-def physical_gpu(cuda_index: int, visible: str | None) -> int:
-    """The host's GPU number behind CUDA device ``cuda_index`` (CUDA_VISIBLE_DEVICES renumbers them)."""
-    if visible:
-        listed = [item.strip() for item in visible.split(",") if item.strip()]
-        if cuda_index < len(listed) and listed[cuda_index].isdigit():
-            return int(listed[cuda_index])
-    return cuda_index
+def physical_gpu(cuda_index: int, visible: str | None) -> int | None:
+    """The host's GPU number behind CUDA device ``cuda_index`` (CUDA_VISIBLE_DEVICES renumbers them);
+    None where CUDA_VISIBLE_DEVICES names GPUs by UUID (the watch matches the device's UUID then)."""
+    if not visible:
+        return cuda_index
+    listed = [item.strip() for item in visible.split(",") if item.strip()]
+    if cuda_index < len(listed) and listed[cuda_index].isdigit():
+        return int(listed[cuda_index])
+    return None
 
 
 def update_identity(ident: dict[str, Any]) -> dict[str, Any]:
@@ -117,7 +119,9 @@ def update_identity(ident: dict[str, Any]) -> dict[str, Any]:
     torch = sys.modules.get("torch")
     with contextlib.suppress(Exception):
         if torch is not None and torch.cuda.is_initialized():
-            ident["gpu"] = physical_gpu(torch.cuda.current_device(), env.get("CUDA_VISIBLE_DEVICES"))
+            index = torch.cuda.current_device()
+            ident["gpu"] = physical_gpu(index, env.get("CUDA_VISIBLE_DEVICES"))
+            ident["gpu_uuid"] = str(torch.cuda.get_device_properties(index).uuid)
     ident.setdefault("gpu", None)
     return ident
 

@@ -27,6 +27,7 @@ from typing import Any, cast
 from gpuwidget.advice.summary import percentiles, primary_loader
 from gpuwidget.children.channel import ChildRecord
 from gpuwidget.facts import Summary, WorkloadFacts
+from gpuwidget.sources.nvml import uuid_key
 
 PER_STEP_LISTS = ("step_times", "wait_times")
 PUBLIC_KEYS = ("rank", "pid", "gpu", "steps", "samples_per_s", "data_wait_fraction",
@@ -63,7 +64,18 @@ def progress_figures(progress: Mapping[str, Any], step_times: Sequence[float]) -
             "step_time_p50_s": p50, "step_time_p95_s": p95, "loop_time_s": loop_time}
 
 
-def child_entry(record: ChildRecord) -> dict[str, Any] | None:
+def watch_gpu(identity: Mapping[str, Any], machine: Mapping[str, Any] | None) -> int | None:
+    """The process's GPU in the watch's numbering: by its device's UUID where NVML listed it, else as it said."""
+    uuid = identity.get("gpu_uuid")
+    if uuid:
+        for gpu in (machine or {}).get("gpus") or []:
+            if gpu.get("uuid") and gpu.get("index") is not None and uuid_key(gpu["uuid"]) == uuid_key(str(uuid)):
+                return int(gpu["index"])
+    gpu = identity.get("gpu")
+    return gpu if isinstance(gpu, int) else None
+
+
+def child_entry(record: ChildRecord, machine: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
     """The rank entry of one child, or None when it did not train (a launcher, a helper, a loader's worker)."""
     ident = record.identity
     if record.workload is not None and loop_figures(record.workload)["steps"]:
@@ -74,7 +86,7 @@ def child_entry(record: ChildRecord) -> dict[str, Any] | None:
         return None
     workload = record.workload or {}
     return {"rank": ident.get("rank"), "local_rank": ident.get("local_rank"), "world_size": ident.get("world_size"),
-            "pid": record.pid, "gpu": ident.get("gpu"), **figures,
+            "pid": record.pid, "gpu": watch_gpu(ident, machine), **figures,
             "loaders": list(workload.get("loaders") or []), "model": workload.get("model"),
             "cuda": workload.get("cuda"), "host": dict(record.host), "finished": record.finished,
             "argv": ident.get("argv")}
@@ -94,13 +106,16 @@ def _order(entry: Mapping[str, Any]) -> tuple[bool, int, int]:
     return (rank is None, rank if isinstance(rank, int) else 0, int(entry.get("pid") or 0))
 
 
-def merge(workload: WorkloadFacts, records: Iterable[ChildRecord], identity: Mapping[str, Any]) -> WorkloadFacts:
+def merge(workload: WorkloadFacts, records: Iterable[ChildRecord], identity: Mapping[str, Any],
+          machine: Mapping[str, Any] | None = None) -> WorkloadFacts:
     """``workload`` with ``ranks``; the busiest child's loaders, model and CUDA facts if the watch's own
     process did not train (``trained_in`` then names that child)."""
     merged = cast(dict[str, Any], dict(workload))
-    children = sorted((entry for record in records if (entry := child_entry(record)) is not None), key=_order)
+    children = sorted((entry for record in records if (entry := child_entry(record, machine)) is not None),
+                      key=_order)
     own_trained = bool(loop_figures(workload)["steps"])
-    entries = ([own_entry(workload, identity, {})] if own_trained else []) + children
+    own = {**identity, "gpu": watch_gpu(identity, machine)}
+    entries = ([own_entry(workload, own, {})] if own_trained else []) + children
     if not entries:
         return workload
     merged["ranks"] = entries
