@@ -125,6 +125,7 @@ def test_ctrl_c_reaches_the_command_and_still_yields_a_report(train_script, tmp_
     (["--bogus", "--"], "unknown option '--bogus'"),
     (["--gpus", "x", "--"], "--gpus: expected GPU numbers"),
     (["--view", "bogus", "--"], "--view: expected one of auto, bokeh, static, none"),
+    (["--gpus", "99", "--"], "--gpus: there is no GPU 99 here"),  # found when the watch starts
 ])
 def test_bad_options_exit_2_with_one_line_before_the_command_runs(args, message, tmp_path):
     marker = tmp_path / "ran"
