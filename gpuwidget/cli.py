@@ -100,7 +100,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     status, run = watch_command(command, watch, options)
     if not options.quiet:
-        print(run_text(run), flush=True)
+        with contextlib.suppress(BrokenPipeError):  # `gpuwatch ... | head`: the reader left early
+            print(run_text(run), flush=True)
         if options.save:
             print(f"gpuwatch: run saved to {options.save}", file=sys.stderr)
         if options.tune:
