@@ -30,6 +30,16 @@ train_ds = Slow()
 train_loader = DataLoader(train_ds, batch_size=16)
 """
 
+LONG_LOADER = """
+class Long(Slow):
+    def __len__(self):
+        return 4000
+
+train_loader = DataLoader(Long(), batch_size=16)
+import gpuwidget.measure.tuner as tuner
+tuner.DEFAULT_BUDGET_S = 3.0
+"""
+
 
 @pytest.fixture(scope="module")
 def kernel() -> Iterator[object]:
@@ -124,3 +134,30 @@ def test_measure_button_has_a_fallback_and_is_replaced_when_the_next_cell_runs(k
     # Only once: a later cell sends nothing for it.
     _, later = run_cell(kernel, "2 + 2")
     assert not [m for m in later if m["msg_type"] == "update_display_data"]
+
+
+def test_measure_click_replaces_the_button_with_the_measured_table(kernel):
+    # A dataset long enough for the tuner's trials, a budget short enough for a test.
+    reply, _ = run_cell(kernel, STARVED_LOADER + LONG_LOADER)
+    assert reply["content"]["status"] == "ok"
+    _, messages = run_cell(kernel, "%%gpuwatch --no-live\nfor _, (x, y) in zip(range(6), train_loader):\n"
+                                   "    time.sleep(0.001)")
+    (offer,) = [m for m in messages if m["msg_type"] == "display_data" and WIDGET_VIEW in m["content"]["data"]]
+    (button,) = [m["content"]["comm_id"] for m in messages if m["msg_type"] == "comm_open"
+                 and m["content"]["data"]["state"].get("_model_name") == "ButtonModel"]
+    # A click, as the front-end sends it once the cell is done.
+    click = kernel.session.msg("comm_msg", {"comm_id": button, "data": {"method": "custom",
+                                                                          "content": {"event": "click"}}})
+    kernel.shell_channel.send(click)
+    replaced = None
+    while replaced is None:
+        msg = kernel.get_iopub_msg(timeout=60)
+        if (msg["msg_type"] == "update_display_data"
+                and msg["content"]["transient"]["display_id"] == offer["content"]["transient"]["display_id"]):
+            replaced = msg
+    data = replaced["content"]["data"]
+    assert WIDGET_VIEW not in data and "gpuwidget-tune" in data["text/html"]
+    assert "num_workers" in data["text/plain"]
+    # Nothing is left for the next cell to retire.
+    _, after = run_cell(kernel, "3 + 3")
+    assert not [m for m in after if m["msg_type"] == "update_display_data"]
