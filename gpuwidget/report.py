@@ -260,9 +260,19 @@ def run_text(run: Run) -> str:
 
 SEVERITY_LABEL = {"critical": "critical", "warn": "warning", "info": "info"}
 SEVERITY_ICON = {"critical": "\u2716", "warn": "\u25b2", "info": "\u2139"}  # heavy x, triangle, info sign
-_MUTED = "var(--jp-ui-font-color2,#808080)"
-_BORDER = "var(--jp-border-color2,rgba(128,128,128,.35))"
-_CODE_BACKGROUND = "var(--jp-layout-color2,rgba(128,128,128,.14))"
+
+
+def _themed(prop: str, variable: str, fallback: str, template: str = "{}") -> str:
+    """``prop`` following a JupyterLab variable, after a literal copy of it: a sanitizer drops
+    declarations with var() and keeps the literal one, and front-ends without the variable
+    use the fallback. ``template`` places the colour in a longer value ("1px solid {}")."""
+    return f"{prop}:{template.format(fallback)};{prop}:{template.format(f'var({variable},{fallback})')}"
+
+
+_MUTED = _themed("color", "--jp-ui-font-color2", "#808080")
+_BORDER = _themed("border", "--jp-border-color2", "rgba(128,128,128,.35)", "1px solid {}")
+_RULE_BELOW = _themed("border-bottom", "--jp-border-color2", "rgba(128,128,128,.35)", "1px solid {}")
+_CODE_BACKGROUND = _themed("background", "--jp-layout-color2", "rgba(128,128,128,.14)")
 
 # Only in trusted output (a sanitizer drops <style> with its content). Scoped to the run's panel
 # and to a finding shown on its own (both carry data-gpuwidget).
@@ -296,7 +306,7 @@ _COPY_JS = (
 
 _STYLE = (
     "font-family:var(--jp-ui-font-family,-apple-system,Segoe UI,sans-serif);font-size:13px;"
-    f"border:1px solid {_BORDER};border-radius:6px;padding:10px 12px;max-width:900px;"
+    f"{_BORDER};border-radius:6px;padding:10px 12px;max-width:900px;"
     "box-sizing:border-box"
 )
 
@@ -315,12 +325,12 @@ def code_html(code: str, label: str = "Change") -> str:
     return (
         "<div class='gpuwidget-change' style='margin:6px 0 2px 0'>"
         "<div style='display:flex;align-items:center;flex-wrap:wrap;margin-bottom:3px'>"
-        f"<span style='font-size:12px;color:{_MUTED};margin-right:10px'>{html.escape(label)}</span>"
+        f"<span style='font-size:12px;{_MUTED};margin-right:10px'>{html.escape(label)}</span>"
         "<button type='button' class='gpuwidget-copy' data-copy='code' style='display:none' "
         f"aria-label='Copy the code of this change' onclick=\"{html.escape(_COPY_JS)}\">Copy</button>"
         "<span class='gpuwidget-copied' role='status' aria-live='polite' "
         "style='font-size:12px;margin-left:8px'></span></div>"
-        f"<pre class='gpuwidget-code' style='background:{_CODE_BACKGROUND};padding:6px 8px;margin:0;"
+        f"<pre class='gpuwidget-code' style='{_CODE_BACKGROUND};padding:6px 8px;margin:0;"
         "border-radius:4px;white-space:pre-wrap;word-break:normal;overflow-wrap:anywhere;overflow-x:auto'>"
         f"<code style='background:transparent;color:inherit;padding:0'>{html.escape(code)}</code></pre></div>")
 
@@ -334,7 +344,7 @@ def finding_html(finding: Finding, standalone: bool = True) -> str:
         f"data-severity='{html.escape(finding.severity)}' role='group' aria-label='{html.escape(finding.title)}' "
         f"style='border-left:4px solid {color};padding:4px 10px;margin:8px 0'>",
         f"<div>{severity_badge(finding.severity)}<b>{html.escape(finding.title)}</b> "
-        f"<span class='gpuwidget-rule' style='font-family:monospace;font-size:11px;color:{_MUTED}'>"
+        f"<span class='gpuwidget-rule' style='font-family:monospace;font-size:11px;{_MUTED}'>"
         f"{html.escape(finding.rule)}</span>",
     ]
     if finding.expected_speedup is not None:
@@ -343,7 +353,7 @@ def finding_html(finding: Finding, standalone: bool = True) -> str:
     if finding.suggestion:
         parts.append(f"<div style='margin:4px 0'>{html.escape(finding.suggestion)}</div>")
     if finding.evidence:
-        parts.append(f"<div style='font-size:12px;color:{_MUTED}'>evidence: " + ", ".join(
+        parts.append(f"<div style='font-size:12px;{_MUTED}'>evidence: " + ", ".join(
             f"{html.escape(str(k))} = {html.escape(_short(v))}" for k, v in finding.evidence.items()) + "</div>")
     if finding.code:
         parts.append(code_html(finding.code))
@@ -356,7 +366,7 @@ def finding_html(finding: Finding, standalone: bool = True) -> str:
 def run_html(run: Run) -> str:
     cards = "".join(
         "<div style='display:inline-block;margin:0 18px 6px 0;vertical-align:top'>"
-        f"<div style='font-size:11px;color:{_MUTED}'>{html.escape(label)}</div>"
+        f"<div style='font-size:11px;{_MUTED}'>{html.escape(label)}</div>"
         f"<div style='font-size:17px;font-weight:600'>{html.escape(value)}</div></div>"
         for label, value in headline(run)
     )
@@ -394,11 +404,11 @@ def ranks_html(run: Run) -> str:
     rows = rank_rows(run)
     if not rows:
         return ""
-    cell = f"style='padding:1px 10px 1px 0;text-align:right;border-bottom:1px solid {_BORDER}'"
+    cell = f"style='padding:1px 10px 1px 0;text-align:right;{_RULE_BELOW}'"
     head = "".join(f"<th scope='col' {cell}>{html.escape(c)}</th>" for c in RANK_COLUMNS)
     body = "".join("<tr>" + "".join(f"<td {cell}>{html.escape(v)}</td>" for v in row) + "</tr>" for row in rows)
     return (f"<table class='gpuwidget-ranks' style='font-size:12px;border-collapse:collapse;margin:2px 0 8px 0'>"
-            f"<caption style='text-align:left;color:{_MUTED}'>Training processes</caption>"
+            f"<caption style='text-align:left;{_MUTED}'>Training processes</caption>"
             f"<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")
 
 
