@@ -5,12 +5,19 @@ It measures the event loop's scheduling lag (a callback due every 10 ms) while i
 writes as JSON to OUT when it receives SIGTERM: the lags (seconds, with the wall time each was
 measured at), the number of stream subscribers every 0.25 s, and when each stream socket whose
 URL names a ``client`` opened and closed. With HISTORY_S the server starts with that much history.
+
+For a side-by-side baseline the server also has ``/bench/ws?bytes=N``: a websocket made only of
+Jupyter's own parts (``JupyterHandler``, ``WebSocketMixin``, ``@ws_authenticated``), which sends a
+small hello and then N prebuilt bytes (one shared text), as the stream sends its hello and history.
+With ``GPUWIDGET_BENCH_PROFILE=PATH`` the event loop's thread is profiled (cProfile) into PATH.
 """
 
 from __future__ import annotations
 
 import array
+import cProfile
 import json
+import os
 import signal
 import sys
 import time
@@ -49,6 +56,37 @@ def record_stream_events(events: list[tuple[str, str, float]]) -> None:
     StreamHandler.on_close = on_close  # type: ignore[method-assign]
 
 
+def add_baseline_route(app: object) -> None:
+    """``/bench/ws?bytes=N``: Jupyter's websocket machinery alone, sending a hello and N shared bytes."""
+    from jupyter_server.auth.decorator import ws_authenticated
+    from jupyter_server.base.handlers import JupyterHandler
+    from jupyter_server.base.websocket import WebSocketMixin
+    from jupyter_server.utils import url_path_join
+    from tornado.websocket import WebSocketHandler
+
+    payloads: dict[int, bytes] = {}
+
+    class BaselineHandler(WebSocketMixin, WebSocketHandler, JupyterHandler):  # type: ignore[misc]
+        @ws_authenticated
+        async def get(self, *args: object, **kwargs: object) -> None:
+            await super().get(*args, **kwargs)
+
+        def open(self, *args: object, **kwargs: object) -> None:  # type: ignore[override]
+            super().open(*args, **kwargs)
+            size = int(self.get_query_argument("bytes", "0"))
+            payload = payloads.get(size)
+            if payload is None:
+                payload = payloads[size] = b'{"type":"history","pad":"' + b"7" * max(0, size - 28) + b'"}'
+            self.write_message('{"type":"hello"}')
+            self.write_message(payload)
+
+        def on_message(self, message: object) -> None:
+            pass
+
+    web_app = app.web_app  # type: ignore[attr-defined]
+    web_app.add_handlers(".*$", [(url_path_join(web_app.settings["base_url"], "/bench/ws"), BaselineHandler)])
+
+
 def main() -> None:
     port, token, gpus, interval, out = sys.argv[1:6]
     history_s = float(sys.argv[6]) if len(sys.argv) > 6 else 0.0
@@ -69,6 +107,7 @@ def main() -> None:
             fill_history(monitor, history_s, float(interval))
         events: list[tuple[str, str, float]] = []
         record_stream_events(events)
+        add_baseline_route(app)
         # Raw doubles in one growing buffer: a float object per reading, made throughout a run,
         # would pin the allocator's pages among the server's and skew its RSS figures.
         lags = array.array("d")
@@ -86,13 +125,21 @@ def main() -> None:
         PeriodicCallback(lambda: subscribers.append((time.time(), monitor.subscribers)),
                          SUBSCRIBERS_PERIOD_S * 1000).start()
 
+        profile_path = os.environ.get("GPUWIDGET_BENCH_PROFILE")
+        profiler = cProfile.Profile() if profile_path else None
+
         def finish(*_: object) -> None:
+            if profiler is not None:
+                profiler.disable()
+                profiler.dump_stats(profile_path)
             with open(out, "w") as fh:
                 json.dump({"lags": lags.tolist(), "lag_times": lag_times.tolist(), "subscribers": subscribers,
                            "events": events}, fh)
             IOLoop.current().add_callback_from_signal(app.stop)
 
         signal.signal(signal.SIGTERM, finish)
+        if profiler is not None:
+            profiler.enable()
         app.start()
 
 

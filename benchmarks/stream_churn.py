@@ -11,7 +11,12 @@ the server), its RSS before, at peak and once every client has gone, and how lon
 stalled client stayed subscribed. Targets: lag p99 < 10 ms, RSS back within 20 MB of the
 start, every stalled client closed within 60 s.
 
-    .venv/bin/python benchmarks/stream_churn.py [--pause S] [--quick] [--json PATH]
+Baselines for the same churn (``--endpoint``): ``jupyter`` connects the tabs to a websocket made
+of Jupyter's own parts alone (authentication, handshake, ping, close) that sends a small hello and
+a small second message; ``jupyter-history`` has it send, as the second message, prebuilt bytes as
+long as the stream's history. What the stream costs beyond the second is gpuwidget's own.
+
+    .venv/bin/python benchmarks/stream_churn.py [--pause S] [--endpoint E] [--quick] [--json PATH]
 """
 
 from __future__ import annotations
@@ -40,9 +45,15 @@ SETTLE_S = 75.0
 # ...and at least this long after the last tab left: the server hands freed memory back 20 s
 # after it went idle (gpuwidget.server.monitor.TRIM_AFTER_IDLE_S), once closed sockets are gone.
 AFTER_S = 25.0
+# Before the tabs come, the server's CPU is read this long with only the stalled clients: what it
+# spends per second whoever connects (the sampler, pings), taken out of the cost per connection.
+IDLE_S = 5.0
 # The sidebar spreads its retries by +-20% so that tabs do not reconnect in step.
 JITTER = 0.2
 RSS_PERIOD_S = 0.5
+
+
+ENDPOINTS = ("stream", "jupyter", "jupyter-history")
 
 
 def stream_path(label: str | None = None) -> str:
@@ -50,14 +61,36 @@ def stream_path(label: str | None = None) -> str:
     return f"/gpuwidget/api/stream?token={TOKEN}" + (f"&client={label}" if label else "")
 
 
-async def tab(port: int, index: int, cycles: int, pause_s: float, sizes: list[int]) -> None:
+def baseline_path(size: int) -> str:
+    """The Jupyter-only websocket of _server_under_load.py, sending a hello and ``size`` bytes."""
+    return f"/bench/ws?token={TOKEN}&bytes={size}"
+
+
+async def cpu_rate(process: psutil.Process, seconds: float) -> float:
+    """The server's CPU seconds per second over ``seconds`` (its sampler, the stalled clients' pings)."""
+    before = sum(process.cpu_times()[:2])
+    await asyncio.sleep(seconds)
+    return (sum(process.cpu_times()[:2]) - before) / seconds
+
+
+async def history_size(port: int) -> int:
+    """Bytes of the history the stream sends a new tab now."""
+    from tornado.websocket import websocket_connect
+
+    ws = await websocket_connect(f"ws://127.0.0.1:{port}{stream_path()}", max_message_size=64 * 2**20)
+    await ws.read_message()
+    history = await ws.read_message()
+    ws.close()
+    return len(history or "")
+
+
+async def tab(port: int, index: int, cycles: int, pause_s: float, sizes: list[int], path: str) -> None:
     from tornado.websocket import websocket_connect
 
     for cycle in range(cycles):
         if cycle and pause_s:
             await asyncio.sleep(pause_s * random.uniform(1 - JITTER, 1 + JITTER))
-        ws = await websocket_connect(f"ws://127.0.0.1:{port}{stream_path()}",
-                                     max_message_size=64 * 2**20)
+        ws = await websocket_connect(f"ws://127.0.0.1:{port}{path}", max_message_size=64 * 2**20)
         hello = await ws.read_message()
         history = await ws.read_message()
         assert isinstance(hello, str) and hello.startswith('{"type":"hello"'), hello
@@ -67,7 +100,8 @@ async def tab(port: int, index: int, cycles: int, pause_s: float, sizes: list[in
 
 
 async def churn(port: int, tabs: int, cycles: int, stalled: int, settle_s: float, process: psutil.Process,
-                rss: list[tuple[float, int]], pause_s: float = 0.0) -> dict[str, Any]:
+                rss: list[tuple[float, int]], pause_s: float = 0.0, endpoint: str = "stream",
+                size: int = 0) -> dict[str, Any]:
     """Run the tabs beside the stalled clients, then wait for the server to let go of everything.
 
     That is ``settle_s`` from the start (or nothing, for 0) and at least :data:`AFTER_S` after the last tab left.
@@ -77,12 +111,15 @@ async def churn(port: int, tabs: int, cycles: int, stalled: int, settle_s: float
             rss.append((time.time(), process.memory_info().rss))
             await asyncio.sleep(RSS_PERIOD_S)
 
+    path = stream_path() if endpoint == "stream" else \
+        baseline_path((size or await history_size(port)) if endpoint == "jupyter-history" else 0)
     watcher = asyncio.ensure_future(watch_rss())
     frozen = [await RawClient.connect(port, stream_path(f"stalled-{n}"), receive_buffer=4096) for n in range(stalled)]
+    idle_cpu = await cpu_rate(process, IDLE_S)
     sizes: list[int] = []
-    started = time.time()
-    await asyncio.gather(*(tab(port, n, cycles, pause_s, sizes) for n in range(tabs)))
-    ended = time.time()
+    started, cpu_before = time.time(), sum(process.cpu_times()[:2])
+    await asyncio.gather(*(tab(port, n, cycles, pause_s, sizes, path) for n in range(tabs)))
+    ended, cpu_s = time.time(), sum(process.cpu_times()[:2]) - cpu_before
     if settle_s:
         await asyncio.sleep(max(0.0, started + settle_s - time.time(), ended + AFTER_S - time.time()))
     watcher.cancel()
@@ -90,7 +127,7 @@ async def churn(port: int, tabs: int, cycles: int, stalled: int, settle_s: float
     for client in frozen:
         client.abort()
     return {"started": started, "ended": ended, "rss_end": rss_end, "history_bytes": float(np.median(sizes)),
-            "connections": len(sizes)}
+            "connections": len(sizes), "cpu_s": cpu_s, "idle_cpu": idle_cpu}
 
 
 def stalled_durations(events: list[list[Any]]) -> list[float]:
@@ -104,50 +141,64 @@ def stalled_durations(events: list[list[Any]]) -> list[float]:
 
 
 def main() -> None:
-    args = parse_args(__doc__.splitlines()[0], [("--pause", {"type": float, "default": 0.0,
-                                                              "help": "seconds a tab waits before reconnecting"})])
+    args = parse_args(__doc__.splitlines()[0], [
+        ("--pause", {"type": float, "default": 0.0, "help": "seconds a tab waits before reconnecting"}),
+        ("--endpoint", {"choices": ENDPOINTS, "default": "stream",
+                        "help": "the stream, or a Jupyter-only websocket as a baseline (see above)"}),
+        ("--cycles", {"type": int, "default": CYCLES, "help": "reconnects per tab"}),
+        ("--bytes", {"type": int, "default": 0,
+                     "help": "jupyter-history: bytes of its second message (default: the stream's history now)"}),
+        ("--settle", {"type": float, "default": SETTLE_S,
+                      "help": "seconds from the start before RSS is read (0: lag only, RSS and stalled not judged)"})])
     info = print_header("Server stream under churn: 50 tabs x 100 reconnects, 10 stalled clients, 8 fake GPUs, 1 h")
-    tabs, cycles, stalled, settle = (10, 5, 2, 0.0) if args.quick else (TABS, CYCLES, STALLED, SETTLE_S)
+    tabs, cycles, stalled, settle = (10, 5, 2, 0.0) if args.quick else (TABS, args.cycles, STALLED, args.settle)
     rss: list[tuple[float, int]] = []
     with server_under_load(GPUS, INTERVAL_S, HISTORY_S) as (port, server, report):
         process = psutil.Process(server.pid)
         time.sleep(2.0)  # start-up work settles
         rss_start = process.memory_info().rss
-        run = asyncio.run(churn(port, tabs, cycles, stalled, settle, process, rss, args.pause))
+        run = asyncio.run(churn(port, tabs, cycles, stalled, settle, process, rss, args.pause, args.endpoint,
+                                args.bytes))
     rss_end = run["rss_end"]
     lag_times = np.asarray(report.get("lag_times") or [np.nan])
     lags = np.asarray(report.get("lags") or [np.nan])
     during = lags[(lag_times >= run["started"]) & (lag_times <= run["ended"])]
     if not len(during):
         during = np.asarray([np.nan])
-    held = stalled_durations(report.get("events") or []) if not args.quick else []
+    held = stalled_durations(report.get("events") or []) if settle else []
     rss_peak = max(value for _, value in rss) if rss else rss_start
     grown_mb = (rss_end - rss_start) / 2**20
     seconds = run["ended"] - run["started"]
+    cpu_ms = 1e3 * (run["cpu_s"] - run["idle_cpu"] * seconds) / max(1, run["connections"])
     p50, p99, worst = (1e3 * float(np.percentile(during, q)) for q in (50, 99, 100))
     rows: list[list[Any]] = [
+        ["endpoint", args.endpoint],
         ["connections served (hello + history each)",
          f"{run['connections']} in {seconds:.1f} s ({run['connections'] / seconds:.0f}/s, pause {args.pause:g} s)"],
         ["history message (median bytes)", f"{run['history_bytes']:,.0f}"],
+        ["server CPU per connection, beyond its idle rate (ms, all threads)", f"{cpu_ms:.2f}"],
         ["event-loop lag p50 / p99 / max while churning (ms)", f"{p50:.2f} / {p99:.2f} / {worst:.2f}"],
         ["server RSS start / peak / after (MB)",
          f"{rss_start / 2**20:.0f} / {rss_peak / 2**20:.0f} / {rss_end / 2**20:.0f}"],
         ["stalled clients let go after (s, each)",
-         ", ".join(f"{s:.1f}" for s in held) if held else "not measured (--quick)"],
+         ", ".join(f"{s:.1f}" for s in held) if held else "not measured (no settling time)"],
     ]
     print()
     table(["figure", "value"], rows)
     verdicts = [
         verdict("event-loop lag p99 while 50 tabs churn", p99, 10.0, higher_is_better=False,
                 shown=f"{p99:.2f} ms", target_shown="10 ms"),
-        verdict("server RSS once every client left, over its start", grown_mb, 20.0, higher_is_better=False,
-                shown=f"{grown_mb:+.1f} MB", target_shown="20 MB"),
     ]
+    if settle:
+        verdicts.append(verdict("server RSS once every client left, over its start", grown_mb, 20.0,
+                                higher_is_better=False, shown=f"{grown_mb:+.1f} MB", target_shown="20 MB"))
     if held:
         verdicts.append(verdict("longest a stalled client stayed subscribed", max(held), STALLED_LIMIT_S,
                                 higher_is_better=False, shown=f"{max(held):.1f} s", target_shown="60 s"))
-    write_json(args.json, {"machine": info, "tabs": tabs, "cycles": cycles, "stalled": stalled, "pause_s": args.pause,
+    write_json(args.json, {"machine": info, "endpoint": args.endpoint, "tabs": tabs, "cycles": cycles,
+                           "stalled": stalled, "pause_s": args.pause,
                            "connections": run["connections"], "seconds": seconds,
+                           "cpu_ms_per_connection": cpu_ms, "idle_cpu_s_per_s": run["idle_cpu"],
                            "history_bytes": run["history_bytes"],
                            "lag_ms": {"p50": p50, "p99": p99, "max": worst},
                            "rss_mb": {"start": rss_start / 2**20, "peak": rss_peak / 2**20, "end": rss_end / 2**20},
