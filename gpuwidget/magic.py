@@ -108,6 +108,11 @@ def check_cell_syntax(lines: list[str]) -> list[str]:
     return lines
 
 
+# It caches the cell's source: IPython skips it when only asked whether a cell is complete
+# (a console typing a %%gpuwatch cell), where an unfinished body is not yet an error.
+check_cell_syntax.has_side_effects = True  # type: ignore[attr-defined]
+
+
 def _cell_number(shell: Any) -> int:
     """The running cell's number: IPython counts it up before running a cell it stores."""
     info = getattr(shell, "_gpuwidget_cell_info", None)

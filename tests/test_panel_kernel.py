@@ -161,3 +161,11 @@ def test_measure_click_replaces_the_button_with_the_measured_table(kernel):
     # Nothing is left for the next cell to retire.
     _, after = run_cell(kernel, "3 + 3")
     assert not [m for m in after if m["msg_type"] == "update_display_data"]
+
+
+def test_an_unfinished_watched_cell_is_incomplete_not_an_error_while_typed(ip):
+    # A console asks whether the cell is complete while it is typed: an open bracket is
+    # "keep typing", as in any cell, not a syntax error.
+    assert ip.input_transformer_manager.check_complete("%%gpuwatch\nx = (\n")[0] == "incomplete"
+    result = ip.run_cell("%%gpuwatch --no-live\nx = (\n")
+    assert isinstance(result.error_before_exec, SyntaxError) and result.error_in_exec is None
