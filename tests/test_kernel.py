@@ -88,8 +88,9 @@ def test_bokehjs_goes_inline_once_per_kernel_then_only_a_small_reload_guard(kern
     for message in scripts:
         assert message["content"]["metadata"]["gpuwidget"]["loader"] == "server"
         code = message["content"]["data"]["application/javascript"]
-        # A few hundred bytes asking this Jupyter server, never a CDN.
-        assert len(code) < 2000
+        # A few hundred bytes asking this Jupyter server, never a CDN (plus the live plot's page
+        # side, gpuwidget.ui.live.CLIENT_JS, about 1.1 kB).
+        assert len(code) < 4000
         assert "http" not in code and "gpuwidget/static/bokeh-" in code
 
 

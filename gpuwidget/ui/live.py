@@ -68,14 +68,17 @@ CLIENT_JS = re.sub(r"\s*([-+{}()\[\];,=:|&!?<>])\s*", r"\1", """(function () {
   var B = window.Bokeh;
   if (!B || !B.require) { return; }
   var D = B.require("document").Document.prototype;
-  if (D.gpuwidgetOneWay) { return; }
+  if (D.gpuwidget) { return; }
   var add = D.on_change;
-  D.gpuwidgetOneWay = true;
-  D.on_change = function (listener, batches) {
-    if (batches || !this.roots().some(function (r) { return r.tags.indexOf(__TAG__) >= 0; })) {
-      return add.call(this, listener, batches);
+  D.gpuwidget = true;
+  D.on_change = function (f, batch) {
+    if (batch || !this.roots().some(function (r) { return (r.tags || []).indexOf(__TAG__) >= 0; })) {
+      return add.call(this, f, batch);
     }
-    if (!this.themed) { this.themed = true; theme(this); }
+    if (!this.themed) {
+      this.themed = true;
+      try { theme(this); } catch (e) { console.warn("gpuwidget theme", e); }
+    }
   };
   function theme(doc) {
     var style = getComputedStyle(document.body);
