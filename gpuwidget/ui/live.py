@@ -62,8 +62,8 @@ LIVE_TAG = "gpuwidget-live"
 # Runs in the page before each live plot is shown (idempotent): jupyter_bokeh's listener (the
 # one that talks to the kernel: BokehJS's own take batches) is not added to a live plot's
 # document, and the plot gets the theme's colours, read once from JupyterLab's CSS variables
-# (a canvas cannot follow them). Sent with every BokehJS loader, so kept short (spaces around
-# punctuation dropped: it has no string with spaces in it).
+# (a canvas cannot follow them). Sent with every BokehJS loader, so kept short (spaces next to
+# punctuation dropped: none of its strings has one).
 CLIENT_JS = re.sub(r"\s*([-+{}()\[\];,=:|&!?<>])\s*", r"\1", """(function () {
   var B = window.Bokeh;
   if (!B || !B.require) { return; }
