@@ -1,4 +1,6 @@
-"""In a real JupyterLab and browser: the live plot under a watched cell grows while the cell runs."""
+"""In a real JupyterLab and browser: the live plot under a watched cell grows while the cell runs,
+keeps the kernel "Busy" and the page free of stderr and comm errors, follows the dark theme; the
+widget-free view (--view static) is redrawn in place and shows its chart."""
 
 from __future__ import annotations
 
