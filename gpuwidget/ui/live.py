@@ -321,7 +321,7 @@ class LiveView:
 
     def _header_html(self, elapsed: float, last: dict[str, float]) -> str:
         parts = [f"<b>gpuwidget</b> · watching {html.escape(self.label)} · {elapsed:5.1f} s"]
-        figures = [html.escape(part) for part in status_parts(elapsed, last, self._gpus, self._gpu_message)]
+        figures = [html.escape(part) for part in status_parts(last, self._gpus, self._gpu_message)]
         if not self._gpus:  # the no-GPU notice stands out
             figures[0] = f"<span style='color:#b35c00'>{figures[0]}</span>"
         parts += figures

@@ -49,7 +49,7 @@ TEXT_COLOR = "#888"  # reads on light and dark backgrounds alike
 HEADER_CHARS = 108  # what fits the width at 11 px (the text line has it all)
 
 
-def status_parts(elapsed: float, last: dict[str, float], gpus: list[int], gpu_message: str | None) -> list[str]:
+def status_parts(last: dict[str, float], gpus: list[int], gpu_message: str | None) -> list[str]:
     """The running figures after the title: per GPU its utilisation and memory, then the host CPU."""
     parts = []
     if gpus:
@@ -135,7 +135,7 @@ class StaticView:
         values = last[1] if last else {}
         elapsed = self.trace.now()
         title = " ".join(["gpuwidget · watching", *([self.label] if self.label else []), f"· {elapsed:.1f} s"])
-        line = " | ".join([title, *status_parts(elapsed, values, self._gpus, self._gpu_message)])
+        line = " | ".join([title, *status_parts(values, self._gpus, self._gpu_message)])
         return {"image/svg+xml": self.svg(line), "text/plain": line}
 
     def svg(self, header: str) -> str:
