@@ -12,6 +12,7 @@ front-end, ``bokeh`` elsewhere:
   for Python kernels; ``VSCODE_PID``/``VSCODE_CWD`` come from its extension host). A
   server started from VS Code's terminal carries ``VSCODE_*`` too, with
   ``TERM_PROGRAM=vscode``: its kernels serve a browser, so that alone does not count.
+  (``JPY_PARENT_PID`` says nothing: jupyter_client sets it for every kernel it starts.)
 * Colab renders only widgets its own manager knows (custom ones need
   ``output.enable_custom_widget_manager()``); its kernel imports ``google.colab`` at start
   and runs with ``COLAB_*`` variables set.
