@@ -152,7 +152,7 @@ class StaticView:
 
         parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{HEIGHT}" '
                  f'viewBox="0 0 {WIDTH} {HEIGHT}" font-family="sans-serif" font-size="10" fill="{TEXT_COLOR}">',
-                 f'<text x="0" y="11" font-size="11">{html.escape(_fit(header, HEADER_CHARS))}</text>']
+                 f'<text x="2" y="11" font-size="11">{html.escape(_fit(header, HEADER_CHARS))}</text>']
         for x0, x1 in self._wait_pixels(plot_w, x_scale):
             parts.append(f'<rect x="{LEFT + x0}" y="{TOP}" width="{x1 - x0}" height="{plot_h}" '
                          f'fill="{WAIT_COLOR}" fill-opacity="0.3"/>')
