@@ -84,6 +84,22 @@ def test_auto_is_static_where_widgets_cannot_work_and_bokeh_elsewhere():
     assert resolve_view("static", {}, {}) == "static"
 
 
+def test_a_bokeh_view_that_cannot_be_built_falls_back_to_the_static_one(ip, monkeypatch, caplog):
+    import gpuwidget.ui.live as live
+    from gpuwidget.ui.views import show_live_view
+
+    def broken(*args, **kwargs):
+        raise ImportError("No module named 'jupyter_bokeh'")
+
+    monkeypatch.setattr(live, "ensure_bokehjs", lambda: "server")
+    monkeypatch.setattr(live, "LiveView", broken)
+    view = show_live_view("bokeh", busy_trace(2.0, waits=2), {"gpus": [], "gpu_message": "no NVIDIA GPU found"})
+    assert isinstance(view, StaticView) and view.handle is not None
+    assert ("the Bokeh live plot is unavailable (No module named 'jupyter_bokeh'); showing the static view"
+            in caplog.text)
+    assert show_live_view("none", busy_trace(1.0, waits=0), {"gpus": []}) is None
+
+
 # ------------------------------------------------------------------ the chart
 
 
