@@ -33,6 +33,16 @@ CHROMIUM_ARGS = [
 ]
 FIXTURES = Path(__file__).parent / "fixtures"
 SCREENSHOTS = Path(__file__).resolve().parents[2] / "build" / "screenshots"
+DOCS_IMAGES = Path(__file__).resolve().parents[2] / "docs" / "images"
+
+
+def readme_image(name: str) -> Path:
+    """Where a screenshot the README shows goes: build/screenshots/ on a test run, docs/images/
+    when ``GPUWIDGET_README_IMAGES=1`` asks to refresh the README's (a test run leaves tracked
+    files alone)."""
+    folder = DOCS_IMAGES if os.environ.get("GPUWIDGET_README_IMAGES") == "1" else SCREENSHOTS
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder / name
 
 
 @dataclass

@@ -20,14 +20,13 @@ from pathlib import Path
 
 import pytest
 
-from conftest import CHROMIUM, SCREENSHOTS, wait_for
+from conftest import CHROMIUM, SCREENSHOTS, readme_image, wait_for
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import prom  # noqa: E402 - tests/prom.py, the real-Prometheus helpers
 
 pytestmark = pytest.mark.browser
 
-DOCS_IMAGES = Path(__file__).resolve().parents[2] / "docs" / "images"
 PANEL = ".jp-gpuwidget-sidebar"
 TAB = ".jp-SideBar .lm-TabBar-tab[data-id='gpuwidget-sidebar']"
 CLUSTER = ".jp-gpuwidget-cluster"
@@ -176,8 +175,7 @@ def test_cluster_section_shows_every_gpu_names_the_idle_ones_and_says_when_prome
     page.evaluate(SCREENSHOT_JS)
     page.locator(CLUSTER).scroll_into_view_if_needed()
     page.wait_for_timeout(500)
-    DOCS_IMAGES.mkdir(parents=True, exist_ok=True)
-    page.locator(CLUSTER).screenshot(path=str(DOCS_IMAGES / "sidebar-cluster.png"))
+    page.locator(CLUSTER).screenshot(path=str(readme_image("sidebar-cluster.png")))
 
     # Prometheus goes down: the section says so in words (the route's own), in a fresh page.
     prom.stop_process(cluster_setup.processes[-1])

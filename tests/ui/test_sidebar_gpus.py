@@ -7,7 +7,8 @@ keeps the fake driver's process list current: the first kernel started (a notebo
 memory on GPU 0, the server itself on GPU 1; and once the test creates the file ``hang-gpu`` in
 the server's root, GPU 5's memory query stops returning, as a GPU falling off the bus does.
 
-README screenshots (docs/images/sidebar-gpus*.png) are written by this test.
+README screenshots (docs/images/sidebar-gpus*.png) are refreshed by this test when
+``GPUWIDGET_README_IMAGES=1`` is set.
 """
 
 from __future__ import annotations
@@ -26,12 +27,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import CHROMIUM, SCREENSHOTS, Lab, _free_port, _wait_ready, wait_for
+from conftest import CHROMIUM, SCREENSHOTS, Lab, _free_port, _wait_ready, readme_image, wait_for
 
 pytestmark = pytest.mark.browser
 
 HERE = Path(__file__).resolve().parent
-DOCS_IMAGES = HERE.parents[1] / "docs" / "images"
 
 GPUS = 8
 # Each GPU's utilisation (percent): two idle ones, so the overview reads at a glance.
@@ -255,8 +255,7 @@ def test_eight_gpus_at_a_glance_folded_cards_and_the_keyboard(gpu_lab, page):
     widen_sidebar(page)
     page.locator(".jp-gpuwidget-card[data-device='gpu0'] .jp-gpuwidget-card-toggle").click()
     page.wait_for_timeout(1500)
-    DOCS_IMAGES.mkdir(parents=True, exist_ok=True)
-    page.locator(PANEL).screenshot(path=str(DOCS_IMAGES / "sidebar-gpus.png"))
+    page.locator(PANEL).screenshot(path=str(readme_image("sidebar-gpus.png")))
     light = page.evaluate("getComputedStyle(document.querySelector('.jp-gpuwidget-overview-table')).color")
     page.evaluate("window.jupyterapp.commands.execute('apputils:change-theme', {theme: 'JupyterLab Dark'})")
     wait_for(lambda: page.evaluate("document.body.dataset.jpThemeLight") == "false", 30,
@@ -264,7 +263,7 @@ def test_eight_gpus_at_a_glance_folded_cards_and_the_keyboard(gpu_lab, page):
     page.wait_for_timeout(1200)
     dark = page.evaluate("getComputedStyle(document.querySelector('.jp-gpuwidget-overview-table')).color")
     assert dark != light
-    page.locator(PANEL).screenshot(path=str(DOCS_IMAGES / "sidebar-gpus-dark.png"))
+    page.locator(PANEL).screenshot(path=str(readme_image("sidebar-gpus-dark.png")))
     page.evaluate("window.jupyterapp.commands.execute('apputils:change-theme', {theme: 'JupyterLab Light'})")
     problems = [m for m in page.console_messages if m.startswith(("error", "warning")) and "gpuwidget" in m]
     assert not problems, problems
