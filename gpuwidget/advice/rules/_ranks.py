@@ -25,7 +25,8 @@ def rank_label(rank: dict[str, Any]) -> str:
 
 def processes_with_models(summary: Summary, workload: WorkloadFacts) -> list[tuple[ModelFacts, float | None, str]]:
     """(model facts, median step time in s, who) for every process whose model the probes saw: each
-    rank's, and the watched process's own when it trained (it is not listed as a rank then)."""
+    rank's (the watched process's own entry among them when it trained beside children), or the
+    watched process's model alone in a single-process run."""
     found: list[tuple[ModelFacts, float | None, str]] = []
     for rank in ranks(workload):
         model = rank.get("model")
