@@ -381,30 +381,39 @@ class Watch:
 
 @contextmanager
 def _interrupts_held() -> Iterator[list[BaseException]]:
-    """Ctrl-C while the watch winds down is held until the end (the list gets it), then honoured.
+    """Ctrl-C while the watch winds down is held until the end, then honoured (the list gets what it raised).
 
     An interrupt in the middle of a step (stopping the sampler while a GPU read hangs) would skip
     the rest of it, and closing a source a thread is still reading then waits on that read: the cell
     would never end. Teardown is bounded (:data:`gpuwidget.sampler.STOP_DEADLINE_S`), so holding
-    the interrupt costs at most that. A second Ctrl-C in the same teardown raises at once.
+    the interrupt costs at most that. With Python's own handler (IPython kernels, scripts) it becomes
+    the KeyboardInterrupt, and a second Ctrl-C in the same teardown raises at once; a handler of the
+    caller's own (gpuwatch's, which forwards it to the command) is called with it afterwards.
     Only the main thread receives signals; elsewhere nothing is held.
     """
-    held: list[BaseException] = []
+    raised: list[BaseException] = []
+    pending: list[tuple[int, Any]] = []
     previous = signal.getsignal(signal.SIGINT) if threading.current_thread() is threading.main_thread() else None
     if not callable(previous):  # not the main thread, or a handler Python did not install
-        yield held
+        yield raised
         return
+    default = previous is signal.default_int_handler
 
     def hold(signum: int, frame: Any) -> None:
-        if held:
+        if pending and default:
             raise KeyboardInterrupt
-        held.append(KeyboardInterrupt())
+        pending.append((signum, frame))
 
     signal.signal(signal.SIGINT, hold)
     try:
-        yield held
+        yield raised
     finally:
         signal.signal(signal.SIGINT, previous)
+        for signum, frame in pending[:1] if default else pending:
+            try:
+                previous(signum, frame)
+            except BaseException as exc:  # noqa: BLE001 - returned, raised once the run is recorded
+                raised.append(exc)
 
 
 def _release(watch: Watch) -> None:

@@ -257,6 +257,48 @@ def test_ctrl_c_during_teardown_still_frees_the_kernel_for_the_next_watch(ip, mo
     assert again.success and ip.user_ns.pop("watched_again") == 1
 
 
+def _ctrl_c_as_the_sampler_stops(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real SIGINT to this process from inside Sampler.stop: Ctrl-C while the watch winds down."""
+    import os
+    import signal
+
+    stop = Sampler.stop
+
+    def interrupted_stop(self: Sampler, *args: Any, **kwargs: Any) -> None:
+        os.kill(os.getpid(), signal.SIGINT)
+        stop(self, *args, **kwargs)
+
+    monkeypatch.setattr(Sampler, "stop", interrupted_stop)
+
+
+def test_ctrl_c_while_winding_down_is_honoured_once_everything_is_released(monkeypatch):
+    _ctrl_c_as_the_sampler_stops(monkeypatch)
+    with pytest.raises(KeyboardInterrupt), gpuwidget.watch(interval=0.02, quiet=True):
+        pass
+    assert session._active is None and gpuwidget.last_run().outcome == "ok"  # recorded first
+
+
+def test_ctrl_c_while_winding_down_goes_to_the_callers_own_handler_afterwards(monkeypatch):
+    """gpuwatch's command line forwards Ctrl-C to its command: its handler gets it, nothing raises."""
+    import signal
+
+    _ctrl_c_as_the_sampler_stops(monkeypatch)
+    calls: list[int] = []
+
+    def forward(signum: int, frame: Any) -> None:
+        calls.append(signum)
+
+    previous = signal.signal(signal.SIGINT, forward)
+    try:
+        with gpuwidget.watch(interval=0.02, quiet=True):
+            pass
+        installed = signal.getsignal(signal.SIGINT)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert calls == [signal.SIGINT] and installed is forward  # called once, and its handler is back
+    assert session._active is None and gpuwidget.last_run().outcome == "ok"
+
+
 # ----------------------------------------------------------------- a failed cell's memory
 
 FAILING_CELL = """\
