@@ -26,10 +26,12 @@ import json
 import logging
 import math
 import os
-import tempfile
 import threading
 import time
+from pathlib import Path
 from typing import Any
+
+from gpuwidget.runfile import write_atomic
 
 log = logging.getLogger("gpuwidget")
 
@@ -126,16 +128,7 @@ class StatusWriter:
 
 def write_private(path: str, text: str) -> None:
     """Replace ``path`` atomically with ``text``, readable by its owner only (0600)."""
-    directory = os.path.dirname(path)
-    fd, temporary = tempfile.mkstemp(prefix=".gpuwidget-", dir=directory)  # mkstemp creates it 0600
-    try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
-        os.replace(temporary, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(temporary)
-        raise
+    write_atomic(Path(path), text, private=True)
 
 
 def read_status(path: str, not_before: float | None = None) -> dict[str, Any] | None:

@@ -61,19 +61,20 @@ def unwritable_reason(target: Path) -> str | None:
     return None
 
 
-def write_atomic(target: Path, text: str) -> None:
+def write_atomic(target: Path, text: str, *, private: bool = False) -> None:
     """Write ``text`` to ``target`` through a fresh temporary file beside it, then rename.
 
     ``mkstemp`` creates the temporary file with O_EXCL: it never opens an existing file
     or follows a link planted under its name, and two saves never share one. The rename
     replaces ``target`` itself (a link there is replaced, not followed), and a reader
-    sees the old file or the new one, never half of one.
+    sees the old file or the new one, never half of one. ``private`` keeps it readable by its
+    owner only (0600); otherwise it gets the mode any new file would.
     """
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, temporary = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
     try:
-        # mkstemp makes the file private (0600); a saved run gets the mode any new file would.
-        os.fchmod(fd, 0o666 & ~_umask())
+        if not private:  # mkstemp made it 0600
+            os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
             handle.write(text)
         os.replace(temporary, target)

@@ -24,6 +24,7 @@ import {
 } from './format';
 import { ClusterState } from './model';
 import { IClusterReply, Reading } from './protocol';
+import { element } from './dom';
 
 let nextId = 0;
 
@@ -36,19 +37,6 @@ function lastReading(values: Reading[]): number | null {
     }
   }
   return null;
-}
-
-function element<K extends keyof HTMLElementTagNameMap>(
-  tag: K,
-  className: string,
-  text?: string
-): HTMLElementTagNameMap[K] {
-  const node = document.createElement(tag);
-  node.className = className;
-  if (text !== undefined) {
-    node.textContent = text;
-  }
-  return node;
 }
 
 /** Paint one strip: a pixel per step, transparent where there is no reading. */

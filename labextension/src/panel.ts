@@ -42,6 +42,7 @@ import {
 } from './model';
 import { GpuOverview, OVERVIEW_MIN_GPUS, overviewRows } from './overview';
 import { IDeviceInfo, IProcessInfo } from './protocol';
+import { element } from './dom';
 
 export const PANEL_ID = 'gpuwidget-sidebar';
 
@@ -80,19 +81,6 @@ interface ICard {
   device: IDeviceInfo | null;
   charts: { chart: TimeChart; value: HTMLElement; host: HTMLElement }[];
   processes: HTMLElement | null;
-}
-
-function element<K extends keyof HTMLElementTagNameMap>(
-  tag: K,
-  className: string,
-  text?: string
-): HTMLElementTagNameMap[K] {
-  const node = document.createElement(tag);
-  node.className = className;
-  if (text !== undefined) {
-    node.textContent = text;
-  }
-  return node;
 }
 
 export class GpuPanel extends Widget {
