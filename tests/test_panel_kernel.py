@@ -1,6 +1,6 @@
 """The post-run panel as a real ipykernel sends it: after the cell's own output, naming the
-exception's type, a syntax error shown as IPython shows one, and a Measure button that leaves
-nothing behind that breaks once its widgets are gone."""
+exception's type, a syntax error shown as IPython shows one, and a Measure button that needs no
+widget (nothing in it breaks once its kernel is gone), served by the call its front-end sends."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import pytest
 pytestmark = pytest.mark.kernel
 
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+MEASURE = "application/vnd.gpuwidget.measure+json"
 
 STARVED_LOADER = """
 import time
@@ -113,54 +114,93 @@ def test_syntax_error_in_a_watched_cell_is_shown_like_any_syntax_error(kernel):
     assert reply["content"]["status"] == "ok"
 
 
-def test_measure_button_has_a_fallback_and_is_replaced_when_the_next_cell_runs(kernel):
+def measure_offer(messages: list[dict]) -> dict:
+    (offer,) = [m for m in messages if m["msg_type"] == "display_data" and MEASURE in m["content"]["data"]]
+    return offer
+
+
+def click_measure(kc, token: str, timeout: float = 60) -> list[dict]:
+    """What gpuwidget's front-end sends for a click: the call, silently, outside the history."""
+    from gpuwidget.ui.actions import CALL
+
+    msg_id = kc.execute(CALL.format(token=token), silent=True, store_history=False)
+    messages = []
+    while True:
+        msg = kc.get_iopub_msg(timeout=timeout)
+        if msg["parent_header"].get("msg_id") != msg_id:
+            continue
+        messages.append(msg)
+        if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+            return messages
+
+
+def ending(messages: list[dict]) -> dict:
+    (end,) = [m for m in messages if m["msg_type"] == "display_data"
+              and "gpuwidget" in m["content"].get("metadata", {})]
+    return end
+
+
+def test_measure_button_is_its_own_output_with_a_fallback_and_no_widget(kernel):
     reply, _ = run_cell(kernel, STARVED_LOADER)
     assert reply["content"]["status"] == "ok"
     _, messages = run_cell(kernel, "%%gpuwatch --no-live\nfor x, y in train_loader:\n    time.sleep(0.001)")
-    (offer,) = [m for m in messages if m["msg_type"] == "display_data" and WIDGET_VIEW in m["content"]["data"]]
-    data = offer["content"]["data"]
-    # What a front-end without the widget (sanitized, or no widget manager) shows instead.
+    data = measure_offer(messages)["content"]["data"]
+    # Nothing that needs the kernel to be displayed: no widget (no comm opened for it).
+    assert WIDGET_VIEW not in data and not [m for m in messages if m["msg_type"] == "comm_open"]
+    # What front-ends without gpuwidget's extension (or untrusted) show instead.
     assert "%%gpuwatch --tune" in data["text/plain"] and "%%gpuwatch --tune" in data["text/html"]
-    display_id = offer["content"]["transient"]["display_id"]
-    opened = {m["content"]["comm_id"] for m in messages if m["msg_type"] == "comm_open"}
-
+    offer = data[MEASURE]
+    assert re.fullmatch(r"[0-9a-f]{32}", offer["token"])
+    # The kernel's identity as a front-end sees it in the kernel's replies.
+    kernel.kernel_info()
+    info = kernel.get_shell_msg(timeout=10)
+    assert offer["kernel"] == info["header"]["session"]
+    # The next cell leaves the button alone (it stays measurable while this kernel runs).
     _, after = run_cell(kernel, "1 + 1")
-    (replaced,) = [m for m in after if m["msg_type"] == "update_display_data"
-                   and m["content"]["transient"]["display_id"] == display_id]
-    assert WIDGET_VIEW not in replaced["content"]["data"]
-    assert "run that cell again with %%gpuwatch --tune" in replaced["content"]["data"]["text/plain"]
-    closed = {m["content"]["comm_id"] for m in after if m["msg_type"] == "comm_close"}
-    assert opened and opened <= closed
-    # Only once: a later cell sends nothing for it.
-    _, later = run_cell(kernel, "2 + 2")
-    assert not [m for m in later if m["msg_type"] == "update_display_data"]
+    assert not [m for m in after if m["msg_type"] == "update_display_data"]
 
 
-def test_measure_click_replaces_the_button_with_the_measured_table(kernel):
+def test_measure_of_a_token_the_kernel_does_not_know_says_so(kernel):
+    messages = click_measure(kernel, "0" * 32)
+    end = ending(messages)
+    assert end["content"]["metadata"]["gpuwidget"] == {"measure": "gone"}
+    assert "needs the kernel that ran this cell" in end["content"]["data"]["text/plain"]
+    assert not end["content"].get("transient")
+    # Silent: nothing in the history, no execute_input or result for other front-ends to show.
+    assert not [m for m in messages if m["msg_type"] in ("execute_input", "execute_result", "error")]
+
+
+def test_measure_click_shows_progress_then_the_measured_table_under_the_offer(kernel):
     # A dataset long enough for the tuner's trials, a budget short enough for a test.
     reply, _ = run_cell(kernel, STARVED_LOADER + LONG_LOADER)
     assert reply["content"]["status"] == "ok"
     _, messages = run_cell(kernel, "%%gpuwatch --no-live\nfor _, (x, y) in zip(range(6), train_loader):\n"
                                    "    time.sleep(0.001)")
-    (offer,) = [m for m in messages if m["msg_type"] == "display_data" and WIDGET_VIEW in m["content"]["data"]]
-    (button,) = [m["content"]["comm_id"] for m in messages if m["msg_type"] == "comm_open"
-                 and m["content"]["data"]["state"].get("_model_name") == "ButtonModel"]
-    # A click, as the front-end sends it once the cell is done.
-    click = kernel.session.msg("comm_msg", {"comm_id": button, "data": {"method": "custom",
-                                                                          "content": {"event": "click"}}})
-    kernel.shell_channel.send(click)
-    replaced = None
-    while replaced is None:
-        msg = kernel.get_iopub_msg(timeout=60)
-        if (msg["msg_type"] == "update_display_data"
-                and msg["content"]["transient"]["display_id"] == offer["content"]["transient"]["display_id"]):
-            replaced = msg
-    data = replaced["content"]["data"]
-    assert WIDGET_VIEW not in data and "gpuwidget-tune" in data["text/html"]
-    assert "num_workers" in data["text/plain"]
-    # Nothing is left for the next cell to retire.
-    _, after = run_cell(kernel, "3 + 3")
-    assert not [m for m in after if m["msg_type"] == "update_display_data"]
+    offer = measure_offer(messages)
+    token = offer["content"]["data"][MEASURE]["token"]
+    clicked = click_measure(kernel, token)
+    # A progress bar without widgets, updated in place, then cleared.
+    progress = [m for m in clicked if m["msg_type"] == "display_data"
+                and "gpuwidget-tuning" in m["content"]["data"].get("text/html", "")]
+    assert progress and not [m for m in clicked if m["msg_type"] == "comm_open"]
+    end = ending(clicked)
+    assert end["content"]["metadata"]["gpuwidget"] == {"measure": "measured"}
+    # Under the offer's display id: the button's own output becomes the table.
+    assert end["content"]["transient"]["display_id"] == offer["content"]["transient"]["display_id"]
+    data = end["content"]["data"]
+    assert "gpuwidget-tune" in data["text/html"] and "num_workers" in data["text/plain"]
+    # A second click (another view of the output) gets the same table without measuring again.
+    again = ending(click_measure(kernel, token, timeout=10))
+    assert again["content"]["data"] == data
+    # The loader gone: the button says what to do instead of failing.
+    run_cell(kernel, "other_loader = DataLoader(Long(), batch_size=16)")
+    _, messages = run_cell(kernel, "%%gpuwatch --no-live\nfor _, (x, y) in zip(range(6), other_loader):\n"
+                                   "    time.sleep(0.001)")
+    late = measure_offer(messages)["content"]["data"][MEASURE]["token"]
+    run_cell(kernel, "del other_loader, x, y; import gc; gc.collect()")
+    gone = ending(click_measure(kernel, late))
+    assert gone["content"]["metadata"]["gpuwidget"] == {"measure": "gone"}
+    assert "loader no longer exists" in gone["content"]["data"]["text/plain"]
 
 
 def test_an_unfinished_watched_cell_is_incomplete_not_an_error_while_typed(ip):

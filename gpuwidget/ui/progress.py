@@ -35,14 +35,46 @@ class TuningProgress:
             widget.close()
 
 
+class DisplayProgress:
+    """The same bar as a plain display updated in place (``update_display_data``): no widget,
+    so it renders wherever outputs do, including outputs a front-end renders itself (Measure)."""
+
+    def __init__(self, budget_s: float) -> None:
+        import uuid
+
+        from IPython.display import display
+
+        self._budget_s = budget_s
+        self._handle: Any = display(self._bundle(0.0, "starting"), raw=True,
+                                    display_id=f"gpuwidget-tuning-{uuid.uuid4().hex}")
+
+    def _bundle(self, elapsed_s: float, label: str) -> dict[str, str]:
+        import html
+
+        done = min(elapsed_s, self._budget_s)
+        text = f"tuning {done:.0f}/{self._budget_s:.0f} s: {label}"
+        return {"text/plain": text,
+                "text/html": f"<div class='gpuwidget-tuning'><progress value='{done:.1f}' "
+                             f"max='{self._budget_s:.1f}' aria-label='tuning'></progress> "
+                             f"{html.escape(text)}</div>"}
+
+    def __call__(self, trial: Trial, elapsed_s: float) -> None:
+        self._handle.update(self._bundle(elapsed_s, f"{trial.label}: {trial.batches_per_s:.1f} batches/s"),
+                            raw=True)
+
+    def close(self) -> None:
+        self._handle.update({"text/plain": ""}, raw=True)
+
+
 @contextmanager
-def tuning_progress(budget_s: float, show: bool) -> Iterator[TrialCallback | None]:
-    """A :class:`TuningProgress` for the length of the block, closed however it ends; None when
-    ``show`` is false or widgets are unavailable (the tuning runs the same without a bar)."""
-    bar = None
+def tuning_progress(budget_s: float, show: bool, widgets: bool = True) -> Iterator[TrialCallback | None]:
+    """A :class:`TuningProgress` (``widgets``) or :class:`DisplayProgress` for the length of the
+    block, closed however it ends; None when ``show`` is false or it cannot be shown (the tuning
+    runs the same without a bar)."""
+    bar: TuningProgress | DisplayProgress | None = None
     if show:
         try:
-            bar = TuningProgress(budget_s)
+            bar = TuningProgress(budget_s) if widgets else DisplayProgress(budget_s)
         except Exception:  # noqa: BLE001 - no progress bar is fine
             bar = None
     try:
