@@ -28,6 +28,7 @@ import threading
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Any
 
 import numpy as np
@@ -505,6 +506,24 @@ class Trace:
         ]
         out.sort(key=lambda span: span.start)
         return out
+
+    def spans_since(self, kind: str, seen: int) -> tuple[list[tuple[float, float, Mapping[str, Any] | None]], int]:
+        """Spans of ``kind`` recorded after the first ``seen`` of them, in the order recorded, as
+        ``(start, end, attrs)``; and how many were ever recorded, the ``seen`` of the next call.
+
+        For readers that take spans in as they come (the live views' per-rank figures): the cost
+        is that of the new spans, not of all the kept ones. Spans that left the kept window before
+        a call are not returned.
+        """
+        with self._lock:
+            stats = self._span_stats.get(kind)
+            if stats is None:
+                return [], seen
+            total = int(stats[0])
+            spans = self._spans[kind]
+            new = list(islice(reversed(spans), max(0, min(total - seen, len(spans)))))
+        new.reverse()
+        return new, total
 
     def span_kinds(self) -> list[str]:
         """The kinds of spans recorded (``step``, ``loader.wait``, ...)."""

@@ -5,7 +5,8 @@ every ``PUSH_INTERVAL_S`` the view streams the rows that arrived since the last 
 its ColumnDataSource (jupyter_bokeh turns that into a few comm messages, which reach the
 browser while the cell is still busy). Everything is on one 0-100 % axis: GPU
 utilisation and memory per GPU, host CPU; intervals when the loop waited for data are
-shaded bands.
+shaded bands. When several processes train, a per-rank table under the plot
+(gpuwidget.ui.rank_strip) shows each one's steps, data wait and step time, updated with the plot.
 
 BokehJS is put on the page from the installed bokeh package (no CDN) by
 :func:`ensure_bokehjs`.
@@ -40,6 +41,8 @@ from gpuwidget.clock import now
 from gpuwidget.facts import MachineFacts
 from gpuwidget.probes import DATA_WAIT_SPAN
 from gpuwidget.trace import Frame, Trace
+from gpuwidget.ui.rank_strip import COLUMNS as RANK_COLUMNS
+from gpuwidget.ui.rank_strip import RankRow, RankStrip, caption
 from gpuwidget.ui.static import status_parts
 
 PUSH_INTERVAL_S = 0.25
@@ -243,7 +246,11 @@ class LiveView:
         self.figure = fig
         self.model = BokehModel(fig)
         self.header = ipywidgets.HTML(value=self._header_html(0.0, {}))
-        self.widget = ipywidgets.VBox([self.header, self.model])
+        # The per-rank table: hidden (no room taken) until a second process trains.
+        self._strip = RankStrip(trace)
+        self.rank_rows: list[RankRow] = []
+        self.ranks = ipywidgets.HTML(value="", layout=ipywidgets.Layout(display="none"))
+        self.widget = ipywidgets.VBox([self.header, self.model, self.ranks])
         self.widget.add_class(LIVE_TAG)
         self.handle: Any = None
 
@@ -287,6 +294,7 @@ class LiveView:
             self._push_bands(whole)
             last = self.trace.last()
             self.header.value = self._header_html(self.trace.now(), last[1] if last else {})
+            self._push_ranks()
 
     def close(self) -> None:
         """Final push, then stop updating. The widget is replaced by the run's report."""
@@ -319,6 +327,16 @@ class LiveView:
             self.bands.stream(new)
             self._bands += len(keep)
 
+    def _push_ranks(self) -> None:
+        rows = self._strip.update()
+        if rows == self.rank_rows:
+            return
+        self.rank_rows = rows
+        # ipywidgets sends a change only when the value differs; shown once there are rows, kept after.
+        self.ranks.value = ranks_html(caption(self._strip), rows) if rows else ""
+        if rows and self.ranks.layout.display == "none":
+            self.ranks.layout.display = None
+
     def _header_html(self, elapsed: float, last: dict[str, float]) -> str:
         parts = [f"<b>gpuwidget</b> · watching {html.escape(self.label)} · {elapsed:5.1f} s"]
         figures = [html.escape(part) for part in status_parts(last, self._gpus, self._gpu_message)]
@@ -329,6 +347,25 @@ class LiveView:
         return (f"<style>.{LIVE_TAG}{{--bokeh-icon-color:var(--jp-ui-font-color2,#747679)}}</style>"
                 "<div style='font-family:var(--jp-ui-font-family,sans-serif);font-size:12px;"
                 "color:var(--jp-ui-font-color1,#222)'>" + " &nbsp;|&nbsp; ".join(parts) + "</div>")
+
+
+def ranks_html(title: str, rows: list[RankRow]) -> str:
+    """The per-rank table: theme colours with fallbacks; the straggler's row is bold, coloured and
+    marked in words."""
+    table = "gpuwidget-live-ranks"
+    head = "".join(f"<th scope='col'>{html.escape(name)}</th>" for name in RANK_COLUMNS)
+    body = "".join(
+        ("<tr class='straggler'>" if row.straggler else "<tr>")
+        + "".join(f"<td>{html.escape(value)}</td>" for value in row.cells())
+        + f"<td>{html.escape(row.note)}</td></tr>" for row in rows)
+    return (f"<style>.{table}{{font-family:var(--jp-ui-font-family,sans-serif);font-size:12px;"
+            f"border-collapse:collapse;color:var(--jp-ui-font-color1,#222);margin:2px 0 0 4px}}"
+            f".{table} td,.{table} th{{padding:0 12px 0 0;text-align:right;white-space:nowrap}}"
+            f".{table} td:first-child,.{table} th:first-child,.{table} td:last-child{{text-align:left}}"
+            f".{table} th,.{table} caption{{font-weight:normal;text-align:left;color:var(--jp-ui-font-color2,#777)}}"
+            f".{table} tr.straggler{{font-weight:bold;color:var(--jp-warn-color0,#b35c00)}}</style>"
+            f"<table class='{table}'><caption>{html.escape(title)}</caption>"
+            f"<thead><tr>{head}<th></th></tr></thead><tbody>{body}</tbody></table>")
 
 
 def _closed() -> None:

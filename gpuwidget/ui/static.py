@@ -13,7 +13,8 @@ that arrived since its last update and keeps them as pixel-free intervals, and d
 pixels. A redraw costs 0.5 ms of CPU for one GPU, 5 ms for 8 GPUs after an hour
 (BENCHMARKS.md); one that costs more than :data:`MAX_CPU_SHARE` of a core at one a second
 makes the next come later. Same series, colours and 0-100 % axis as the other charts
-(gpuwidget.chart).
+(gpuwidget.chart). When several processes train, a per-rank strip (gpuwidget.ui.rank_strip)
+follows the chart, in the SVG and in the text.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from gpuwidget.clock import now
 from gpuwidget.facts import MachineFacts
 from gpuwidget.probes import DATA_WAIT_SPAN
 from gpuwidget.trace import Span, Trace
+from gpuwidget.ui.rank_strip import COLUMNS as RANK_COLUMNS
+from gpuwidget.ui.rank_strip import RankRow, RankStrip, caption, text_lines
 
 UPDATE_INTERVAL_S = 1.0
 # Redraws slow down rather than take more than this share of a core (8 GPUs after hours).
@@ -47,6 +50,11 @@ MERGE_GAP_S = 0.02
 MAX_INTERVALS = 4000
 TEXT_COLOR = "#888"  # reads on light and dark backgrounds alike
 HEADER_CHARS = 108  # what fits the width at 11 px (the text line has it all)
+# The per-rank strip below the legend: one line per process; the straggler's in bold, this colour
+# and with its mark in words. Its columns: the label starts at the first x, figures end at the others.
+RANK_ROW_H = 13
+RANK_COLUMN_X = (LEFT, LEFT + 190, LEFT + 265, LEFT + 335)
+STRAGGLER_COLOR = "#d9822b"  # reads on light and dark backgrounds alike
 
 
 def status_parts(last: dict[str, float], gpus: list[int], gpu_message: str | None) -> list[str]:
@@ -98,6 +106,8 @@ class StaticView:
         self._closed = False
         self.handle: Any = None
         self.updates = 0
+        self._strip = RankStrip(trace)
+        self.rank_rows: list[RankRow] = []  # what the last redraw showed (empty: one process)
 
     def show(self) -> Any:
         """Display the (empty) chart; returns the display handle the run's panel later replaces it through."""
@@ -136,9 +146,11 @@ class StaticView:
         elapsed = self.trace.now()
         title = " ".join(["gpuwidget · watching", *([self.label] if self.label else []), f"· {elapsed:.1f} s"])
         line = " | ".join([title, *status_parts(values, self._gpus, self._gpu_message)])
-        return {"image/svg+xml": self.svg(line), "text/plain": line}
+        self.rank_rows = rows = self._strip.update()
+        text = "\n".join([line, *text_lines(self._strip, rows)])
+        return {"image/svg+xml": self.svg(line, rows), "text/plain": text}
 
-    def svg(self, header: str) -> str:
+    def svg(self, header: str, rows: list[RankRow] | None = None) -> str:
         # A minimum and a maximum every 4 px: spikes stay, the SVG stays small (a few kB per series).
         frame = self.trace.plot_view(self._columns, max_points=(WIDTH - LEFT - RIGHT) // 2)
         t = frame.t
@@ -146,12 +158,13 @@ class StaticView:
             self._x_end = max(2 * self._x_end, float(t[-1]))
         plot_w, plot_h = WIDTH - LEFT - RIGHT, HEIGHT - TOP - BOTTOM
         x_scale = plot_w / self._x_end
+        height = HEIGHT + (RANK_ROW_H * (len(rows) + 2) + 4 if rows else 0)
 
         def y(v: np.ndarray) -> np.ndarray:
             return TOP + (1 - np.clip(v, 0.0, 100.0) / 100) * plot_h
 
-        parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{HEIGHT}" '
-                 f'viewBox="0 0 {WIDTH} {HEIGHT}" font-family="sans-serif" font-size="10" fill="{TEXT_COLOR}">',
+        parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}" '
+                 f'viewBox="0 0 {WIDTH} {height}" font-family="sans-serif" font-size="10" fill="{TEXT_COLOR}">',
                  f'<text x="2" y="11" font-size="11">{html.escape(_fit(header, HEADER_CHARS))}</text>']
         for x0, x1 in self._wait_pixels(plot_w, x_scale):
             parts.append(f'<rect x="{LEFT + x0}" y="{TOP}" width="{x1 - x0}" height="{plot_h}" '
@@ -174,6 +187,8 @@ class StaticView:
                     parts.append(f'<polyline points="{points}" fill="none" stroke="{color}" '
                                  f'stroke-width="1.4"{dash_attr}/>')
         parts.append(self._legend(TOP + plot_h + 28))
+        if rows:
+            parts.append(self._ranks(rows, HEIGHT + RANK_ROW_H - 2))
         parts.append("</svg>")
         return "".join(parts)
 
@@ -199,6 +214,23 @@ class StaticView:
                        f'{dash_attr}/>')
             out.append(f'<text x="{x + 18:.0f}" y="{baseline}">{html.escape(name)}</text>')
             x += 18 + 5.6 * len(name) + 14
+        return "".join(out)
+
+    def _ranks(self, rows: list[RankRow], baseline: float) -> str:
+        """The per-rank strip: a caption, the column names, one line per process."""
+        out = [f'<text x="{LEFT}" y="{baseline}">{html.escape(caption(self._strip))}</text>']
+        lines: list[tuple[tuple[str, ...], RankRow | None]] = [(RANK_COLUMNS, None)]
+        lines += [(row.cells(), row) for row in rows]
+        for n, (cells, row) in enumerate(lines, start=1):
+            y = baseline + n * RANK_ROW_H
+            style = f' font-weight="bold" fill="{STRAGGLER_COLOR}"' if row is not None and row.straggler else ""
+            out.append(f'<g{style}>')
+            for i, (cell, x) in enumerate(zip(cells, RANK_COLUMN_X)):
+                anchor = "start" if i == 0 else "end"
+                out.append(f'<text x="{x}" y="{y}" text-anchor="{anchor}">{html.escape(cell)}</text>')
+            if row is not None and row.note:
+                out.append(f'<text x="{RANK_COLUMN_X[-1] + 12}" y="{y}">{html.escape(row.note)}</text>')
+            out.append("</g>")
         return "".join(out)
 
     def _wait_pixels(self, plot_w: int, x_scale: float) -> list[tuple[int, int]]:
