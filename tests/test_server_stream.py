@@ -9,6 +9,7 @@ import logging
 import threading
 import time
 
+import numpy as np
 import pytest
 from stream_clients import OPCODE_CLOSE, OPCODE_PING, RawClient, close_reason, fill_history
 from test_server import get_json, read_until
@@ -139,7 +140,7 @@ async def test_a_client_that_stops_reading_has_samples_dropped_then_is_closed(
     fake.real_time = True
     fake_nvml(fake)
     monitor.close()
-    fill_history(monitor)  # a 1.6 MB first message: more than the kernel's socket buffers hold
+    fill_history(monitor)  # then 100 samples a second of 8 GPUs: more than the kernel's socket buffers hold
     await connect_raw(receive_buffer=4096)  # never reads
     assert await wait_until(lambda: monitor.subscribers == 1, 10)
     [box] = outboxes(monitor)
@@ -202,7 +203,7 @@ async def test_fifty_reconnecting_tabs_share_history_built_off_the_event_loop(
     finally:
         lag_probe.cancel()
     rows_meanwhile = monitor.trace.version - ticks
-    assert min(sizes) > 500_000  # an hour of 8 GPUs, reduced for plotting
+    assert min(sizes) > 50_000  # an hour of 8 GPUs, as the sidebar draws it
     assert loop_thread not in build_threads
     assert len(build_threads) <= rows_meanwhile + 2  # one build per row at most, not one per tab
     # Unshared and on the loop this was 100 builds of ~60 ms: 6 s of stall (the margin is for a loaded machine).
@@ -224,7 +225,7 @@ async def test_clients_vanishing_mid_history_leave_no_unretrieved_task_errors(
         clients = [await connect_raw(receive_buffer=4096) for _ in range(10)]
         await wait_until(lambda: monitor.subscribers == 10, 10)
         for client in clients:
-            client.abort()  # the 1.6 MB history is still being written to each
+            client.abort()  # the history (~0.14 MB, the 4 kB receive buffers hold less) is still being written to each
         assert await wait_until(lambda: monitor.subscribers == 0, 10)
         await asyncio.sleep(0.2)
         gc.collect()
@@ -272,20 +273,135 @@ async def test_sixteen_concurrent_first_requests_start_nvml_once(jp_fetch, fake_
     assert fake.inits == 0  # nothing leaked: the one init was shut down
 
 
-def test_history_keeps_four_significant_digits_and_nulls_for_gaps():
+def test_the_snapshot_history_keeps_four_significant_digits_and_nulls_for_gaps():
     from gpuwidget.server.monitor import Monitor
     from gpuwidget.trace import Trace
 
     monitor = Monitor(interval=1.0, history_s=100.0)
     trace = Trace(start_clock=0.0, start_wall=1000.0)
-    trace.append(1.0, {"gpu0.mem_used": 81_234_567_890.0, "gpu0.util": 37.298767})
+    trace.append(1.0, {"gpu0.mem_used": 81_234_567_890.0, "gpu0.util": 37.298767, "gpu0.sm_clock": 1.41e9})
     trace.append(2.0, {"gpu0.util": 12.0})
     trace.now = lambda: 3.0  # type: ignore[method-assign]
     monitor.trace = trace
-    history = json.loads(monitor.history_text())
+    history = monitor.history()
     assert history["t"] == [1001.0, 1002.0]
     assert history["columns"]["gpu0.mem_used"] == [81_230_000_000.0, None]  # a missing reading is null
     assert history["columns"]["gpu0.util"] == [37.3, 12.0]
+    assert history["columns"]["gpu0.sm_clock"] == [1.41e9, None]  # the snapshot has every column
+    # The stream's history: the sidebar's columns only, 3 digits, large numbers as digits and an exponent.
+    text = monitor.history_text()
+    assert '"gpu0.mem_used":[812e8,null]' in text and '"gpu0.util":[37.3,12.0]' in text
+    stream = json.loads(text)
+    assert stream["t"] == [1001.0, 1002.0] and set(stream["columns"]) == {"gpu0.mem_used", "gpu0.util"}
+    assert stream["columns"]["gpu0.mem_used"] == [81_200_000_000.0, None]
+
+
+# One GPU's columns as the NVML source writes them (8 fake GPUs write 17 each); the sidebar draws six.
+GPU_COLUMNS = ("util", "mem_used", "mem_total", "mem_util", "power", "power_limit", "temperature", "sm_clock",
+               "sm_clock_max", "energy_j", "pcie_tx", "pcie_rx", "pcie_gen", "pcie_width", "clock_events")
+DRAWN = ("util", "mem_used", "power", "temperature", "pcie_tx", "pcie_rx")
+
+
+def hour_of_eight_gpus(spike_at: int, dip_at: int):
+    """A Trace of an hour at 1 s for 8 GPUs and the host, with a one-sample spike of gpu3.util to 100 %
+    at row ``spike_at`` and a one-sample dip of gpu5.mem_used to 0 at row ``dip_at``."""
+    from gpuwidget.trace import Trace
+
+    rng = np.random.default_rng(1)
+    trace = Trace(start_clock=0.0, start_wall=1_800_000_000.0)
+    for i in range(3600):
+        row = {f"gpu{g}.{name}": float(rng.uniform(0.4, 0.6) * scale) for g in range(8)
+               for name, scale in zip(GPU_COLUMNS, (100, 8e10, 1.4e11, 100, 700, 700, 80, 2e9, 2e9, 1e6 + i,
+                                                    2.5e10, 2.5e10, 5, 16, 1))}
+        row.update({"cpu.util": float(rng.uniform(5, 15)), "mem.used": 3.2e10 + i * 1e6, "mem.total": 1.37e11})
+        if i == spike_at:
+            row["gpu3.util"] = 100.0
+        if i == dip_at:
+            row["gpu5.mem_used"] = 0.0
+        trace.append(float(i), row)
+    trace.now = lambda: 3599.5  # type: ignore[method-assign]
+    return trace
+
+
+def test_the_stream_history_of_8_gpus_over_an_hour_is_small_and_draws_the_same_chart():
+    from gpuwidget.server.monitor import STREAM_HISTORY_POINTS, STREAM_HISTORY_RAW_ROWS, Monitor
+
+    monitor = Monitor(interval=1.0, history_s=3600.0)
+    monitor.trace = trace = hour_of_eight_gpus(spike_at=1234, dip_at=2345)
+    everything = json.dumps(monitor.history())  # the snapshot's shape, every column: what the stream sent before
+    text = monitor.history_text()
+    history = json.loads(text)
+    assert len(text) < 250_000 and len(text) < len(everything) / 10, (len(text), len(everything))  # 0.22 MB, 2.6 MB
+    # What the sidebar draws, for every GPU and the host; nothing it does not.
+    assert set(history["columns"]) == {f"gpu{g}.{name}" for g in range(8) for name in DRAWN} | {"cpu.util", "mem.used"}
+    t = history["t"]
+    assert all(len(column) == len(t) for column in history["columns"].values())
+    assert len(t) <= STREAM_HISTORY_POINTS and all(a < b for a, b in zip(t, t[1:]))
+    rows = trace.window()
+    wall = np.round(trace.start_wall + rows.t, 3)
+    assert t[0] == wall[0] and t[-1] == wall[-1]  # the whole hour, up to the newest row itself
+    # The newest rows as sampled (the live samples continue them), to 3 significant digits of each column.
+    assert t[-STREAM_HISTORY_RAW_ROWS:] == wall[-STREAM_HISTORY_RAW_ROWS:].tolist()
+    for name in ("gpu0.util", "gpu7.mem_used", "cpu.util"):
+        tail = np.asarray(history["columns"][name][-STREAM_HISTORY_RAW_ROWS:])
+        assert np.allclose(tail, rows[name][-STREAM_HISTORY_RAW_ROWS:], rtol=0,
+                           atol=np.nanmax(rows[name]) * 0.006)
+    # A one-sample spike and a one-sample dip an hour's chart would show keep their height, near their time.
+    util = np.asarray(history["columns"]["gpu3.util"])
+    assert util.max() == 100.0 and abs(t[int(util.argmax())] - wall[1234]) < 3600 / (STREAM_HISTORY_POINTS / 2)
+    memory = np.asarray(history["columns"]["gpu5.mem_used"])
+    assert memory.min() == 0.0 and abs(t[int(memory.argmin())] - wall[2345]) < 3600 / (STREAM_HISTORY_POINTS / 2)
+    # Each bucket's extremes: the reduced line spans what every column did.
+    for name in ("gpu1.power", "gpu6.temperature", "mem.used"):
+        column, raw = np.asarray(history["columns"][name]), rows[name]
+        assert column.max() == pytest.approx(raw.max(), rel=0.005)
+        assert column.min() == pytest.approx(raw.min(), rel=0.005)
+
+
+async def test_a_tab_gets_the_hour_of_8_gpus_as_the_sidebar_draws_it_then_every_new_row_once(
+        jp_ws_fetch, fake_nvml, monitor):
+    from gpuwidget.server.monitor import STREAM_HISTORY_RAW_ROWS
+
+    fake = FakeNvml.gpus(8)
+    fake.real_time = True
+    fake_nvml(fake)
+    monitor.close()
+    fill_history(monitor)  # an hour at 1 s; the sampler goes on at 20 rows a second
+    ws = await jp_ws_fetch("gpuwidget", "api", "stream")
+    try:
+        assert json.loads(await ws.read_message())["type"] == "hello"
+        text = await ws.read_message()
+        samples: list[float] = []
+        while len(samples) < 5:
+            message = json.loads(await asyncio.wait_for(ws.read_message(), 10))
+            if message["type"] == "sample":
+                samples.append(message["t"])
+    finally:
+        ws.close()
+    history = json.loads(text)
+    assert history["type"] == "history" and len(text) < 200_000  # every column of the same hour: 2.2 MB
+    # What the sidebar draws (the fake GPUs' PCIe rates appear only once the live sampler read twice).
+    assert {f"gpu{g}.{name}" for g in range(8) for name in ("util", "mem_used", "power", "temperature")} | \
+        {"cpu.util", "mem.used"} <= set(history["columns"])
+    assert {name.split(".", 1)[1] for name in history["columns"]} <= {*DRAWN, "util", "used"}
+    assert history["t"][0] < time.time() - 3500  # the whole hour
+    # Its newest minute as sampled, then every live row once, in order.
+    times = history["t"][-STREAM_HISTORY_RAW_ROWS:] + samples
+    rows = [round(monitor.trace.start_wall + t, 3) for t in monitor.trace.window().t]
+    assert times == [t for t in rows if times[0] <= t <= times[-1]]
+
+
+def test_the_stream_history_names_the_columns_the_sidebar_draws():
+    """The server's list of drawn metrics is the TypeScript client's (labextension/src/protocol.ts)."""
+    import re
+    from pathlib import Path
+
+    from gpuwidget.server.monitor import STREAM_HISTORY_METRICS
+
+    source = (Path(__file__).parents[1] / "labextension" / "src" / "protocol.ts").read_text()
+    listed = re.search(r"HISTORY_METRICS[^=]*=\s*\[([^\]]*)\]", source)
+    assert listed is not None
+    assert tuple(re.findall(r"'([^']+)'", listed.group(1))) == STREAM_HISTORY_METRICS
 
 
 async def test_a_tab_reconnecting_within_a_second_finds_the_sampler_still_running(jp_ws_fetch, monitor):

@@ -7,7 +7,11 @@ that same text to every subscriber whose rate wants this tick. Every few seconds
 processes holding GPU memory are listed (on the sampler thread) and matched to this
 server's kernels and notebooks (whose pids and paths the event loop keeps up to date).
 
-A new subscriber's history (an hour of every column, reduced for plotting) is built in a
+A new subscriber's history is what the sidebar draws, no more: the columns of its charts
+(:data:`STREAM_HISTORY_METRICS`), at most :data:`STREAM_HISTORY_POINTS` points per column (each
+bucket's minimum and maximum, so a one-sample spike keeps its height; the newest
+:data:`STREAM_HISTORY_RAW_ROWS` rows as sampled) and 3 significant digits, written short
+(``258e8``): an hour of 8 GPUs is ~0.1 MB instead of ~2.9 MB of every column. It is built in a
 worker thread and the same bytes go to every subscriber: fifty reconnecting tabs cost one
 build, not fifty on the loop. A history a few rows old is served again, followed by the
 sample messages of the rows since (kept as sent to everyone): rebuilding it every tick
@@ -28,6 +32,7 @@ import getpass
 import json
 import logging
 import math
+import re
 import threading
 import time
 from collections import deque
@@ -49,12 +54,20 @@ from gpuwidget.trace import Trace, finite_list, finite_or_none
 
 log = logging.getLogger("gpuwidget")
 
-# The history a client gets is reduced to at most this many points (spikes kept).
+# The snapshot's history (every column) is reduced to at most this many points (spikes kept).
 HISTORY_POINTS = 2000
 # Significant digits kept in the history (relative to each column's largest value): a plot
 # 300 px high resolves 3; 4 keep the text a half of full precision's (1.6 MB, not 2.9, for
 # 8 GPUs over an hour) and its encoding a third of the time.
 HISTORY_DIGITS = 4
+# The stream's history (docs/server-api.md): the columns the sidebar's charts draw (GPU metrics by
+# suffix, host metrics by name; labextension/src/protocol.ts HISTORY_METRICS says the same), at most
+# this many points per column (a chart ~350 px wide gets a minimum and a maximum per pixel) of
+# which the newest rows are as sampled, and this many significant digits (a chart is 64 px high).
+STREAM_HISTORY_METRICS = ("util", "mem_used", "power", "temperature", "pcie_tx", "pcie_rx", "cpu.util", "mem.used")
+STREAM_HISTORY_POINTS = 800
+STREAM_HISTORY_RAW_ROWS = 60
+STREAM_HISTORY_DIGITS = 3
 # How often the process table is rebuilt (it costs a few NVML calls and psutil lookups).
 PROCESSES_EVERY_S = 5.0
 # Parents walked up from a GPU process to find the kernel it belongs to (workers, shells).
@@ -352,16 +365,38 @@ class Monitor:
         return self._history_text()[0]
 
     def _history_text(self) -> tuple[str, float]:
-        """(the history message, the wall time of its newest point), encoded one column at a time.
+        """(the stream's history message, the wall time of its newest row), encoded one column at a time.
 
-        json's C encoder holds the GIL for a whole call: one call over an hour of 8 GPUs would
-        stop the event loop for its ~50 ms even from a worker thread; one call per column lets
-        the loop in between. Each column's numbers become Python floats only while it is
-        encoded (all at once they are 8 MB of small objects).
+        json's C encoder holds the GIL for a whole call: one call over a large history would
+        stop the event loop for its duration even from a worker thread; one call per column
+        lets the loop in between.
         """
-        t, values = self._history_frame(None)
-        columns = ",".join(f"{_encode(name)}:{_encode(_for_plot(column))}" for name, column in values.items())
+        t, values = self._stream_frame()
+        columns = ",".join(f"{_encode(name)}:{_short_numbers(column)}" for name, column in values.items())
         return f'{{"type":"history","t":{_encode(t)},"columns":{{{columns}}}}}', (t[-1] if t else -math.inf)
+
+    def _stream_frame(self) -> tuple[list[float], dict[str, np.ndarray]]:
+        """The history the sidebar draws: its columns over :attr:`history_s`, the older rows reduced to
+        buckets' minimum and maximum, the newest :data:`STREAM_HISTORY_RAW_ROWS` as sampled.
+
+        The raw tail makes the history end at the newest row itself, so the samples after it
+        (catch-up, then live) continue it without a row lost or repeated.
+        """
+        trace = self.trace
+        names = [name for name in trace.columns if _in_stream_history(name)]
+        if not names:
+            return [], {}
+        t0 = trace.now() - self.history_s
+        frame = trace.window(t0, None, names)
+        n = len(frame)
+        if n <= STREAM_HISTORY_POINTS:
+            t, columns = frame.t, frame.mean
+        else:
+            raw = STREAM_HISTORY_RAW_ROWS
+            older = trace.plot_view(names, STREAM_HISTORY_POINTS - raw, t0=t0, t1=float(frame.t[n - raw - 1]))
+            t = np.concatenate([older.t, frame.t[n - raw:]])
+            columns = {name: np.concatenate([older.mean[name], frame.mean[name][n - raw:]]) for name in names}
+        return np.round(trace.start_wall + t, 3).tolist(), columns
 
     async def history_messages(self) -> tuple[list[bytes | str], float]:
         """What a new subscriber gets before live samples: the history (UTF-8), then the sample
@@ -516,6 +551,33 @@ def _for_plot(values: np.ndarray) -> list[float | None]:
     top = float(finite.max()) if finite.size else 0.0
     decimals = HISTORY_DIGITS - 1 - math.floor(math.log10(top)) if top > 0 else 0
     return finite_list(np.round(values, decimals))
+
+
+def _in_stream_history(name: str) -> bool:
+    """Whether the sidebar draws column ``name`` (``gpu3.util``, ``cpu.util``): see :data:`STREAM_HISTORY_METRICS`."""
+    return name in STREAM_HISTORY_METRICS or (
+        name.startswith("gpu") and name.rpartition(".")[2] in STREAM_HISTORY_METRICS)
+
+
+_WHOLE_NUMBER = re.compile(r"-?[1-9][0-9]*")
+
+
+def _short_numbers(values: np.ndarray) -> str:
+    """A column as a JSON array, :data:`STREAM_HISTORY_DIGITS` significant digits of its largest value.
+
+    Large magnitudes are written as a whole number and an exponent (``[258e8,null,0]`` for bytes,
+    5 characters a value where ``25800000000.0`` took 13); small ones as the shortest decimal
+    (``37.3``). Non-finite values (no reading) are ``null``.
+    """
+    finite = np.isfinite(values)
+    top = float(np.abs(values[finite]).max()) if finite.any() else 0.0
+    decimals = STREAM_HISTORY_DIGITS - 1 - math.floor(math.log10(top)) if top > 0 else 0
+    if decimals > 0:
+        return _encode(finite_list(np.round(values, decimals)))
+    scaled = np.where(finite, np.rint(values / 10.0 ** -decimals), 0).astype(np.int64).astype(object)
+    scaled[~finite] = None
+    text = _encode(scaled.tolist())
+    return _WHOLE_NUMBER.sub(rf"\g<0>e{-decimals}", text) if decimals < 0 else text
 
 
 def _current_user() -> str | None:

@@ -11,6 +11,7 @@ import { ISignal, Signal } from '@lumino/signaling';
 import {
   Columns,
   DEFAULT_HISTORY_S,
+  HISTORY_POINTS,
   IClusterReply,
   IDevicesReply,
   IProcessInfo,
@@ -41,10 +42,14 @@ export function effectiveInterval(
   return Math.ceil(requested / serverInterval - 1e-9) * serverInterval;
 }
 
-/** Ring capacity for `historyS` seconds at `interval`, plus one for the boundary. */
+/**
+ * Ring capacity: the server's history (at most HISTORY_POINTS rows, however long it
+ * spans) and then `historyS` seconds of samples at `interval`, plus one for the boundary.
+ * Samples push the history's rows out only once they span the charts' time themselves.
+ */
 export function historyCapacity(historyS: number, interval: number): number {
   const points = Math.ceil(historyS / interval) + 1;
-  return Math.max(2, Math.min(MAX_POINTS, points));
+  return HISTORY_POINTS + Math.max(2, Math.min(MAX_POINTS, points));
 }
 
 /** How many of the newest rows `latest()` looks through for a reading. */

@@ -13,6 +13,39 @@
  */
 export const DEFAULT_HISTORY_S = 3600;
 
+/**
+ * The metrics of the stream's history (docs/server-api.md): a GPU's by the suffix of its
+ * column (`gpu0.util`), the host's by name. These are what the sidebar's charts draw
+ * (metrics.ts), and the server sends the hour of these only; samples carry every metric.
+ * The server's list is `STREAM_HISTORY_METRICS` in gpuwidget/server/monitor.py (a test
+ * holds the two equal).
+ */
+export const HISTORY_METRICS = [
+  'util',
+  'mem_used',
+  'power',
+  'temperature',
+  'pcie_tx',
+  'pcie_rx',
+  'cpu.util',
+  'mem.used'
+];
+
+/**
+ * The most rows a stream history has (the server's `STREAM_HISTORY_POINTS`): the older
+ * rows reduced to each bucket's minimum and maximum, the newest minute as sampled.
+ */
+export const HISTORY_POINTS = 800;
+
+/** True when the stream's history carries column `name` (`gpu3.power`, `cpu.util`). */
+export function inHistory(name: string): boolean {
+  const suffix = name.slice(name.lastIndexOf('.') + 1);
+  return (
+    HISTORY_METRICS.includes(name) ||
+    (name.startsWith('gpu') && HISTORY_METRICS.includes(suffix))
+  );
+}
+
 /** One GPU (or MIG instance) as `GET /devices` describes it. */
 export interface IDeviceInfo {
   /** Metric prefix: `gpu0` for `gpu0.util`. */
@@ -77,6 +110,11 @@ export interface IHelloMessage {
   stalled?: IStalledSource[];
 }
 
+/**
+ * What the charts draw of the server's history: the HISTORY_METRICS columns, at most
+ * HISTORY_POINTS rows (times ascending, ending at the newest sample), 3 significant
+ * digits of each column's largest value. The samples that follow continue it.
+ */
 export interface IHistoryMessage {
   type: 'history';
   t: number[];
@@ -194,6 +232,17 @@ export function isDevicesReply(value: unknown): value is IDevicesReply {
   );
 }
 
+/** Finite times in ascending order: rows a ring buffer can take as they come. */
+function isTimes(value: unknown): value is number[] {
+  return (
+    Array.isArray(value) &&
+    value.every(
+      (time, index) =>
+        isNumber(time) && (index === 0 || time > (value[index - 1] as number))
+    )
+  );
+}
+
 function isColumns(value: unknown, length: number): value is Columns {
   return (
     isObject(value) &&
@@ -226,7 +275,7 @@ export function parseMessage(text: string): ServerMessage | null {
           } as unknown as IHelloMessage)
         : null;
     case 'history':
-      return Array.isArray(value.t) && isColumns(value.columns, value.t.length)
+      return isTimes(value.t) && isColumns(value.columns, value.t.length)
         ? (value as unknown as IHistoryMessage)
         : null;
     case 'sample':

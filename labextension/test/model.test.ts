@@ -8,6 +8,7 @@ import {
   historyCapacity,
   visibleRange
 } from '../src/model';
+import { HISTORY_POINTS } from '../src/protocol';
 import { GiB, T0, gpuDevices, hello, history, sample } from './fixtures';
 
 describe('SeriesBuffer', () => {
@@ -107,10 +108,10 @@ describe('intervals and capacity', () => {
     expect(effectiveInterval(1, 0.3)).toBeCloseTo(1.2);
   });
 
-  it('holds one hour at the chosen interval, within a bound', () => {
-    expect(historyCapacity(3600, 1)).toBe(3601);
-    expect(historyCapacity(3600, 5)).toBe(721);
-    expect(historyCapacity(3600, 0.1)).toBe(MAX_POINTS);
+  it('holds the server history and then one hour at the chosen interval, within a bound', () => {
+    expect(historyCapacity(3600, 1)).toBe(HISTORY_POINTS + 3601);
+    expect(historyCapacity(3600, 5)).toBe(HISTORY_POINTS + 721);
+    expect(historyCapacity(3600, 0.1)).toBe(HISTORY_POINTS + MAX_POINTS);
   });
 });
 
@@ -165,9 +166,34 @@ describe('SidebarModel', () => {
     const model = new SidebarModel(5);
     model.setDevices(gpuDevices(1, 1));
     expect(model.interval).toBe(5);
-    expect(model.series.capacity).toBe(721);
+    expect(model.series.capacity).toBe(HISTORY_POINTS + 721);
     model.setRequestedInterval(1);
-    expect(model.series.capacity).toBe(3601);
+    expect(model.series.capacity).toBe(HISTORY_POINTS + 3601);
+  });
+
+  it('keeps the whole hour of a compact history at the slowest interval, then follows it with samples', () => {
+    // The server's hour: HISTORY_POINTS rows 9 s apart; a sidebar asking for a sample a minute.
+    const model = new SidebarModel(60);
+    model.handle(hello(gpuDevices(1, 1)));
+    const t = Array.from(
+      { length: HISTORY_POINTS },
+      (_, i) => T0 + (i * 3600) / HISTORY_POINTS
+    );
+    model.handle({
+      type: 'history',
+      t,
+      columns: { 'gpu0.util': t.map((_, i) => (i === 3 ? 100 : 10)) }
+    });
+    const last = t[t.length - 1];
+    for (let i = 1; i <= 60; i++) {
+      model.handle(sample(last + 60 * i, { 'gpu0.util': 20 }));
+    }
+    const [times, util] = model.series.aligned(['gpu0.util']);
+    // Nothing of the hour was pushed out by the capacity (61 rows at 60 s), spike included.
+    expect(times[0]).toBe(T0);
+    expect(util[3]).toBe(100);
+    expect(times).toHaveLength(HISTORY_POINTS + 60);
+    expect(times[times.length - 1]).toBe(last + 3600);
   });
 
   it('starts again from the server history after a reconnection', () => {

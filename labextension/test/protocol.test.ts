@@ -1,4 +1,7 @@
+import { GPU_METRICS, gpuCharts, hostCharts } from '../src/metrics';
 import {
+  HISTORY_METRICS,
+  inHistory,
   parseClusterReply,
   parseMessage,
   parseSnapshot,
@@ -59,12 +62,51 @@ describe('parseMessage', () => {
       '{"type": "bye"}',
       '{"type": "hello", "devices": {"gpu_found": true}}',
       '{"type": "history", "t": [1, 2], "columns": {"cpu.util": [1]}}',
+      '{"type": "history", "t": [2, 1], "columns": {"cpu.util": [1, 2]}}',
+      '{"type": "history", "t": [1, "2"], "columns": {"cpu.util": [1, 2]}}',
       '{"type": "sample", "t": "now", "values": {}}',
       '{"type": "processes", "t": 1, "gpus": {"gpu0": {}}}'
     ];
     for (const text of bad) {
       expect(parseMessage(text)).toBeNull();
     }
+  });
+});
+
+describe('the stream history', () => {
+  it('reads large values written as digits and an exponent', () => {
+    const text =
+      '{"type":"history","t":[1764490000.0,1764490009.5],' +
+      '"columns":{"gpu0.mem_used":[812e8,null],"gpu0.util":[37.3,0]}}';
+    expect(parseMessage(text)).toEqual({
+      type: 'history',
+      t: [1764490000, 1764490009.5],
+      columns: {
+        'gpu0.mem_used': [81_200_000_000, null],
+        'gpu0.util': [37.3, 0]
+      }
+    });
+  });
+
+  it('carries every column the charts draw, and no other', () => {
+    const device = gpuDevices(1).devices[0];
+    const none = () => null;
+    const drawn: string[] = [];
+    for (const chart of [
+      ...gpuCharts(device, GPU_METRICS, none),
+      ...hostCharts(null, none)
+    ]) {
+      drawn.push(...chart.lines.map(line => line.column));
+    }
+    expect(drawn.every(inHistory)).toBe(true);
+    expect(
+      HISTORY_METRICS.map(metric =>
+        metric.includes('.') ? metric : `gpu0.${metric}`
+      ).sort()
+    ).toEqual([...new Set(drawn)].sort());
+    expect(inHistory('gpu0.sm_clock')).toBe(false);
+    expect(inHistory('gpu12.power')).toBe(true);
+    expect(inHistory('mem.total')).toBe(false);
   });
 });
 
