@@ -61,6 +61,9 @@ INITIAL_SPAN_S = 10.0
 # was built.
 RESEND_WHOLE_S = 3.0
 LIVE_TAG = "gpuwidget-live"
+# The per-rank table's figures are over seconds (gpuwidget.ui.rank_strip.WINDOW_S): once shown, it
+# is brought up to date at most this often, not on every push.
+RANKS_INTERVAL_S = 1.0
 
 # Runs in the page before each live plot is shown (idempotent): jupyter_bokeh's listener (the
 # one that talks to the kernel: BokehJS's own take batches) is not added to a live plot's
@@ -249,6 +252,7 @@ class LiveView:
         # The per-rank table: hidden (no room taken) until a second process trains.
         self._strip = RankStrip(trace)
         self.rank_rows: list[RankRow] = []
+        self._ranks_at = -math.inf
         self.ranks = ipywidgets.HTML(value="", layout=ipywidgets.Layout(display="none"))
         self.widget = ipywidgets.VBox([self.header, self.model, self.ranks])
         self.widget.add_class(LIVE_TAG)
@@ -328,6 +332,9 @@ class LiveView:
             self._bands += len(keep)
 
     def _push_ranks(self) -> None:
+        if self.rank_rows and now() - self._ranks_at < RANKS_INTERVAL_S:
+            return
+        self._ranks_at = now()
         rows = self._strip.update()
         if rows == self.rank_rows:
             return
