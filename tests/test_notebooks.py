@@ -74,14 +74,18 @@ def panel_rules(code_cell) -> set[str]:
 
 
 def printed(code_cell) -> str:
-    """Everything a cell printed or displayed as text."""
+    """Everything a cell printed or displayed as text. Stream outputs are joined as they were
+    written: the kernel splits one print() across outputs wherever its flush timer fell."""
     parts = []
     for output in code_cell.outputs:
         if output.output_type == "stream":
-            parts.append(output.text)
+            if parts and parts[-1][0] == output.name:
+                parts[-1] = (output.name, parts[-1][1] + output.text)
+            else:
+                parts.append((output.name, output.text))
         elif "data" in output:
-            parts.append(output.data.get("text/plain", ""))
-    return "\n".join(parts)
+            parts.append(("data", output.data.get("text/plain", "")))
+    return "\n".join(text for _, text in parts)
 
 
 # ---------------------------------------------------------------- saved state

@@ -224,7 +224,7 @@ def test_eight_gpus_with_an_hour_of_history_redraw_within_a_frame_budget(lab, pa
     assert rows.count() == 2
     assert rows.nth(1).inner_text().split("\t")[:2] == ["–", "another user"]
     page.locator(".jp-gpuwidget-card[data-device='gpu0'] .jp-gpuwidget-notebook-link").click()
-    page.wait_for_selector(".jp-NotebookPanel", timeout=60_000)
+    page.wait_for_selector(".jp-NotebookPanel:not(.lm-mod-hidden)", timeout=60_000)
     wait_for(lambda: page.evaluate("window.jupyterapp.shell.currentWidget?.context?.path") == "watch_live.ipynb",
              30, "the notebook link did not open watch_live.ipynb", page)
 
