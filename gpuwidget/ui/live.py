@@ -367,7 +367,8 @@ def ranks_html(title: str, rows: list[RankRow]) -> str:
         + f"<td>{html.escape(row.note)}</td></tr>" for row in rows)
     return (f"<style>.{table}{{font-family:var(--jp-ui-font-family,sans-serif);font-size:12px;"
             f"border-collapse:collapse;color:var(--jp-ui-font-color1,#222);margin:2px 0 0 4px}}"
-            f".{table} td,.{table} th{{padding:0 12px 0 0;text-align:right;white-space:nowrap}}"
+            f".{table} td,.{table} th,.{table} caption{{padding:0 12px 0 0;line-height:17px;text-align:right;"
+            "white-space:nowrap}"
             f".{table} td:first-child,.{table} th:first-child,.{table} td:last-child{{text-align:left}}"
             f".{table} th,.{table} caption{{font-weight:normal;text-align:left;color:var(--jp-ui-font-color2,#777)}}"
             f".{table} tr.straggler{{font-weight:bold;color:var(--jp-warn-color0,#b35c00)}}</style>"

@@ -53,6 +53,8 @@ def test_plot_data_grows_while_the_cell_runs_then_the_report_stays(lab, page):
     first = wait_for(lambda: page.evaluate(POINTS_JS) >= 3, 60,
                      "no live data reached the plot (is BokehJS on the page?)", page)
     assert first
+    # One process: no per-rank table under the plot.
+    assert page.locator("table.gpuwidget-live-ranks").count() == 0
     early = page.evaluate(POINTS_JS)
     assert cell_is_running(page)
     time.sleep(1.5)
@@ -235,3 +237,35 @@ def test_static_view_draws_its_chart_in_the_browser_then_the_panel_replaces_it(l
 
     page.wait_for_selector(".gpuwidget-run[data-outcome='ok']", timeout=60_000)
     assert image.count() == 0
+
+
+def test_live_plot_shows_a_row_per_spawned_rank_under_the_plot_while_the_cell_runs(lab, page):
+    import shutil
+    from pathlib import Path
+
+    # The ranks' function, importable by the spawned children (beside the notebook, the kernel's cwd).
+    shutil.copy(Path(__file__).resolve().parents[1] / "gloo_job.py", lab.root / "gloo_job.py")
+    open_notebook(page, lab, "watch_ranks.ipynb", reset=True)
+    run_all_cells(page)
+    cell = page.locator(".jp-Notebook .jp-Cell").nth(2)
+    wait_for(lambda: page.evaluate(POINTS_JS) >= 3, 60, "no live data reached the plot", page)
+    table = cell.locator("table.gpuwidget-live-ranks")
+    rows = cell.locator("table.gpuwidget-live-ranks tbody tr")
+
+    def marked_rows() -> bool:
+        return rows.count() == 2 and "◀ slowest" in " ".join(rows.all_inner_texts())
+
+    wait_for(marked_rows, 90, "no per-rank rows with the straggler named under the live plot", page)
+    assert cell_is_running(page)
+    texts = [text.split("\t") for text in rows.all_inner_texts()]
+    assert [row[0] for row in texts] == ["rank 0", "rank 1"], texts
+    assert texts[1][-1].startswith("◀ slowest"), texts
+    # The straggler stands out by weight too, and the table sits under the plot.
+    weights = [rows.nth(i).evaluate("row => getComputedStyle(row).fontWeight") for i in range(2)]
+    assert weights == ["400", "700"], weights
+    plot = cell.locator(".bk-Figure, .bk-Plot, .bk-root").first
+    assert table.bounding_box()["y"] > plot.bounding_box()["y"] + plot.bounding_box()["height"] - 1
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    cell.locator(".jp-OutputArea").first.screenshot(path=str(SCREENSHOTS / "live-view-ranks.png"))
+    page.wait_for_selector(".gpuwidget-run[data-outcome='ok']", timeout=90_000)
+    assert table.count() == 0  # the panel replaced the live view (with its own per-process table)
