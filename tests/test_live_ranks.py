@@ -350,3 +350,21 @@ def test_static_view_in_a_kernel_shows_each_spawned_gloo_rank_while_the_cell_run
     (panel,) = [m for m in messages if m["msg_type"] == "display_data"
                 and "gpuwidget-run" in m["content"]["data"].get("text/html", "")]
     assert "gpuwidget-ranks" in panel["content"]["data"]["text/html"]
+
+
+def test_a_failing_strip_leaves_the_chart_drawing(caplog, monkeypatch):
+    from gpuwidget.advice.rules import rank_straggler
+
+    def broken(*args):
+        raise ZeroDivisionError("float division by zero")
+
+    monkeypatch.setattr(rank_straggler, "check", broken)
+    trace = recent_trace()
+    feed(trace, 6000, 0, step_s=0.05, wait_fraction=0.05, count=100)
+    feed(trace, 6001, 1, step_s=0.05, wait_fraction=0.05, count=100)
+    view = StaticView(trace, NO_GPU)
+    for _ in range(2):
+        bundle = view.bundle()
+        assert view.rank_rows == [] and "\n" not in bundle["text/plain"] and "<polyline" in bundle["image/svg+xml"]
+    assert view._strip.error == "ZeroDivisionError('float division by zero')"
+    assert caplog.text.count("per-rank strip stopped") == 1

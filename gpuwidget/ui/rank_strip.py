@@ -19,6 +19,7 @@ the window with running sums, and takes a median only for the processes whose wi
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from collections import deque
@@ -35,6 +36,8 @@ from gpuwidget.facts import WorkloadFacts
 from gpuwidget.probes import DATA_WAIT_SPAN, STEP_SPAN
 from gpuwidget.report import fmt_fraction, fmt_seconds
 from gpuwidget.trace import Trace
+
+log = logging.getLogger("gpuwidget")
 
 # The figures are over the last WINDOW_S seconds: long enough for a median of slow steps (a few
 # per second), short enough that a rank that slows down shows it within seconds.
@@ -132,9 +135,21 @@ class RankStrip:
         self._processes: dict[int | None, _Process] = {}
         self._own_pid = os.getpid()
         self.rows: list[RankRow] = []
+        self.error: str | None = None  # why the strip stopped, if it failed: the chart goes on without it
 
     def update(self, now: float | None = None) -> list[RankRow]:
         """Take in the spans recorded since the last call; the rows to show (empty for one process)."""
+        if self.error is not None:
+            return []
+        try:
+            return self._update(now)
+        except Exception as exc:  # noqa: BLE001 - on the sampler thread: a strip less, never a chart less
+            self.error = repr(exc)
+            log.warning("gpuwidget: the per-rank strip stopped: %r", exc)
+            self.rows = []
+            return self.rows
+
+    def _update(self, now: float | None) -> list[RankRow]:
         for kind in (STEP_SPAN, DATA_WAIT_SPAN):
             items, self._seen[kind] = self.trace.spans_since(kind, self._seen[kind])
             if items:
