@@ -161,6 +161,10 @@ def test_measure_button_is_its_own_output_with_a_fallback_and_no_widget(kernel):
 
 
 def test_measure_of_a_token_the_kernel_does_not_know_says_so(kernel):
+    from gpuwidget.ui.actions import CALL
+
+    # The line gpuwidget's front-end sends (labextension/src/measure.ts measureCode).
+    assert CALL.format(token="ab12") == "__import__('gpuwidget.ui.actions', fromlist=['measure']).measure('ab12')"
     messages = click_measure(kernel, "0" * 32)
     end = ending(messages)
     assert end["content"]["metadata"]["gpuwidget"] == {"measure": "gone"}

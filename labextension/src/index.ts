@@ -1,5 +1,6 @@
 /**
- * The gpuwidget front-end plugin: the GPU sidebar, its status-bar item and settings.
+ * The gpuwidget front-end plugin: the GPU sidebar, its status-bar item and settings, and the
+ * renderer of the Measure button under watched cells.
  *
  * Wiring only; the logic lives in the modules it assembles.
  */
@@ -22,6 +23,8 @@ import { ServerApi } from './api';
 import { SidebarController } from './controller';
 import { gpuIcon } from './icon';
 import { SidebarModel } from './model';
+import { MEASURE_RANK, SessionLink, measureFactory } from './measure';
+import type { IRenderMimeLike } from './measure';
 import { GpuPanel } from './panel';
 import { DEFAULT_SETTINGS, ISidebarSettings, readSettings } from './settings';
 import { GpuStatusItem } from './statusbar';
@@ -55,6 +58,20 @@ const plugin: JupyterFrontEndPlugin<void> = {
     docManager: IDocumentManager | null,
     themeManager: IThemeManager | null
   ): void => {
+    // The Measure button under a watched cell's panel: each notebook renders it with its own
+    // kernel (its rendermime is the notebook's own copy), ahead of the widget manager.
+    app.docRegistry.addWidgetExtension('Notebook', {
+      createNew: (notebook, context) => {
+        const rendermime = (
+          notebook as unknown as { content?: { rendermime?: IRenderMimeLike } }
+        ).content?.rendermime;
+        rendermime?.addFactory(
+          measureFactory(new SessionLink(context.sessionContext), rendermime),
+          MEASURE_RANK
+        );
+      }
+    });
+
     const serverSettings = app.serviceManager.serverSettings;
     const api = new ServerApi(serverSettings, (url, init) =>
       ServerConnection.makeRequest(url, init, serverSettings)

@@ -173,7 +173,7 @@ def test_panel_after_output_copyable_themed_small_and_reopens_clean(lab, wide_pa
     set_theme(page, "JupyterLab Light")
     page.set_viewport_size({"width": 1150, "height": 900})
 
-    # Saved: small (no BokehJS, no widget views), and the Measure buttons left static notes.
+    # Saved: small (no BokehJS, no widget views); the Measure button is an output of its own type.
     command(page, "docmanager:save")
     wait_for(lambda: "gpuwidget-run" in path.read_text() and not page.evaluate(
         "window.jupyterapp.shell.currentWidget.context.model.dirty"), 30, "the notebook was not saved", page)
@@ -183,7 +183,7 @@ def test_panel_after_output_copyable_themed_small_and_reopens_clean(lab, wide_pa
     mimes = [mime for c in saved["cells"] for o in c.get("outputs", []) for mime in o.get("data", {})]
     assert "application/vnd.jupyter.widget-view+json" not in mimes
     assert "application/javascript" not in mimes
-    assert "run that cell again with %%gpuwatch --tune" in path.read_text()
+    assert "application/vnd.gpuwidget.measure+json" in mimes
 
     # Reopened after its kernel is gone: no widget errors anywhere.
     close_notebook(page)
@@ -191,6 +191,8 @@ def test_panel_after_output_copyable_themed_small_and_reopens_clean(lab, wide_pa
     page.wait_for_selector(".gpuwidget-run[data-outcome='error']", timeout=30_000)
     page.wait_for_timeout(1500)  # the widget manager restores (and would report missing models)
     assert no_widget_errors(page), page.locator(NOTEBOOK).inner_text()[:2000]
+    # Where the Measure button was, a note says how to measure without that kernel.
+    page.locator(f"{NOTEBOOK} .gpuwidget-measure[data-state='gone']").first.wait_for(timeout=30_000)
     close_notebook(page)
 
     # As a colleague receives it: any change to the file makes it untrusted (sanitized HTML).
