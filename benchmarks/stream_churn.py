@@ -16,12 +16,17 @@ of Jupyter's own parts alone (authentication, handshake, ping, close) that sends
 a small second message; ``jupyter-history`` has it send, as the second message, prebuilt bytes as
 long as the stream's history. What the stream costs beyond the second is gpuwidget's own.
 
-    .venv/bin/python benchmarks/stream_churn.py [--pause S] [--endpoint E] [--quick] [--json PATH]
+With several endpoints (``--endpoint stream,jupyter``, ``--rounds N``) each runs on a fresh server in turn
+and the table shows them side by side: on a shared machine the load drifts, and runs taken together
+compare best.
+
+    .venv/bin/python benchmarks/stream_churn.py [--pause S] [--endpoint E[,E...]] [--rounds N] [--quick] [--json PATH]
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import time
 from typing import Any
@@ -140,25 +145,15 @@ def stalled_durations(events: list[list[Any]]) -> list[float]:
     return [closed.get(label, float("inf")) - at for label, at in sorted(opened.items())]
 
 
-def main() -> None:
-    args = parse_args(__doc__.splitlines()[0], [
-        ("--pause", {"type": float, "default": 0.0, "help": "seconds a tab waits before reconnecting"}),
-        ("--endpoint", {"choices": ENDPOINTS, "default": "stream",
-                        "help": "the stream, or a Jupyter-only websocket as a baseline (see above)"}),
-        ("--cycles", {"type": int, "default": CYCLES, "help": "reconnects per tab"}),
-        ("--bytes", {"type": int, "default": 0,
-                     "help": "jupyter-history: bytes of its second message (default: the stream's history now)"}),
-        ("--settle", {"type": float, "default": SETTLE_S,
-                      "help": "seconds from the start before RSS is read (0: lag only, RSS and stalled not judged)"})])
-    info = print_header("Server stream under churn: 50 tabs x 100 reconnects, 10 stalled clients, 8 fake GPUs, 1 h")
-    tabs, cycles, stalled, settle = (10, 5, 2, 0.0) if args.quick else (TABS, args.cycles, STALLED, args.settle)
+def measure(endpoint: str, args: Any, tabs: int, cycles: int, stalled: int, settle: float) -> dict[str, Any]:
+    """One churn against ``endpoint`` on a fresh server: the figures of the table, by name."""
     rss: list[tuple[float, int]] = []
     with server_under_load(GPUS, INTERVAL_S, HISTORY_S) as (port, server, report):
         process = psutil.Process(server.pid)
         time.sleep(2.0)  # start-up work settles
         rss_start = process.memory_info().rss
-        run = asyncio.run(churn(port, tabs, cycles, stalled, settle, process, rss, args.pause, args.endpoint,
-                                args.bytes))
+        load = os.getloadavg()[0]
+        run = asyncio.run(churn(port, tabs, cycles, stalled, settle, process, rss, args.pause, endpoint, args.bytes))
     rss_end = run["rss_end"]
     lag_times = np.asarray(report.get("lag_times") or [np.nan])
     lags = np.asarray(report.get("lags") or [np.nan])
@@ -166,43 +161,70 @@ def main() -> None:
     if not len(during):
         during = np.asarray([np.nan])
     held = stalled_durations(report.get("events") or []) if settle else []
-    rss_peak = max(value for _, value in rss) if rss else rss_start
-    grown_mb = (rss_end - rss_start) / 2**20
     seconds = run["ended"] - run["started"]
-    cpu_ms = 1e3 * (run["cpu_s"] - run["idle_cpu"] * seconds) / max(1, run["connections"])
     p50, p99, worst = (1e3 * float(np.percentile(during, q)) for q in (50, 99, 100))
+    return {"endpoint": endpoint, "load": load, "connections": run["connections"], "seconds": seconds,
+            "cpu_ms_per_connection": 1e3 * (run["cpu_s"] - run["idle_cpu"] * seconds) / max(1, run["connections"]),
+            "idle_cpu_s_per_s": run["idle_cpu"], "history_bytes": run["history_bytes"],
+            "lag_ms": {"p50": p50, "p99": p99, "max": worst},
+            "rss_mb": {"start": rss_start / 2**20, "peak": max([v for _, v in rss] or [rss_start]) / 2**20,
+                       "end": rss_end / 2**20},
+            "stalled_held_s": held}
+
+
+def main() -> None:
+    args = parse_args(__doc__.splitlines()[0], [
+        ("--pause", {"type": float, "default": 0.0, "help": "seconds a tab waits before reconnecting"}),
+        ("--endpoint", {"default": "stream",
+                        "help": f"one of {', '.join(ENDPOINTS)}, or several with commas (stream,jupyter): each on a "
+                                "fresh server, in turn, side by side in one table"}),
+        ("--rounds", {"type": int, "default": 1, "help": "run the endpoints in turn this many times"}),
+        ("--cycles", {"type": int, "default": CYCLES, "help": "reconnects per tab"}),
+        ("--bytes", {"type": int, "default": 0,
+                     "help": "jupyter-history: bytes of its second message (default: the stream's history now)"}),
+        ("--settle", {"type": float, "default": SETTLE_S,
+                      "help": "seconds from the start before RSS is read (0: lag only, RSS and stalled not judged)"})])
+    endpoints = args.endpoint.split(",")
+    if not set(endpoints) <= set(ENDPOINTS):
+        raise SystemExit(f"--endpoint: each of {', '.join(ENDPOINTS)}, not {args.endpoint!r}")
+    info = print_header("Server stream under churn: 50 tabs x 100 reconnects, 10 stalled clients, 8 fake GPUs, 1 h")
+    tabs, cycles, stalled, settle = (10, 5, 2, 0.0) if args.quick else (TABS, args.cycles, STALLED, args.settle)
+    runs = [measure(endpoint, args, tabs, cycles, stalled, settle)
+            for _ in range(args.rounds) for endpoint in endpoints]
+
+    def row(label: str, cell: Any) -> list[Any]:
+        return [label, *(cell(run) for run in runs)]
+
     rows: list[list[Any]] = [
-        ["endpoint", args.endpoint],
-        ["connections served (hello + history each)",
-         f"{run['connections']} in {seconds:.1f} s ({run['connections'] / seconds:.0f}/s, pause {args.pause:g} s)"],
-        ["history message (median bytes)", f"{run['history_bytes']:,.0f}"],
-        ["server CPU per connection, beyond its idle rate (ms, all threads)", f"{cpu_ms:.2f}"],
-        ["event-loop lag p50 / p99 / max while churning (ms)", f"{p50:.2f} / {p99:.2f} / {worst:.2f}"],
-        ["server RSS start / peak / after (MB)",
-         f"{rss_start / 2**20:.0f} / {rss_peak / 2**20:.0f} / {rss_end / 2**20:.0f}"],
-        ["stalled clients let go after (s, each)",
-         ", ".join(f"{s:.1f}" for s in held) if held else "not measured (no settling time)"],
+        row("load average (1 min) at its start", lambda run: f"{run['load']:.1f}"),
+        row("connections served (hello + history each)",
+            lambda run: f"{run['connections']} in {run['seconds']:.1f} s"),
+        row("history message (median bytes)", lambda run: f"{run['history_bytes']:,.0f}"),
+        row("server CPU per connection, beyond idle (ms)", lambda run: f"{run['cpu_ms_per_connection']:.2f}"),
+        row("event-loop lag p50 / p99 / max (ms)",
+            lambda run: "{p50:.2f} / {p99:.2f} / {max:.1f}".format(**run["lag_ms"])),
+        row("server RSS start / peak / after (MB)", lambda run: "{start:.0f} / {peak:.0f} / {end:.0f}".format(
+            **run["rss_mb"])),
+        row("stalled clients let go after (s, longest)",
+            lambda run: f"{max(run['stalled_held_s']):.1f}" if run["stalled_held_s"] else "not measured"),
     ]
-    print()
-    table(["figure", "value"], rows)
-    verdicts = [
-        verdict("event-loop lag p99 while 50 tabs churn", p99, 10.0, higher_is_better=False,
-                shown=f"{p99:.2f} ms", target_shown="10 ms"),
-    ]
-    if settle:
-        verdicts.append(verdict("server RSS once every client left, over its start", grown_mb, 20.0,
-                                higher_is_better=False, shown=f"{grown_mb:+.1f} MB", target_shown="20 MB"))
-    if held:
-        verdicts.append(verdict("longest a stalled client stayed subscribed", max(held), STALLED_LIMIT_S,
-                                higher_is_better=False, shown=f"{max(held):.1f} s", target_shown="60 s"))
-    write_json(args.json, {"machine": info, "endpoint": args.endpoint, "tabs": tabs, "cycles": cycles,
-                           "stalled": stalled, "pause_s": args.pause,
-                           "connections": run["connections"], "seconds": seconds,
-                           "cpu_ms_per_connection": cpu_ms, "idle_cpu_s_per_s": run["idle_cpu"],
-                           "history_bytes": run["history_bytes"],
-                           "lag_ms": {"p50": p50, "p99": p99, "max": worst},
-                           "rss_mb": {"start": rss_start / 2**20, "peak": rss_peak / 2**20, "end": rss_end / 2**20},
-                           "stalled_held_s": held, "verdicts": verdicts})
+    print(f"\n  pause {args.pause:g} s between a tab's tries; {tabs} tabs x {cycles} cycles, {stalled} stalled clients")
+    table(["figure", *(run["endpoint"] for run in runs)], rows)
+    verdicts = []
+    for run in runs:
+        p99, held = run["lag_ms"]["p99"], run["stalled_held_s"]
+        verdicts.append(verdict(f"{run['endpoint']}: event-loop lag p99 while {tabs} tabs churn", p99, 10.0,
+                                higher_is_better=False, shown=f"{p99:.2f} ms", target_shown="10 ms"))
+        if settle:
+            grown = run["rss_mb"]["end"] - run["rss_mb"]["start"]
+            verdicts.append(verdict(f"{run['endpoint']}: server RSS once every client left, over its start", grown,
+                                    20.0, higher_is_better=False, shown=f"{grown:+.1f} MB", target_shown="20 MB"))
+        if held:
+            verdicts.append(verdict(f"{run['endpoint']}: longest a stalled client stayed subscribed", max(held),
+                                    STALLED_LIMIT_S, higher_is_better=False, shown=f"{max(held):.1f} s",
+                                    target_shown="60 s"))
+    write_json(args.json, {"machine": info, "tabs": tabs, "cycles": cycles, "stalled": stalled, "pause_s": args.pause,
+                           "runs": runs, "verdicts": verdicts})
 
 
 if __name__ == "__main__":
