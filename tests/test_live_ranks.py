@@ -302,7 +302,7 @@ import sys
 sys.path.insert(0, {tests!r})
 import torch.multiprocessing as mp
 from gloo_job import slow_loader_rank
-mp.spawn(slow_loader_rank, args=(2, {port}, 40, 1, 0.012), nprocs=2, join=True)
+mp.spawn(slow_loader_rank, args=(2, {port}, 50, 1, 0.012), nprocs=2, join=True)
 """
 
 
