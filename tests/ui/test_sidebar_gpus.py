@@ -248,11 +248,19 @@ def test_eight_gpus_at_a_glance_folded_cards_and_the_keyboard(gpu_lab, page):
     assert active(page)["expanded"] == "false"
     assert not card.locator(".jp-gpuwidget-card-body").is_visible()
 
-    # At JupyterLab's default sidebar width (for a look when it fails), then README screenshots:
+    # At JupyterLab's default sidebar width the holder reads in full (the power column makes room
+    # there); a longer one ends in an ellipsis, every process in the cell's tooltip.
+    holder = rows.nth(0).locator(".jp-gpuwidget-overview-holder")
+    shown = holder.locator("button").evaluate(
+        "node => ({fits: node.scrollWidth <= node.clientWidth, cut: getComputedStyle(node).textOverflow})")
+    assert shown == {"fits": True, "cut": "ellipsis"}, shown
+    assert holder.get_attribute("title").startswith("train.ipynb (")
+    # README screenshots at a wider sidebar show the power too (below); first this width, for a look:
     # the overview with one card open, light and dark.
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     page.locator(PANEL).screenshot(path=str(SCREENSHOTS / "sidebar-gpus-narrow.png"))
     widen_sidebar(page)
+    assert page.locator(f"{OVERVIEW_ROWS} td").nth(2).is_visible()  # the power column is back
     page.locator(".jp-gpuwidget-card[data-device='gpu0'] .jp-gpuwidget-card-toggle").click()
     page.wait_for_timeout(1500)
     page.locator(PANEL).screenshot(path=str(readme_image("sidebar-gpus.png")))
