@@ -78,6 +78,13 @@ class FakeLink implements IKernelLink {
   }
 }
 
+/** A link whose kernel cannot say who it is yet (a notebook still connecting). */
+function connectingLink(): FakeLink {
+  const link = new FakeLink();
+  link.current = undefined;
+  return link;
+}
+
 const flush = () => new Promise(resolve => setTimeout(resolve, 0));
 
 function renderText(data: Record<string, unknown>): Widget {
@@ -190,13 +197,23 @@ describe('MeasureView', () => {
   it('shows the note with no kernel at all, and waits while one connects', async () => {
     expect((await mountFlushed(new FakeLink(null))).state).toBe('gone');
     expect((await mountFlushed(null)).state).toBe('gone');
-    const connecting = new FakeLink(undefined);
+    const connecting = connectingLink();
     const view = await mountFlushed(connecting);
     expect(view.state).toBe('ready');
     connecting.current = 'kernel-session-9';
     connecting.changed.emit('changed');
     await flush();
     expect(view.state).toBe('gone');
+    view.dispose();
+  });
+
+  it('asks again while the kernel cannot say who it is yet', async () => {
+    const starting = connectingLink();
+    const view = await mountFlushed(starting);
+    starting.current = 'kernel-session-2'; // a reopened notebook's new kernel, no signal
+    await new Promise(resolve => setTimeout(resolve, 1100));
+    expect(view.state).toBe('gone');
+    view.dispose();
   });
 
   it('shows the note once the kernel stops or restarts', async () => {
