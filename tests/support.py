@@ -9,7 +9,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 from gpuwidget.sampler import THREAD_NAME
 
@@ -45,3 +46,32 @@ def hogs(count: int, lifetime_s: float) -> Iterator[list[int]]:
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def gpuwidget_kernel(env: Mapping[str, str] | None = None) -> Iterator[Any]:
+    """A real IPython kernel (jupyter_client) with ``%load_ext gpuwidget`` run; its client, shut down after."""
+    from jupyter_client.manager import start_new_kernel
+
+    km, kc = start_new_kernel(kernel_name="python3", **({"env": dict(env)} if env is not None else {}))
+    try:
+        reply = kc.execute_interactive("%load_ext gpuwidget", timeout=60)
+        assert reply["content"]["status"] == "ok"
+        yield kc
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+
+
+def cell_messages(kc: Any, code: str, timeout: float = 60) -> list[tuple[float, dict]]:
+    """Execute ``code``; this cell's iopub messages with their arrival times (s after sending it), up to its idle."""
+    started = time.perf_counter()
+    msg_id = kc.execute(code)
+    messages = []
+    while True:
+        msg = kc.get_iopub_msg(timeout=timeout)
+        if msg["parent_header"].get("msg_id") != msg_id:
+            continue
+        messages.append((time.perf_counter() - started, msg))
+        if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+            return messages

@@ -2,40 +2,20 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 import pytest
+
+from support import cell_messages as run_cell
+from support import gpuwidget_kernel
 
 pytestmark = pytest.mark.kernel
 
 
 @pytest.fixture(scope="module")
 def kernel() -> Iterator[object]:
-    from jupyter_client.manager import start_new_kernel
-
-    km, kc = start_new_kernel(kernel_name="python3")
-    try:
-        reply = kc.execute_interactive("%load_ext gpuwidget", timeout=60)
-        assert reply["content"]["status"] == "ok"
+    with gpuwidget_kernel() as kc:
         yield kc
-    finally:
-        kc.stop_channels()
-        km.shutdown_kernel(now=True)
-
-
-def run_cell(kc, code: str, timeout: float = 60) -> list[tuple[float, dict]]:
-    """Execute and collect this cell's iopub messages with their arrival times, until idle."""
-    started = time.perf_counter()
-    msg_id = kc.execute(code)
-    messages = []
-    while True:
-        msg = kc.get_iopub_msg(timeout=timeout)
-        if msg["parent_header"].get("msg_id") != msg_id:
-            continue
-        messages.append((time.perf_counter() - started, msg))
-        if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
-            return messages
 
 
 def of_type(messages, msg_type):
@@ -95,15 +75,8 @@ def test_bokehjs_goes_inline_once_per_kernel_then_only_a_small_reload_guard(kern
 
 
 def test_first_watch_in_a_fresh_kernel_sends_bokehjs_inline():
-    from jupyter_client.manager import start_new_kernel
-
-    km, kc = start_new_kernel(kernel_name="python3")
-    try:
-        kc.execute_interactive("%load_ext gpuwidget", timeout=60)
+    with gpuwidget_kernel() as kc:
         messages = run_cell(kc, "%%gpuwatch\npass")
-    finally:
-        kc.stop_channels()
-        km.shutdown_kernel(now=True)
     (script,) = [m for _, m in of_type(messages, "display_data") if "application/javascript" in m["content"]["data"]]
     assert script["content"]["metadata"]["gpuwidget"]["loader"] == "inline"
     code = script["content"]["data"]["application/javascript"]

@@ -21,6 +21,8 @@ from gpuwidget.trace import Trace
 from gpuwidget.ui.rank_strip import MAX_ROWS, WINDOW_S, RankStrip, text_lines
 from gpuwidget.ui.static import HEIGHT, StaticView
 
+from support import cell_messages, gpuwidget_kernel
+
 SVG = "{http://www.w3.org/2000/svg}"
 NO_GPU = {"gpus": [], "gpu_message": "no NVIDIA GPU found"}
 OWN = None  # the watch's own process: its spans carry no pid
@@ -309,23 +311,9 @@ mp.spawn(slow_loader_rank, args=(2, {port}, 50, 1, 0.012), nprocs=2, join=True)
 @pytest.mark.kernel
 @pytest.mark.slow
 def test_static_view_in_a_kernel_shows_each_spawned_gloo_rank_while_the_cell_runs():
-    from jupyter_client.manager import start_new_kernel
-
-    km, kc = start_new_kernel(kernel_name="python3")
-    try:
-        assert kc.execute_interactive("%load_ext gpuwidget", timeout=60)["content"]["status"] == "ok"
-        msg_id = kc.execute(RANKS_CELL.format(tests=str(Path(__file__).parent), port=free_port()))
-        messages = []
-        while True:
-            msg = kc.get_iopub_msg(timeout=120)
-            if msg["parent_header"].get("msg_id") != msg_id:
-                continue
-            messages.append(msg)
-            if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
-                break
-    finally:
-        kc.stop_channels()
-        km.shutdown_kernel(now=True)
+    with gpuwidget_kernel() as kc:
+        cell = RANKS_CELL.format(tests=str(Path(__file__).parent), port=free_port())
+        messages = [msg for _, msg in cell_messages(kc, cell, timeout=120)]
     assert not [m for m in messages if m["msg_type"] == "error"]
     (chart,) = [m for m in messages if m["msg_type"] == "display_data" and "image/svg+xml" in m["content"]["data"]]
     display_id = chart["content"]["transient"]["display_id"]

@@ -9,6 +9,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from support import gpuwidget_kernel
+
 pytestmark = pytest.mark.kernel
 
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
@@ -44,16 +46,8 @@ tuner.DEFAULT_BUDGET_S = 3.0
 
 @pytest.fixture(scope="module")
 def kernel() -> Iterator[object]:
-    from jupyter_client.manager import start_new_kernel
-
-    km, kc = start_new_kernel(kernel_name="python3")
-    try:
-        reply = kc.execute_interactive("%load_ext gpuwidget", timeout=60)
-        assert reply["content"]["status"] == "ok"
+    with gpuwidget_kernel() as kc:
         yield kc
-    finally:
-        kc.stop_channels()
-        km.shutdown_kernel(now=True)
 
 
 def run_cell(kc, code: str, timeout: float = 60) -> tuple[dict, list[dict]]:

@@ -20,6 +20,9 @@ from gpuwidget.trace import Trace
 from gpuwidget.ui.static import StaticView
 from gpuwidget.ui.views import frontend, resolve_view
 
+from support import cell_messages as run_cell
+from support import gpuwidget_kernel
+
 SVG = "{http://www.w3.org/2000/svg}"
 
 # ------------------------------------------------------------------ the option
@@ -162,31 +165,8 @@ def test_redraw_cost_does_not_grow_with_the_run():
 @pytest.fixture(scope="module")
 def vscode_kernel() -> Iterator[object]:
     """A kernel started as VS Code's Jupyter extension starts one (its environment variable set)."""
-    from jupyter_client.manager import start_new_kernel
-
-    env = {**os.environ, "PYDEVD_IPYTHON_COMPATIBLE_DEBUGGING": "1"}
-    km, kc = start_new_kernel(kernel_name="python3", env=env)
-    try:
-        reply = kc.execute_interactive("%load_ext gpuwidget", timeout=60)
-        assert reply["content"]["status"] == "ok"
+    with gpuwidget_kernel(env={**os.environ, "PYDEVD_IPYTHON_COMPATIBLE_DEBUGGING": "1"}) as kc:
         yield kc
-    finally:
-        kc.stop_channels()
-        km.shutdown_kernel(now=True)
-
-
-def run_cell(kc, code: str, timeout: float = 60) -> list[tuple[float, dict]]:
-    """This cell's iopub messages with their arrival times (s after sending it), up to its idle."""
-    started = time.perf_counter()
-    msg_id = kc.execute(code)
-    messages = []
-    while True:
-        msg = kc.get_iopub_msg(timeout=timeout)
-        if msg["parent_header"].get("msg_id") != msg_id:
-            continue
-        messages.append((time.perf_counter() - started, msg))
-        if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
-            return messages
 
 
 WATCHED = """%%gpuwatch {options}
