@@ -197,6 +197,10 @@ def test_eight_gpus_with_an_hour_of_history_redraw_within_a_frame_budget(lab, pa
     open_lab(page, lab)
     page.locator(TAB).click()
     page.wait_for_selector(".jp-gpuwidget-card[data-device='host']", timeout=30_000)
+    # The host card may come from the status bar's snapshot poll: wait for the stream itself, or its
+    # /devices reply would land after the synthetic GPUs and replace them.
+    wait_for(lambda: page.evaluate(f"{PANEL_JS}.model.connection.kind") == "live", 30,
+             "the sidebar's stream did not connect", page)
 
     result = page.evaluate(SYNTHETIC_JS, ["watch_live.ipynb", 30])
     assert result["charts"] == 8 * 5 + 2
