@@ -17,8 +17,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from gloo_job import Items as Samples
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 import gpuwidget
 from gpuwidget.children import ENV_VAR
@@ -35,21 +36,6 @@ pytestmark = pytest.mark.slow
 PTH = "gpuwidget_children.pth"
 PUBLIC_KEYS = {"rank", "pid", "gpu", "steps", "samples_per_s", "data_wait_fraction",
                "step_time_p50_s", "step_time_p95_s"}
-
-
-class Samples(Dataset):
-    """Small tensors; ``delay`` seconds of sleep per sample make a slow loader."""
-
-    def __init__(self, count: int, delay: float = 0.0) -> None:
-        self.count, self.delay = count, delay
-
-    def __len__(self) -> int:
-        return self.count
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.delay:
-            time.sleep(self.delay)
-        return torch.full((4,), float(index)), torch.ones(1)
 
 
 def train(batches: int, delay: float = 0.0, num_workers: int = 0, work_s: float = 0.002) -> None:
