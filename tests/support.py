@@ -63,10 +63,11 @@ def gpuwidget_kernel(env: Mapping[str, str] | None = None) -> Iterator[Any]:
         km.shutdown_kernel(now=True)
 
 
-def cell_messages(kc: Any, code: str, timeout: float = 60) -> list[tuple[float, dict]]:
-    """Execute ``code``; this cell's iopub messages with their arrival times (s after sending it), up to its idle."""
+def cell_messages(kc: Any, code: str, timeout: float = 60, **execute: Any) -> list[tuple[float, dict]]:
+    """Execute ``code`` (``execute``: more arguments for ``kc.execute``, e.g. ``silent=True``); this
+    cell's iopub messages with their arrival times (s after sending it), up to its idle."""
     started = time.perf_counter()
-    msg_id = kc.execute(code)
+    msg_id = kc.execute(code, **execute)
     messages = []
     while True:
         msg = kc.get_iopub_msg(timeout=timeout)

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from support import gpuwidget_kernel
+from support import cell_messages, gpuwidget_kernel
 
 pytestmark = pytest.mark.kernel
 
@@ -52,15 +52,8 @@ def kernel() -> Iterator[object]:
 
 def run_cell(kc, code: str, timeout: float = 60) -> tuple[dict, list[dict]]:
     """Execute; return the execute_reply and this cell's iopub messages, in order, until idle."""
-    msg_id = kc.execute(code)
-    messages = []
-    while True:
-        msg = kc.get_iopub_msg(timeout=timeout)
-        if msg["parent_header"].get("msg_id") != msg_id:
-            continue
-        messages.append(msg)
-        if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
-            break
+    messages = [msg for _, msg in cell_messages(kc, code, timeout)]
+    msg_id = messages[-1]["parent_header"]["msg_id"]
     reply = kc.get_shell_msg(timeout=timeout)
     while reply["parent_header"].get("msg_id") != msg_id:
         reply = kc.get_shell_msg(timeout=timeout)
@@ -117,15 +110,7 @@ def click_measure(kc, token: str, timeout: float = 60) -> list[dict]:
     """What gpuwidget's front-end sends for a click: the call, silently, outside the history."""
     from gpuwidget.ui.actions import CALL
 
-    msg_id = kc.execute(CALL.format(token=token), silent=True, store_history=False)
-    messages = []
-    while True:
-        msg = kc.get_iopub_msg(timeout=timeout)
-        if msg["parent_header"].get("msg_id") != msg_id:
-            continue
-        messages.append(msg)
-        if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
-            return messages
+    return [msg for _, msg in cell_messages(kc, CALL.format(token=token), timeout, silent=True, store_history=False)]
 
 
 def ending(messages: list[dict]) -> dict:
