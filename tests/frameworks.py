@@ -415,6 +415,14 @@ def check_code(code: str, namespace: dict[str, Any], case: Case) -> CodeCheck:
     return result
 
 
+def end_workers(loader: Any) -> None:
+    """Shut a persistent-workers loader's worker processes down now, not at garbage collection."""
+    iterator = getattr(loader, "_iterator", None)
+    if iterator is not None:
+        iterator._shutdown_workers()
+        loader._iterator = None
+
+
 def batch_size(batch: Any) -> int:
     """Samples in a batch: the first dimension of its first tensor."""
     first = batch[0] if isinstance(batch, (list, tuple)) else next(iter(batch.values()))

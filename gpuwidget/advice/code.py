@@ -18,7 +18,7 @@ from typing import Any
 
 from gpuwidget.advice.loader import DEFAULT_PREFETCH
 from gpuwidget.facts import LoaderFacts, WorkloadFacts
-from gpuwidget.probes.constructor import constructor_call, defaults_hold
+from gpuwidget.probes.constructor import constructor_call, constructor_keywords, defaults_hold
 from gpuwidget.probes.origin import call_with_keywords
 
 IMPORT = "from torch.utils.data import DataLoader"
@@ -209,20 +209,21 @@ def _class_instruction(loader: LoaderFacts | Mapping[str, Any], change: Mapping[
     listed = ", ".join(f"{key}={value!r}" for key, value in keywords.items())
     subject = name or "This loader"
     init = constructor.get("code")
-    init_place = f" ({_where(init)})" if init else ""
-    lines = [f"# {subject} is a {class_name}; {reason}{init_place},",
+    if init:
+        reason = reason.replace("its __init__", f"its __init__ ({_where(init)})", 1)
+    lines = [f"# {subject} is a {class_name}; {reason},",
              f"# so it cannot be built again here without losing what {class_name} does."]
     site = loader.get("built_at")
     where = f"Where it is built, {_place(site)}," if site else "Where you build it,"
-    plan = constructor_call(constructor, keywords, set(change))
-    if isinstance(plan, str):
+    taken = constructor_keywords(constructor, keywords, set(change)) if constructor else keywords
+    if isinstance(taken, str):
         lines += [f"# {where} pass {listed},",
                   f"# and have {class_name}.__init__ hand them to DataLoader: take **kwargs and call",
                   "# super().__init__(..., **kwargs)."]
         return "\n".join(lines)
-    line = call_with_keywords(site, plan.keywords, [class_name]) if site else None
+    line = call_with_keywords(site, taken, [class_name]) if site else None
     if line is None:
-        mapped = ", ".join(f"{key}={value!r}" for key, value in plan.keywords.items())
+        mapped = ", ".join(f"{key}={value!r}" for key, value in taken.items())
         lines.append(f"# {where} pass it {mapped}.")
     else:
         lines += [f"# {where} build it as", f"#     {line}"]

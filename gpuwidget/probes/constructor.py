@@ -223,26 +223,38 @@ def constructor_call(constructor: LoaderConstructor | Mapping[str, Any] | None, 
     if missing:
         listed = ", ".join(missing)
         return f"its __init__ needs {listed}, which no attribute of the loader keeps"
-    takes = constructor.get("keywords") or {}
-    fixed = constructor.get("fixed") or []
     call = ConstructorCall(attributes=dict(constructor.get("attributes") or {}),
                            defaults=dict(constructor.get("defaults") or {}))
     mode = constructor.get("dataset")
     if mode != "fixed":
         call.dataset = arguments.get("dataset")
         call.dataset_keyword = None if mode == "positional" else mode
+    keywords = constructor_keywords(constructor, arguments, changed)
+    if isinstance(keywords, str):
+        return keywords
+    call.keywords = keywords
+    return call
+
+
+def constructor_keywords(constructor: LoaderConstructor | Mapping[str, Any], arguments: Mapping[str, Any],
+                         changed: Collection[str]) -> dict[str, Any] | str:
+    """DataLoader ``arguments`` (but the dataset) under the names the constructor takes them by,
+    or why it cannot take them (see :func:`constructor_call`)."""
+    takes = constructor.get("keywords") or {}
+    fixed = constructor.get("fixed") or []
+    keywords: dict[str, Any] = {}
     for key, value in arguments.items():
         if key == "dataset":
             continue
         if key in takes:
-            call.keywords[takes[key]] = value
+            keywords[takes[key]] = value
         elif key in fixed and key not in changed:
             continue  # the constructor sets it again itself, as it did
         elif key in fixed:
             return f"its __init__ sets {key} itself"
         else:
             return f"its __init__ does not pass {key} on to DataLoader"
-    return call
+    return keywords
 
 
 def rebuild_loader(loader: Any, change: Mapping[str, Any] | None = None,

@@ -118,6 +118,50 @@ def notebook_cell(file: str) -> int | None:
     return mapping.get(file) if isinstance(mapping, dict) else None
 
 
+def history_site(namespace: Mapping[str, Any] | None, name: str,
+                 classes: Collection[str] = ()) -> dict[str, Any] | None:
+    """Where the notebook's latest cell assigning ``name`` at its top level built it with
+    ``DataLoader(...)`` (or one of ``classes``): the site of a loader built before the watch began
+    (the probe sees only those built during it). None outside IPython, when that cell assigned
+    ``name`` otherwise, or when its source is gone."""
+    cells = (namespace or {}).get("_ih")
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    mapping = getattr(getattr(shell, "compile", None), "_filename_map", None)
+    if not isinstance(cells, list) or not isinstance(mapping, dict):
+        return None
+    files = {number: file for file, number in mapping.items()}
+    callees = {*classes, "DataLoader"}
+    for number in range(len(cells) - 1, 0, -1):
+        try:
+            tree = ast.parse(cells[number])  # IPython's own translation: magics are calls
+        except (SyntaxError, TypeError, ValueError):
+            continue
+        assigned = [node for node in tree.body if isinstance(node, ast.Assign)
+                    and any(isinstance(bound, ast.Name) and bound.id == name
+                            for target in node.targets for bound in ast.walk(target))]
+        if not assigned:
+            continue
+        last = assigned[-1]
+        value = last.value
+        plain = any(isinstance(target, ast.Name) and target.id == name for target in last.targets)
+        if not (plain and isinstance(value, ast.Call) and _called_name(value) in callees) or number not in files:
+            return None
+        return {"file": files[number], "function": "<module>", "line": value.lineno, "cell": number}
+    return None
+
+
+def placed(loaders: list[Any], namespace: Mapping[str, Any] | None) -> list[Any]:
+    """``loaders`` (LoaderFacts), a named one built before the watch given its site from the
+    notebook's history (:func:`history_site`)."""
+    for facts in loaders:
+        if facts.get("built_at") is None and facts.get("name"):
+            constructor = (facts.get("settings") or {}).get("constructor") or {}
+            classes = [constructor["class_name"]] if constructor.get("class_name") else []
+            facts["built_at"] = history_site(namespace, facts["name"], classes)
+    return loaders
+
+
 def owner(built: Mapping[str, Any] | None, iterated: Mapping[str, Any] | None) -> str | None:
     """The framework that owns the loader: "transformers", "accelerate", "lightning" or None."""
     built_inner = (built or {}).get("inner") or []
@@ -194,7 +238,8 @@ def code_location(function: Any) -> dict[str, Any] | None:
         return None
     if file is None:
         return None
-    return {"file": file, "function": getattr(function, "__qualname__", str(function)), "line": line}
+    return {"file": file, "function": getattr(function, "__qualname__", str(function)), "line": line,
+            "cell": notebook_cell(file)}
 
 
 def dataset_facts(dataset: Any) -> dict[str, Any]:
