@@ -116,7 +116,7 @@ SHAPES = {
         "collate_fn=train_loader.collate_fn, num_workers=2", True),
     "subclass that keeps its own argument nowhere": Shape(
         "train_loader = Forgetful(train_ds, 3.0, batch_size=8)",
-        "which no attribute of the loader keeps,\n# so it cannot be built again here without losing what Forgetful does.",
+        "which no attribute of the loader keeps,\n# so it cannot be built again here",
         False),
     "subclass that takes no DataLoader arguments": Shape(
         "train_loader = Closed(train_ds)",
@@ -181,7 +181,8 @@ def test_a_class_that_cannot_be_rebuilt_is_told_what_to_add_at_the_line_that_bui
     assert code == (f"# train_loader is a Closed; its __init__ (cell In [{cells}], line {init_line}) does not pass "
                     "num_workers on to DataLoader,\n"
                     "# so it cannot be built again here without losing what Closed does.\n"
-                    f"# Where it is built, at line 1 of cell In [{cell}], pass num_workers=2, persistent_workers=True,\n"
+                    f"# Where it is built, at line 1 of cell In [{cell}], pass num_workers=2, "
+                    "persistent_workers=True,\n"
                     "# and have Closed.__init__ hand them to DataLoader: take **kwargs and call\n"
                     "# super().__init__(..., **kwargs).")
 

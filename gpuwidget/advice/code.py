@@ -1,13 +1,18 @@
 """The code a loader finding offers: it runs as pasted in the user's namespace and keeps the data.
 
 The invariant (DESIGN.md, public contract): executed where the watched cell ran, the code
-either (a) rebinds the user's own name for the loader to a DataLoader that yields the same
-samples with the same batching, sampling and collation, only the speed settings changed;
-or (b) where no name of the user's holds the loader (a Trainer owns it, or a function
-built it), it is an instruction in the owning framework's terms that raises nothing:
-attribute assignments on the user's ``TrainingArguments``, ``accelerator.prepare`` of a
-loader built with the settings, or comments naming the file, function and the DataLoader
-line to change. It never uses a name the user does not have.
+either (a) rebinds the user's own name for the loader to a loader that yields the same
+samples with the same batching, sampling and collation, only the speed settings changed:
+of the user's own class where the loader is a DataLoader subclass whose constructor takes the
+arguments (gpuwidget.probes.constructor), with its sampler, batch sampler and collate function
+by the user's names for them; or (b) where a method of the user's object built the loader (a
+LightningModule's or datamodule's ``train_dataloader``), replaces that method on the user's
+instance with one that rebuilds the loader it builds, so the next ``trainer.fit`` uses it; or
+(c) where neither can be done (a Trainer owns the loader, a function built it, the class cannot
+take the arguments), it is an instruction in the owning framework's terms that raises nothing:
+attribute assignments on the user's ``TrainingArguments``, ``accelerator.prepare`` of a loader
+built with the settings, or comments naming the file, function and line that built the loader
+and what to add there. It never uses a name the user does not have.
 """
 
 from __future__ import annotations
