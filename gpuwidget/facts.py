@@ -26,7 +26,6 @@ class LoaderConstructor(TypedDict, total=False):
     (``probes.constructor.constructor_facts``): what a rebuilt loader of the user's class may pass."""
 
     class_name: str  # the subclass's own name
-    class_code: dict[str, Any] | None  # file, function, line of the class
     code: dict[str, Any] | None  # file, function, line of the __init__ that hands on (absent: DataLoader's own)
     known: bool  # that hand-over was read; False: ``reason`` says why not
     reason: str

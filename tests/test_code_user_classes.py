@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
+from torch.utils.data import DataLoader
 
 import gpuwidget
 from gpuwidget.advice.code import loader_code
@@ -192,6 +193,26 @@ def test_a_class_that_cannot_be_rebuilt_is_told_what_to_add_at_the_line_that_bui
                          "#     Forgetful(train_ds, 3.0, batch_size=8, num_workers=2, persistent_workers=True)")
 
 
+def test_a_class_no_name_holds_is_called_as_the_loaders_type(ip, cells):
+    """A library's loader class, or one made inside a function: ``type(train_loader)`` calls it."""
+    assert ip.run_cell("def build():\n"
+                       "    class Hidden(DictLoader):\n"
+                       "        pass\n"
+                       "    return Hidden(train_ds, batch_size=8, shuffle=True)\n"
+                       "train_loader = build()\n", store_history=True).success
+    assert ip.run_cell(LOOP).success
+    run = gpuwidget.last_run()
+    loader = primary_loader(run.workload)
+    code = loader_code(loader, CHANGE, run.workload)
+    assert code == ("train_loader = type(train_loader)(train_ds, batch_size=8, shuffle=True, num_workers=2, "
+                    "persistent_workers=True)")
+    original = ip.user_ns["train_loader"]
+    assert ip.run_cell(code).success
+    rebuilt = ip.user_ns["train_loader"]
+    assert type(rebuilt) is type(original) and frameworks.same(batches(original), batches(rebuilt))
+    frameworks.end_workers(rebuilt)
+
+
 def test_a_subclass_built_in_a_function_is_changed_at_its_call(ip, cells):
     assert ip.run_cell("def make_loader():\n    return KwargsLoader(train_ds, batch_size=8)\n",
                        store_history=True).success
@@ -224,3 +245,69 @@ def test_the_tuners_loader_keeps_the_users_class(ip, cells):
     flipping = ip.user_ns["train_loader"]
     with pytest.raises(TypeError, match="takes flip, whose values the loader does not keep"):
         rebuild_loader(flipping, CHANGE, primary_loader(run.workload)["built_at"])
+
+
+# --------------------------------------------------------------------------- constructors, read from their source
+
+
+class Renamed(DataLoader):
+    """Its own names for the DataLoader arguments, handed on positionally and by keyword."""
+
+    def __init__(self, data, size, workers=0):
+        super().__init__(data, size, num_workers=workers)
+
+
+class Forwarding(DataLoader):
+    def __init__(self, *args, **kwargs):
+        DataLoader.__init__(self, *args, **kwargs)
+
+
+class SingleProcess(DataLoader):
+    def __init__(self, dataset, **kwargs):
+        super().__init__(dataset, num_workers=0, **kwargs)
+
+
+class Layered(Forwarding):
+    def __init__(self, dataset, **kwargs):
+        super().__init__(dataset, **kwargs)
+
+
+class Opaque(DataLoader):
+    def __init__(self, dataset, options):
+        super().__init__(dataset, **options)
+
+
+@pytest.mark.parametrize(("built", "arguments", "taken"), [
+    (lambda ds: Renamed(ds, 8), {"batch_size": 8, "num_workers": 2}, {"size": 8, "workers": 2}),
+    (lambda ds: Forwarding(ds, batch_size=8, shuffle=True), {"shuffle": True, "num_workers": 2},
+     {"shuffle": True, "num_workers": 2}),
+    (lambda ds: SingleProcess(ds, batch_size=8), {"batch_size": 8, "num_workers": 0, "pin_memory": True},
+     {"batch_size": 8, "pin_memory": True}),  # num_workers: it sets that itself, unchanged
+])
+def test_a_constructor_is_called_under_its_own_parameter_names(built, arguments, taken):
+    from gpuwidget.probes.constructor import constructor_call, constructor_facts, rebuild_loader
+
+    original = built(frameworks.SlowItems(n=32, latency=0))
+    change = {key: value for key, value in arguments.items() if key in ("num_workers", "pin_memory") and value}
+    plan = constructor_call(constructor_facts(original), {"dataset": "ds", **arguments}, set(change))
+    assert not isinstance(plan, str), plan
+    assert plan.keywords == taken and plan.dataset == "ds" and plan.dataset_keyword is None
+    rebuilt = rebuild_loader(original, change)
+    assert type(rebuilt) is type(original) and frameworks.same(batches(original), batches(rebuilt))
+    assert all(getattr(rebuilt, key) == value for key, value in change.items())
+    frameworks.end_workers(rebuilt)
+
+
+@pytest.mark.parametrize(("built", "reason"), [
+    (lambda ds: SingleProcess(ds, batch_size=8), "its __init__ sets num_workers itself"),
+    (lambda ds: Layered(ds, batch_size=8), "its __init__ hands its arguments to another class's __init__"),
+    (lambda ds: Opaque(ds, {"batch_size": 8}), "keyword arguments that cannot be followed"),
+])
+def test_a_constructor_that_cannot_take_the_change_says_why(built, reason):
+    from gpuwidget.probes.constructor import constructor_call, constructor_facts, rebuild_loader
+
+    original = built(frameworks.SlowItems(n=32, latency=0))
+    plan = constructor_call(constructor_facts(original), {"dataset": "ds", "num_workers": 2}, {"num_workers"})
+    assert isinstance(plan, str) and reason in plan
+    with pytest.raises(TypeError, match=reason.replace("(", r"\(").replace(")", r"\)")):
+        rebuild_loader(original, {"num_workers": 2})

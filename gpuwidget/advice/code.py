@@ -78,7 +78,7 @@ def loader_code(loader: LoaderFacts | Mapping[str, Any], change: Mapping[str, An
             call = constructor_expression(name, loader, change)
         except Unbuildable as why:
             return _class_instruction(loader, change, str(why), name)
-        return f"{_import_for(call)}{name} = {call}"
+        return f"{_import_for(loader)}{name} = {call}"
     hook = _hook_code(loader, change)
     return hook if hook is not None else _where_built(loader, change)
 
@@ -164,8 +164,10 @@ def _arguments(ref: str, loader: LoaderFacts | Mapping[str, Any], change: Mappin
     return arguments
 
 
-def _import_for(call: str) -> str:
-    return f"{IMPORT}\n" if call.startswith("DataLoader(") else ""
+def _import_for(loader: LoaderFacts | Mapping[str, Any]) -> str:
+    """torch's DataLoader import, where the code calls torch's class (never over the user's own
+    class of that name: torch_geometric's loader is called DataLoader too)."""
+    return "" if (loader.get("settings") or {}).get("constructor") else f"{IMPORT}\n"
 
 
 # The methods a framework calls to get a loader (Lightning's LightningModule and LightningDataModule hooks).
@@ -188,7 +190,7 @@ def _hook_code(loader: LoaderFacts | Mapping[str, Any], change: Mapping[str, Any
         return _class_instruction(loader, change, str(why), None)
     replacement = f"faster_{method}"
     return "\n".join([
-        f"import types\n{_import_for(call)}", "",
+        f"import types\n{_import_for(loader)}", "",
         f"def {replacement}(self):",
         f"    loader = type(self).{method}(self)  # your {method}'s loader, built but not iterated",
         f"    return {call}", "", "",
@@ -316,7 +318,7 @@ def _duplicates_warning(loader: LoaderFacts | Mapping[str, Any], change: Mapping
     settings = loader.get("settings") or {}
     workers = int(change.get("num_workers") or 0)
     where = settings.get("dataset_code") or {}
-    place = f" ({Path(where['file']).name}, line {where['line']})" if where else ""
+    place = f" ({_where(where)})" if where else ""
     dataset = settings.get("dataset_type") or "the dataset"
     return (f"# {dataset}.__iter__{place} does not split its items between worker processes: with\n"
             f"# num_workers={workers} every worker would yield every sample ({workers} copies of each).\n"
@@ -337,7 +339,7 @@ def cache_code(loader: LoaderFacts | Mapping[str, Any]) -> str:
     settings = loader.get("settings") or {}
     dataset = settings.get("dataset_type") or "the dataset"
     where = settings.get("dataset_code") or {}
-    place = f" ({Path(where['file']).name}, line {where['line']})" if where else ""
+    place = f" ({_where(where)})" if where else ""
     transforms = settings.get("dataset_transforms") or []
     lines = [f"# Each sample is rebuilt every epoch in {dataset}.__getitem__{place}."]
     if transforms:

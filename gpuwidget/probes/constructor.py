@@ -44,7 +44,7 @@ def constructor_facts(loader: Any) -> LoaderConstructor | None:
     cls = type(loader)
     if cls is DataLoader or not isinstance(loader, DataLoader):
         return None
-    facts: dict[str, Any] = {"class_name": cls.__name__, "class_code": code_location(cls)}
+    facts: dict[str, Any] = {"class_name": cls.__name__}
     owners = [klass for klass in cls.__mro__ if "__init__" in vars(klass)]
     if owners[0] is DataLoader:
         positional, keyword_only = dataloader_parameters()
