@@ -44,7 +44,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -61,6 +61,8 @@ from gpuwidget.sources.nvml import uuid_key  # noqa: E402
 
 MIB = 2.0**20
 GIB = 2.0**30
+# The one command for the lent GPU machine, run from the repository's root (README, BENCHMARKS).
+DEVICE_COMMAND = "PYTHONUNBUFFERED=1 PYTHONPATH=$PWD python3 benchmarks/gpu_check.py --out $OUT"
 
 # ------------------------------------------------------------------ what is compared, and how closely
 
@@ -306,8 +308,11 @@ def compare_readings(report: Report, phase: str, devices: Sequence[Mapping[str, 
     for device in devices:
         label, key = device["id"], uuid_key(device["uuid"])
         rows = [row for rounds in theirs for row in rounds if uuid_key(str(row.get("uuid", ""))) == key]
+        report.add(f"{phase} {label} uuid", bool(rows),
+                   f"nvidia-smi lists {device['uuid']}" if rows else f"nvidia-smi lists no GPU {device['uuid']}")
         if not rows:
-            report.fail(f"{phase} {label} uuid", f"nvidia-smi lists no GPU {device['uuid']}")
+            for item in FIELDS:
+                report.fail(f"{phase} {label} {item.metric}", "no nvidia-smi row for this GPU to compare with")
             continue
         reserved_mib = median_of(rows, "memory.reserved")
         reserved = None if reserved_mib is None else reserved_mib * MIB
@@ -797,12 +802,11 @@ class RealMachine:  # pragma: no cover - needs an NVIDIA GPU
         with contextlib.ExitStack() as stack:
             if kind == "fp32":
                 figures.tf32 = stack.enter_context(tf32_off())
-            a = torch.randn(LOAD_N, LOAD_N, device="cuda", dtype=dtype)
-            b = torch.randn(LOAD_N, LOAD_N, device="cuda", dtype=dtype)
-            c = torch.empty_like(a)
+            operands = [torch.randn(LOAD_N, LOAD_N, device="cuda", dtype=dtype) for _ in range(3)]
             per_chunk = 20 if kind == "bf16" else 3
 
             def loop() -> None:
+                a, b, c = operands
                 while not stop.is_set():
                     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                     start.record()
@@ -823,7 +827,7 @@ class RealMachine:  # pragma: no cover - needs an NVIDIA GPU
             steady = timed[3:] or timed
             if steady:
                 figures.flops_per_s = sum(f for f, _ in steady) / sum(s for _, s in steady)
-            del a, b, c
+            operands.clear()
             torch.cuda.empty_cache()
 
     def workload(self, name: str) -> tuple[Any, float | None, float | None, float | None]:
@@ -860,13 +864,14 @@ def tf32_off() -> Iterator[str | None]:  # pragma: no cover - needs torch with C
     import torch
 
     matmul, conv = torch.backends.cuda.matmul, torch.backends.cudnn
+    conv_node: Any = getattr(conv, "conv", None)
     if hasattr(matmul, "fp32_precision"):
-        saved = (matmul.fp32_precision, conv.conv.fp32_precision)
-        matmul.fp32_precision, conv.conv.fp32_precision = "ieee", "ieee"
+        saved = (matmul.fp32_precision, conv_node.fp32_precision)
+        matmul.fp32_precision, conv_node.fp32_precision = "ieee", "ieee"
         try:
             yield matmul.fp32_precision
         finally:
-            matmul.fp32_precision, conv.conv.fp32_precision = saved
+            matmul.fp32_precision, conv_node.fp32_precision = saved
     else:
         saved_legacy = (torch.get_float32_matmul_precision(), conv.allow_tf32)
         torch.set_float32_matmul_precision("highest")
@@ -892,7 +897,7 @@ FAKE_PHASES: dict[str, dict[str, Any]] = {
 }
 FAKE_RATES = {"bf16": 790e12, "fp32": 51e12}
 # The H200's facts as nvidia-smi prints them (MiB, W, MHz).
-FAKE_H200 = {"name": "NVIDIA H200", "memory_total_mib": 143771, "reserved_mib": 503, "used_mib": 1570,
+FAKE_H200: dict[str, Any] = {"name": "NVIDIA H200", "memory_total_mib": 143771, "reserved_mib": 503, "used_mib": 1570,
              "power_limit_w": 700.0, "power_min_w": 200.0, "power_max_w": 700.0, "mem_clock_mhz": 3201,
              "sm_clock_max_mhz": 1980}
 # What the load's allocations add to the GPU's memory, and the driver's own share of this process.
@@ -949,7 +954,9 @@ def _flips() -> dict[str, Flip]:
         "no proc_mem": Flip(frozenset({"own gpu0 proc_mem vs torch memory_reserved",
                                        "own gpu0 proc_mem vs nvidia-smi compute-apps"})),
         "pid not in compute-apps": Flip(frozenset({"own gpu0 proc_mem vs nvidia-smi compute-apps"})),
-        "gpu missing from nvidia-smi": Flip(frozenset({"busy gpu0 uuid", "idle gpu0 uuid"})),
+        "gpu missing from nvidia-smi": Flip(frozenset({"busy gpu0 uuid", "idle gpu0 uuid"}),
+                                            frozenset(f"{phase} gpu0 {item.metric}" for phase in ("busy", "idle")
+                                                      for item in FIELDS)),
     })
     for name, expectation in EXPECTED.items():
         flips[f"{name} misjudged"] = Flip(frozenset({f"{name} rules"}), frozenset({f"{name} fixture"}))
@@ -963,6 +970,8 @@ def _flips() -> dict[str, Flip]:
                                                             "bf16_matmul mfu"}))
     flips["bf16_matmul slow"] = Flip(frozenset({"bf16_matmul achieved FLOP/s near the measured peak"}),
                                      frozenset({"bf16_matmul mfu"}))
+    # A chip without a peak in gpuwidget's table: no MFU to give.
+    flips["bf16_matmul on an unknown chip"] = Flip(frozenset({"bf16_matmul mfu"}))
     return flips
 
 
@@ -985,6 +994,7 @@ class FakeWorkload:
     mem_fraction: float = 0.02
     flops_per_step: float = 1e9
     rates: tuple[float, float | None] = (1000.0, None)
+    chip: str = FAKE_H200["name"]
 
 
 FAKE_WORKLOADS = {
@@ -992,7 +1002,7 @@ FAKE_WORKLOADS = {
                                  flops_per_step=0.0, rates=(5300.0, 61000.0)),
     "small_batch": FakeWorkload(util=64, sm_active=18.0, tensor_active=6.0, process_cpu=58.0, autocast="bfloat16",
                                 param_dtype="float32", loader={"batch_size": 8, "wait_fraction": 0.02},
-                                step_s=0.0011, samples_per_step=8, flops_per_step=3.2e8, rates=(7300.0, 390000.0)),
+                                step_s=0.004, samples_per_step=8, flops_per_step=3.2e8, rates=(2000.0, 390000.0)),
     "fp32_math": FakeWorkload(util=100, sm_active=97.0, tensor_active=0.0, process_cpu=100.0, param_dtype="float32",
                               step_s=0.0102, samples_per_step=1024, mem_fraction=0.03, flops_per_step=4.8e11,
                               rates=(100000.0, 610000.0)),
@@ -1016,9 +1026,9 @@ class FakeMachine:
 
     def __init__(self, flip: str | None = None) -> None:
         sys.path.insert(0, str(ROOT / "tests"))
-        from fakenvml import FakeNvml, make_gpu
-
         from gpuwidget.sources.nvml import NvmlSource
+
+        from fakenvml import FakeNvml, make_gpu
 
         if flip is not None and flip not in FLIPS:
             raise ValueError(f"unknown flip {flip!r}")
@@ -1174,6 +1184,8 @@ class FakeMachine:
             spec = FakeWorkload(**{**asdict(spec), "step_s": spec.step_s * 2})
         if flip == "bf16_matmul flops miscounted" and name == "bf16_matmul":
             spec = FakeWorkload(**{**asdict(spec), "flops_per_step": spec.flops_per_step * 2})
+        if flip == "bf16_matmul on an unknown chip" and name == "bf16_matmul":
+            spec = FakeWorkload(**{**asdict(spec), "chip": "NVIDIA Prototype"})
         # The workload's fake GPU replaces this one while its Run is recorded (fakes do not nest).
         self._patch.__exit__(None, None, None)
         try:
@@ -1204,8 +1216,6 @@ def fake_run(name: str, spec: FakeWorkload, gpm: bool = True) -> Any:
     """A Run of one workload as a GPU run leaves it: gpuwidget's NVML source reads a fake H200 showing
     the workload's figures into a Trace beside host readings, with the loader, model, CUDA and training
     facts the probes record for such a loop; then gpuwidget's own summary and advisor judge it."""
-    from fakenvml import FakeNvml, make_gpu
-
     from gpuwidget.advice.advisor import advise
     from gpuwidget.advice.summary import summarize
     from gpuwidget.probes import DATA_WAIT_SPAN, STEP_SPAN
@@ -1213,9 +1223,11 @@ def fake_run(name: str, spec: FakeWorkload, gpm: bool = True) -> Any:
     from gpuwidget.sources.nvml import NvmlSource
     from gpuwidget.trace import Trace
 
+    from fakenvml import FakeNvml, make_gpu
+
     total = FAKE_H200["memory_total_mib"] * 2**20
     used = int(spec.mem_fraction * total)
-    gpu = make_gpu(0, name=FAKE_H200["name"], memory_total=total, memory_used=used, util=spec.util,
+    gpu = make_gpu(0, name=spec.chip, memory_total=total, memory_used=used, util=spec.util,
                    sm_active=spec.sm_active, tensor_active=spec.tensor_active, gpm=gpm, power_mw=300_000,
                    samples_while_idle=True, sm_clock_max_mhz=FAKE_H200["sm_clock_max_mhz"], sm_clock_mhz=1900)
     fake = FakeNvml([gpu])
@@ -1245,7 +1257,7 @@ def fake_run(name: str, spec: FakeWorkload, gpm: bool = True) -> Any:
                   "tf32_api": "fp32_precision", "matmul_fp32_precision": "ieee", "float32_matmul_precision": "highest",
                   "cuda_matmul_allow_tf32": False, "conv_fp32_precision": "ieee", "cudnn_allow_tf32": False,
                   "data_parallel": False},
-        "cuda": {"devices": [{"index": 0, "name": FAKE_H200["name"], "capability": [9, 0], "total_memory": total,
+        "cuda": {"devices": [{"index": 0, "name": spec.chip, "capability": [9, 0], "total_memory": total,
                               "peak_allocated": int(used * 0.8), "peak_reserved": int(used * 0.9),
                               "uuid": gpu.uuid.removeprefix("GPU-")}], "peak_since_cell_start": True},
         "loaders": [],

@@ -9,7 +9,8 @@ Each loop is built so that no other rule's condition hides the expected one:
 * ``launch_bound``: a step of ~1000 tiny elementwise kernels on a 64x64 tensor, data made on the GPU
   and no DataLoader (no data wait at all), parameters in bfloat16 (fp32-math has nothing to say
   about a model without matrix math). The host is pegged launching, the SMs idle.
-* ``small_batch``: batches of 8 through a small MLP, from a DataLoader whose dataset already lives
+* ``small_batch``: batches of 8 through a small MLP under bfloat16 autocast (fp32-math stays
+  silent), from a DataLoader whose dataset already lives
   on the GPU and hands out each batch as one slice (``__getitems__``), no workers: the wait per
   batch is the loader's own bookkeeping, far under the 10% that turns small-batch and
   launch-bound off. Each step ends waiting on a *blocking* CUDA event, as a loop that logs its
@@ -99,11 +100,19 @@ def judge_rules(name: str, rules: Iterable[str]) -> tuple[bool, str]:
 
 # ------------------------------------------------------------------ the loops (need CUDA)
 
+# Where the loops run: a GPU on the lent machine; the tests run them on "cpu" to prove the code
+# (everything but the CUDA graph and the blocking event, which need CUDA).
+DEVICE = "cuda"
 # Seconds each watched loop runs (after a few steps outside the watch, so cuBLAS and the
 # allocator are warm), and how many steps warm it up.
 WATCH_S = 3.0
 WARM_STEPS = 3
-# The bf16 workload's shape: LAYERS square linear layers of WIDTH at batch BATCH.
+# Shapes (module constants, so the tests can run the same code small on the CPU): the fp32
+# workload's width and batch, the small-batch workload's GPU-resident samples, and the bf16
+# workload's LAYERS square linear layers of WIDTH at batch BATCH.
+FP32_WIDTH = 4096
+FP32_BATCH = 1024
+SMALL_SAMPLES = 1 << 16
 BF16_WIDTH = 8192
 BF16_LAYERS = 4
 BF16_BATCH = 8192
@@ -125,14 +134,19 @@ class Loop:
 
 def run_for(loop: Loop, seconds: float) -> float:
     """Run ``loop`` for ``seconds`` of wall time; samples/s, the GPU's queue drained at the end."""
-    import torch
-
     samples, start = 0, time.perf_counter()
     end = start + seconds
     while time.perf_counter() < end:
         samples += loop.step()
-    torch.cuda.synchronize()
+    synchronize()
     return samples / (time.perf_counter() - start)
+
+
+def synchronize() -> None:
+    import torch
+
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
 
 
 def _sgd(model: Any) -> Any:
@@ -148,7 +162,7 @@ def launch_bound(graphed: bool = False) -> Loop:
     class TinyKernels(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.scale = torch.nn.Parameter(torch.ones(64, device="cuda", dtype=torch.bfloat16))
+            self.scale = torch.nn.Parameter(torch.ones(64, device=DEVICE, dtype=torch.bfloat16))
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             for _ in range(250):
@@ -157,7 +171,7 @@ def launch_bound(graphed: bool = False) -> Loop:
 
     model = TinyKernels()
     optimizer = _sgd(model)
-    batches = [torch.randn(64, 64, device="cuda", dtype=torch.bfloat16) for _ in range(8)]
+    batches = [torch.randn(64, 64, device=DEVICE, dtype=torch.bfloat16) for _ in range(8)]
 
     def train(x: torch.Tensor) -> None:
         model(x).float().sum().backward()
@@ -229,11 +243,12 @@ def small_batch(batch_size: int = 8) -> Loop:
     from torch.utils.data import DataLoader
 
     model = torch.nn.Sequential(torch.nn.Linear(1024, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 2048),
-                                torch.nn.ReLU(), torch.nn.Linear(2048, 10)).cuda()
+                                torch.nn.ReLU(), torch.nn.Linear(2048, 10)).to(DEVICE)
     optimizer = _sgd(model)
-    data = GpuBatches(torch.randn(1 << 16, 1024, device="cuda"), torch.randint(0, 10, (1 << 16,), device="cuda"))
-    loader = DataLoader(data, batch_size=batch_size, collate_fn=as_batch, drop_last=True)
-    done = torch.cuda.Event(blocking=True)
+    data: Any = GpuBatches(torch.randn(SMALL_SAMPLES, 1024, device=DEVICE),
+                      torch.randint(0, 10, (SMALL_SAMPLES,), device=DEVICE))
+    loader: Any = DataLoader(data, batch_size=batch_size, collate_fn=as_batch, drop_last=True)
+    done = torch.cuda.Event(blocking=True) if DEVICE == "cuda" else None
     batches: Any = None
 
     def reset() -> None:
@@ -247,12 +262,14 @@ def small_batch(batch_size: int = 8) -> Loop:
             batches = iter(loader)
             batch = next(batches)
         x, y = batch
-        loss = torch.nn.functional.cross_entropy(model(x), y)
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):
+            loss = torch.nn.functional.cross_entropy(model(x), y)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
-        done.record()
-        done.synchronize()  # the host sleeps until the step is done, as a loop logging its loss waits
+        if done is not None:
+            done.record()
+            done.synchronize()  # the host sleeps until the step is done, as a loop logging its loss waits
         return len(x)
 
     return Loop(step, model, [loader], reset=reset)
@@ -262,15 +279,15 @@ def fp32_math(autocast: bool = False) -> Loop:
     """4096-wide float32 linear layers at batch 1024 (call under :func:`tf32_off`); ``autocast``: bfloat16."""
     import torch
 
-    width, layers, batch = 4096, 4, 1024
+    width, layers, batch = FP32_WIDTH, 4, FP32_BATCH
     model = torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(layers)),
-                                torch.nn.Linear(width, 10)).cuda()
+                                torch.nn.Linear(width, 10)).to(DEVICE)
     optimizer = _sgd(model)
-    x = torch.randn(batch, width, device="cuda")
-    y = torch.randint(0, 10, (batch,), device="cuda")
+    x = torch.randn(batch, width, device=DEVICE)
+    y = torch.randint(0, 10, (batch,), device=DEVICE)
 
     def step() -> int:
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+        with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=autocast):
             loss = torch.nn.functional.cross_entropy(model(x), y)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -305,10 +322,12 @@ def dataloader_starved(num_workers: int = 0) -> Loop:
 
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 64, 3, padding=1), torch.nn.ReLU(),
                                 torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(),
-                                torch.nn.Linear(64, 10)).cuda().to(torch.bfloat16)
+                                torch.nn.Linear(64, 10)).to(DEVICE, torch.bfloat16)
     optimizer = _sgd(model)
-    workers = {"num_workers": num_workers, "pin_memory": True, "persistent_workers": True} if num_workers else {}
-    loader = DataLoader(Decoded(), batch_size=32, **workers)
+    workers: dict[str, Any] = {"num_workers": num_workers, "pin_memory": True,
+                               "persistent_workers": True} if num_workers else {}
+    dataset: Any = Decoded()
+    loader: Any = DataLoader(dataset, batch_size=32, **workers)
     batches: Any = None
 
     def reset() -> None:
@@ -320,7 +339,7 @@ def dataloader_starved(num_workers: int = 0) -> Loop:
         if batches is None:
             batches = iter(loader)
         x, y = next(batches)
-        x, y = x.cuda(non_blocking=True).to(torch.bfloat16), y.cuda(non_blocking=True)
+        x, y = x.to(DEVICE, torch.bfloat16, non_blocking=True), y.to(DEVICE, non_blocking=True)
         loss = torch.nn.functional.cross_entropy(model(x).float(), y)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -335,9 +354,9 @@ def bf16_matmul() -> Loop:
     import torch
 
     model = torch.nn.Sequential(*(torch.nn.Linear(BF16_WIDTH, BF16_WIDTH, bias=False)
-                                  for _ in range(BF16_LAYERS))).cuda().to(torch.bfloat16)
+                                  for _ in range(BF16_LAYERS))).to(DEVICE, torch.bfloat16)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-6, foreach=True)
-    x = torch.randn(BF16_BATCH, BF16_WIDTH, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(BF16_BATCH, BF16_WIDTH, device=DEVICE, dtype=torch.bfloat16)
 
     def step() -> int:
         loss = model(x).float().square().mean()
@@ -357,11 +376,9 @@ def bf16_matmul_flops() -> float:
 
 
 def warm(loop: Loop, steps: int = WARM_STEPS) -> None:
-    import torch
-
     for _ in range(steps):
         loop.step()
-    torch.cuda.synchronize()
+    synchronize()
 
 
 # name -> (the loop as found, the loop with the change that must pay; None: no change)
