@@ -255,18 +255,22 @@ def parse_apps(text: str) -> dict[int, float]:
 
 def parse_dmon(text: str) -> dict[int, tuple[float, float]]:
     """``nvidia-smi dmon --gpm-metrics 2,5`` -> {nvidia-smi index: (SM activity, tensor activity)}: the
-    last two numeric columns of each row, as the metrics asked for come last; medians over rows."""
+    last two columns of each row, as the metrics asked for come last; medians over rows. A column
+    dmon cannot fill (``-``) keeps its place, so it never shifts another into the GPM slots."""
     found: dict[int, list[tuple[float, float]]] = {}
     for line in text.splitlines():
         fields = line.split()
-        if not fields or line.lstrip().startswith("#"):
+        if len(fields) < 3 or line.lstrip().startswith("#"):
             continue
-        numbers = []
+        values: list[float | None] = []
         for item in fields:
-            with contextlib.suppress(ValueError):
-                numbers.append(float(item))
-        if len(numbers) >= 3:
-            found.setdefault(int(numbers[0]), []).append((numbers[-2], numbers[-1]))
+            try:
+                values.append(float(item))
+            except ValueError:
+                values.append(None)
+        sm, tensor = values[-2], values[-1]
+        if values[0] is not None and sm is not None and tensor is not None:
+            found.setdefault(int(values[0]), []).append((sm, tensor))
     return {index: (statistics.median(s for s, _ in rows), statistics.median(t for _, t in rows))
             for index, rows in found.items()}
 
@@ -640,6 +644,7 @@ class Machine(Protocol):
     unknown_fields: list[str]
     devices: list[dict[str, Any]]
     foreign_namespace: bool
+    dmon_text: str  # what nvidia-smi dmon printed, kept in the report
 
 
 def phase_reads(machine: Machine, rounds: int = ROUNDS) -> tuple[list[tuple[float, dict[str, float]]],
@@ -666,6 +671,7 @@ def run_checks(machine: Machine, report: Report) -> None:
         machine.dmon_start()
         timed, theirs = phase_reads(machine)
         dmon = machine.dmon_result()
+        report.raw["dmon"] = machine.dmon_text
         reserved = machine.torch_reserved()
         last = machine.read()
         apps = machine.smi_apps()
@@ -738,6 +744,7 @@ class RealMachine:  # pragma: no cover - needs an NVIDIA GPU
         self.fields = [*AUX_FIELDS, *(item.smi for item in FIELDS)]
         self.unknown_fields: list[str] = []
         self._dmon: subprocess.Popen[str] | None = None
+        self.dmon_text = ""
 
     def close(self) -> None:
         self.source.close()
@@ -782,6 +789,7 @@ class RealMachine:  # pragma: no cover - needs an NVIDIA GPU
         except subprocess.TimeoutExpired:
             self._dmon.kill()
             return "no answer"
+        self.dmon_text = stdout + stderr
         if self._dmon.returncode != 0:
             lines = (stderr or stdout).strip().splitlines()
             return lines[-1] if lines else f"exit status {self._dmon.returncode}"
@@ -1050,6 +1058,7 @@ class FakeMachine:
         self.unknown_fields: list[str] = []
         self.fields = [*AUX_FIELDS, *(item.smi for item in FIELDS)]
         self._reserved = 0.0
+        self.dmon_text = ""
 
     def close(self) -> None:
         self.source.close()
@@ -1147,9 +1156,13 @@ class FakeMachine:
         sm, tensor = values["sm_active"], values["tensor_active"]
         if self.flip == "dmon disagrees":
             sm, tensor = sm - 40, tensor - 40
-        text = ["# gpu  smUtil  anyTensorUtil", "# Idx       %        %"]
-        text += [f"    {self.gpu.index}  {sm:.0f}  {tensor:.0f}" for _ in range(DMON_SECONDS)]
-        return parse_dmon("\n".join(text))
+        # dmon's default columns first (one it cannot fill: "-"), the GPM metrics asked for last
+        text = ["# gpu    pwr  gtemp  mtemp     sm    mem   mclk   pclk  gpm:2  gpm:5",
+                "# Idx      W      C      C      %      %    MHz    MHz      %      %"]
+        text += [f"    {self.gpu.index}    655     62      -    100     45   3201   1755  {sm:5.0f}  {tensor:5.0f}"
+                 for _ in range(DMON_SECONDS)]
+        self.dmon_text = "\n".join(text)
+        return parse_dmon(self.dmon_text)
 
     # -- torch's side
 

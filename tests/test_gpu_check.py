@@ -4,6 +4,7 @@ checks FAILs when the one reading or fact it judges is made wrong, and its workl
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -141,6 +142,8 @@ def test_dmon_rows_give_the_last_two_columns_per_gpu_and_apps_sum_per_pid():
     dmon = gpu_check.parse_dmon("# gpu smUtil anyTensorUtil\n# Idx % %\n    1   70   40\n    0    5    0\n"
                                 "    1   72   44\n")
     assert dmon == {1: (71.0, 42.0), 0: (5.0, 0.0)}
+    # a column dmon cannot fill keeps its place; a GPM slot it cannot fill gives no row
+    assert gpu_check.parse_dmon("    0  650  -  1980  96  70\n    0  650  40  1980  -  70\n") == {0: (96.0, 70.0)}
     assert gpu_check.parse_apps("123, 1000\n123, 24\n77, 5\n") == {123: 1024 * gpu_check.MIB, 77: 5 * gpu_check.MIB}
 
 
@@ -248,3 +251,25 @@ def test_the_device_command_is_documented_and_fits_the_device_tool():
     assert len(command) < 2000
     for doc in ("README.md", "BENCHMARKS.md"):
         assert command in (ROOT / doc).read_text(), doc
+
+
+def test_watch_trains_saves_and_renders_without_the_notebook_stack(tmp_path):
+    """The GPU machine has no IPython, Jupyter, bokeh or ipywidgets: watch() must not need them."""
+    pytest.importorskip("torch")
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import sys, torch, gpuwidget\n"
+        "with gpuwidget.watch(interval=0.1, label='plain') as run:\n"
+        "    model = torch.nn.Linear(16, 4); optimizer = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(256, 16)), batch_size=8)\n"
+        "    for (x,) in loader:\n"
+        "        model(x).sum().backward(); optimizer.step(); optimizer.zero_grad()\n"
+        f"run.save({str(tmp_path / 'run.json')!r})\n"
+        "print(run._repr_mimebundle_()['text/plain'].splitlines()[0])\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in sys.argv[1:]))\n")
+    done = subprocess.run([sys.executable, "-c", BLOCKED_RUN, ",".join(NOT_ON_THE_GPU_MACHINE), str(script),
+                           *NOT_ON_THE_GPU_MACHINE], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["gpuwidget run: plain finished", "[]"], done.stdout
+    assert json.loads((tmp_path / "run.json").read_text())["summary"]["steps"] == 32
