@@ -645,6 +645,7 @@ class Machine(Protocol):
     devices: list[dict[str, Any]]
     foreign_namespace: bool
     dmon_text: str  # what nvidia-smi dmon printed, kept in the report
+    about: dict[str, Any]  # versions and nvidia-smi -q, kept in the report
 
 
 def phase_reads(machine: Machine, rounds: int = ROUNDS) -> tuple[list[tuple[float, dict[str, float]]],
@@ -665,6 +666,7 @@ def run_checks(machine: Machine, report: Report) -> None:
     devices = machine.devices
     label = devices[0]["id"]
     report.figures["gpu"] = {"name": machine.name, "hopper_or_newer": machine.hopper}
+    report.raw["about"] = machine.about
 
     with machine.load("bf16") as bf16_load:
         machine.wait(SETTLE_S)
@@ -745,6 +747,12 @@ class RealMachine:  # pragma: no cover - needs an NVIDIA GPU
         self.unknown_fields: list[str] = []
         self._dmon: subprocess.Popen[str] | None = None
         self.dmon_text = ""
+        import pynvml
+
+        query = self._smi("-q")
+        self.about = {"torch": torch.__version__, "cuda": torch.version.cuda, "python": sys.version.split()[0],
+                      "nvidia_ml_py": getattr(pynvml, "__version__", None), "capability": [props.major, props.minor],
+                      "nvidia_smi_q": (query.stdout or query.stderr)[:40_000]}
 
     def close(self) -> None:
         self.source.close()
@@ -1059,6 +1067,7 @@ class FakeMachine:
         self.fields = [*AUX_FIELDS, *(item.smi for item in FIELDS)]
         self._reserved = 0.0
         self.dmon_text = ""
+        self.about = {"fake": "tests/fakenvml.py"}
 
     def close(self) -> None:
         self.source.close()

@@ -273,3 +273,39 @@ def test_watch_trains_saves_and_renders_without_the_notebook_stack(tmp_path):
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == ["gpuwidget run: plain finished", "[]"], done.stdout
     assert json.loads((tmp_path / "run.json").read_text())["summary"]["steps"] == 32
+
+
+FAKE_NVIDIA_SMI = """#!/bin/sh
+case "$1" in
+  --query-gpu=*)
+    fields="${1#--query-gpu=}"
+    case ",$fields," in *,clocks.mem,*) echo 'Field "clocks.mem" is not a valid field to query.'; exit 2;; esac
+    echo "$fields" | awk -F, '{for (i = 1; i <= NF; i++)
+      printf "%s%s", ($i == "uuid" ? "GPU-a" : i), (i < NF ? ", " : "\\n")}'
+    ;;
+  --query-compute-apps=*) echo "4242, 1024";;
+  dmon) printf '# gpu sm gpm:2 gpm:5\\n# Idx %% %% %%\\n    0  99  95  70\\n    0  99  97  72\\n';;
+  *) exit 3;;
+esac
+"""
+
+
+def test_the_real_machines_nvidia_smi_calls_drop_a_field_this_nvidia_smi_lacks(tmp_path, monkeypatch):
+    """The subprocess side of the real run, against a stand-in nvidia-smi on PATH (no GPU needed)."""
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text(FAKE_NVIDIA_SMI)
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    machine = object.__new__(gpu_check.RealMachine)  # without torch.cuda: only its nvidia-smi calls
+    machine.fields = [*gpu_check.AUX_FIELDS, *(item.smi for item in gpu_check.FIELDS)]
+    machine.unknown_fields, machine._dmon, machine.dmon_text = [], None, ""
+    rows = machine.smi()
+    assert machine.unknown_fields == ["clocks.mem"]
+    assert rows[0]["uuid"] == "GPU-a" and "clocks.mem" not in rows[0] and rows[0]["power.draw"] > 0
+    assert machine.smi_apps() == {4242: 1024 * gpu_check.MIB}
+    machine.dmon_start()
+    assert machine.dmon_result() == {0: (96.0, 71.0)}
+    report = gpu_check.Report(quiet=True)
+    gpu_check.compare_readings(report, "busy", [{"id": "gpu0", "uuid": "GPU-a"}], [{}], [rows],
+                               machine.unknown_fields)
+    assert "no --query-gpu=clocks.mem" in next(c.detail for c in report.checks if c.name == "busy gpu0 mem_clock")
