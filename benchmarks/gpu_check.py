@@ -20,7 +20,7 @@ It needs torch, numpy, psutil and nvidia-ml-py, no IPython, Jupyter, bokeh or ip
    float32 matmul must also run at FP32-unit speed (proof that TF32 really was off).
 4. **Own process**: ``proc_mem`` against ``torch.cuda.memory_reserved`` (plus the driver's overhead)
    and against nvidia-smi's ``--query-compute-apps``.
-5. **Workloads whose cause is known** (``benchmarks/gpu_workloads.py``): the advisor must name the
+5. **Workloads whose cause is known** (``benchmarks/_gpu_workloads.py``): the advisor must name the
    cause and no rival rule; the change must pay; the busy figure is SM activity where GPM exists;
    the bf16 matmul loop has no finding and an MFU near the measured bf16 matmul peak. Each run is
    saved as a fixture (``DIR/fixtures/NAME.json``, a few hundred kB at most) and replayed at once.
@@ -54,8 +54,8 @@ for _path in (ROOT, ROOT / "benchmarks"):
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 
-import gpu_workloads  # noqa: E402
-from gpu_workloads import EXPECTED, judge_rules  # noqa: E402
+import _gpu_workloads  # noqa: E402
+from _gpu_workloads import EXPECTED, judge_rules  # noqa: E402
 
 from gpuwidget.sources.nvml import uuid_key  # noqa: E402
 
@@ -850,24 +850,24 @@ class RealMachine:  # pragma: no cover - needs an NVIDIA GPU
         import gpuwidget
 
         torch = self.torch
-        build, changed = gpu_workloads.BUILDERS[name]
+        build, changed = _gpu_workloads.BUILDERS[name]
         with contextlib.ExitStack() as stack:
             if name == "fp32_math":
                 stack.enter_context(tf32_off())
             loop = build()
-            gpu_workloads.warm(loop)
+            _gpu_workloads.warm(loop)
             loop.reset()
             with gpuwidget.watch(quiet=True, interval=0.1, label=name) as run:
-                before = gpu_workloads.run_for(loop, gpu_workloads.WATCH_S)
+                before = _gpu_workloads.run_for(loop, _gpu_workloads.WATCH_S)
             flops = loop.flops_per_step
             del loop
             after = None
             if changed is not None:
                 change = next((f.change for f in run.findings if EXPECTED[name].fires & {f.rule}), None) or {}
                 better = changed(dict(change))
-                gpu_workloads.warm(better)
+                _gpu_workloads.warm(better)
                 better.reset()
-                after = gpu_workloads.run_for(better, gpu_workloads.WATCH_S)
+                after = _gpu_workloads.run_for(better, _gpu_workloads.WATCH_S)
                 del better
         torch.cuda.empty_cache()
         return run, before, after, flops
@@ -1027,8 +1027,8 @@ FAKE_WORKLOADS = {
                                        step_s=0.033, samples_per_step=32, flops_per_step=1.1e9,
                                        rates=(960.0, 7400.0)),
     "bf16_matmul": FakeWorkload(util=100, sm_active=98.0, tensor_active=83.0, process_cpu=100.0, step_s=0.0161,
-                                samples_per_step=gpu_workloads.BF16_BATCH, mem_fraction=0.02,
-                                flops_per_step=gpu_workloads.bf16_matmul_flops(), rates=(508000.0, None)),
+                                samples_per_step=_gpu_workloads.BF16_BATCH, mem_fraction=0.02,
+                                flops_per_step=_gpu_workloads.bf16_matmul_flops(), rates=(508000.0, None)),
 }
 FAKE_TICKS = 30  # per workload, 0.1 s each
 
@@ -1218,7 +1218,7 @@ class FakeMachine:
         before, after = spec.rates
         if flip == f"{name} change does not pay":
             after = before
-        flops = gpu_workloads.bf16_matmul_flops() if name == "bf16_matmul" else None
+        flops = _gpu_workloads.bf16_matmul_flops() if name == "bf16_matmul" else None
         return run, before, after, flops
 
 

@@ -15,8 +15,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+import _gpu_workloads  # noqa: E402
 import gpu_check  # noqa: E402
-import gpu_workloads  # noqa: E402
 
 from gpuwidget.facts import Summary  # noqa: E402
 from gpuwidget.sources.nvml import METRICS  # noqa: E402
@@ -70,7 +70,7 @@ def test_dry_run_runs_without_the_notebook_stack_and_passes_all_but_names_not_bu
     assert done.returncode == (1 if missing else 0), done.stdout + done.stderr
     assert not [check for check in checks if check.verdict == "SKIP"]
     assert sorted(path.name for path in (tmp_path / "fixtures").iterdir()) == sorted(
-        f"{name}.json" for name in gpu_workloads.EXPECTED)
+        f"{name}.json" for name in _gpu_workloads.EXPECTED)
     assert (tmp_path / "gpu_check.log").read_text().splitlines()[-1].startswith("gpu_check: ")
     assert elapsed < 60, f"the dry run took {elapsed:.0f} s"
 
@@ -163,17 +163,17 @@ def test_proc_mem_must_exceed_torchs_reserve_by_at_most_the_drivers_overhead(ove
     (["launch-bound", "small-batch"], False),  # the rival diagnosis speaks too
 ])
 def test_judge_rules_needs_the_expected_rule_and_no_forbidden_one(rules, ok):
-    assert gpu_workloads.judge_rules("launch_bound", rules)[0] is ok
+    assert _gpu_workloads.judge_rules("launch_bound", rules)[0] is ok
 
 
 def test_a_workload_with_nothing_to_find_fails_on_any_finding():
-    assert gpu_workloads.judge_rules("bf16_matmul", [])[0]
-    assert not gpu_workloads.judge_rules("bf16_matmul", ["periodic-stall"])[0]
+    assert _gpu_workloads.judge_rules("bf16_matmul", [])[0]
+    assert not _gpu_workloads.judge_rules("bf16_matmul", ["periodic-stall"])[0]
 
 
 def test_a_starved_loader_may_not_be_claimed_by_any_gpu_rule():
-    for rule in gpu_workloads.GPU_RULES:
-        assert not gpu_workloads.judge_rules("dataloader_starved", ["dataloader-starved", rule])[0], rule
+    for rule in _gpu_workloads.GPU_RULES:
+        assert not _gpu_workloads.judge_rules("dataloader_starved", ["dataloader-starved", rule])[0], rule
 
 
 def test_the_bf16_workloads_analytic_flops_count_each_matmul_of_a_training_step():
@@ -184,12 +184,12 @@ def test_the_bf16_workloads_analytic_flops_count_each_matmul_of_a_training_step(
     model = torch.nn.Sequential(*(torch.nn.Linear(width, width, bias=False) for _ in range(layers)))
     with FlopCounterMode(display=False) as counter:
         model(torch.randn(batch, width)).square().mean().backward()
-    saved = gpu_workloads.BF16_WIDTH, gpu_workloads.BF16_LAYERS, gpu_workloads.BF16_BATCH
+    saved = _gpu_workloads.BF16_WIDTH, _gpu_workloads.BF16_LAYERS, _gpu_workloads.BF16_BATCH
     try:
-        gpu_workloads.BF16_WIDTH, gpu_workloads.BF16_LAYERS, gpu_workloads.BF16_BATCH = width, layers, batch
-        assert gpu_workloads.bf16_matmul_flops() == counter.get_total_flops()
+        _gpu_workloads.BF16_WIDTH, _gpu_workloads.BF16_LAYERS, _gpu_workloads.BF16_BATCH = width, layers, batch
+        assert _gpu_workloads.bf16_matmul_flops() == counter.get_total_flops()
     finally:
-        gpu_workloads.BF16_WIDTH, gpu_workloads.BF16_LAYERS, gpu_workloads.BF16_BATCH = saved
+        _gpu_workloads.BF16_WIDTH, _gpu_workloads.BF16_LAYERS, _gpu_workloads.BF16_BATCH = saved
 
 
 def test_an_oversized_fixture_loses_its_oldest_spans_and_still_replays(tmp_path):
@@ -209,19 +209,19 @@ def on_the_cpu(monkeypatch):
     pytest.importorskip("torch")
     for name, value in {"DEVICE": "cpu", "FP32_WIDTH": 64, "FP32_BATCH": 16, "SMALL_SAMPLES": 2048,
                         "BF16_WIDTH": 32, "BF16_BATCH": 32}.items():
-        monkeypatch.setattr(gpu_workloads, name, value)
+        monkeypatch.setattr(_gpu_workloads, name, value)
 
 
-@pytest.mark.parametrize("name", list(gpu_workloads.EXPECTED))
+@pytest.mark.parametrize("name", list(_gpu_workloads.EXPECTED))
 def test_each_workload_loop_trains_under_watch_as_built(name, on_the_cpu):
     import gpuwidget
 
-    build, changed = gpu_workloads.BUILDERS[name]
+    build, changed = _gpu_workloads.BUILDERS[name]
     loop = build()
-    gpu_workloads.warm(loop)
+    _gpu_workloads.warm(loop)
     loop.reset()
     with gpuwidget.watch(quiet=True, interval=0.1, label=name) as run:
-        rate = gpu_workloads.run_for(loop, 0.4)
+        rate = _gpu_workloads.run_for(loop, 0.4)
     assert rate > 0
     model = run.workload.get("model") or {}
     assert model.get("training") and model.get("param_devices") == ["cpu"]
@@ -242,8 +242,8 @@ def test_each_workload_loop_trains_under_watch_as_built(name, on_the_cpu):
         assert "float32" not in model["param_dtypes"] or model["autocast"]["enabled"]
     if changed is not None and name != "launch_bound":  # the CUDA graph needs CUDA
         better = changed({"batch_size": 64, "num_workers": 1})
-        gpu_workloads.warm(better)
-        assert gpu_workloads.run_for(better, 0.2) > 0
+        _gpu_workloads.warm(better)
+        assert _gpu_workloads.run_for(better, 0.2) > 0
 
 
 def test_the_device_command_is_documented_and_fits_the_device_tool():

@@ -2,7 +2,7 @@
 
 ``tests/fixtures/gpu/NAME.json`` are real runs from an NVIDIA GPU (``gpu_check.py --out DIR`` writes them
 to ``DIR/fixtures/``; commit them here), ``tests/fixtures/gpu-fake/NAME.json`` the same workloads from
-the check's dry run against the fake NVML. ``NAME`` is the workload, and ``benchmarks/gpu_workloads.py``'s
+the check's dry run against the fake NVML. ``NAME`` is the workload, and ``benchmarks/_gpu_workloads.py``'s
 ``EXPECTED`` says what the advisor must find in it, for the check and for these tests alike.
 """
 
@@ -19,8 +19,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from _gpu_workloads import EXPECTED, judge_rules  # noqa: E402
 from gpu_check import FIXTURE_MAX_BYTES  # noqa: E402
-from gpu_workloads import EXPECTED, judge_rules  # noqa: E402
 
 from gpuwidget.advice.advisor import advise  # noqa: E402
 from gpuwidget.advice.summary import summarize  # noqa: E402
