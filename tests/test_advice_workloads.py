@@ -120,7 +120,7 @@ def test_keyboard_interrupt_restores_torch():
 
 
 def test_magic_names_the_loader_from_the_notebook_namespace(ip):
-    workload = workloads.cpu_heavy_transform(items=320)
+    workload = workloads.cpu_heavy_transform()  # 30 steps, 1.2 s: enough to name a cause
     ip.user_ns.update(my_loader=workload.loader, my_data=workload.loader.dataset, net=workload.model,
                       train=workload.train)
     result = ip.run_cell("%%gpuwatch --quiet\ntrain(my_loader)\n")

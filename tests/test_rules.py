@@ -29,7 +29,8 @@ from gpuwidget.probes.torch_data import loader_kwargs, loader_settings
 
 STABLE_IDS = {"dataloader-starved", "dataloader-cpu-bound", "io-bound", "small-batch", "memory-pressure",
               "fp32-math", "launch-bound", "periodic-stall", "pageable-transfer", "gpu-throttled", "gpu-unused",
-              "gpu-imbalance", "cpu-contention", "rank-straggler", "ddp-communication", "data-parallel"}
+              "gpu-imbalance", "cpu-contention", "rank-straggler", "ddp-communication", "data-parallel",
+              "watch-longer"}
 H100 = {"gpus": [{"index": 0, "name": "NVIDIA H100"}], "usable_cpus": 8}
 NO_GPU = {"gpus": [], "usable_cpus": 8}
 
@@ -361,15 +362,16 @@ def test_expected_gain_shrinks_when_other_processes_hold_cores():
 
 
 def test_a_short_loop_gets_the_workers_that_pay_for_their_start_up():
-    # 30 ms to read a batch, 5 ms to use it, 2 cores: 8 workers in steady state. Over 20 steps
-    # (0.7 s) starting 8 workers (0.2 s) costs more than the last three save: 5 do best.
+    # 30 ms to read a batch, 5 ms to use it, 2 cores: 8 workers in steady state. Over 32 steps
+    # (1.1 s, just long enough to name a cause) starting 8 workers (0.2 s) costs more than the
+    # last three save: 5 do best.
     long_loop = {"loaders": [loader_facts(wait=300.0, compute=50.0, wait_cpu=0.05, steps=10_000)]}
-    short_loop = {"loaders": [loader_facts(wait=0.6, compute=0.1, wait_cpu=0.05, steps=20)]}
+    short_loop = {"loaders": [loader_facts(wait=0.96, compute=0.16, wait_cpu=0.05, steps=32)]}
     two_cores = {**NO_GPU, "usable_cpus": 2}
     assert io_bound.check(summary(), long_loop, two_cores).change["num_workers"] == 8
     short = io_bound.check(summary(), short_loop, two_cores)
     assert short.change["num_workers"] == 5
-    assert short.expected_speedup == pytest.approx(700 / (20 * 6 + 30 + 5 * 25), abs=0.01)
+    assert short.expected_speedup == pytest.approx(1120 / (32 * 6 + 30 + 5 * 25), abs=0.01)
 
 
 def _model_findings(name: str | None) -> dict[str, Any]:
