@@ -222,7 +222,8 @@ def _gain(finding: Finding) -> str:
     """The gain of the finding's change, with the bound if no waiting remained where it differs."""
     upper = finding.evidence.get("upper_bound_speedup")
     if isinstance(upper, (int, float)) and upper > (finding.expected_speedup or 0) + 0.005:
-        return f"about {finding.expected_speedup:.2f}x (at most {upper:.2f}x if no waiting remained)"
+        remained = "no waiting or warm-up" if finding.evidence.get("warmup_steps") else "no waiting"
+        return f"about {finding.expected_speedup:.2f}x (at most {upper:.2f}x if {remained} remained)"
     return f"up to {finding.expected_speedup:.2f}x"
 
 
