@@ -130,8 +130,8 @@ def agrees(gap: int, period: int) -> bool:
 
 
 def dominant_period(indices: Sequence[int]) -> tuple[int, int, float]:
-    """The most common gap between consecutive stalls (merging gaps within PERIOD_SLACK of it),
-    how many gaps agree with it, and their share of all gaps."""
+    """The period of the stalls: the gap most others agree with (within PERIOD_SLACK of it), as
+    the median of the gaps that agree; how many gaps agree, and their share of all gaps."""
     gaps = [int(g) for g in np.diff(indices)]
     counts = Counter(gaps)
     best, agreeing = 0, 0
@@ -140,7 +140,10 @@ def dominant_period(indices: Sequence[int]) -> tuple[int, int, float]:
         # Most agreeing gaps; between neighbours (9 and 10 both see the cluster), the exact mode.
         if (near, counts[gap]) > (agreeing, counts.get(best, 0)):
             best, agreeing = gap, near
-    return best, agreeing, agreeing / len(gaps) if gaps else 0.0
+    if not gaps:
+        return 0, 0, 0.0
+    period = int(round(float(np.median([gap for gap in gaps if agrees(gap, best)]))))
+    return period, agreeing, agreeing / len(gaps)
 
 
 def periodic(slow: Sequence[int], steps: int) -> tuple[list[int], int, float] | None:
