@@ -86,6 +86,22 @@ def test_storage_bound_loader_on_a_busy_host_is_io_bound_with_contention_and_wor
     assert after < 0.85 * before, f"{before:.2f}s -> {after:.2f}s with {change}"
 
 
+def test_a_fed_loop_beside_two_busy_processes_gets_contention_with_its_bound(two_hogs):
+    """The held-out case: a loop running 3.5x slower beside two busy processes, its main thread
+    waiting for a core 65% of the time, got "no cause of idle time found" as it was not starved."""
+    run = watched(workloads.healthy(items=1024))  # in-memory tensors: never starved
+    found = rules(run)
+    if "process_run_delay_mean" not in run.summary:
+        pytest.skip("no /proc/<pid>/schedstat on this kernel")
+    assert not found.keys() & LOADER_RULES and run.summary["data_wait_fraction"] < 0.1
+    assert "cpu-contention" in found, (run.summary["process_run_delay_mean"], run.summary.get("other_cpu_mean"))
+    contention = found["cpu-contention"]
+    lost = contention.evidence["loop_run_delay_fraction"]
+    assert lost >= 0.1 and contention.evidence["other_cpu_cores"] >= 1.0
+    bound = contention.evidence["speedup_without_contention"]
+    assert bound == pytest.approx(1 / (1 - lost), rel=0.01) and f"at most {bound:.2f}x faster" in contention.suggestion
+
+
 def test_cpu_heavy_loader_is_cpu_work_not_storage():
     run = watched(workloads.cpu_heavy_transform(items=320))
     d = diagnose(run.summary, run.workload, run.machine)

@@ -490,6 +490,12 @@ def test_spikes_of_a_loaded_host_beside_the_stalls_do_not_hide_the_period():
         times[i] = 0.025 + 0.0025 * (i % 9)
     finding = stall_check(times)
     assert finding is not None and finding.evidence["period_steps"] == 25 and finding.evidence["stalls"] == 6
+    # One spike between stalls leaves the period agreeing 67% of the time: the stalls alone agree
+    # always, and the spike is not counted as a stall.
+    times = stalled(150, 25, median=0.0006)
+    times[61] = 0.03
+    finding = stall_check(times)
+    assert finding.evidence["stalls"] == 6 and finding.evidence["period_agreement"] == 1.0
 
 
 def loop_waits(**seconds: float) -> list[dict[str, Any]]:

@@ -201,13 +201,13 @@ def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> F
     split = split_run(times, steps)
     step_times = split.steady(times)
     slow, median = find_stalls(step_times)
-    found = periodic(slow, len(step_times))
-    if found is None:  # noise spikes among the stalls (a loaded host): the large stalls alone
-        slow = large_stalls(slow, step_times, median)
-        found = periodic(slow, len(step_times))
-    if found is None:
+    # Noise spikes among the stalls (a loaded host) break or blur the period: the large stalls
+    # alone are judged too, and the more regular of the two wins (all slow steps on a tie).
+    candidates = [(found, chosen) for chosen in (slow, large_stalls(slow, step_times, median))
+                  if (found := periodic(chosen, len(step_times))) is not None]
+    if not candidates:
         return None
-    stalls, period, agreement = found
+    (stalls, period, agreement), slow = max(candidates, key=lambda candidate: candidate[0][2])
     extra = float(sum(step_times[i] - median for i in slow))
     loop = float(sum(step_times))
     fraction = extra / loop if loop > 0 else 0.0
