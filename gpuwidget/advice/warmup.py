@@ -7,8 +7,8 @@ allocator growth. Counted with the rest they distort every step statistic and re
 stalls, so they are split off here, from the start of the run, and reported on their own.
 
 The split is robust to what follows the warm-up (periodic stalls, noise): the steady
-reference is the median of the run's latter half, which a warm-up shorter than half the run
-cannot reach, and only a run of slow steps from the very first one can be warm-up; a stall
+reference is the 75th percentile of the run's latter half, which a warm-up shorter than half
+the run cannot reach, and only a run of slow steps from the very first one can be warm-up; a stall
 later in the run never is.
 """
 
@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-# A step is slow when it takes more than WARMUP_FACTOR times the steady median and more than
+# A step is slow when it takes more than WARMUP_FACTOR times the typical steady step and more than
 # WARMUP_MIN_S beyond it. The factor is periodic-stall's outlier ratio (rules.periodic_stall
 # .OUTLIER_RATIO), so every step at the start of a run that could be taken for a stall is
 # warm-up instead. It sits far from both sides: steady steps of an in-memory loop on this
@@ -78,7 +78,10 @@ def split_warmup(step_times: Sequence[float]) -> WarmupSplit:
     if count <= MIN_STEADY_STEPS:
         median = float(np.median(times)) if count else None
         return WarmupSplit(0, 0.0, 0, steady_median=median)
-    reference = float(np.median(times[count // 2:]))
+    # The typical steady step: the latter half's 75th percentile (a step that was taken), not
+    # its median, as a steady loop can alternate between fast and slow steps (two workers hand
+    # over batches in pairs: 5 ms, 90 ms, 5 ms...) and then its slow steps are typical too.
+    reference = float(np.percentile(times[count // 2:], 75, method="lower"))
     slow = _slow(times, reference)
     if not slow[0]:
         if _still_warming(times, reference):
@@ -106,9 +109,11 @@ def _slow(times: np.ndarray, reference: float) -> np.ndarray:
 
 
 def _still_warming(times: np.ndarray, reference: float) -> bool:
-    """The last steps are far faster than the latter half's median: the latter half was itself
-    still warming up (a warm-up longer than half the run), so no steady state was seen."""
-    tail = float(np.median(times[-MIN_STEADY_STEPS:]))
+    """Each of the last MIN_STEADY_STEPS steps is far faster than the latter half's median: the
+    latter half was itself still warming up (a warm-up longer than half the run), so no steady
+    state was seen. Each, not their median: two workers hand over batches in pairs, so a steady
+    loop can alternate between fast and slow steps."""
+    tail = float(np.max(times[-MIN_STEADY_STEPS:]))
     return bool(_slow(np.asarray([reference]), tail)[0])
 
 
