@@ -252,6 +252,14 @@ class Summary(TypedDict, total=False):
     step_time_p50: float | None  # seconds
     step_time_p95: float | None
     step_time_p99: float | None
+    # The steps before the loop's steady state (gpuwidget.advice.warmup), left out of the step
+    # percentiles and of periodic-stall's period: how many, their seconds, what they were where
+    # the facts say ("compilation", "CUDA start-up", "worker start-up"); all_warmup when the
+    # run never reached a steady state (then every step is counted as warm-up).
+    warmup_steps: int
+    warmup_s: float
+    warmup_cause: str
+    all_warmup: bool
     time_breakdown: TimeBreakdown
     cpu_util_mean: float | None  # host CPU, percent of all cores
     process_cpu_mean: float | None  # this process, percent of one core (can exceed 100)

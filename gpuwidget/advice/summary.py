@@ -7,10 +7,12 @@ is None or absent rather than a guess. Loop figures (samples/s, data wait) refer
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any, cast
 
 import numpy as np
 
+from gpuwidget.advice.warmup import WarmupSplit, split_run, warmup_cause
 from gpuwidget.facts import CudaDeviceFacts, LoaderFacts, MachineFacts, Summary, WorkloadFacts
 from gpuwidget.probes import DATA_WAIT_SPAN
 from gpuwidget.sources.nvml import uuid_key
@@ -42,10 +44,44 @@ def primary_loader(workload: WorkloadFacts | None) -> LoaderFacts | None:
     return max(loaders, key=lambda loader: loader.get("loop_time_s") or 0.0, default=None)
 
 
+def loop_step_times(workload: WorkloadFacts | None) -> tuple[list[float], int]:
+    """The loop's step times (seconds, the latest of them) and the steps counted: the primary
+    DataLoader's; without one, the trained model's optimizer steps (``WorkloadFacts["training"]``)."""
+    loader = primary_loader(workload)
+    if loader is not None and loader.get("steps"):
+        return list(loader.get("step_times") or []), int(loader["steps"])
+    training = cast(Mapping[str, Any], workload or {}).get("training") or {}
+    times = list(training.get("step_times") or [])
+    return times, int(training.get("optimizer_steps") or len(times))
+
+
+def loop_warmup(workload: WorkloadFacts | None) -> WarmupSplit:
+    """The warm-up of the loop whose step times the summary uses (:func:`loop_step_times`)."""
+    return split_run(*loop_step_times(workload))
+
+
 def percentiles(values: Sequence[float], qs: Sequence[float] = (50, 95, 99)) -> list[float | None]:
     if not len(values):
         return [None for _ in qs]
     return [float(v) for v in np.percentile(np.asarray(values, dtype=float), qs)]
+
+
+def step_figures(step_times: Sequence[float], steps: int | None = None, workload: WorkloadFacts | None = None,
+                 loader: LoaderFacts | None = None) -> Summary:
+    """The step-time percentiles over the steady steps, and the warm-up before them
+    (``warmup_steps``, ``warmup_s``, ``warmup_cause``; ``all_warmup`` when no steady state was
+    reached, and then the percentiles are of every step): gpuwidget.advice.warmup. ``steps``
+    is how many steps the loop took, when the times may be only the latest of them."""
+    split = split_run(step_times, steps)
+    p50, p95, p99 = percentiles(step_times if split.all_warmup else split.steady(step_times))
+    figures: Summary = {"step_time_p50": p50, "step_time_p95": p95, "step_time_p99": p99,
+                        "warmup_steps": split.steps, "warmup_s": split.seconds}
+    if split.all_warmup:
+        figures["all_warmup"] = True
+    cause = warmup_cause(split, workload, loader)
+    if cause:
+        figures["warmup_cause"] = cause
+    return figures
 
 
 def _stat(trace: Trace, column: str, field: str = "mean") -> float | None:
@@ -91,8 +127,7 @@ def summarize(trace: Trace, workload: WorkloadFacts | None = None,
         summary["steps_per_s"] = loader["steps"] / loop_time
         summary["loop_time_s"] = loop_time
         summary["data_wait_fraction"] = loader["wait_total_s"] / loop_time
-        p50, p95, p99 = percentiles(loader.get("step_times") or [])
-        summary.update({"step_time_p50": p50, "step_time_p95": p95, "step_time_p99": p99})
+        summary.update(step_figures(loader.get("step_times") or [], loader["steps"], workload, loader))
         # Where the cell's time went: blocked on data, the loop's own work, and the rest
         # (set-up, evaluation outside a DataLoader, the time before the loop started).
         all_loops = sum(item.get("loop_time_s") or 0.0 for item in (workload or {}).get("loaders") or [])
