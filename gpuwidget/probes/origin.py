@@ -162,18 +162,9 @@ def dataset_facts(dataset: Any) -> dict[str, Any]:
 def call_with_keywords(site: Mapping[str, Any], keywords: Mapping[str, Any]) -> str | None:
     """The source of the ``DataLoader(...)`` call at ``site`` with ``keywords`` set (added or
     replaced), as one line; None when the source cannot be read or holds no such call."""
-    source = "".join(linecache.getlines(site["file"]))
-    if not source:
+    tree = parse_source(site["file"])
+    if tree is None:
         return None
-    try:
-        tree = ast.parse(source)
-    except SyntaxError:
-        # A notebook cell keeps IPython's magic lines (%%gpuwatch): blank them, keep numbering.
-        lines = ["\n" if line.lstrip().startswith(("%", "!")) else line for line in source.splitlines(True)]
-        try:
-            tree = ast.parse("".join(lines))
-        except SyntaxError:
-            return None
     line = site["line"]
     calls = [node for node in ast.walk(tree) if isinstance(node, ast.Call)
              and node.lineno <= line <= (node.end_lineno or node.lineno) and _called_name(node).endswith("DataLoader")]
@@ -183,6 +174,23 @@ def call_with_keywords(site: Mapping[str, Any], keywords: Mapping[str, Any]) -> 
     kept = [keyword for keyword in call.keywords if keyword.arg not in keywords]
     call.keywords = kept + [ast.keyword(arg=key, value=ast.Constant(value)) for key, value in keywords.items()]
     return ast.unparse(call)
+
+
+def parse_source(file: str) -> ast.Module | None:
+    """The syntax tree of ``file`` as ``linecache`` holds it (IPython registers each cell's source
+    there), or None when there is no source or it does not parse."""
+    source = "".join(linecache.getlines(file))
+    if not source:
+        return None
+    try:
+        return ast.parse(source)
+    except SyntaxError:
+        # A notebook cell keeps IPython's magic lines (%%gpuwatch): blank them, keep numbering.
+        lines = ["\n" if line.lstrip().startswith(("%", "!")) else line for line in source.splitlines(True)]
+        try:
+            return ast.parse("".join(lines))
+        except SyntaxError:
+            return None
 
 
 def _called_name(call: ast.Call) -> str:
