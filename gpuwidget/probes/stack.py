@@ -122,14 +122,19 @@ class _Basis:
         # [time, location, in a wait span, in an inside span]
         self.pending: deque[list[Any]] = deque(maxlen=MAX_PENDING)
         self.loop_spans = 0
+        self._held: list[Any] = []  # the loop spans of the last call, deciding samples at the next
         self.loop_samples = 0
         self.waits: Counter[Location | None] = Counter()
         self.inside: Counter[Location | None] = Counter()
 
     def take(self, trace: Any) -> None:
-        """Attribute the pending samples the spans recorded since the last call decide."""
-        # The loop's spans first: a wait span ends before the step around it does, so every wait
-        # span of the steps read here has been recorded by the time its kind is read after them.
+        """Mark the pending samples with the spans recorded since the last call; decide those the loop
+        spans of the call before decide.
+
+        A wait span ends before the step around it, but probes move their spans into the Trace each
+        on its own (the DataLoader's, the step probe's), at most one tick apart: deciding a sample one
+        call after its step span was read lets every wait span around it arrive first.
+        """
         loop, self.seen[self.loop_kind] = trace.spans_since(self.loop_kind, self.seen[self.loop_kind])
         waits, self.seen[self.wait_kind] = trace.spans_since(self.wait_kind, self.seen[self.wait_kind])
         if waits:
@@ -138,9 +143,16 @@ class _Basis:
             inside, self.seen[self.inside_kind] = trace.spans_since(self.inside_kind, self.seen[self.inside_kind])
             if inside:
                 self._mark(inside, 3)
+        self.flush()
         if loop:
             self.loop_spans += len(loop)
-            self._decide(loop)
+            self._held = loop
+
+    def flush(self) -> None:
+        """Decide the samples the loop spans read last decide."""
+        held, self._held = self._held, []
+        if held:
+            self._decide(held)
 
     def add(self, t: float, location: Location | None) -> None:
         self.pending.append([t, location, False, False])
@@ -231,6 +243,8 @@ class StackSampler:
             if not self._closed:
                 self._closed = True
                 self._take_spans()
+                for basis in (self.optimizer, self.loader):
+                    basis.flush()
             self._user.clear()
 
     def _take_spans(self) -> None:
