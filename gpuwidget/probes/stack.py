@@ -7,21 +7,25 @@ gpuwidget, the frameworks, the standard library and installed packages skipped: 
 ``time.sleep`` or ``torch.stack`` is charged to the user's line that called it) and the outermost
 one (the cell's or script's line, for context), with the tick's Trace time.
 
-A sample is attributed once the spans around it reach the Trace: probes queue a span when it
-ends and the sampler moves it in at a later tick, so samples wait in a bounded queue until a span
-of the loop's kind ends after them. Two bases are kept side by side and the one the loop had is
-reported: with optimizer steps, samples inside ``train.step`` spans are the loop and those inside
+A sample is timed by when its tick was due (``sampler.tick_due``), not by when the sampler thread
+got the GIL: while the loop's Python holds the GIL the sampler gets it at the loop's next release,
+often a wait, and timing by that moment would inflate the waits. It is attributed once the spans
+around it reach the Trace: probes queue a span when it ends and the sampler moves it in at a later
+tick, so samples wait in a bounded queue until a span of the loop's kind has ended after them, and
+one tick more (each probe's spans arrive on their own). Two bases are kept side by side and the one
+the loop had is reported: with optimizer steps, samples inside ``train.step`` spans are the loop and those inside
 ``train.between`` spans (an optimizer step's end to the next forward) are it waiting; without them,
 ``step`` and ``loader.wait`` spans of the DataLoader. Inside ``train.between``, a sample that is
 also inside a DataLoader's ``next()`` is counted as such, so the rules can leave those waits to
 the DataLoader's own measurements.
 
-Cost: one sample walks the watched thread's frames once (a cached verdict per code object), and
-the attribution looks at the new spans by bisection, so a tick costs a few tens of microseconds of
-the sampler thread, whatever the step rate (BENCHMARKS.md, "Stack sampler"). Bias: the sampler
-needs the GIL, so it reads the stack when the loop releases it (sleeping, I/O, torch's C code) or
-at the interpreter's switch interval (5 ms); a wait is found where it is, a Python line is found
-within a few milliseconds of where it ran.
+Cost: one sample walks the watched thread's frames once (a cached verdict per code object) and
+places the few pending samples in the new spans by bisection; reading the new spans from the Trace
+is the part that grows with the step rate (tens of nanoseconds a span). BENCHMARKS.md ("Stack
+sampler") has the figures. What the stack shows is biased the same way as the timing: the frame
+read is where the loop released the GIL (sleeping, I/O, torch's C code) or reached the
+interpreter's switch interval (5 ms), so a wait is found where it is and a line of Python within a
+few milliseconds of where it ran.
 """
 
 from __future__ import annotations
@@ -118,7 +122,7 @@ class _Basis:
         self.loop_kind = loop_kind
         self.wait_kind = wait_kind
         self.inside_kind = inside_kind  # also counted: waits inside spans of this kind
-        self.seen = dict.fromkeys((loop_kind, wait_kind, *([inside_kind] if inside_kind else [])), 0)
+        self.kinds = (loop_kind, wait_kind, *([inside_kind] if inside_kind else []))
         # [time, location, in a wait span, in an inside span]
         self.pending: deque[list[Any]] = deque(maxlen=MAX_PENDING)
         self.loop_spans = 0
@@ -127,22 +131,21 @@ class _Basis:
         self.waits: Counter[Location | None] = Counter()
         self.inside: Counter[Location | None] = Counter()
 
-    def take(self, trace: Any) -> None:
-        """Mark the pending samples with the spans recorded since the last call; decide those the loop
-        spans of the call before decide.
+    def take(self, new: Mapping[str, list[Any]]) -> None:
+        """Mark the pending samples with the spans recorded since the last call (``new``, by kind);
+        decide those the loop spans of the call before decide.
 
         A wait span ends before the step around it, but probes move their spans into the Trace each
         on its own (the DataLoader's, the step probe's), at most one tick apart: deciding a sample one
         call after its step span was read lets every wait span around it arrive first.
         """
-        loop, self.seen[self.loop_kind] = trace.spans_since(self.loop_kind, self.seen[self.loop_kind])
-        waits, self.seen[self.wait_kind] = trace.spans_since(self.wait_kind, self.seen[self.wait_kind])
+        loop = new.get(self.loop_kind)
+        waits = new.get(self.wait_kind)
         if waits:
             self._mark(waits, 2)
-        if self.inside_kind is not None:
-            inside, self.seen[self.inside_kind] = trace.spans_since(self.inside_kind, self.seen[self.inside_kind])
-            if inside:
-                self._mark(inside, 3)
+        inside = new.get(self.inside_kind) if self.inside_kind is not None else None
+        if inside:
+            self._mark(inside, 3)
         self.flush()
         if loop:
             self.loop_spans += len(loop)
@@ -158,7 +161,8 @@ class _Basis:
         self.pending.append([t, location, False, False])
 
     def _mark(self, spans: list[Any], slot: int) -> None:
-        earliest = min(span[0] for span in spans)
+        # Wait spans do not nest: the first to end started first (the next few cover an overlap).
+        earliest = min(span[0] for span in spans[:OVERLAP_SCAN])
         for sample in reversed(self.pending):  # newest first: only the last few can fall in new spans
             if sample[0] < earliest:
                 break
@@ -202,6 +206,7 @@ class StackSampler:
         self.thread_id = threading.get_ident() if thread_id is None else thread_id
         self.optimizer = _Basis(TRAIN_STEP_SPAN, BETWEEN_STEPS_SPAN, DATA_WAIT_SPAN)
         self.loader = _Basis(STEP_SPAN, DATA_WAIT_SPAN)
+        self._seen = dict.fromkeys((*self.optimizer.kinds, *self.loader.kinds), 0)  # kind -> spans read
         self.recent: deque[tuple[float, Location | None]] = deque(maxlen=RECENT_SAMPLES)
         self.samples = 0
         self.late_s = 0.0  # summed over the samples: how long after its tick was due each one was read
@@ -248,8 +253,12 @@ class StackSampler:
             self._user.clear()
 
     def _take_spans(self) -> None:
+        """The spans of each kind recorded since the last tick, read once for both bases."""
+        new = {}
+        for kind in self._seen:
+            new[kind], self._seen[kind] = self.trace.spans_since(kind, self._seen[kind])
         for basis in (self.optimizer, self.loader):
-            basis.take(self.trace)
+            basis.take(new)
 
     def _sample(self, t: float) -> None:
         frame = sys._current_frames().get(self.thread_id)
