@@ -10,6 +10,8 @@ defines them; once it is, the probe's own spans are used and the stand-in record
 from __future__ import annotations
 
 import contextlib
+import json
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,7 +22,7 @@ import gpuwidget
 from gpuwidget import probes, session
 from gpuwidget.advice.rules import RULES, loop_waits
 from gpuwidget.clock import now
-from gpuwidget.prefetch import Prefetcher
+from gpuwidget.prefetch import THREAD_NAME, Prefetcher
 
 from frameworks import LOADER_RULES
 
@@ -151,7 +153,9 @@ def test_a_nanogpt_loop_waiting_in_get_batch_gets_it_named_with_its_cell_line_an
     share = found.evidence["share"]
     assert found.expected_speedup == pytest.approx(1 / max(share, 1 - share), abs=0.01)
     assert run.workload["stack_samples"]["steps"] >= 250 and run.workload["stack_samples"]["loop_samples"] >= 100
+    assert json.loads(json.dumps(run.to_dict()))["workload"]["loop_waits"][0]["function"] == "get_batch"
     assert_code_keeps_the_batches(found.code)
+    assert not [t for t in threading.enumerate() if t.name.startswith(THREAD_NAME)]
 
 
 def batches_of(namespace: dict[str, Any], code: str | None, seed: int) -> tuple[list[Any], torch.Tensor]:
@@ -391,6 +395,24 @@ def test_a_sequential_reader_skips_no_chunk_when_other_arguments_come_between():
     got = [reader("train"), reader("train"), reader("val"), reader("train"), reader("val"), reader("train")]
     reader.close()
     assert got == [("train", 1), ("train", 2), ("val", 1), ("train", 3), ("val", 2), ("train", 4)]
+
+
+def test_a_call_ahead_is_kept_not_undone_when_the_loop_drew_from_the_generator_after_it():
+    """Dropout on the CPU draws from torch's generator between two batches: the batch fetched ahead
+    cannot be put back without undoing those draws, so it is kept for the next call that wants it."""
+    fetch = Prefetcher(lambda split: (split, torch.randint(1000, (1,)).item()))
+    torch.manual_seed(0)
+    got = [fetch("train")]
+    fetch._ahead.future.result()  # the call ahead has drawn
+    dropout = torch.rand(1).item()  # the loop's step draws after it
+    got += [fetch("val"), fetch("train")]
+    fetch.close()
+    torch.manual_seed(0)
+    first, ahead, step, val = (torch.randint(1000, (1,)).item(), torch.randint(1000, (1,)).item(),
+                               torch.rand(1).item(), torch.randint(1000, (1,)).item())
+    assert dropout == step  # the loop's own draw was left alone
+    assert got == [("train", first), ("val", val), ("train", ahead)]  # no batch lost or repeated
+    assert not [t for t in threading.enumerate() if t.name.startswith(THREAD_NAME)]
 
 
 def test_an_exception_of_the_function_is_raised_at_the_call_it_belongs_to():

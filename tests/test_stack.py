@@ -130,6 +130,21 @@ def test_a_wait_inside_a_dataloader_next_between_steps_is_counted_as_the_loaders
     assert waits[0]["samples"] == 2 and waits[0]["in_loader"] == 0.5
 
 
+def test_a_child_processs_spans_do_not_make_this_threads_samples_a_loop():
+    trace = Trace()
+    with parked_thread() as thread:
+        sampler = StackSampler(trace, thread.ident)
+        start = trace.now()
+        sampler.tick()
+        end = trace.now()
+        child = {"pid": 4242, "rank": 0}  # as gpuwidget.children records a child's spans
+        trace.add_span(STEP_SPAN, start, end, child)
+        trace.add_span(DATA_WAIT_SPAN, start, end, child)
+        sample_between(sampler, trace, (STEP_SPAN, DATA_WAIT_SPAN))  # and one of this process's own
+        waits, stack = sampler.facts()
+    assert stack["loop_samples"] == 1 and waits[0]["samples"] == 1
+
+
 def test_without_optimizer_steps_samples_are_attributed_to_the_loaders_waits():
     trace = Trace()
     with parked_thread() as thread:

@@ -35,6 +35,7 @@ import bisect
 import builtins
 import copy
 import linecache
+import operator
 import os
 import site
 import sys
@@ -185,6 +186,9 @@ class _Basis:
                     self.inside[location] += 1
 
 
+_ATTRS = operator.itemgetter(2)
+
+
 def _span_end(span: Any) -> float:
     return float(span[1])
 
@@ -253,10 +257,14 @@ class StackSampler:
             self._user.clear()
 
     def _take_spans(self) -> None:
-        """The spans of each kind recorded since the last tick, read once for both bases."""
+        """The spans of each kind recorded since the last tick, read once for both bases: this
+        process's only (a child process's carry its pid; its loop is not this thread's)."""
         new = {}
         for kind in self._seen:
-            new[kind], self._seen[kind] = self.trace.spans_since(kind, self._seen[kind])
+            spans, self._seen[kind] = self.trace.spans_since(kind, self._seen[kind])
+            if any(map(_ATTRS, spans)):  # most spans have none: a scan in C, no copy
+                spans = [span for span in spans if not (span[2] and "pid" in span[2])]
+            new[kind] = spans
         for basis in (self.optimizer, self.loader):
             basis.take(new)
 
