@@ -194,6 +194,7 @@ class StackFacts(TypedDict, total=False):
     loop_s: float  # seconds in the loop's steps
     tick_us: float  # mean CPU time of one sample and its attribution, microseconds (sampler thread)
     late_ms: float  # mean delay from a tick's due time to its sample (waiting for the GIL), milliseconds
+    dropped: int  # ticks not sampled: read too long after they were due (probes.stack.LATE_SWITCHES)
 
 
 class WorkloadFacts(TypedDict, total=False):

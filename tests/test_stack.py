@@ -327,7 +327,7 @@ def test_a_watch_samples_the_thread_that_started_it_and_ends_with_it():
         while time.perf_counter() < deadline:
             fetch_slowly(0.005)
     stack = run.workload["stack_samples"]
-    assert stack["samples"] >= 10 and stack["tick_us"] > 0
+    assert stack["samples"] + stack["dropped"] >= 10 and stack["samples"] >= 1 and stack["tick_us"] > 0
     assert run.workload["loop_waits"] == []  # no loop spans: no loop to attribute to
     assert not sampler_threads()
 
@@ -345,7 +345,7 @@ def test_the_stack_sampler_is_closed_and_no_thread_remains_after_a_failed_or_int
         undo.callback(setattr, Probes, "__init__", original)
         Probes.__init__ = keep  # type: ignore[method-assign]
         with pytest.raises(type(raised)), gpuwidget.watch(quiet=True, interval=0.01):
-            fetch_slowly(0.1)
+            fetch_slowly(0.2)
             raise raised
     sampler = built[0]._stack
     assert sampler._closed and sampler._user == {}
@@ -353,7 +353,7 @@ def test_the_stack_sampler_is_closed_and_no_thread_remains_after_a_failed_or_int
     late = threading.Thread(target=sampler.tick)  # a tick after the watch (a sampler thread left behind)...
     late.start()
     late.join(5)
-    assert sampler.samples == samples and samples >= 3  # ...takes nothing
+    assert sampler.samples == samples and samples + sampler.dropped >= 3  # ...takes nothing
     assert not sampler_threads()
 
 
@@ -367,7 +367,7 @@ def fetch_holding(batch: Batch, seconds: float) -> None:
 
 def fetch_a_batch() -> weakref.ref[Batch]:
     batch = Batch()
-    fetch_holding(batch, 0.15)
+    fetch_holding(batch, 0.3)
     return weakref.ref(batch)
 
 

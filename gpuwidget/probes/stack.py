@@ -73,6 +73,8 @@ MAX_DEPTH = 256
 # A sample is in a span when the first span ending after it, or one of the few after that, starts
 # before it (spans of one kind arrive in the order they end; nested loaders' steps may overlap).
 OVERLAP_SCAN = 8
+# A tick read more than this many GIL switch intervals (5 ms by default) after it was due is not sampled.
+LATE_SWITCHES = 2
 # Functions reported in WorkloadFacts["loop_waits"], largest share first.
 LOOP_WAITS = 5
 # Host-to-device copy methods of a tensor.
@@ -214,6 +216,10 @@ class StackSampler:
         self.recent: deque[tuple[float, Location | None]] = deque(maxlen=RECENT_SAMPLES)
         self.samples = 0
         self.late_s = 0.0  # summed over the samples: how long after its tick was due each one was read
+        self.dropped = 0  # ticks read later than late_max_s after they were due, not sampled
+        # The GIL comes at most one switch interval late (CPython then makes the holder drop it), and
+        # once more if another thread got it first; later than that, the OS kept the sampler off a core.
+        self.late_max_s = LATE_SWITCHES * sys.getswitchinterval()
         self.ticks = 0
         self.cpu_s = 0.0
         self._user: dict[int, tuple[CodeType, bool]] = {}  # id(code) -> (code, is the user's)
@@ -222,7 +228,7 @@ class StackSampler:
         self._closed = False
 
     def tick(self) -> None:
-        """Read the new spans, then take one sample; never raises (a listener of the sampler)."""
+        """Take one sample, then read the new spans; never raises (a listener of the sampler)."""
         if self._closed or threading.get_ident() == self.thread_id:
             return  # the watched thread itself (the watch's first poll) has nothing to sample
         started = time.thread_time()
@@ -230,16 +236,10 @@ class StackSampler:
             if self._closed:
                 return
             try:
+                # The sample first: a span that ends after its due time may reach the Trace before it
+                # is read (the read comes late), and must find it pending.
+                self._sample_when_due()
                 self._take_spans()
-                # Timed by when the tick was due: the GIL comes late while the loop's Python holds it,
-                # and then at the loop's next release (often a wait), which would inflate the waits.
-                reading = now()
-                due = tick_due()
-                if due is not None and due <= reading:
-                    self.late_s += reading - due
-                else:
-                    due = reading
-                self._sample(due - self.trace.start_clock)
             except Exception as exc:  # noqa: BLE001 - a sample lost is no reason to disturb the run
                 if len(self.errors) < 10:
                     self.errors.append(f"stack sample failed: {exc!r}")
@@ -255,6 +255,21 @@ class StackSampler:
                 for basis in (self.optimizer, self.loader):
                     basis.flush()
             self._user.clear()
+
+    def _sample_when_due(self) -> None:
+        """One sample, timed by when the tick was due: the GIL comes late while the loop's Python
+        holds it, and then at the loop's next release (often a wait), which would inflate the waits."""
+        reading = now()
+        due = tick_due()
+        if due is None or due > reading:
+            due = reading
+        elif reading - due > self.late_max_s:
+            # Read long after it was due (the sampler thread waited for a core, not for the GIL):
+            # where the thread is now says nothing about where it was then.
+            self.dropped += 1
+            return
+        self.late_s += reading - due
+        self._sample(due - self.trace.start_clock)
 
     def _take_spans(self) -> None:
         """The spans of each kind recorded since the last tick, read once for both bases: this
@@ -308,7 +323,8 @@ class StackSampler:
         stack: StackFacts = {"basis": basis.wait_kind, "samples": self.samples, "loop_samples": basis.loop_samples,
                              "steps": basis.loop_spans, "loop_s": loop_s,
                              "tick_us": 1e6 * self.cpu_s / self.ticks if self.ticks else 0.0,
-                             "late_ms": 1e3 * self.late_s / self.samples if self.samples else 0.0}
+                             "late_ms": 1e3 * self.late_s / self.samples if self.samples else 0.0,
+                             "dropped": self.dropped}
         if not basis.loop_samples:
             return [], stack
         by_code: dict[CodeType, list[Any]] = {}  # code -> [samples, inside, Counter(line), Counter(outer)]
