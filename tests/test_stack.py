@@ -22,6 +22,8 @@ import torch
 
 import gpuwidget
 from gpuwidget import probes
+from gpuwidget import sampler as sampler_module
+from gpuwidget.clock import now
 from gpuwidget.probes import DATA_WAIT_SPAN, STEP_SPAN, Probes
 from gpuwidget.probes import stack as stack_module
 from gpuwidget.probes.stack import (
@@ -118,6 +120,42 @@ def test_spans_that_reach_the_trace_ticks_later_still_attribute_the_samples_they
         sampler.tick()
         waits, stack = sampler.facts()
     assert stack["loop_samples"] == 4 and waits[0]["samples"] == 4 and waits[0]["share"] == 1.0
+
+
+@contextlib.contextmanager
+def tick_due_at(due: float) -> Iterator[None]:
+    """This thread's ticks read as due at ``due`` (the sampler thread sets it before each tick)."""
+    sampler_module._due.value = due
+    try:
+        yield
+    finally:
+        sampler_module._due.value = None
+
+
+def test_a_sample_is_timed_by_when_its_tick_was_due_even_when_its_span_reached_the_trace_first():
+    trace = Trace()
+    with parked_thread() as thread:
+        sampler = StackSampler(trace, thread.ident)
+        start, due = trace.now(), now()
+        time.sleep(0.003)  # the tick comes late (the loop held the GIL)...
+        end = trace.now()
+        trace.add_span(BETWEEN_STEPS_SPAN, start, end)  # ...after the spans around its due time were recorded
+        trace.add_span(TRAIN_STEP_SPAN, start, end)
+        with tick_due_at(due):
+            sampler.tick()
+        waits, stack = sampler.facts()
+    assert stack["loop_samples"] == 1 and waits[0]["share"] == 1.0 and stack["late_ms"] >= 3
+
+
+def test_a_tick_read_long_after_it_was_due_is_not_sampled():
+    trace = Trace()
+    with parked_thread() as thread:
+        sampler = StackSampler(trace, thread.ident)
+        with tick_due_at(now() - 2 * sampler.late_max_s):
+            sampler.tick()
+        with tick_due_at(now()):
+            sampler.tick()
+    assert sampler.dropped == 1 and sampler.samples == 1
 
 
 def test_a_wait_inside_a_dataloader_next_between_steps_is_counted_as_the_loaders():
