@@ -273,14 +273,16 @@ class StackSampler:
 
     def _take_spans(self) -> None:
         """The spans of each kind recorded since the last tick, read once for both bases: this
-        process's only (a child process's carry its pid; its loop is not this thread's)."""
+        process's only (a child process's carry its pid; its loop is not this thread's). Once the
+        optimizer has stepped, its basis is the one reported and the DataLoader's is left alone."""
+        bases = (self.optimizer,) if self.optimizer.loop_spans else (self.optimizer, self.loader)
         new = {}
-        for kind in self._seen:
+        for kind in {kind: None for basis in bases for kind in basis.kinds}:
             spans, self._seen[kind] = self.trace.spans_since(kind, self._seen[kind])
             if any(map(_ATTRS, spans)):  # most spans have none: a scan in C, no copy
                 spans = [span for span in spans if not (span[2] and "pid" in span[2])]
             new[kind] = spans
-        for basis in (self.optimizer, self.loader):
+        for basis in bases:
             basis.take(new)
 
     def _sample(self, t: float) -> None:
