@@ -103,7 +103,7 @@ def _finding(wait: LoopWait, stack: StackFacts) -> Finding:
     removal_bound = 1.0 / max(1e-9, 1.0 - share)
     tensors = ", ".join(copy.get("tensors") or [])
     if copy.get("same_each_step") and copy.get("once"):
-        title = f"The loop copies {tensors} to the device at every step: {fmt_fraction(share)} of its time"
+        title = f"The loop copies {tensors} to the device at every step {place}: {fmt_fraction(share)} of its time"
         suggestion = (f"{measured} The same tensors cross to the device at every step; move them once, "
                       "before the loop (they must fit in the GPU's memory), and the line copies nothing.")
         code = (f"# {tensors} are the same tensors at every step: move them to the device once, before the loop\n"
@@ -156,6 +156,7 @@ def _finding(wait: LoopWait, stack: StackFacts) -> Finding:
 
 def _prefetch_code(name: str, place: str) -> str:
     return (f"{PREFETCH_IMPORT}\n\n"
-            f"# The loop waited {place}: fetch the next batch on a background thread while the step\n"
-            f"# computes. The same batches in the same order; {name}.close() stops it.\n"
+            f"# The loop waited {place}: fetch the next batch\n"
+            "# on a background thread while the step computes. The same batches in the same order;\n"
+            f"# {name}.close() stops it.\n"
             f"{name} = Prefetcher({name})")
