@@ -21,6 +21,22 @@ from typing import Any, TypedDict
 # --------------------------------------------------------------------------- workload
 
 
+class LoaderConstructor(TypedDict, total=False):
+    """How a DataLoader subclass's ``__init__`` hands its arguments to DataLoader's
+    (``probes.constructor.constructor_facts``): what a rebuilt loader of the user's class may pass."""
+
+    class_name: str  # the subclass's own name
+    code: dict[str, Any] | None  # file, function, line of the __init__ that hands on (absent: DataLoader's own)
+    known: bool  # that hand-over was read; False: ``reason`` says why not
+    reason: str
+    dataset: str  # "positional", "fixed" (it makes its own), or the keyword of the parameter taking it
+    keywords: dict[str, str]  # DataLoader parameter -> the constructor's parameter that takes it
+    fixed: list[str]  # DataLoader parameters the constructor sets itself
+    attributes: dict[str, str]  # its own parameter -> the loader attribute that keeps its value
+    defaults: dict[str, int | None]  # its own parameters no attribute keeps -> position (None: keyword-only)
+    missing: list[str]  # its own required parameters no attribute keeps
+
+
 class LoaderSettings(TypedDict, total=False):
     """One DataLoader's configuration (``probes.torch_data.loader_settings``); empty when the
     probe saw an iterator before its loader."""
@@ -49,6 +65,7 @@ class LoaderSettings(TypedDict, total=False):
     shards_by_worker: bool | None  # IterableDataset reads get_worker_info(); None: unknown or map-style
     dataset_code: dict[str, Any] | None  # file, function, line of the dataset's __getitem__/__iter__
     dataset_transforms: list[str]  # the dataset's attributes holding per-sample transforms
+    constructor: LoaderConstructor | None  # the loader's own class's constructor; None: torch's DataLoader
 
 
 class LoaderFacts(TypedDict, total=False):
@@ -70,6 +87,9 @@ class LoaderFacts(TypedDict, total=False):
     owner: str | None  # framework that built or drives it: "transformers", "accelerate", "lightning"
     # file, function, line (and cell: the notebook cell's number) of the user's code that built it
     built_at: dict[str, Any] | None
+    # role ("class", "collate_fn", "batch_sampler", "sampler", "built_by": the object whose method
+    # built the loader, a LightningModule or datamodule) -> the user's name for it, where one holds it
+    user_names: dict[str, str]
 
 
 class AutocastState(TypedDict, total=False):
