@@ -171,6 +171,52 @@ class CudaFacts(TypedDict, total=False):
     peak_since_cell_start: bool  # False: the peaks may predate the cell (CUDA started inside it)
 
 
+class CodeSite(TypedDict, total=False):
+    """A line of the user's code, named as the user knows it."""
+
+    function: str  # qualified name ("get_batch", "Batcher.next"); "<module>" for a cell's or script's own lines
+    file: str  # relative to the working directory where under it, else absolute (a cell: IPython's file for it)
+    line: int
+    cell: int | None  # the notebook cell's execution number ("cell In [7]"), None for a file
+
+
+class HostCopy(TypedDict, total=False):
+    """The host-to-device copies (``.to(...)``, ``.cuda()``) on a line the loop waited at (``probes.stack``)."""
+
+    tensors: list[str]  # the names copied (``x`` in ``x.to(device)``), as the line spells them
+    same_each_step: bool  # the copied names are the user's tensors, the same objects at every step
+    once: str | None  # a statement that moves them to the device once, in the user's names, where it is valid
+    rewritten: str | None  # the line with pinned memory and non_blocking=True copies
+
+
+class LoopWait(CodeSite, total=False):
+    """A function the loop waited in between steps (``probes.stack``): stack samples of the watched
+    thread inside ``train.between`` spans (without optimizer steps: inside ``loader.wait``)."""
+
+    share: float  # of the loop's samples (0-1): the share of the loop's time spent waiting there
+    seconds: float  # share x the loop's time (the loop spans' total)
+    samples: int  # stack samples there
+    in_loader: float  # share of those samples inside a DataLoader's next() (0-1)
+    source: str | None  # the line's text, stripped
+    called_from: CodeSite  # the outermost frame of the user's code: the cell's (or script's) line
+    name: str | None  # the user's name for the function, an assignment target ("get_batch", "batcher.next")
+    generator: bool  # a generator function: its caller iterates it
+    copy: HostCopy | None  # the line copies tensors to a device
+
+
+class StackFacts(TypedDict, total=False):
+    """The stack sampler itself (``probes.stack.StackSampler``): how much evidence ``loop_waits`` rests on."""
+
+    basis: str  # the wait spans samples were attributed to: "train.between" or "loader.wait"
+    samples: int  # stack samples taken over the watch
+    loop_samples: int  # of them inside the loop's steps (``train.step``; without optimizer steps, ``step``)
+    steps: int  # the loop's steps seen (spans of that kind)
+    loop_s: float  # seconds in the loop's steps
+    tick_us: float  # mean CPU time of one sample and its attribution, microseconds (sampler thread)
+    late_ms: float  # mean delay from a tick's due time to its sample (waiting for the GIL), milliseconds
+    dropped: int  # ticks not sampled: read too long after they were due (probes.stack.LATE_SWITCHES)
+
+
 class WorkloadFacts(TypedDict, total=False):
     """What the probes saw of the user's workload (``probes.Probes.facts``)."""
 
@@ -183,6 +229,9 @@ class WorkloadFacts(TypedDict, total=False):
     # One entry per training process, the watch's own included when it trained (gpuwidget.children.ranks).
     ranks: list[dict[str, Any]]
     trained_in: dict[str, Any]  # {"pid", "rank"}: the child whose loaders and model these are (own process idle)
+    # Where the loop waited between steps, largest share first (probes.stack), and the sampler behind it.
+    loop_waits: list[LoopWait]
+    stack_samples: StackFacts
 
 
 # --------------------------------------------------------------------------- machine

@@ -36,6 +36,8 @@ log = logging.getLogger("gpuwidget")
 Listener = Callable[[Trace], None]
 
 THREAD_NAME = "gpuwidget-sampler"
+# When the tick running on a sampler thread was due (clock time): see tick_due().
+_due = threading.local()
 
 # A read that has not returned after this long is a hung source. NVML queries answer in
 # milliseconds (PCIe throughput, the slowest, blocks 20 ms: JUPYTER-FACTS.md) and the host
@@ -196,6 +198,7 @@ class Sampler:
         interval = self.interval
         due = now()
         while not self._stop.is_set():
+            _due.value = due
             if not self._tick(me):
                 return
             due += interval
@@ -206,6 +209,7 @@ class Sampler:
                 due += skipped * interval
             if self._stop.wait(max(0.0, due - now())):
                 break
+        _due.value = None  # the last reading is not one of the cadence's
         if self._final_tick and self._thread is me:
             self._tick(me)
 
@@ -247,6 +251,13 @@ class Sampler:
             log.warning("gpuwidget sampler: %s", message)
         self.stats.errors.append(message)
         del self.stats.errors[:-100]
+
+
+def tick_due() -> float | None:
+    """When the sampler tick running on this thread was due, on the clock of ``gpuwidget.clock.now``;
+    None outside a sampler thread's ticks. A listener that needs the GIL (the stack sampler) gets it
+    late when the watched code holds it, and times what it reads by when it was meant to read."""
+    return getattr(_due, "value", None)
 
 
 def source_label(source: Any) -> str:

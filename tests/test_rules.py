@@ -30,7 +30,7 @@ from gpuwidget.probes.torch_data import loader_kwargs, loader_settings
 STABLE_IDS = {"dataloader-starved", "dataloader-cpu-bound", "io-bound", "small-batch", "memory-pressure",
               "fp32-math", "launch-bound", "periodic-stall", "pageable-transfer", "gpu-throttled", "gpu-unused",
               "gpu-imbalance", "cpu-contention", "rank-straggler", "ddp-communication", "data-parallel",
-              "watch-longer"}
+              "watch-longer", "loop-waits"}
 H100 = {"gpus": [{"index": 0, "name": "NVIDIA H100"}], "usable_cpus": 8}
 NO_GPU = {"gpus": [], "usable_cpus": 8}
 

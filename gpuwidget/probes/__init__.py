@@ -37,6 +37,8 @@ class Probes:
         self._cuda: Any = None
         self.errors: list[str] = []
         self._closed = False
+        # The watched thread's stack at each tick (probes.stack): the thread building the probes is the cell's.
+        self._stack = _stack_sampler(trace)
 
     def poll(self, _trace: Trace | None = None) -> None:
         """Install the probes once torch is importable without importing it ourselves; once
@@ -44,6 +46,8 @@ class Probes:
 
         Called at the start of the watch and then on every sampler tick (cheap: a dict lookup).
         """
+        if self._stack is not None:
+            self._stack.tick()
         if self._data is not None:
             self._data.flush()  # the spans the loop queued since the last tick
             return
@@ -79,6 +83,8 @@ class Probes:
                     self.errors.append(f"could not remove {type(probe).__name__}: {exc!r}")
             if self._data is not None:
                 self._data.finish(now())
+            if self._stack is not None:
+                self._stack.close()
 
     def detach_after_fork(self) -> None:
         """In a forked child: put torch back without taking any lock (another thread of the parent
@@ -143,9 +149,24 @@ class Probes:
                 facts[key] = read(probe)
             except Exception as exc:  # noqa: BLE001
                 self.errors.append(f"{key} facts unavailable ({type(probe).__name__}): {exc!r}")
+        if self._stack is not None:
+            try:
+                facts["loop_waits"], facts["stack_samples"] = self._stack.facts(namespace)
+            except Exception as exc:  # noqa: BLE001
+                self.errors.append(f"loop_waits unavailable (StackSampler): {exc!r}")
+            self.errors.extend(error for error in self._stack.errors[:1] if error not in self.errors)
         if self.errors:
             facts["probe_errors"] = list(self.errors)
         return cast(WorkloadFacts, facts)
+
+
+def _stack_sampler(trace: Trace) -> Any:
+    """The stack sampler of a watch; None in a child process, whose span buffer is no Trace to attribute in."""
+    if not isinstance(trace, Trace):
+        return None
+    from gpuwidget.probes.stack import StackSampler
+
+    return StackSampler(trace)
 
 
 def _names(namespace: Mapping[str, Any] | None) -> dict[int, str]:

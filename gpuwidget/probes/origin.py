@@ -276,18 +276,9 @@ def call_arguments(site: Mapping[str, Any], classes: Collection[str] = ()) -> tu
 
 def _call_at(site: Mapping[str, Any], classes: Collection[str]) -> ast.Call | None:
     """The innermost call of ``DataLoader`` or one of ``classes`` on the line ``site`` names."""
-    source = "".join(linecache.getlines(site["file"]))
-    if not source:
+    tree = parse_source(site["file"])
+    if tree is None:
         return None
-    try:
-        tree = ast.parse(source)
-    except SyntaxError:
-        # A notebook cell keeps IPython's magic lines (%%gpuwatch): blank them, keep numbering.
-        lines = ["\n" if line.lstrip().startswith(("%", "!")) else line for line in source.splitlines(True)]
-        try:
-            tree = ast.parse("".join(lines))
-        except SyntaxError:
-            return None
     line = site["line"]
     names = {*classes, "DataLoader"}
     calls = [node for node in ast.walk(tree) if isinstance(node, ast.Call)
@@ -296,6 +287,23 @@ def _call_at(site: Mapping[str, Any], classes: Collection[str]) -> ast.Call | No
     if not calls:
         return None
     return max(calls, key=lambda node: (node.lineno, node.col_offset))  # the innermost
+
+
+def parse_source(file: str) -> ast.Module | None:
+    """The syntax tree of ``file`` as ``linecache`` holds it (IPython registers each cell's source
+    there), or None when there is no source or it does not parse."""
+    source = "".join(linecache.getlines(file))
+    if not source:
+        return None
+    try:
+        return ast.parse(source)
+    except SyntaxError:
+        # A notebook cell keeps IPython's magic lines (%%gpuwatch): blank them, keep numbering.
+        lines = ["\n" if line.lstrip().startswith(("%", "!")) else line for line in source.splitlines(True)]
+        try:
+            return ast.parse("".join(lines))
+        except SyntaxError:
+            return None
 
 
 def _called_name(call: ast.Call) -> str:

@@ -20,6 +20,7 @@ from gpuwidget.advice.rules import (
     gpu_unused,
     io_bound,
     launch_bound,
+    loop_waits,
     memory_pressure,
     pageable_transfer,
     periodic_stall,
@@ -36,6 +37,6 @@ RULES: dict[str, Rule] = {
     for module in (
         dataloader_starved, dataloader_cpu_bound, io_bound, small_batch, memory_pressure, fp32_math,
         launch_bound, periodic_stall, pageable_transfer, gpu_throttled, gpu_unused, cpu_contention, gpu_imbalance,
-        rank_straggler, ddp_communication, data_parallel, watch_longer,
+        rank_straggler, ddp_communication, data_parallel, watch_longer, loop_waits,
     )
 }

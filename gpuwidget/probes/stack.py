@@ -1,0 +1,514 @@
+"""The watched thread's stack, sampled at each sampler tick: where the training loop waits between steps.
+
+A statistical profile, as py-spy and Scalene take one: nothing of the user's is wrapped or traced.
+At every tick the sampler thread reads the watched thread's current frame
+(``sys._current_frames()``) and keeps the innermost frame of the user's own code (torch,
+gpuwidget, the frameworks, the standard library and installed packages skipped: a wait inside
+``time.sleep`` or ``torch.stack`` is charged to the user's line that called it) and the outermost
+one (the cell's or script's line, for context), with the tick's Trace time.
+
+A sample is timed by when its tick was due (``sampler.tick_due``), not by when the sampler thread
+got the GIL: while the loop's Python holds the GIL the sampler gets it at the loop's next release,
+often a wait, and timing by that moment would inflate the waits. It is attributed once the spans
+around it reach the Trace: probes queue a span when it ends and the sampler moves it in at a later
+tick, so samples wait in a bounded queue until a span of the loop's kind has ended after them, and
+one tick more (each probe's spans arrive on their own). Two bases are kept side by side and the one
+the loop had is reported: with optimizer steps, samples inside ``train.step`` spans are the loop and those inside
+``train.between`` spans (an optimizer step's end to the next forward) are it waiting; without them,
+``step`` and ``loader.wait`` spans of the DataLoader. Inside ``train.between``, a sample that is
+also inside a DataLoader's ``next()`` is counted as such, so the rules can leave those waits to
+the DataLoader's own measurements.
+
+Cost: one sample walks the watched thread's frames once (a cached verdict per code object) and
+places the few pending samples in the new spans by bisection; reading the new spans from the Trace
+is the part that grows with the step rate (tens of nanoseconds a span). BENCHMARKS.md ("Stack
+sampler") has the figures. What the stack shows is biased the same way as the timing: the frame
+read is where the loop released the GIL (sleeping, I/O, torch's C code) or reached the
+interpreter's switch interval (5 ms), so a wait is found where it is and a line of Python within a
+few milliseconds of where it ran.
+"""
+
+from __future__ import annotations
+
+import ast
+import bisect
+import builtins
+import copy
+import linecache
+import operator
+import os
+import site
+import sys
+import sysconfig
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Iterable, Mapping
+from inspect import CO_GENERATOR
+from types import CodeType, FrameType
+from typing import Any
+
+from gpuwidget.clock import now
+from gpuwidget.facts import CodeSite, HostCopy, LoopWait, StackFacts
+from gpuwidget.probes import DATA_WAIT_SPAN, STEP_SPAN
+from gpuwidget.probes.origin import LIBRARIES, notebook_cell, parse_source
+from gpuwidget.sampler import tick_due
+
+try:
+    from gpuwidget.probes import BETWEEN_STEPS_SPAN, TRAIN_STEP_SPAN  # type: ignore[attr-defined]
+except ImportError:  # the step probe's span names (CONTRACT.md), until its branch is merged
+    TRAIN_STEP_SPAN = "train.step"
+    BETWEEN_STEPS_SPAN = "train.between"
+
+# Samples waiting for the spans that decide them. At the default 4 Hz that is 17 minutes of
+# samples; a basis whose loop spans never come (no optimizer steps) drops its oldest.
+MAX_PENDING = 4096
+# The newest samples kept as taken (time, location), for inspection and tests.
+RECENT_SAMPLES = 1024
+# Distinct (function line, cell line) locations counted per basis; more fall into one "elsewhere".
+MAX_LOCATIONS = 512
+# Frames walked per sample: deeper than any framework's fit loop (origin.MAX_FRAMES is 80), and a
+# bound on a deep recursion's cost.
+MAX_DEPTH = 256
+# A sample is in a span when the first span ending after it, or one of the few after that, starts
+# before it (spans of one kind arrive in the order they end; nested loaders' steps may overlap).
+OVERLAP_SCAN = 8
+# A tick read more than this many GIL switch intervals (5 ms by default) after it was due is not sampled.
+LATE_SWITCHES = 2
+# Functions reported in WorkloadFacts["loop_waits"], largest share first.
+LOOP_WAITS = 5
+# Host-to-device copy methods of a tensor.
+COPY_METHODS = ("to", "cuda")
+
+# A sample: (trace time, location). Location: (innermost user code, its line, outermost user code,
+# its line), or None when no frame of the user's was on the stack.
+Location = tuple[CodeType, int, CodeType, int]
+_ELSEWHERE: Any = None  # the bucket for locations beyond MAX_LOCATIONS
+
+
+def _library_prefixes() -> tuple[str, ...]:
+    """Folders whose files are not the user's: the standard library and installed packages."""
+    paths = sysconfig.get_paths()
+    folders = {paths[key] for key in ("stdlib", "platstdlib", "purelib", "platlib") if key in paths}
+    folders.add(os.path.dirname(os.__file__))
+    try:
+        folders.update(site.getsitepackages())
+        folders.add(site.getusersitepackages())
+    except AttributeError:  # an embedded or virtualenv-patched site module without them
+        pass
+    out = set()
+    for folder in folders:
+        for form in (folder, os.path.realpath(folder)):
+            out.add(os.path.join(form, ""))
+    return tuple(sorted(out))
+
+
+_LIBRARY_PREFIXES = _library_prefixes()
+
+
+def is_user_frame(frame: FrameType) -> bool:
+    """The frame runs the user's code: not torch, gpuwidget or a framework (``origin.LIBRARIES``),
+    not the standard library or an installed package, not generated code (``<string>``)."""
+    name = frame.f_globals.get("__name__")
+    if isinstance(name, str) and name.split(".")[0] in LIBRARIES:
+        return False
+    file = frame.f_code.co_filename
+    if file.startswith("<"):
+        return file.startswith("<ipython-input")  # IPython's older names for cells
+    return not file.startswith(_LIBRARY_PREFIXES)
+
+
+class _Basis:
+    """Samples attributed against one pair of span kinds: the loop's steps and the waits inside them."""
+
+    def __init__(self, loop_kind: str, wait_kind: str, inside_kind: str | None = None) -> None:
+        self.loop_kind = loop_kind
+        self.wait_kind = wait_kind
+        self.inside_kind = inside_kind  # also counted: waits inside spans of this kind
+        self.kinds = (loop_kind, wait_kind, *([inside_kind] if inside_kind else []))
+        # [time, location, in a wait span, in an inside span]
+        self.pending: deque[list[Any]] = deque(maxlen=MAX_PENDING)
+        self.loop_spans = 0
+        self._held: list[Any] = []  # the loop spans of the last call, deciding samples at the next
+        self.loop_samples = 0
+        self.waits: Counter[Location | None] = Counter()
+        self.inside: Counter[Location | None] = Counter()
+
+    def take(self, new: Mapping[str, list[Any]]) -> None:
+        """Mark the pending samples with the spans recorded since the last call (``new``, by kind);
+        decide those the loop spans of the call before decide.
+
+        A wait span ends before the step around it, but probes move their spans into the Trace each
+        on its own (the DataLoader's, the step probe's), at most one tick apart: deciding a sample one
+        call after its step span was read lets every wait span around it arrive first.
+        """
+        loop = new.get(self.loop_kind)
+        waits = new.get(self.wait_kind)
+        if waits:
+            self._mark(waits, 2)
+        inside = new.get(self.inside_kind) if self.inside_kind is not None else None
+        if inside:
+            self._mark(inside, 3)
+        self.flush()
+        if loop:
+            self.loop_spans += len(loop)
+            self._held = loop
+
+    def flush(self) -> None:
+        """Decide the samples the loop spans read last decide."""
+        held, self._held = self._held, []
+        if held:
+            self._decide(held)
+
+    def add(self, t: float, location: Location | None) -> None:
+        self.pending.append([t, location, False, False])
+
+    def _mark(self, spans: list[Any], slot: int) -> None:
+        # Wait spans do not nest: the first to end started first (the next few cover an overlap).
+        earliest = min(span[0] for span in spans[:OVERLAP_SCAN])
+        for sample in reversed(self.pending):  # newest first: only the last few can fall in new spans
+            if sample[0] < earliest:
+                break
+            if not sample[slot] and _inside(spans, sample[0]):
+                sample[slot] = True
+
+    def _decide(self, spans: list[Any]) -> None:
+        last_end = spans[-1][1]
+        pending = self.pending
+        while pending and pending[0][0] <= last_end:
+            t, location, waiting, inside = pending.popleft()
+            if not _inside(spans, t):
+                continue
+            self.loop_samples += 1
+            if waiting:
+                if location not in self.waits and len(self.waits) >= MAX_LOCATIONS:
+                    location = _ELSEWHERE
+                self.waits[location] += 1
+                if inside:
+                    self.inside[location] += 1
+
+
+_ATTRS = operator.itemgetter(2)
+
+
+def _span_end(span: Any) -> float:
+    return float(span[1])
+
+
+def _inside(spans: list[Any], t: float) -> bool:
+    """``t`` falls in one of ``spans`` (ordered by end)."""
+    first = bisect.bisect_left(spans, t, key=_span_end)
+    return any(span[0] <= t for span in spans[first:first + OVERLAP_SCAN])
+
+
+class StackSampler:
+    """Samples one thread's stack at each sampler tick and attributes the samples to the loop's waits.
+
+    Built on the thread to watch (the watched cell's); :meth:`tick` is called on the sampler thread.
+    """
+
+    def __init__(self, trace: Any, thread_id: int | None = None) -> None:
+        self.trace = trace
+        self.thread_id = threading.get_ident() if thread_id is None else thread_id
+        self.optimizer = _Basis(TRAIN_STEP_SPAN, BETWEEN_STEPS_SPAN, DATA_WAIT_SPAN)
+        self.loader = _Basis(STEP_SPAN, DATA_WAIT_SPAN)
+        self._seen = dict.fromkeys((*self.optimizer.kinds, *self.loader.kinds), 0)  # kind -> spans read
+        self.recent: deque[tuple[float, Location | None]] = deque(maxlen=RECENT_SAMPLES)
+        self.samples = 0
+        self.late_s = 0.0  # summed over the samples: how long after its tick was due each one was read
+        self.dropped = 0  # ticks read later than late_max_s after they were due, not sampled
+        # The GIL comes at most one switch interval late (CPython then makes the holder drop it), and
+        # once more if another thread got it first; later than that, the OS kept the sampler off a core.
+        self.late_max_s = LATE_SWITCHES * sys.getswitchinterval()
+        self.ticks = 0
+        self.cpu_s = 0.0
+        self._user: dict[int, tuple[CodeType, bool]] = {}  # id(code) -> (code, is the user's)
+        self.errors: list[str] = []
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def tick(self) -> None:
+        """Take one sample, then read the new spans; never raises (a listener of the sampler)."""
+        if self._closed or threading.get_ident() == self.thread_id:
+            return  # the watched thread itself (the watch's first poll) has nothing to sample
+        started = time.thread_time()
+        with self._lock:
+            if self._closed:
+                return
+            try:
+                # The sample first: a span that ends after its due time may reach the Trace before it
+                # is read (the read comes late), and must find it pending.
+                self._sample_when_due()
+                self._take_spans()
+            except Exception as exc:  # noqa: BLE001 - a sample lost is no reason to disturb the run
+                if len(self.errors) < 10:
+                    self.errors.append(f"stack sample failed: {exc!r}")
+        self.ticks += 1
+        self.cpu_s += time.thread_time() - started
+
+    def close(self) -> None:
+        """Attribute what the last spans decide and take no more samples; safe to call twice."""
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self._take_spans()
+                for basis in (self.optimizer, self.loader):
+                    basis.flush()
+            self._user.clear()
+
+    def _sample_when_due(self) -> None:
+        """One sample, timed by when the tick was due: the GIL comes late while the loop's Python
+        holds it, and then at the loop's next release (often a wait), which would inflate the waits."""
+        reading = now()
+        due = tick_due()
+        if due is None or due > reading:
+            due = reading
+        elif reading - due > self.late_max_s:
+            # Read long after it was due (the sampler thread waited for a core, not for the GIL):
+            # where the thread is now says nothing about where it was then.
+            self.dropped += 1
+            return
+        self.late_s += reading - due
+        self._sample(due - self.trace.start_clock)
+
+    def _take_spans(self) -> None:
+        """The spans of each kind recorded since the last tick, read once for both bases: this
+        process's only (a child process's carry its pid; its loop is not this thread's). Once the
+        optimizer has stepped, its basis is the one reported and the DataLoader's is left alone."""
+        bases = (self.optimizer,) if self.optimizer.loop_spans else (self.optimizer, self.loader)
+        new = {}
+        for kind in {kind: None for basis in bases for kind in basis.kinds}:
+            spans, self._seen[kind] = self.trace.spans_since(kind, self._seen[kind])
+            if any(map(_ATTRS, spans)):  # most spans have none: a scan in C, no copy
+                spans = [span for span in spans if not (span[2] and "pid" in span[2])]
+            new[kind] = spans
+        for basis in bases:
+            basis.take(new)
+
+    def _sample(self, t: float) -> None:
+        frame = sys._current_frames().get(self.thread_id)
+        inner: FrameType | None = None
+        outer: FrameType | None = None
+        cache = self._user
+        depth = 0
+        while frame is not None and depth < MAX_DEPTH:
+            code = frame.f_code
+            known = cache.get(id(code))
+            if known is None or known[0] is not code:
+                known = cache[id(code)] = (code, is_user_frame(frame))
+            if known[1]:
+                if inner is None:
+                    inner = frame
+                outer = frame
+            frame = frame.f_back
+            depth += 1
+        location: Location | None = None
+        if inner is not None and outer is not None:
+            location = (inner.f_code, inner.f_lineno or 0, outer.f_code, outer.f_lineno or 0)
+        self.samples += 1
+        self.recent.append((t, location))
+        self.optimizer.add(t, location)
+        self.loader.add(t, location)
+
+    # ----------------------------------------------------------------- facts, after the watch
+
+    def basis(self) -> _Basis:
+        """The attribution the loop had: optimizer steps where any were recorded, else the DataLoader's."""
+        return self.optimizer if self.optimizer.loop_spans else self.loader
+
+    def facts(self, namespace: Mapping[str, Any] | None = None) -> tuple[list[LoopWait], StackFacts]:
+        """``WorkloadFacts["loop_waits"]`` (largest share first) and ``["stack_samples"]``."""
+        self.close()
+        basis = self.basis()
+        stats = self.trace.span_stats(basis.loop_kind)
+        loop_s = float(stats.total) if stats is not None else 0.0
+        stack: StackFacts = {"basis": basis.wait_kind, "samples": self.samples, "loop_samples": basis.loop_samples,
+                             "steps": basis.loop_spans, "loop_s": loop_s,
+                             "tick_us": 1e6 * self.cpu_s / self.ticks if self.ticks else 0.0,
+                             "late_ms": 1e3 * self.late_s / self.samples if self.samples else 0.0,
+                             "dropped": self.dropped}
+        if not basis.loop_samples:
+            return [], stack
+        by_code: dict[CodeType, list[Any]] = {}  # code -> [samples, inside, Counter(line), Counter(outer)]
+        for location, count in basis.waits.items():
+            if location is None:
+                continue
+            code, line, outer_code, outer_line = location
+            entry = by_code.setdefault(code, [0, 0, Counter(), Counter()])
+            entry[0] += count
+            entry[1] += basis.inside.get(location, 0)
+            entry[2][line] += count
+            entry[3][(outer_code, outer_line)] += count
+        ranked = sorted(by_code.items(), key=lambda item: item[1][0], reverse=True)[:LOOP_WAITS]
+        names = namespace or {}
+        waits: list[LoopWait] = []
+        for code, (count, inside, lines, outers) in ranked:
+            line = lines.most_common(1)[0][0]
+            outer_code, outer_line = outers.most_common(1)[0][0]
+            share = count / basis.loop_samples
+            wait: LoopWait = {**code_site(code, line), "share": share, "seconds": share * loop_s,
+                              # Without optimizer steps the waits are a DataLoader's next() itself.
+                              "samples": count, "in_loader": inside / count if basis.inside_kind else 1.0,
+                              "source": _line_text(code.co_filename, line),
+                              "called_from": code_site(outer_code, outer_line),
+                              "name": user_name(code, names), "generator": bool(code.co_flags & CO_GENERATOR),
+                              "copy": host_copy(code.co_filename, line, names)}
+            waits.append(wait)
+        return waits, stack
+
+
+# --------------------------------------------------------------------------- in the user's terms
+
+
+def code_site(code: CodeType, line: int) -> CodeSite:
+    """``code`` at ``line`` as the user knows it: the function's name, the file relative to the
+    working directory (a cell keeps IPython's file) and the cell's number where it is a cell."""
+    function = getattr(code, "co_qualname", code.co_name).rsplit("<locals>.", 1)[-1]
+    file = code.co_filename
+    cell = notebook_cell(file)
+    return {"function": function, "file": file if cell is not None else display_path(file), "line": line,
+            "cell": cell}
+
+
+def display_path(file: str) -> str:
+    """``file`` relative to the working directory where it lies under it, else as it is."""
+    try:
+        relative = os.path.relpath(file)
+    except ValueError:  # another drive (Windows)
+        return file
+    return file if relative.startswith(os.pardir) else relative
+
+
+def _line_text(file: str, line: int) -> str | None:
+    text = linecache.getline(file, line).strip()
+    return text or None
+
+
+def user_name(code: CodeType, namespace: Mapping[str, Any]) -> str | None:
+    """The user's name for the function running ``code``, as an assignment target: a variable
+    (``get_batch``), or an object's method (``batcher.next``); None where no name of theirs holds it."""
+    for name, value in namespace.items():
+        if not name.startswith("_") and _code_of(value) is code:
+            return name
+    for name, value in namespace.items():
+        if name.startswith("_") or isinstance(value, type) or callable(getattr(value, "__code__", None)):
+            continue
+        try:
+            members = [(attr, member) for klass in type(value).__mro__ for attr, member in vars(klass).items()]
+        except TypeError:
+            continue
+        for attr, member in members:
+            if _code_of(member) is code:
+                return f"{name}.{attr}"
+    return None
+
+
+def _code_of(value: Any) -> CodeType | None:
+    """The code a function, method, static/class method or ``functools.wraps`` wrapper runs."""
+    for _ in range(4):
+        code = getattr(value, "__code__", None)
+        if isinstance(code, CodeType):
+            return code
+        inner = getattr(value, "__func__", None) or getattr(value, "__wrapped__", None)
+        if inner is None:
+            return None
+        value = inner
+    return None
+
+
+def host_copy(file: str, line: int, namespace: Mapping[str, Any]) -> HostCopy | None:
+    """The tensor-to-device copies on ``line`` of ``file`` (``x.to(device)``, ``x.cuda()``), or None.
+
+    ``same_each_step``: every copied name is one of the user's host tensors that the loop (or the
+    function the line is in) never assigns, so the same data crosses to the device at every step.
+    ``once`` is then the statement that moves them once (valid in the user's namespace: every
+    name it uses is there); ``rewritten`` is the line with pinned memory and non-blocking copies.
+    """
+    tree = parse_source(file)
+    if tree is None:
+        return None
+    statement = _statement_at(tree, line)
+    if statement is None:
+        return None
+    calls = [node for node in ast.walk(statement) if isinstance(node, ast.Call)
+             and isinstance(node.func, ast.Attribute) and node.func.attr in COPY_METHODS]
+    if not calls:
+        return None
+    receivers = [call.func.value for call in calls]  # type: ignore[attr-defined]
+    scope = _scope_at(tree, line)
+    assigned = _assigned_names(scope) if scope is not None else set()
+    torch = sys.modules.get("torch")
+    same = torch is not None and all(
+        isinstance(node, ast.Name) and node.id not in assigned and isinstance(namespace.get(node.id), torch.Tensor)
+        and namespace[node.id].device.type == "cpu" for node in receivers)
+    once = None
+    if same:
+        used = {node.id for call in calls for arg in [*call.args, *call.keywords]
+                for node in ast.walk(arg) if isinstance(node, ast.Name)}
+        if all(name in namespace or hasattr(builtins, name) for name in used):
+            statements = []
+            for call in calls:
+                name = call.func.value.id  # type: ignore[attr-defined]
+                statement_text = f"{name} = {ast.unparse(call)}"
+                if statement_text not in statements:
+                    statements.append(statement_text)
+            once = "\n".join(statements)
+    return {"tensors": _unique(ast.unparse(node) for node in receivers), "same_each_step": bool(same),
+            "once": once, "rewritten": _pinned(statement)}
+
+
+def _unique(items: Iterable[str]) -> list[str]:
+    return list(dict.fromkeys(items))
+
+
+def _statement_at(tree: ast.Module, line: int) -> ast.stmt | None:
+    """The innermost simple statement spanning ``line``."""
+    simple = [node for node in ast.walk(tree) if isinstance(node, ast.stmt) and not hasattr(node, "body")
+              and node.lineno <= line <= (node.end_lineno or node.lineno)]
+    return max(simple, key=lambda node: node.lineno, default=None)
+
+
+def _scope_at(tree: ast.Module, line: int) -> ast.AST | None:
+    """What runs again at each step around ``line``: the innermost function holding it (called
+    each step), else the innermost loop; None outside both."""
+    around = [node for node in ast.walk(tree) if isinstance(node, ast.stmt)
+              and node.lineno <= line <= (node.end_lineno or node.lineno)]
+    for kinds in ((ast.FunctionDef, ast.AsyncFunctionDef), (ast.For, ast.AsyncFor, ast.While)):
+        group = [node for node in around if isinstance(node, kinds)]
+        if group:
+            return max(group, key=lambda node: node.lineno)
+    return None
+
+
+def _assigned_names(scope: ast.AST) -> set[str]:
+    """Names bound inside ``scope``: assignment targets, loop variables, ``with ... as``, and a
+    function's parameters (bound anew at every call)."""
+    names = {node.id for node in ast.walk(scope) if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store)}
+    if isinstance(scope, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        arguments = scope.args
+        names.update(arg.arg for arg in [*arguments.posonlyargs, *arguments.args, *arguments.kwonlyargs])
+        names.update(arg.arg for arg in (arguments.vararg, arguments.kwarg) if arg is not None)
+    return names
+
+
+def _pinned(statement: ast.stmt) -> str | None:
+    """``statement`` with each ``x.to(...)``/``x.cuda(...)`` copying from pinned memory without
+    blocking; None where every copy does already."""
+    rewritten = copy.deepcopy(statement)
+    changed = False
+    for node in ast.walk(rewritten):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and node.func.attr in COPY_METHODS):
+            continue
+        receiver = node.func.value
+        if not (isinstance(receiver, ast.Call) and isinstance(receiver.func, ast.Attribute)
+                and receiver.func.attr == "pin_memory"):
+            node.func.value = ast.Call(func=ast.Attribute(value=receiver, attr="pin_memory", ctx=ast.Load()),
+                                       args=[], keywords=[])
+            changed = True
+        blocking = [keyword for keyword in node.keywords if keyword.arg == "non_blocking"]
+        if not blocking or not (isinstance(blocking[0].value, ast.Constant) and blocking[0].value.value is True):
+            node.keywords = [keyword for keyword in node.keywords if keyword.arg != "non_blocking"]
+            node.keywords.append(ast.keyword(arg="non_blocking", value=ast.Constant(True)))
+            changed = True
+    return ast.unparse(rewritten) if changed else None

@@ -1,0 +1,448 @@
+"""The stack sampler (gpuwidget.probes.stack): which frame a sample names, which spans it falls in,
+how the user's code is named, and that a watch leaves nothing of it behind.
+
+The attribution tests drive :meth:`StackSampler.tick` by hand against a real thread parked in a
+function of this file, with spans written into a real Trace around the samples, so what each
+sample falls in is known exactly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import linecache
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+import gpuwidget
+from gpuwidget import probes
+from gpuwidget import sampler as sampler_module
+from gpuwidget.clock import now
+from gpuwidget.probes import DATA_WAIT_SPAN, STEP_SPAN, Probes
+from gpuwidget.probes import stack as stack_module
+from gpuwidget.probes.stack import (
+    BETWEEN_STEPS_SPAN,
+    TRAIN_STEP_SPAN,
+    StackSampler,
+    display_path,
+    host_copy,
+    is_user_frame,
+    user_name,
+)
+from gpuwidget.trace import Trace
+
+from support import sampler_threads
+
+# The spans' names as CONTRACT.md gives them (the step probe defines them in gpuwidget.probes).
+assert (TRAIN_STEP_SPAN, BETWEEN_STEPS_SPAN) == ("train.step", "train.between")
+
+
+def parked_here(started: threading.Event, release: threading.Event) -> None:
+    started.set()
+    release.wait()  # the line a sample of the parked thread names
+
+
+def calls_parked(started: threading.Event, release: threading.Event) -> None:
+    parked_here(started, release)  # the outermost frame of the user's on the parked thread
+
+
+PARKED_LINE = parked_here.__code__.co_firstlineno + 2
+CALLER_LINE = calls_parked.__code__.co_firstlineno + 1
+
+
+@contextlib.contextmanager
+def parked_thread() -> Iterator[threading.Thread]:
+    """A thread waiting in ``parked_here`` (called from ``calls_parked``) until the block ends."""
+    started, release = threading.Event(), threading.Event()
+    thread = threading.Thread(target=calls_parked, args=(started, release), name="parked")
+    thread.start()
+    started.wait(5)
+    try:
+        yield thread
+    finally:
+        release.set()
+        thread.join(5)
+
+
+def sample_between(sampler: StackSampler, trace: Trace, kinds: tuple[str, ...]) -> None:
+    """One sample with a span of each of ``kinds`` around it, recorded after the sample (as probes do)."""
+    start = trace.now()
+    time.sleep(0.002)
+    sampler.tick()
+    time.sleep(0.002)
+    end = trace.now()
+    for kind in kinds:
+        trace.add_span(kind, start, end)
+
+
+def test_a_sample_inside_train_between_names_the_function_the_thread_waits_in():
+    trace = Trace()
+    with parked_thread() as thread:
+        sampler = StackSampler(trace, thread.ident)
+        for _ in range(3):
+            sample_between(sampler, trace, (TRAIN_STEP_SPAN, BETWEEN_STEPS_SPAN))
+        for _ in range(2):  # computing: in a step, not between steps
+            sample_between(sampler, trace, (TRAIN_STEP_SPAN,))
+        sampler.tick()  # after the last step: not in the loop
+        waits, stack = sampler.facts({"parked_here": parked_here})
+    assert stack["basis"] == BETWEEN_STEPS_SPAN and stack["samples"] == 6
+    assert stack["loop_samples"] == 5 and stack["steps"] == 5
+    [wait] = waits
+    assert (wait["function"], wait["line"], wait["samples"]) == ("parked_here", PARKED_LINE, 3)
+    assert wait["share"] == pytest.approx(3 / 5)
+    assert wait["file"] == display_path(__file__) and not wait["file"].startswith("/")  # relative to the cwd
+    assert wait["cell"] is None and wait["name"] == "parked_here" and wait["in_loader"] == 0.0
+    assert wait["called_from"]["function"] == "calls_parked" and wait["called_from"]["line"] == CALLER_LINE
+    assert wait["source"] == "release.wait()  # the line a sample of the parked thread names"
+    loop_s = trace.span_stats(TRAIN_STEP_SPAN).total
+    assert wait["seconds"] == pytest.approx(0.6 * loop_s)
+
+
+def test_spans_that_reach_the_trace_ticks_later_still_attribute_the_samples_they_hold():
+    trace = Trace()
+    with parked_thread() as thread:
+        sampler = StackSampler(trace, thread.ident)
+        start = trace.now()
+        for _ in range(4):  # four ticks inside one long wait, whose spans come only after all of them
+            sampler.tick()
+            time.sleep(0.001)
+        end = trace.now()
+        time.sleep(0.001)
+        sampler.tick()  # after the step: outside the loop
+        trace.add_span(BETWEEN_STEPS_SPAN, start, end)
+        trace.add_span(TRAIN_STEP_SPAN, start - 0.001, end)
+        sampler.tick()
+        waits, stack = sampler.facts()
+    assert stack["loop_samples"] == 4 and waits[0]["samples"] == 4 and waits[0]["share"] == 1.0
+
+
+@contextlib.contextmanager
+def tick_due_at(due: float) -> Iterator[None]:
+    """This thread's ticks read as due at ``due`` (the sampler thread sets it before each tick)."""
+    sampler_module._due.value = due
+    try:
+        yield
+    finally:
+        sampler_module._due.value = None
+
+
+def test_a_sample_is_timed_by_when_its_tick_was_due_even_when_its_span_reached_the_trace_first():
+    trace = Trace()
+    with parked_thread() as thread:
+        sampler = StackSampler(trace, thread.ident)
+        start, due = trace.now(), now()
+        time.sleep(0.003)  # the tick comes late (the loop held the GIL)...
+        end = trace.now()
+        trace.add_span(BETWEEN_STEPS_SPAN, start, end)  # ...after the spans around its due time were recorded
+        trace.add_span(TRAIN_STEP_SPAN, start, end)
+        with tick_due_at(due):
+            sampler.tick()
+        waits, stack = sampler.facts()
+    assert stack["loop_samples"] == 1 and waits[0]["share"] == 1.0 and stack["late_ms"] >= 3
+
+
+def test_a_tick_read_long_after_it_was_due_is_not_sampled():
+    trace = Trace()
+    with parked_thread() as thread:
+        sampler = StackSampler(trace, thread.ident)
+        with tick_due_at(now() - 2 * sampler.late_max_s):
+            sampler.tick()
+        with tick_due_at(now()):
+            sampler.tick()
+    assert sampler.dropped == 1 and sampler.samples == 1
+
+
+def test_a_wait_inside_a_dataloader_next_between_steps_is_counted_as_the_loaders():
+    trace = Trace()
+    with parked_thread() as thread:
+        sampler = StackSampler(trace, thread.ident)
+        sample_between(sampler, trace, (TRAIN_STEP_SPAN, BETWEEN_STEPS_SPAN, DATA_WAIT_SPAN))
+        sample_between(sampler, trace, (TRAIN_STEP_SPAN, BETWEEN_STEPS_SPAN))
+        waits, _ = sampler.facts()
+    assert waits[0]["samples"] == 2 and waits[0]["in_loader"] == 0.5
+
+
+def test_a_child_processs_spans_do_not_make_this_threads_samples_a_loop():
+    trace = Trace()
+    with parked_thread() as thread:
+        sampler = StackSampler(trace, thread.ident)
+        start = trace.now()
+        sampler.tick()
+        end = trace.now()
+        child = {"pid": 4242, "rank": 0}  # as gpuwidget.children records a child's spans
+        trace.add_span(STEP_SPAN, start, end, child)
+        trace.add_span(DATA_WAIT_SPAN, start, end, child)
+        sample_between(sampler, trace, (STEP_SPAN, DATA_WAIT_SPAN))  # and one of this process's own
+        waits, stack = sampler.facts()
+    assert stack["loop_samples"] == 1 and waits[0]["samples"] == 1
+
+
+def test_without_optimizer_steps_samples_are_attributed_to_the_loaders_waits():
+    trace = Trace()
+    with parked_thread() as thread:
+        sampler = StackSampler(trace, thread.ident)
+        sample_between(sampler, trace, (STEP_SPAN, DATA_WAIT_SPAN))
+        sample_between(sampler, trace, (STEP_SPAN,))
+        waits, stack = sampler.facts()
+    assert stack["basis"] == DATA_WAIT_SPAN and stack["loop_samples"] == 2
+    assert waits[0]["share"] == 0.5 and waits[0]["in_loader"] == 1.0
+
+
+def test_optimizer_steps_are_the_basis_wherever_they_exist_beside_a_dataloader():
+    trace = Trace()
+    with parked_thread() as thread:
+        sampler = StackSampler(trace, thread.ident)
+        sample_between(sampler, trace, (STEP_SPAN, DATA_WAIT_SPAN, TRAIN_STEP_SPAN))  # computing, by the optimizer
+        sample_between(sampler, trace, (STEP_SPAN, TRAIN_STEP_SPAN, BETWEEN_STEPS_SPAN))
+        waits, stack = sampler.facts()
+    assert stack["basis"] == BETWEEN_STEPS_SPAN and waits[0]["share"] == 0.5 and waits[0]["in_loader"] == 0.0
+
+
+def test_samples_of_a_loop_that_never_had_steps_stay_bounded_and_report_nothing():
+    trace = Trace()
+    with parked_thread() as thread:
+        sampler = StackSampler(trace, thread.ident)
+        for _ in range(stack_module.MAX_PENDING + 50):
+            sampler.tick()
+        assert len(sampler.optimizer.pending) == stack_module.MAX_PENDING
+        assert len(sampler.recent) == stack_module.RECENT_SAMPLES
+        waits, stack = sampler.facts()
+    assert waits == [] and stack["loop_samples"] == 0 and stack["samples"] == stack_module.MAX_PENDING + 50
+    assert sampler.optimizer.pending  # left as they were: no span ever decided them
+    assert stack["tick_us"] > 0
+
+
+def test_library_frames_are_skipped_down_to_the_users_own():
+    frame = sys._getframe()
+    assert is_user_frame(frame)  # this test file
+    assert not is_user_frame(_frame_in(threading.Event.wait))  # type: ignore[arg-type]
+    assert not is_user_frame(_frame_in(torch.nn.Module.__call__))  # type: ignore[arg-type]
+
+
+def _frame_in(function: object) -> object:
+    """A frame whose code is ``function``'s and whose globals are its module's (what the walk sees)."""
+
+    class Frame:
+        f_code = function.__code__  # type: ignore[attr-defined]
+        f_globals = function.__globals__  # type: ignore[attr-defined]
+
+    return Frame()
+
+
+def test_the_watched_thread_itself_never_samples():
+    trace = Trace()
+    sampler = StackSampler(trace)
+    sampler.tick()
+    assert sampler.samples == 0
+
+
+def test_the_users_name_for_a_function_or_a_method_is_found_in_the_namespace():
+    class Batcher:
+        def next(self) -> None:
+            return None
+
+    def get_batch() -> None:
+        return None
+
+    batcher = Batcher()
+    namespace = {"get_batch": get_batch, "batcher": batcher, "_hidden": get_batch}
+    assert user_name(get_batch.__code__, namespace) == "get_batch"
+    assert user_name(Batcher.next.__code__, namespace) == "batcher.next"
+    assert user_name(Batcher.next.__code__, {"bound": batcher.next}) == "bound"
+    assert user_name(get_batch.__code__, {"_hidden": get_batch}) is None
+
+
+def test_functions_of_a_notebook_cell_are_named_by_the_cells_number(ip):
+    ip.run_cell("import threading\n"
+                "def parked(started, release):\n"
+                "    started.set()\n"
+                "    release.wait()\n", store_history=True)
+    defined_in = ip.execution_count - 1
+    parked = ip.user_ns["parked"]
+    started, release = threading.Event(), threading.Event()
+    thread = threading.Thread(target=parked, args=(started, release))
+    thread.start()
+    started.wait(5)
+    trace = Trace()
+    sampler = StackSampler(trace, thread.ident)
+    try:
+        sample_between(sampler, trace, (TRAIN_STEP_SPAN, BETWEEN_STEPS_SPAN))
+        waits, _ = sampler.facts(ip.user_ns)
+    finally:
+        release.set()
+        thread.join(5)
+    assert (waits[0]["function"], waits[0]["cell"], waits[0]["line"]) == ("parked", defined_in, 4)
+    assert waits[0]["name"] == "parked" and waits[0]["source"] == "release.wait()"
+
+
+# --------------------------------------------------------------------------- host-to-device copies
+
+
+@pytest.fixture
+def source_file(tmp_path):
+    """Register ``text`` as a file's source (as IPython does a cell's) and return its name."""
+    made = []
+
+    def make(text: str) -> str:
+        path = tmp_path / f"loop{len(made)}.py"
+        path.write_text(text)
+        made.append(str(path))
+        return str(path)
+
+    yield make
+    for path in made:
+        linecache.checkcache(path)
+
+
+def test_a_tensor_copied_at_every_step_is_moved_once_in_the_users_names(source_file):
+    file = source_file("device = 'cpu'\n"
+                       "X = torch.randn(64, 4)\n"
+                       "for step in range(10):\n"
+                       "    xb, yb = X.to(device), Y.to(device, non_blocking=False)\n"
+                       "    loss = model(xb)\n")
+    X, Y = torch.randn(64, 4), torch.randn(64)
+    namespace = {"device": "cpu", "X": X, "Y": Y}
+    found = host_copy(file, 4, namespace)
+    assert found is not None and found["tensors"] == ["X", "Y"] and found["same_each_step"]
+    assert found["once"] == "X = X.to(device)\nY = Y.to(device, non_blocking=False)"
+    assert found["rewritten"] == ("xb, yb = (X.pin_memory().to(device, non_blocking=True), "
+                                  "Y.pin_memory().to(device, non_blocking=True))")
+    exec(found["once"], namespace)  # runs as pasted, and the data stays the same
+    assert torch.equal(namespace["X"], X) and torch.equal(namespace["Y"], Y)
+
+
+def test_a_batch_assigned_in_the_loop_is_not_the_same_tensor_each_step(source_file):
+    file = source_file("for x in batches:\n"
+                       "    xb = x.to(device)\n"
+                       "def fetch(i):\n"
+                       "    part = X[i]\n"
+                       "    return part.cuda(), X.to(device)\n")
+    namespace = {"device": "cpu", "x": torch.randn(2), "X": torch.randn(4, 2), "part": torch.randn(2)}
+    in_loop = host_copy(file, 2, namespace)
+    assert in_loop is not None and not in_loop["same_each_step"] and in_loop["once"] is None
+    in_function = host_copy(file, 5, namespace)
+    assert in_function is not None and in_function["tensors"] == ["part", "X"] and not in_function["same_each_step"]
+    assert in_function["rewritten"] == ("return (part.pin_memory().cuda(non_blocking=True), "
+                                        "X.pin_memory().to(device, non_blocking=True))")
+
+
+def test_a_copy_already_pinned_and_non_blocking_needs_no_rewrite(source_file):
+    file = source_file("x = x.pin_memory().to(device, non_blocking=True)\nprint(x)\n")
+    found = host_copy(file, 1, {})
+    assert found is not None and found["rewritten"] is None
+    assert host_copy(file, 2, {}) is None  # no copy on that line
+
+
+def test_moving_once_is_written_only_with_names_the_user_has(source_file):
+    file = source_file("def step(dev):\n    return X.to(dev)\n")
+    found = host_copy(file, 2, {"X": torch.randn(3)})
+    assert found is not None and found["same_each_step"] and found["once"] is None  # dev: the function's parameter
+    file = source_file("for i in range(3):\n    xb = X.to(dev)\n")
+    found = host_copy(file, 2, {"X": torch.randn(3)})
+    assert found is not None and found["same_each_step"] and found["once"] is None  # dev: nowhere
+    found = host_copy(file, 2, {"X": torch.randn(3), "dev": "cpu"})
+    assert found is not None and found["once"] == "X = X.to(dev)"
+    found = host_copy(file, 2, {"X": [1, 2], "dev": "cpu"})
+    assert found is not None and not found["same_each_step"]  # not a tensor of the user's
+
+
+# --------------------------------------------------------------------------- in a watch
+
+
+def fetch_slowly(seconds: float) -> None:
+    time.sleep(seconds)
+
+
+def test_a_watch_samples_the_thread_that_started_it_and_ends_with_it():
+    with gpuwidget.watch(quiet=True, interval=0.01) as run:
+        deadline = time.perf_counter() + 0.4
+        while time.perf_counter() < deadline:
+            fetch_slowly(0.005)
+    stack = run.workload["stack_samples"]
+    assert stack["samples"] + stack["dropped"] >= 10 and stack["samples"] >= 1 and stack["tick_us"] > 0
+    assert run.workload["loop_waits"] == []  # no loop spans: no loop to attribute to
+    assert not sampler_threads()
+
+
+@pytest.mark.parametrize("raised", [ValueError("in the cell"), KeyboardInterrupt()])
+def test_the_stack_sampler_is_closed_and_no_thread_remains_after_a_failed_or_interrupted_watch(raised):
+    built: list[Probes] = []
+    original = Probes.__init__
+
+    def keep(self: Probes, trace: Trace) -> None:
+        original(self, trace)
+        built.append(self)
+
+    with contextlib.ExitStack() as undo:
+        undo.callback(setattr, Probes, "__init__", original)
+        Probes.__init__ = keep  # type: ignore[method-assign]
+        with pytest.raises(type(raised)), gpuwidget.watch(quiet=True, interval=0.01):
+            fetch_slowly(0.2)
+            raise raised
+    sampler = built[0]._stack
+    assert sampler._closed and sampler._user == {}
+    samples = sampler.samples
+    late = threading.Thread(target=sampler.tick)  # a tick after the watch (a sampler thread left behind)...
+    late.start()
+    late.join(5)
+    assert sampler.samples == samples and samples + sampler.dropped >= 3  # ...takes nothing
+    assert not sampler_threads()
+
+
+class Batch:
+    """Something a frame of the user's holds while it is sampled."""
+
+
+def fetch_holding(batch: Batch, seconds: float) -> None:
+    time.sleep(seconds)
+
+
+def fetch_a_batch() -> weakref.ref[Batch]:
+    batch = Batch()
+    fetch_holding(batch, 0.3)
+    return weakref.ref(batch)
+
+
+def test_the_sampler_keeps_no_frame_of_the_users_alive():
+    with gpuwidget.watch(quiet=True, interval=0.01) as run:
+        alive = fetch_a_batch()
+    gc.collect()
+    assert alive() is None and run.workload["stack_samples"]["samples"] >= 3
+
+
+def test_the_stack_sampler_lives_in_the_watch_only_not_in_a_childs_span_buffer():
+    from gpuwidget.children.agent import SpanBuffer
+
+    assert Probes(SpanBuffer())._stack is None  # type: ignore[arg-type]
+    assert isinstance(Probes(Trace())._stack, StackSampler)
+
+
+@pytest.mark.xfail(not hasattr(probes, "TRAIN_STEP_SPAN"), reason="needs train.between spans from the step probe",
+                   strict=True)
+def test_the_step_probes_real_spans_attribute_a_slow_batch_function():
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    data = torch.randn(4096, 16)
+
+    def next_batch() -> torch.Tensor:
+        time.sleep(0.004)
+        return data[torch.randint(len(data), (32,))]
+
+    with gpuwidget.watch(quiet=True, interval=0.01) as run:
+        for _ in range(150):
+            loss = model(next_batch()).pow(2).mean()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    assert run.workload["stack_samples"]["basis"] == "train.between"
+    assert run.workload["loop_waits"][0]["function"] == "next_batch"
+    assert any(f.rule == "loop-waits" for f in run.findings)
