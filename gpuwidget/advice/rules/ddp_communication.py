@@ -10,7 +10,14 @@ accumulation) pay it less often.
 
 With several ranks the rule judges the rank that waited least: a straggler's late arrival shows up
 as communication time on every *other* rank (that is ``rank-straggler``'s finding), while the
-straggler itself waits only for the transfer.
+straggler itself waits only for the transfer. Where ``rank-straggler`` measured a straggler, only the
+straggler is judged, and never for more than the step less the straggler's extra time: each measured
+second has one explanation.
+
+DDP times its all-reduce on a sample of iterations (the first ten, then every hundredth), so each
+figure is a step or a few: an exposed all-reduce no longer than the ranks' own step-to-step jitter
+(``NOISE_MULTIPLE`` times the judged rank's median absolute deviation of step times) is the early rank
+waiting for the late one's random delay, which no bucket setting removes, and is not named.
 """
 
 from __future__ import annotations
@@ -20,8 +27,16 @@ from typing import Any
 
 from gpuwidget.advice.code import model_code
 from gpuwidget.advice.finding import Finding
-from gpuwidget.advice.rules._ranks import ddp_exposed_comm_s, processes_with_models
-from gpuwidget.facts import DdpFacts, MachineFacts, Summary, WorkloadFacts
+from gpuwidget.advice.rules._ranks import (
+    ddp_exposed_comm_s,
+    median,
+    processes_with_models,
+    rank_label,
+    ranks,
+    step_series,
+)
+from gpuwidget.advice.rules.rank_straggler import find as find_straggler
+from gpuwidget.facts import DdpFacts, MachineFacts, ModelFacts, Summary, WorkloadFacts
 
 RULE = "ddp-communication"
 # All-reduce left exposed after backward, as a share of the step, worth saying: PyTorch's profiler
@@ -38,18 +53,26 @@ SMALL_BUCKET_BYTES = 1 << 20
 # this target, at most MAX_ACCUMULATION (larger K changes the optimisation more than the speed).
 ACCUMULATION_TARGET_SHARE = 0.05
 MAX_ACCUMULATION = 8
+# An exposed all-reduce must exceed this many times the judged rank's median absolute deviation of
+# step times (about two standard deviations of normal noise): less is the ranks' arrival jitter.
+NOISE_MULTIPLE = 3.0
 NS = 1e-9
 
 
 def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> Finding | None:
-    judged = [figures for figures in (_figures(model.get("ddp"), step, who)
-                                      for model, step, who in processes_with_models(summary, workload)
+    judged = [figures for figures in (_figures(model.get("ddp"), step, who, noise)
+                                      for model, step, who, noise in _processes(summary, workload)
                                       if model.get("ddp")) if figures is not None]
+    straggler = find_straggler(workload)
+    if straggler is not None:  # the others' waiting is the straggler's; it waited for nobody
+        found, timed = straggler
+        who = rank_label(timed[found.index])
+        judged = [_capped(figures, found.step_s - found.extra_s) for figures in judged if figures["who"] == who]
     if not judged:
         return None
     figures = min(judged, key=lambda f: f["exposed_share"])  # the rank that waited least (see above)
     share = figures["exposed_share"]
-    if share < EXPOSED_COMM_SHARE:
+    if share < EXPOSED_COMM_SHARE or figures["exposed_s"] < NOISE_MULTIPLE * figures["noise_s"]:
         return None
     ddp: DdpFacts = figures["ddp"]
     names = [model.get("name") for model, _, _ in processes_with_models(summary, workload) if model.get("ddp")]
@@ -69,6 +92,7 @@ def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> F
         "mean_bucket_kb": round(figures["mean_bucket_bytes"] / 1024, 1),
         "gradient_as_bucket_view": ddp.get("gradient_as_bucket_view"), "static_graph": ddp.get("static_graph"),
         "find_unused_parameters": ddp.get("find_unused_parameters"),
+        "step_jitter_ms": round(figures["noise_s"] * 1e3, 3),
     }
     sentences = [f"{exposed_ms:.1f} ms of each {step_ms:.1f} ms step ({share:.0%}) waits for DDP's gradient "
                  f"all-reduce after backward has finished ({figures['who']}, world size {ddp.get('world_size')})."]
@@ -91,7 +115,21 @@ def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> F
     )
 
 
-def _figures(ddp: DdpFacts | None, step_s: float | None, who: str) -> dict[str, Any] | None:
+def _processes(summary: Summary, workload: WorkloadFacts) -> list[tuple[ModelFacts, float | None, str, float]]:
+    """(model, median step s, who, step-to-step jitter s) of every process whose model the probes saw:
+    the jitter is the median absolute deviation of its steady step times (0 where they are not known)."""
+    jitter = {rank_label(rank): mad(series[0]) for rank in ranks(workload)
+              if (series := step_series(rank)) is not None}
+    return [(model, step, who, jitter.get(who, 0.0)) for model, step, who in processes_with_models(summary, workload)]
+
+
+def mad(values: list[float]) -> float:
+    """Median absolute deviation from the median."""
+    middle = median(values)
+    return median(abs(value - middle) for value in values)
+
+
+def _figures(ddp: DdpFacts | None, step_s: float | None, who: str, noise_s: float = 0.0) -> dict[str, Any] | None:
     """Per-step figures of one process, in seconds; None without DDP's timings."""
     exposed = ddp_exposed_comm_s(ddp)
     if ddp is None or exposed is None:
@@ -103,7 +141,14 @@ def _figures(ddp: DdpFacts | None, step_s: float | None, who: str) -> dict[str, 
     sizes = list(ddp.get("rebuilt_bucket_sizes") or ddp.get("bucket_sizes") or [])
     total = int(ddp.get("total_parameter_size_bytes") or sum(sizes))
     return {"ddp": ddp, "who": who, "exposed_s": exposed, "step_s": step, "exposed_share": exposed / step,
-            "buckets": len(sizes), "mean_bucket_bytes": total / len(sizes) if sizes else 0.0, "total_bytes": total}
+            "noise_s": noise_s, "buckets": len(sizes), "mean_bucket_bytes": total / len(sizes) if sizes else 0.0,
+            "total_bytes": total}
+
+
+def _capped(figures: dict[str, Any], most_s: float) -> dict[str, Any]:
+    """The figures with the exposed all-reduce no longer than ``most_s`` (the rest is explained elsewhere)."""
+    exposed = max(0.0, min(figures["exposed_s"], most_s))
+    return {**figures, "exposed_s": exposed, "exposed_share": exposed / figures["step_s"]}
 
 
 def _changes(ddp: DdpFacts, figures: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
