@@ -79,6 +79,24 @@ MIN_EXTRA_SHARE = 0.1
 SIGNIFICANCE = 1e-3
 
 
+# DDP times itself on a sample of iterations (the first ten, then every hundredth): its average is
+# mostly start-up and its latest figure is one step. A difference or a wait it shows is evidence only
+# beyond this many times the ranks' step-to-step jitter (the largest median absolute deviation of
+# their steady step times; three of them are about two standard deviations of normal noise).
+NOISE_MULTIPLE = 3.0
+
+
+def mad(values: Sequence[float]) -> float:
+    """Median absolute deviation from the median."""
+    middle = median(values)
+    return median(abs(value - middle) for value in values)
+
+
+def step_jitter_s(timed: Iterable[Mapping[str, Any]]) -> float:
+    """The ranks' step-to-step jitter: the largest MAD of their steady step times (0 where none is known)."""
+    return max([mad(series[0]) for rank in timed if (series := step_series(rank)) is not None], default=0.0)
+
+
 @dataclass(frozen=True)
 class Exceeds:
     """One rank's per-step figure against the other ranks': by how much its median exceeds theirs,

@@ -15,9 +15,9 @@ straggler is judged, and never for more than the step less the straggler's extra
 second has one explanation.
 
 DDP times its all-reduce on a sample of iterations (the first ten, then every hundredth), so each
-figure is a step or a few: an exposed all-reduce no longer than the ranks' own step-to-step jitter
-(``NOISE_MULTIPLE`` times the judged rank's median absolute deviation of step times) is the early rank
-waiting for the late one's random delay, which no bucket setting removes, and is not named.
+figure is a step or a few: an exposed all-reduce within the ranks' own step-to-step jitter
+(``_ranks.NOISE_MULTIPLE`` times ``_ranks.step_jitter_s``) is the early rank waiting for the late
+one's random delay, which no bucket setting removes, and is not named.
 """
 
 from __future__ import annotations
@@ -28,12 +28,12 @@ from typing import Any
 from gpuwidget.advice.code import model_code
 from gpuwidget.advice.finding import Finding
 from gpuwidget.advice.rules._ranks import (
+    NOISE_MULTIPLE,
     ddp_exposed_comm_s,
-    median,
     processes_with_models,
     rank_label,
     ranks,
-    step_series,
+    step_jitter_s,
 )
 from gpuwidget.advice.rules.rank_straggler import find as find_straggler
 from gpuwidget.facts import DdpFacts, MachineFacts, ModelFacts, Summary, WorkloadFacts
@@ -53,9 +53,6 @@ SMALL_BUCKET_BYTES = 1 << 20
 # this target, at most MAX_ACCUMULATION (larger K changes the optimisation more than the speed).
 ACCUMULATION_TARGET_SHARE = 0.05
 MAX_ACCUMULATION = 8
-# An exposed all-reduce must exceed this many times the judged rank's median absolute deviation of
-# step times (about two standard deviations of normal noise): less is the ranks' arrival jitter.
-NOISE_MULTIPLE = 3.0
 NS = 1e-9
 
 
@@ -116,17 +113,9 @@ def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> F
 
 
 def _processes(summary: Summary, workload: WorkloadFacts) -> list[tuple[ModelFacts, float | None, str, float]]:
-    """(model, median step s, who, step-to-step jitter s) of every process whose model the probes saw:
-    the jitter is the median absolute deviation of its steady step times (0 where they are not known)."""
-    jitter = {rank_label(rank): mad(series[0]) for rank in ranks(workload)
-              if (series := step_series(rank)) is not None}
-    return [(model, step, who, jitter.get(who, 0.0)) for model, step, who in processes_with_models(summary, workload)]
-
-
-def mad(values: list[float]) -> float:
-    """Median absolute deviation from the median."""
-    middle = median(values)
-    return median(abs(value - middle) for value in values)
+    """(model, median step s, who, the ranks' step-to-step jitter s) of every process whose model the probes saw."""
+    jitter = step_jitter_s(ranks(workload))
+    return [(model, step, who, jitter) for model, step, who in processes_with_models(summary, workload)]
 
 
 def _figures(ddp: DdpFacts | None, step_s: float | None, who: str, noise_s: float = 0.0) -> dict[str, Any] | None:

@@ -10,9 +10,10 @@ where that was measured, step by step or by DDP itself, never from a difference 
   (``_ranks.MIN_EXTRA_S``, ``_ranks.MIN_EXTRA_SHARE`` of the step) on a consistent majority of its
   steps (a sign test across steps, ``_ranks.SIGNIFICANCE``);
 - its own forward and backward passes, as DDP times them (``_ranks.ddp_compute_s``, which leaves
-  the waiting out): larger than every other rank's by such a difference in DDP's average *and* in its
-  latest sample, while every other rank's all-reduce ran at least that long past its backward (they
-  were measured waiting for it);
+  the waiting out): larger than every other rank's by such a difference, and by more than the
+  ranks' step jitter allows (``_ranks.NOISE_MULTIPLE``: DDP's figures are a step or a few), in DDP's
+  average *and* in its latest sample, while every other rank's all-reduce ran at least that long past
+  its backward (they were measured waiting for it);
 - ranks that do not synchronise (independent processes; median step times apart by more than
   ``LOCKSTEP_TOLERANCE``) waited for nobody: their step times compare as they are, with the same
   tests, and the rank must also score under ``RELATIVE_SCORE`` against the others.
@@ -32,11 +33,13 @@ from gpuwidget.advice.loader import CONTENTION_DELAY_FRACTION
 from gpuwidget.advice.rules._ranks import (
     MIN_EXTRA_S,
     MIN_EXTRA_SHARE,
+    NOISE_MULTIPLE,
     ddp_compute_s,
     ddp_exposed_estimates_s,
     median,
     rank_label,
     ranks,
+    step_jitter_s,
     step_series,
     worst,
 )
@@ -105,7 +108,7 @@ def _by_ddp_compute(entries: list[dict[str, Any]], job_step: float) -> Straggler
     index = max(range(len(known)), key=lambda i: known[i][0])
     others = [compute for i, compute in enumerate(known) if i != index]
     extra = min(known[index][which] - max(other[which] for other in others) for which in (0, 1))
-    if extra < max(MIN_EXTRA_S, MIN_EXTRA_SHARE * job_step):
+    if extra < max(MIN_EXTRA_S, MIN_EXTRA_SHARE * job_step, NOISE_MULTIPLE * step_jitter_s(entries)):
         return None
     waited = [min(ddp_exposed_estimates_s(facts) or [0.0]) for i, facts in enumerate(ddp) if i != index]
     if min(waited) < extra:
