@@ -1,6 +1,6 @@
-"""The rank rules on real gloo jobs, run after run: a symmetric job gets the same answer every time (no
-straggler; the all-reduce named in every run or in none), a job with one slow rank names that rank every
-time with a gain bounded by what was measured, and each process's time split sums to the run's duration.
+"""The rank rules on real gloo jobs, run after run: a symmetric job never gets a straggler, nor an all-reduce
+finding without its evidence; a job with one slow rank names that rank every time with a gain bounded by
+what was measured; and each process's time split sums to the run's duration.
 
 The ranks are forked (``torch.multiprocessing`` with ``fork``) from the watched process, as a notebook's
 launcher does on Linux: they reach the watch through its after-fork hook, and a run costs a second
@@ -18,6 +18,7 @@ from gloo_job import slow_loader_rank
 
 import gpuwidget
 from gpuwidget.advice.rules._ranks import SIGNIFICANCE
+from gpuwidget.advice.rules.ddp_communication import EXPOSED_COMM_SHARE, SKEW_MULTIPLE
 from gpuwidget.run import Run
 
 pytestmark = pytest.mark.slow
@@ -68,20 +69,23 @@ def slow_rank_runs() -> list[Run]:
     return [watched_job(100, 1, SLOW_ITEM_S) for _ in range(3)]
 
 
-def test_a_symmetric_job_has_no_straggler_and_the_same_answer_every_run(symmetric_runs):
+def test_a_symmetric_job_never_has_a_straggler_nor_an_all_reduce_without_evidence(symmetric_runs):
     answers = [sorted(rank_findings(run)) for run in symmetric_runs]
+    assert all("rank-straggler" not in answer for answer in answers), answers
     for run in symmetric_runs:
         assert sorted(entry["rank"] for entry in run.ranks) == [0, 1]
         assert all(entry["steps"] == 200 for entry in run.ranks), run.workload["ranks"]
-    assert all("rank-straggler" not in answer for answer in answers), answers
-    assert answers.count(answers[0]) == RUNS, answers  # the all-reduce is named in every run or in none
-    for run in symmetric_runs:
         communication = rank_findings(run).get("ddp-communication")
-        if communication is not None:  # its bound is what it measured: the step over the step less that
-            evidence = communication.evidence
-            step, exposed = evidence["step_time_ms"], evidence["exposed_comm_ms"]
-            assert exposed >= 3 * evidence["step_jitter_ms"]
-            assert communication.expected_speedup == pytest.approx(step / (step - exposed), rel=0.02)
+        if communication is None:
+            continue
+        # Named only where its evidence holds: every rank's DDP figures (typical steps) show at least
+        # that much all-reduce after backward, over 10% of a median step and the ranks'
+        # jitter; the bound is the step over the step less that.
+        evidence = communication.evidence
+        step, exposed = evidence["step_time_ms"], evidence["exposed_comm_ms"]
+        assert exposed >= max(EXPOSED_COMM_SHARE * step, SKEW_MULTIPLE * evidence["step_jitter_ms"]) and exposed < step
+        assert step == pytest.approx(min(entry["step_time_p50_s"] for entry in run.ranks) * 1e3, rel=0.1)
+        assert communication.expected_speedup == pytest.approx(step / (step - exposed), rel=0.02)
 
 
 def test_a_symmetric_jobs_time_split_adds_up_per_process(symmetric_runs):
@@ -100,7 +104,7 @@ def test_the_slow_rank_is_named_every_run_with_a_gain_bounded_by_its_measured_wa
         assert evidence["measured"] == "data wait" and evidence["p_value"] < SIGNIFICANCE
         # At least 4 samples x 2 ms of sleep per batch (a loaded host oversleeps), and no more than its own
         # measured wait over the others'; the bound is the job's step over the step less that.
-        assert 4 * SLOW_ITEM_S * 1e3 * 0.9 <= evidence["extra_ms"]
+        assert evidence["extra_ms"] >= 4 * SLOW_ITEM_S * 1e3 * 0.9
         assert evidence["extra_ms"] <= evidence["data_wait_ms"] - evidence["others_data_wait_ms"] + 0.01
         step = max(evidence["step_time_ms_by_rank"].values())
         assert straggler.expected_speedup == pytest.approx(step / (step - evidence["extra_ms"]), rel=0.02)

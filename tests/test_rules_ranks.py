@@ -166,15 +166,15 @@ def ddp_rank(rank: int, step_ms: float, exposed_ms: float, wait_fraction: float 
             "wait_times": [wait_fraction * step for step in step_times], "model": {"name": "model", "ddp": ddp}}
 
 
-@pytest.mark.parametrize(("jitter", "fires"), [(0.02, True), (0.2, False)])
+@pytest.mark.parametrize(("jitter", "fires"), [(0.38, True), (0.42, False)])
 def test_an_exposed_all_reduce_within_the_ranks_jitter_is_not_named(jitter, fires):
-    # 1 ms of a 5 ms step (20%) waits for the all-reduce on both ranks. Steps that vary by +-1% (MAD
-    # 0.05 ms) cannot make that; steps that vary by +-10% (MAD 0.5 ms, 3 x 0.5 > 1) can.
+    # 1 ms of a 5 ms step (20%) waits for the all-reduce on both ranks. Steps whose MAD is 0.95 ms
+    # (+-19% and +-38% around the median) cannot make that by skew alone; with a MAD of 1.05 ms they can.
     ranks = [ddp_rank(0, 5.0, 1.0, jitter=jitter), ddp_rank(1, 5.0, 1.0, jitter=jitter)]
     finding = ddp_communication.check({}, {"ranks": ranks}, NO_GPU)
     assert (finding is not None) is fires
     if finding:
-        assert finding.evidence["step_jitter_ms"] == pytest.approx(0.05, rel=0.01)
+        assert finding.evidence["step_jitter_ms"] == pytest.approx(0.95, rel=0.01)
 
 
 def test_the_seconds_ranks_wait_for_a_straggler_have_one_explanation():
@@ -378,6 +378,13 @@ def test_ddp_timings_name_a_compute_straggler_only_when_every_measure_agrees():
     assert rank_straggler.check({}, {"ranks": started_early}, NO_GPU) is None
     nobody_waited = [entry(0, (6.0, 6.0), 0.3), entry(1, (2.0, 2.0), 0.3)]
     assert rank_straggler.check({}, {"ranks": nobody_waited}, NO_GPU) is None
+    # DDP's figures of iterations far longer than the run's steps (a preempted one; start-up in the
+    # average) describe no typical step: on a 5 ms step, 9.8 and 6.1 ms of compute are no evidence.
+    atypical = [{**entry(0, (9.8, 6.1), 0.3), "step_times": steps_around(0.005)},
+                {**entry(1, (0.5, 0.6), 9.4), "step_times": steps_around(0.005)}]
+    for rank in atypical:
+        rank["wait_times"] = [0.0] * len(rank["step_times"])
+    assert rank_straggler.check({}, {"ranks": atypical}, NO_GPU) is None
     slower = [entry(0, (6.0, 5.8), 0.3), entry(1, (2.0, 2.1), 4.0)]
     finding = rank_straggler.check({}, {"ranks": slower}, NO_GPU)
     assert finding is not None and finding.evidence["straggler"] == 0

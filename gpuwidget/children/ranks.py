@@ -30,6 +30,7 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, cast
 
+from gpuwidget.advice.rules._ranks import paired
 from gpuwidget.advice.summary import percentiles, primary_loader, summarize, time_breakdown
 from gpuwidget.children.channel import ChildRecord
 from gpuwidget.facts import RankEntry, Summary, WorkloadFacts
@@ -52,16 +53,9 @@ def public(entries: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
 
 
 def per_step(step_times: Sequence[float], wait_times: Sequence[float]) -> tuple[list[float], list[float]]:
-    """The latest :data:`SERIES_STEPS` steps and each one's data wait, paired. A loop's waits can
-    run one ahead of its steps (the batch of a step not yet closed); both lists keep their latest
-    items, so their ends pair up once that extra wait is dropped."""
-    steps, waits = list(step_times), list(wait_times)
-    if len(waits) == len(steps) + 1:
-        waits.pop()
-    count = min(len(steps), len(waits), SERIES_STEPS) if waits else min(len(steps), SERIES_STEPS)
-    steps = steps[len(steps) - count:]
-    waits = waits[len(waits) - count:] if waits else [0.0] * count
-    return steps, waits
+    """The latest :data:`SERIES_STEPS` steps and each one's data wait, paired (``_ranks.paired``)."""
+    steps, waits = paired(step_times, wait_times)
+    return steps[-SERIES_STEPS:], waits[-SERIES_STEPS:]
 
 
 def loop_figures(workload: Mapping[str, Any] | None) -> dict[str, Any]:

@@ -47,15 +47,6 @@ def median(values: Iterable[float]) -> float:
 NS = 1e-9
 
 
-def ddp_exposed_comm_s(ddp: Mapping[str, Any] | None) -> float | None:
-    """Seconds per step DDP's all-reduce ran past the end of backward (``backward_comm_time -
-    backward_compute_comm_overlap_time``), the smaller of its average over the iterations DDP samples
-    and its latest sample: the first iterations, in the average, include waiting for the other ranks
-    to start at all (process start-up, imports). None without DDP's timings."""
-    estimates = ddp_exposed_estimates_s(ddp)
-    return min(estimates) if estimates else None
-
-
 # ------------------------------------------------------------------ one rank against the others, step by step
 
 # Steps a rank needs before its figures are compared with the others': a median and a sign test
@@ -121,10 +112,24 @@ def steady(values: Sequence[float]) -> list[float]:
     return [float(value) for value in values[skip:]]
 
 
+def paired(step_times: Sequence[float], wait_times: Sequence[float]) -> tuple[list[float], list[float]]:
+    """Steps and each one's data wait, the latest of both lists paired. A loop's waits can run one
+    ahead of its steps (the batch of a step not yet closed): that extra wait is dropped, then both
+    keep as many of their latest items as the shorter has (no waits at all: zeros)."""
+    steps, waits = list(step_times), list(wait_times)
+    if len(waits) == len(steps) + 1:
+        waits.pop()
+    if not waits:
+        return steps, [0.0] * len(steps)
+    count = min(len(steps), len(waits))
+    return steps[len(steps) - count:], waits[len(waits) - count:]
+
+
 def step_series(rank: Mapping[str, Any]) -> tuple[list[float], list[float]] | None:
     """A rank's steady (step seconds, data-wait seconds) pairs, or None with under :data:`MIN_STEPS` of them."""
-    steps, waits = steady(rank.get("step_times") or []), steady(rank.get("wait_times") or [])
-    if len(steps) < MIN_STEPS or len(waits) != len(steps):
+    steps, waits = paired(rank.get("step_times") or [], rank.get("wait_times") or [])
+    steps, waits = steady(steps), steady(waits)
+    if len(steps) < MIN_STEPS:
         return None
     return steps, waits
 
@@ -164,21 +169,38 @@ def binomial_tail(k: int, n: int) -> float:
     return sum(math.comb(n, i) for i in range(k, n + 1)) / (1 << n)
 
 
-def ddp_compute_s(ddp: Mapping[str, Any] | None) -> tuple[float, float] | None:
-    """Seconds per step of a rank's own forward and backward passes as DDP timed them: (its average
-    over the iterations DDP sampled, its latest sample); None without them. Unlike the all-reduce's
-    times these do not include waiting for the other ranks."""
-    if not ddp or not ddp.get("avg_backward_compute_time"):
-        return None
-    average = (int(ddp.get("avg_forward_compute_time") or 0) + int(ddp["avg_backward_compute_time"])) * NS
-    latest = (int(ddp.get("forward_compute_time") or 0) + int(ddp.get("backward_compute_time") or 0)) * NS
-    return average, latest if ddp.get("backward_compute_time") else average
+@dataclass(frozen=True)
+class DdpTiming:
+    """One of DDP's figures for a rank (its average over the sampled iterations, or its latest sample)."""
+
+    which: str  # "average" or "latest"
+    compute_s: float  # forward + backward compute (no waiting for the other ranks)
+    exposed_s: float  # all-reduce time after backward had finished
 
 
-def ddp_exposed_estimates_s(ddp: Mapping[str, Any] | None) -> list[float]:
-    """Seconds per step DDP's all-reduce ran past the end of backward: its average and latest sample."""
+def ddp_timings(rank: Mapping[str, Any]) -> list[DdpTiming]:
+    """A rank's DDP figures that describe a typical step of its run; all of them where its steps are not
+    known one by one (a single process's summary).
+
+    DDP's average is mostly its first iterations (start-up, the others still starting) and its latest
+    figure is one iteration, possibly a preempted one. A figure whose iteration (forward, backward and
+    the all-reduce after it) took longer than the rank's median step and :data:`NOISE_MULTIPLE` times
+    its jitter was no typical step of the run, and is not taken as evidence of one.
+    """
+    ddp = (rank.get("model") or {}).get("ddp")
     if not ddp:
         return []
-    return [max(0.0, (int(ddp[f"{prefix}backward_comm_time"])
-                      - int(ddp.get(f"{prefix}backward_compute_comm_overlap_time") or 0)) * NS)
-            for prefix in ("avg_", "") if ddp.get(f"{prefix}backward_comm_time")]
+    timings = []
+    for which, prefix in (("average", "avg_"), ("latest", "")):
+        if not ddp.get(f"{prefix}backward_comm_time") and not ddp.get(f"{prefix}backward_compute_time"):
+            continue
+        compute = (int(ddp.get(f"{prefix}forward_compute_time") or 0)
+                   + int(ddp.get(f"{prefix}backward_compute_time") or 0)) * NS
+        exposed = max(0.0, (int(ddp.get(f"{prefix}backward_comm_time") or 0)
+                            - int(ddp.get(f"{prefix}backward_compute_comm_overlap_time") or 0)) * NS)
+        timings.append(DdpTiming(which, compute, exposed))
+    series = step_series(rank)
+    if series is None:
+        return timings
+    typical = median(series[0]) + NOISE_MULTIPLE * mad(series[0])
+    return [timing for timing in timings if timing.compute_s + timing.exposed_s <= typical]

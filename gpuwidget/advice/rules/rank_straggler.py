@@ -9,13 +9,14 @@ where that was measured, step by step or by DDP itself, never from a difference 
   most is the straggler when its median wait exceeds the others' by a difference noise cannot make
   (``_ranks.MIN_EXTRA_S``, ``_ranks.MIN_EXTRA_SHARE`` of the step) on a consistent majority of its
   steps (a sign test across steps, ``_ranks.SIGNIFICANCE``);
-- its own forward and backward passes, as DDP times them (``_ranks.ddp_compute_s``, which leaves
+- its own forward and backward passes, as DDP times them (``_ranks.ddp_timings``, which leave
   the waiting out): larger than every other rank's by such a difference, and by more than the
   ranks' step jitter allows (``_ranks.NOISE_MULTIPLE``: DDP's figures are a step or a few), in DDP's
-  average *and* in its latest sample, while every other rank's all-reduce ran at least that long past
-  its backward (they were measured waiting for it);
-- ranks that do not synchronise (independent processes; median step times apart by more than
-  ``LOCKSTEP_TOLERANCE``) waited for nobody: their step times compare as they are, with the same
+  average *and* in its latest sample, both describing typical steps of every rank
+  (``_ranks.ddp_timings``), while every other rank's all-reduce ran at least that long
+  past its backward (they were measured waiting for it);
+- ranks that do not synchronise (independent processes: no DDP model, and median step times apart
+  by more than ``LOCKSTEP_TOLERANCE``) waited for nobody: their step times compare as they are, with the same
   tests, and the rank must also score under ``RELATIVE_SCORE`` against the others.
 
 The gain is bounded by what was measured: the job's step time over the step less the straggler's
@@ -34,8 +35,7 @@ from gpuwidget.advice.rules._ranks import (
     MIN_EXTRA_S,
     MIN_EXTRA_SHARE,
     NOISE_MULTIPLE,
-    ddp_compute_s,
-    ddp_exposed_estimates_s,
+    ddp_timings,
     median,
     rank_label,
     ranks,
@@ -84,11 +84,17 @@ def find(workload: WorkloadFacts) -> tuple[Straggler, list[dict[str, Any]]] | No
         return None
     entries = [rank for rank, _ in timed]
     steps = [median(series[0]) for _, series in timed]
-    if max(steps) <= min(steps) * (1 + LOCKSTEP_TOLERANCE):
+    if synchronous(entries) or max(steps) <= min(steps) * (1 + LOCKSTEP_TOLERANCE):
         found = _by_data_wait([series[1] for _, series in timed], max(steps)) or _by_ddp_compute(entries, max(steps))
     else:
         found = _by_step_time([series[0] for _, series in timed], steps)
     return (found, entries) if found is not None else None
+
+
+def synchronous(entries: list[dict[str, Any]]) -> bool:
+    """Every rank trains a DistributedDataParallel model: they meet in its all-reduce every step, whatever
+    their step-time medians say on a busy host."""
+    return all((entry.get("model") or {}).get("ddp") for entry in entries)
 
 
 def _by_data_wait(waits: list[list[float]], job_step: float) -> Straggler | None:
@@ -100,24 +106,25 @@ def _by_data_wait(waits: list[list[float]], job_step: float) -> Straggler | None
 
 
 def _by_ddp_compute(entries: list[dict[str, Any]], job_step: float) -> Straggler | None:
-    ddp = [(entry.get("model") or {}).get("ddp") for entry in entries]
-    computes = [ddp_compute_s(facts) for facts in ddp]
-    if any(compute is None for compute in computes):
+    # Both of DDP's figures (average and latest sample) must describe typical steps on every rank.
+    timings = [{timing.which: timing for timing in ddp_timings(entry)} for entry in entries]
+    if any(set(timing) != {"average", "latest"} for timing in timings):
         return None
-    known = [compute for compute in computes if compute is not None]
-    index = max(range(len(known)), key=lambda i: known[i][0])
-    others = [compute for i, compute in enumerate(known) if i != index]
-    extra = min(known[index][which] - max(other[which] for other in others) for which in (0, 1))
+    index = max(range(len(timings)), key=lambda i: timings[i]["average"].compute_s)
+    others = [timing for i, timing in enumerate(timings) if i != index]
+    mine = timings[index]
+    extra = min(mine[which].compute_s - max(other[which].compute_s for other in others)
+                for which in ("average", "latest"))
     if extra < max(MIN_EXTRA_S, MIN_EXTRA_SHARE * job_step, NOISE_MULTIPLE * step_jitter_s(entries)):
         return None
-    waited = [min(ddp_exposed_estimates_s(facts) or [0.0]) for i, facts in enumerate(ddp) if i != index]
-    if min(waited) < extra:
+    waited = min(timing.exposed_s for other in others for timing in other.values())
+    if waited < extra:
         return None  # the others were not measured waiting that long: no straggler's delay reached them
-    return Straggler(index, extra, job_step, "forward and backward (DDP)", known[index][0],
-                     median(other[0] for other in others),
-                     {"ddp_compute_ms_by_sample": {"average": round(known[index][0] * 1e3, 2),
-                                                   "latest": round(known[index][1] * 1e3, 2)},
-                      "others_waited_ms": round(min(waited) * 1e3, 2)})
+    return Straggler(index, extra, job_step, "forward and backward (DDP)", mine["average"].compute_s,
+                     median(other["average"].compute_s for other in others),
+                     {"ddp_compute_ms_by_sample": {which: round(mine[which].compute_s * 1e3, 2)
+                                                   for which in ("average", "latest")},
+                      "others_waited_ms": round(waited * 1e3, 2)})
 
 
 def _by_step_time(series: list[list[float]], steps: list[float]) -> Straggler | None:
