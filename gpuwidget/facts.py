@@ -217,6 +217,35 @@ class StackFacts(TypedDict, total=False):
     dropped: int  # ticks not sampled: read too long after they were due (probes.stack.LATE_SWITCHES)
 
 
+class RankEntry(TypedDict, total=False):
+    """One training process of a run (``workload["ranks"]``, ``gpuwidget.children.ranks``). The first
+    eight keys are ``Run.ranks``' (DESIGN.md); the rest are that process's evidence for the rules."""
+
+    rank: int | None  # torch.distributed's rank (or the launcher's RANK), None outside a process group
+    pid: int
+    gpu: int | None  # the watch's GPU number of its CUDA device
+    steps: int
+    samples_per_s: float | None
+    data_wait_fraction: float | None
+    step_time_p50_s: float | None
+    step_time_p95_s: float | None
+    local_rank: int | None
+    world_size: int | None
+    loop_time_s: float  # seconds in its training loop
+    # Its steps one by one, the latest ranks.SERIES_STEPS: seconds per step, and of each the
+    # seconds blocked on data (same length, same order)
+    step_times: list[float]
+    wait_times: list[float]
+    time_breakdown: TimeBreakdown  # its time over the run's duration (the parts sum to it)
+    cpu: dict[str, float]  # CPU seconds since it started: "process_s" (all threads), "workers_s" (its children)
+    host: dict[str, float]  # its main thread over its life: "cpu_fraction", "run_delay_fraction" (0-1), "cpu_count"
+    loaders: list[LoaderFacts]  # without the per-step lists
+    model: ModelFacts | None
+    cuda: CudaFacts | None
+    finished: bool  # False: it was killed or crashed, and its figures are those it last sent
+    argv: list[str] | None
+
+
 class WorkloadFacts(TypedDict, total=False):
     """What the probes saw of the user's workload (``probes.Probes.facts``)."""
 
@@ -227,7 +256,7 @@ class WorkloadFacts(TypedDict, total=False):
     probe_errors: list[str]  # why a probe could not run or be removed
     frameworks: dict[str, str]  # role ("hf_trainer", "training_args", "accelerator") -> the user's name
     # One entry per training process, the watch's own included when it trained (gpuwidget.children.ranks).
-    ranks: list[dict[str, Any]]
+    ranks: list[RankEntry]
     trained_in: dict[str, Any]  # {"pid", "rank"}: the child whose loaders and model these are (own process idle)
     # Where the loop waited between steps, largest share first (probes.stack), and the sampler behind it.
     loop_waits: list[LoopWait]
@@ -276,12 +305,17 @@ class MachineFacts(TypedDict, total=False):
 # --------------------------------------------------------------------------- summary
 
 
-class TimeBreakdown(TypedDict):
-    """Where the cell's time went, seconds."""
+class TimeBreakdown(TypedDict, total=False):
+    """Where the time of the process that trained went, seconds; the parts sum to the run's duration
+    (``advice.summary.time_breakdown``)."""
 
     data_wait_s: float  # blocked in next() of any loader
-    compute_s: float  # the loops' own work
-    other_s: float  # set-up, evaluation outside a DataLoader, before the first loop
+    compute_s: float  # the rest of the loop's steps, each second once (nested loaders are not counted twice)
+    # Where the trace holds every step: before the first (process start-up, imports, set-up) and after
+    # the last (saving, tear-down); other_s is then the gaps between steps
+    before_loop_s: float
+    after_loop_s: float
+    other_s: float  # the rest: evaluation outside a DataLoader, between epochs
 
 
 class Summary(TypedDict, total=False):
@@ -346,6 +380,9 @@ class Summary(TypedDict, total=False):
     peak_gpu_mem_fraction: float  # of total memory, worst GPU
     peak_gpu_mem_fraction_by_gpu: dict[str, float]  # per CUDA index ("0")
     training_processes: int  # processes that trained (workload["ranks"] with steps); loop figures are the job's if > 1
+    # Set when only child processes trained (gpuwidget.children.ranks): process_cpu_mean and
+    # workers_cpu_mean are then theirs, summed over this many processes, not the watch's own.
+    process_cpu_processes: int
     # NVML's energy counter (Volta and newer), over the watched cell, the GPUs judged summed; absent
     # where any of them can't report it. Per sample and per step where the loader counted them.
     energy_j: float

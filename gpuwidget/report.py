@@ -17,7 +17,7 @@ from __future__ import annotations
 import html
 import math
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 from urllib.parse import quote
 
 import numpy as np
@@ -99,8 +99,20 @@ def headline(run: Run) -> list[tuple[str, str]]:
         items.append(("peak GPU memory", fmt_fraction(s.get("peak_gpu_mem_fraction"))))
     items.append(("CPU (all cores)", fmt_percent(s.get("cpu_util_mean"))))
     if s.get("process_cpu_mean") is not None:
-        items.append(("this process", f"{s['process_cpu_mean']:.0f}% of a core"))
+        items.append(process_cpu_item(s))
     return items
+
+
+def process_cpu_item(s: Mapping[str, Any]) -> tuple[str, str]:
+    """The CPU of the process that trained: the watch's own, or, where only child processes trained
+    (``gpuwatch``, a launcher), theirs summed, with their loader workers'."""
+    value = f"{s['process_cpu_mean']:.0f}% of a core"
+    count = s.get("process_cpu_processes")
+    if not count:
+        return ("this process", value)
+    if s.get("workers_cpu_mean"):
+        value += f" (loader workers {s['workers_cpu_mean']:.0f}%)"
+    return ("training process" if count == 1 else f"{count} training processes", value)
 
 
 def main_cause(run: Run) -> str:
@@ -118,9 +130,14 @@ def main_cause(run: Run) -> str:
     return "no cause of idle time found"
 
 
-BREAKDOWN: tuple[tuple[Literal["data_wait_s", "compute_s", "other_s"], str, str], ...] = (
+BREAKDOWN: tuple[tuple[Literal["data_wait_s", "compute_s", "before_loop_s", "after_loop_s", "other_s"], str, str],
+                 ...] = (
     ("data_wait_s", "waiting for data", WAIT_COLOR), ("compute_s", "computing", "#4c78a8"),
+    ("before_loop_s", "before the first step", "#d8d2cc"), ("after_loop_s", "after the last step", "#e6e1dc"),
     ("other_s", "other", "#bab0ac"))
+# Parts shown only where the summary has them (the first and last steps' times are known only while
+# the trace holds every step).
+OPTIONAL_PARTS = frozenset({"before_loop_s", "after_loop_s"})
 
 
 def breakdown(run: Run) -> list[tuple[str, float, float, str]]:
@@ -128,10 +145,19 @@ def breakdown(run: Run) -> list[tuple[str, float, float, str]]:
     parts = run.summary.get("time_breakdown")
     if not parts:
         return []
-    total = sum(parts.get(key) or 0.0 for key, _, _ in BREAKDOWN)
+    shown = [(key, label, color) for key, label, color in BREAKDOWN if key in parts or key not in OPTIONAL_PARTS]
+    total = sum(parts.get(key) or 0.0 for key, _, _ in shown)
     if total <= 0:
         return []
-    return [(label, parts.get(key) or 0.0, (parts.get(key) or 0.0) / total, color) for key, label, color in BREAKDOWN]
+    return [(label, parts.get(key) or 0.0, (parts.get(key) or 0.0) / total, color) for key, label, color in shown]
+
+
+def breakdown_owner(run: Run) -> str | None:
+    """Whose time the breakdown is when the watch's own process did not train: "rank 1", "pid 4242"."""
+    trained_in = cast(Mapping[str, Any], run.workload).get("trained_in") or {}
+    if not trained_in:
+        return None
+    return f"rank {trained_in['rank']}" if trained_in.get("rank") is not None else f"pid {trained_in.get('pid')}"
 
 
 def warmup_sentence(steps: int, seconds: float, cause: str | None = None, all_warmup: bool = False) -> str:
@@ -250,8 +276,9 @@ def run_text(run: Run) -> str:
         lines.append("  " + compared)
     parts = breakdown(run)
     if parts:
-        lines.append("  time: " + " · ".join(f"{label} {fmt_seconds(sec)} ({100 * share:.0f}%)"
-                                             for label, sec, share, _ in parts))
+        owner = breakdown_owner(run)
+        lines.append(f"  time{f' ({owner})' if owner else ''}: "
+                     + " · ".join(f"{label} {fmt_seconds(sec)} ({100 * share:.0f}%)" for label, sec, share, _ in parts))
     if warmup := warmup_line(run):
         lines.append("  " + warmup)
     lines += ["  " + line for line in gpu_lines(run)]

@@ -345,3 +345,31 @@ def test_channel_survives_bad_peers_and_cleans_up() -> None:
     assert [(s.start, s.end, dict(s.attrs)) for s in trace.spans("step")] == [(1.0, 1.5, {"pid": 4242, "rank": 3})]
     assert len(channel.errors) == 2  # not an object; too large (the cut-off frame is no error)
     assert not Path(channel.directory).exists()
+
+
+def test_a_childs_open_step_and_cpu_reach_the_watch_marked_as_such() -> None:
+    from gpuwidget.children.agent import SpanBuffer, cpu_seconds
+
+    buffer = SpanBuffer()
+    buffer.add_span("step", 1.0, 2.0)
+    buffer.add_span("step", 2.0, 5.0, {"open": True})  # the probes closed a step the loop never finished
+    spans = buffer.take()
+    assert spans == {"step": [(1.0, 2.0)], "step.open": [(2.0, 5.0)]}
+    cpu = cpu_seconds(live_children=True)
+    assert set(cpu) == {"process_s", "workers_s"} and cpu["process_s"] > 0
+    trace = Trace()
+    channel = ChildChannel(trace)
+    try:
+        with socket.socket(socket.AF_UNIX) as child:
+            child.connect(channel.path)
+            origin = trace.start_clock
+            child.sendall(encode({"kind": "spans", "id": {"pid": 4242, "rank": None}, "progress": {},
+                                  "cpu": cpu, "spans": {kind: [[origin + start, origin + end] for start, end in items]
+                                                        for kind, items in spans.items()}}))
+    finally:
+        channel.close()
+    (record,) = channel.snapshot()
+    assert record.cpu == cpu
+    assert list(record.step_times) == [1.0]  # the open step is no whole step
+    assert [(s.start, s.end, s.attrs.get("open", False)) for s in trace.spans("step")] == [(1.0, 2.0, False),
+                                                                                          (2.0, 5.0, True)]

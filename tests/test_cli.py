@@ -246,3 +246,42 @@ def test_at_a_terminal_ctrl_z_fg_and_ctrl_c_work_as_if_unwatched(train_script):
     assert "\r\x1b[2K" in text and " steps (" in text  # the status line, redrawn in place
     report = text.split("the script saw KeyboardInterrupt", 1)[1]
     assert "gpuwidget run:" in report and "Traceback" not in report.split("gpuwidget run:")[1]
+
+
+# The training process's own CPU: 150 steps each burning 4 ms of CPU, then 0.4 s asleep after the loop.
+BURN = textwrap.dedent("""\
+    import time, torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    def burn(seconds):
+        end = time.process_time() + seconds
+        while time.process_time() < end:
+            pass
+
+    for (x,) in DataLoader(TensorDataset(torch.randn(600, 4)), batch_size=4):
+        burn(0.004)
+    time.sleep(0.4)
+""")
+
+
+def test_this_process_is_the_training_process_and_its_time_split_adds_up(tmp_path):
+    script, saved = tmp_path / "burn.py", tmp_path / "run.json"
+    script.write_text(BURN)
+    result = gpuwatch("--save", str(saved), "--", sys.executable, str(script))
+    assert result.returncode == 0, result.stderr
+    run = Run.load(saved)
+    summary, (entry,) = run.summary, run.workload["ranks"]
+    assert entry["steps"] == 150 and summary["process_cpu_processes"] == 1
+    # "This process" is the script's CPU (all its threads, from its start), not gpuwatch's own.
+    used = summary["process_cpu_mean"] / 100 * summary["duration_s"]
+    assert used == pytest.approx(entry["cpu"]["process_s"])
+    assert used >= 150 * 0.004
+    assert "training process " in result.stdout and "this process" not in result.stdout
+    # The script's time split: every part measured, summing to the run's duration.
+    parts = summary["time_breakdown"]
+    assert sum(parts.values()) == pytest.approx(summary["duration_s"])
+    assert parts == entry["time_breakdown"]
+    assert parts["compute_s"] >= 150 * 0.004 * 0.9
+    assert parts["before_loop_s"] > 0  # the interpreter's start and torch's import
+    assert parts["after_loop_s"] >= 0.4
+    assert f"time (pid {entry['pid']}): waiting for data" in result.stdout

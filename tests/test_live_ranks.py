@@ -165,7 +165,8 @@ def test_more_processes_than_rows_still_show_the_straggler():
 
 def test_an_update_with_8_ranks_of_10000_steps_stays_cheap():
     """Spans arriving as children send them (every 0.3 s), updates every 0.25 s: each update costs the
-    spans that came since the last, not the run (BENCHMARKS.md 13b: under 1 ms here)."""
+    spans that came since the last, not the run (BENCHMARKS.md 13b: under 1 ms here). Rank 3 waits 1.2 ms of
+    each 2 ms step for data against 0.1 ms on the others: over rank-straggler's 1 ms floor."""
     trace = Trace(start_clock=0.0)
     strip = RankStrip(trace)
     step_s, costs, sent, t = 0.002, [], 0.0, 0.0
@@ -174,7 +175,7 @@ def test_an_update_with_8_ranks_of_10000_steps_stays_cheap():
         while sent + 0.3 <= t:
             for rank in range(8):
                 first, last = round(sent / step_s), round((sent + 0.3) / step_s)
-                feed(trace, 9000 + rank, rank, step_s, 0.5 if rank == 3 else 0.05, last - first,
+                feed(trace, 9000 + rank, rank, step_s, 0.6 if rank == 3 else 0.05, last - first,
                      start=first * step_s, batch=last - first)
             sent += 0.3
         started = time.thread_time()

@@ -13,8 +13,8 @@ from typing import Any, cast
 import numpy as np
 
 from gpuwidget.advice.warmup import WarmupSplit, split_run, warmup_cause
-from gpuwidget.facts import CudaDeviceFacts, LoaderFacts, MachineFacts, Summary, WorkloadFacts
-from gpuwidget.probes import DATA_WAIT_SPAN
+from gpuwidget.facts import CudaDeviceFacts, LoaderFacts, MachineFacts, Summary, TimeBreakdown, WorkloadFacts
+from gpuwidget.probes import DATA_WAIT_SPAN, STEP_SPAN
 from gpuwidget.sources.nvml import uuid_key
 from gpuwidget.trace import Trace, gpu_indices
 
@@ -58,6 +58,54 @@ def loop_step_times(workload: WorkloadFacts | None) -> tuple[list[float], int]:
 def loop_warmup(workload: WorkloadFacts | None) -> WarmupSplit:
     """The warm-up of the loop whose step times the summary uses (:func:`loop_step_times`)."""
     return split_run(*loop_step_times(workload))
+
+
+def covered(intervals: Sequence[tuple[float, float]], lo: float, hi: float) -> float:
+    """Seconds of [lo, hi] inside at least one of ``intervals`` (overlaps counted once)."""
+    total, reach = 0.0, lo
+    for start, end in sorted(intervals):
+        start, end = max(start, reach), min(end, hi)
+        if end > start:
+            total += end - start
+            reach = end
+    return total
+
+
+def process_steps(trace: Trace, pid: int | None) -> tuple[list[tuple[float, float]], float, bool]:
+    """One process's kept step spans (``pid`` None: the watch's own, which carry no pid): the closed
+    ones, the seconds of all of them (an open one too: a loop left early, an iterator left
+    unfinished), and whether the trace still holds every step span it was given."""
+    every = trace.spans(STEP_SPAN)
+    stats = trace.span_stats(STEP_SPAN)
+    complete = stats is None or stats.count == len(every)
+    spans = [span for span in every if span.attrs.get("pid") == pid]
+    closed = [(span.start, span.end) for span in spans if not span.attrs.get("open")]
+    return closed, sum(span.duration for span in spans), complete
+
+
+def time_breakdown(duration: float, trace: Trace, pid: int | None, loop_s: float, wait_s: float) -> TimeBreakdown:
+    """Where one process's time went, in parts that sum to ``duration``.
+
+    ``loop_s`` and ``wait_s`` are the process's loaders' exact totals (every loader summed). The
+    loop's seconds are the time its steps cover, each second once: a loader iterated inside
+    another's step (validation inside a training epoch) or an iterator left open (a framework's
+    sanity check) does not count that time twice, and a step left open at the end counts as
+    "other". Steps the trace no longer holds (a long run) count as their totals say. Waits lie
+    inside the steps. Where the trace holds every step: ``before_loop_s``, the time before the
+    first (process start-up, imports, set-up), and ``after_loop_s``, after the last (saving,
+    tear-down, a process group's end); "other" is then the gaps between steps (evaluation outside
+    a DataLoader, between epochs).
+    """
+    closed, kept_s, complete = process_steps(trace, pid)
+    loop = min(duration, covered(closed, 0.0, duration) + max(0.0, loop_s - kept_s))
+    wait = min(loop, max(0.0, wait_s))
+    parts: TimeBreakdown = {"data_wait_s": wait, "compute_s": loop - wait, "other_s": duration - loop}
+    if complete and closed:
+        rest = duration - loop
+        before = min(rest, max(0.0, min(start for start, _ in closed)))
+        after = min(rest - before, max(0.0, duration - max(end for _, end in closed)))
+        parts.update({"before_loop_s": before, "after_loop_s": after, "other_s": rest - before - after})
+    return parts
 
 
 def percentiles(values: Sequence[float], qs: Sequence[float] = (50, 95, 99)) -> list[float | None]:
@@ -128,15 +176,13 @@ def summarize(trace: Trace, workload: WorkloadFacts | None = None,
         summary["loop_time_s"] = loop_time
         summary["data_wait_fraction"] = loader["wait_total_s"] / loop_time
         summary.update(step_figures(loader.get("step_times") or [], loader["steps"], workload, loader))
-        # Where the cell's time went: blocked on data, the loop's own work, and the rest
-        # (set-up, evaluation outside a DataLoader, the time before the loop started).
-        all_loops = sum(item.get("loop_time_s") or 0.0 for item in (workload or {}).get("loaders") or [])
-        waits = sum(item.get("wait_total_s") or 0.0 for item in (workload or {}).get("loaders") or [])
-        summary["time_breakdown"] = {
-            "data_wait_s": waits,
-            "compute_s": max(0.0, all_loops - waits),
-            "other_s": max(0.0, duration - all_loops),
-        }
+        # Where the cell's time went (in the process that trained): blocked on data, the loop's
+        # own work, before its first step, and the rest (evaluation outside a DataLoader, the end).
+        loaders = (workload or {}).get("loaders") or []
+        pid = ((workload or {}).get("trained_in") or {}).get("pid")
+        summary["time_breakdown"] = time_breakdown(
+            duration, trace, pid, loop_s=sum(item.get("loop_time_s") or 0.0 for item in loaders),
+            wait_s=sum(item.get("wait_total_s") or 0.0 for item in loaders))
     else:
         summary.update({"steps": None, "samples": None, "samples_per_s": None, "data_wait_fraction": None})
 

@@ -69,7 +69,7 @@ class ChildWatch:
         return merged
 
     def summary(self, summary: Summary, workload: WorkloadFacts) -> Summary:
-        return job_summary(summary, workload)
+        return job_summary(summary, workload, self.channel.trace)
 
 
 def _after_fork_in_watch(watch: ChildWatch) -> None:

@@ -6,6 +6,10 @@ Python start-up pays one ``os.environ`` lookup: BENCHMARKS.md). It imports nothi
 gpuwidget itself: a Python process that never imports torch (a launcher's helper, a shell
 tool) pays nothing more; one that does loads :mod:`gpuwidget.children.agent` right after
 ``import torch`` has finished, before the process's own code can build a DataLoader.
+
+The hook stays until torch's module really runs: ``importlib.util.find_spec("torch")`` (which
+``datasets`` and ``transformers`` call at import to learn whether torch is there) imports
+nothing, so it only gets a spec whose loader will start the agent if that spec is ever used.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ def start_agent() -> None:
 
 
 class _Loaded:
-    """The real loader of ``torch``, and then the agent's start."""
+    """The real loader of ``torch``: when it runs the module, the hook goes and the agent starts."""
 
     def __init__(self, loader: Any) -> None:
         self.loader = loader
@@ -38,6 +42,7 @@ class _Loaded:
         return self.loader.create_module(spec)
 
     def exec_module(self, module: Any) -> None:
+        remove()  # torch is being imported now: nothing more to wait for (and its own imports pass by)
         try:
             self.loader.exec_module(module)
         finally:
@@ -51,13 +56,16 @@ class _Loaded:
 
 
 class AfterTorch:
-    """A meta path finder that only watches for ``import torch``, then takes itself away."""
+    """A meta path finder that only watches for ``import torch``: it hands out torch's own spec with
+    a loader that starts the agent, and stays until that loader runs (a spec only looked up, as
+    ``importlib.util.find_spec`` does, leaves it in place)."""
 
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
         if name != TRIGGER:
             return None
-        remove()
         for finder in sys.meta_path:
+            if isinstance(finder, AfterTorch):
+                continue
             find = getattr(finder, "find_spec", None)
             spec = find(name, path, target) if find is not None else None
             if spec is not None:

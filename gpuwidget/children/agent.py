@@ -30,7 +30,7 @@ import threading
 from collections.abc import Mapping
 from typing import Any, cast
 
-from gpuwidget.children.protocol import ENV_VAR, FLUSH_INTERVAL_S, encode
+from gpuwidget.children.protocol import ENV_VAR, FLUSH_INTERVAL_S, encode, open_kind
 from gpuwidget.clock import now
 from gpuwidget.probes import Probes
 from gpuwidget.sources.schedstat import read_schedstat, schedstat_path
@@ -66,7 +66,9 @@ class SpanBuffer:
                 del pending[:len(pending) - MAX_PENDING_SPANS]
 
     def add_span(self, kind: str, start: float, end: float, attrs: Mapping[str, Any] | None = None) -> None:
-        self.add_spans(kind, [(start, end)])
+        # A step still open when the probes were removed (a loop left early, an iterator left
+        # unfinished) travels apart: the watch marks it open, as its own trace does.
+        self.add_spans(open_kind(kind) if (attrs or {}).get("open") else kind, [(start, end)])
 
     def take(self) -> dict[str, list[tuple[float, float]]]:
         with self._lock:
@@ -124,6 +126,23 @@ def update_identity(ident: dict[str, Any]) -> dict[str, Any]:
             ident["gpu_uuid"] = str(torch.cuda.get_device_properties(index).uuid)
     ident.setdefault("gpu", None)
     return ident
+
+
+def cpu_seconds(live_children: bool) -> dict[str, float]:
+    """CPU seconds this process used since it started, all its threads (``process_s``), and its
+    child processes' (``workers_s``: its DataLoader workers): those that ended and were waited for
+    (the kernel adds them to ours), and with ``live_children`` those still running (one read each)."""
+    times = os.times()
+    workers = times.children_user + times.children_system
+    if live_children:
+        with contextlib.suppress(Exception):  # psutil missing or a child gone: the ended ones still count
+            import psutil
+
+            for child in psutil.Process().children(recursive=True):
+                with contextlib.suppress(psutil.Error):
+                    used = child.cpu_times()
+                    workers += used.user + used.system
+    return {"process_s": times.user + times.system, "workers_s": workers}
 
 
 class ChildAgent:
@@ -253,7 +272,7 @@ class ChildAgent:
             return
         self._last_progress = key
         self.send({"kind": "spans", "id": identity, "spans": spans, "progress": progress,
-                   "dropped_spans": self.buffer.dropped})
+                   "dropped_spans": self.buffer.dropped, "cpu": cpu_seconds(live_children=False)})
 
     def send_facts(self, final: bool) -> None:
         progress = self.progress()
@@ -263,7 +282,8 @@ class ChildAgent:
         main = sys.modules.get("__main__")
         namespace = vars(main) if main is not None else None
         self.send({"kind": "facts", "id": identity, "progress": progress, "final": final,
-                   "workload": self.probes.facts(namespace), "host": self.host()})
+                   "workload": self.probes.facts(namespace), "host": self.host(),
+                   "cpu": cpu_seconds(live_children=True)})
 
     def host(self) -> dict[str, Any]:
         """The process's main thread over the agent's life: share of wall time on a core and waiting for one."""

@@ -25,7 +25,7 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from gpuwidget.children.protocol import decode_frames
+from gpuwidget.children.protocol import decode_frames, open_kind
 from gpuwidget.probes import DATA_WAIT_SPAN, STEP_SPAN
 from gpuwidget.trace import Trace
 
@@ -56,6 +56,7 @@ class ChildRecord:
     host: dict[str, Any] = field(default_factory=dict)
     finished: bool = False  # its final facts arrived (it exited normally)
     dropped_spans: int = 0
+    cpu: dict[str, float] = field(default_factory=dict)  # the latest protocol ``Cpu`` it sent
 
     @property
     def rank(self) -> int | None:
@@ -183,6 +184,9 @@ class ChildChannel:
             record.identity.update({k: v for k, v in identity.items() if v is not None})
             if isinstance(message.get("progress"), dict) and message["progress"]:
                 record.progress = message["progress"]
+            if isinstance(message.get("cpu"), dict):
+                record.cpu = {key: float(value) for key, value in message["cpu"].items()
+                              if isinstance(value, (int, float))}
             kind = message.get("kind")
             if kind == "spans":
                 record.dropped_spans = int(message.get("dropped_spans") or 0)
@@ -202,13 +206,15 @@ class ChildChannel:
         origin = self.trace.start_clock
         attrs = {"pid": record.pid, "rank": record.rank}
         for kind in SPAN_KINDS:
-            items = spans.get(kind)
-            if not isinstance(items, list) or not items:
-                continue
-            intervals = [(float(start) - origin, float(end) - origin) for start, end in items]
-            history = record.step_times if kind == STEP_SPAN else record.wait_times
-            history.extend(end - start for start, end in intervals)
-            self.trace.add_spans(kind, intervals, attrs)
+            for key, still_open in ((kind, False), (open_kind(kind), True)):
+                items = spans.get(key)
+                if not isinstance(items, list) or not items:
+                    continue
+                intervals = [(float(start) - origin, float(end) - origin) for start, end in items]
+                if not still_open:  # an open step was not a whole step
+                    history = record.step_times if kind == STEP_SPAN else record.wait_times
+                    history.extend(end - start for start, end in intervals)
+                self.trace.add_spans(kind, intervals, {**attrs, "open": True} if still_open else attrs)
 
     def _drain(self) -> None:
         """Read what is already in the sockets (children that exited left their last messages there)."""
@@ -236,7 +242,7 @@ class ChildChannel:
         with self._lock:
             return [replace(r, identity=dict(r.identity), progress=dict(r.progress),
                             step_times=deque(r.step_times, STEP_HISTORY), wait_times=deque(r.wait_times, STEP_HISTORY),
-                            host=dict(r.host))
+                            host=dict(r.host), cpu=dict(r.cpu))
                     for _, r in sorted(self.records.items())]
 
     def close(self) -> None:

@@ -9,15 +9,17 @@ watch turns them into its trace's times.
 Messages:
 
 * ``spans``: ``{"kind": "spans", "id": Identity, "spans": {"step": [[start, end], ...],
-  "loader.wait": [...]}, "progress": Progress}``, every :data:`FLUSH_INTERVAL_S` while
-  the process trains, and once more at exit;
+  "loader.wait": [...]}, "progress": Progress, "cpu": Cpu}``, every :data:`FLUSH_INTERVAL_S`
+  while the process trains, and once more at exit; a step still open when the probes were
+  removed comes under :func:`open_kind` of its kind (``"step.open"``);
 * ``facts``: ``{"kind": "facts", "id": Identity, "progress": Progress, "workload":
-  WorkloadFacts, "host": {...}, "final": bool}``: the process's workload facts, when its
-  process group is destroyed (the DDP model is still alive then) and at exit (final).
+  WorkloadFacts, "host": {...}, "cpu": Cpu, "final": bool}``: the process's workload facts,
+  when its process group is destroyed (the DDP model is still alive then) and at exit (final).
 
 ``Identity`` is ``{"pid", "ppid", "rank", "local_rank", "world_size", "gpu"}`` (None where
 unknown); ``Progress`` the figures of the process's busiest DataLoader so far: ``steps``,
-``samples``, ``wait_s``, ``loop_s``.
+``samples``, ``wait_s``, ``loop_s``; ``Cpu`` the CPU seconds the process used since it
+started: ``process_s`` (all its threads) and ``workers_s`` (its child processes: loader workers).
 """
 
 from __future__ import annotations
@@ -33,6 +35,14 @@ ENV_VAR = "GPUWIDGET_CHILDREN"
 FLUSH_INTERVAL_S = 0.3
 # A larger message is a broken or hostile peer: its connection is closed.
 MAX_MESSAGE_BYTES = 32 * 1024 * 1024
+
+OPEN_SUFFIX = ".open"
+
+
+def open_kind(kind: str) -> str:
+    """The key under which a span kind's still-open spans travel."""
+    return kind + OPEN_SUFFIX
+
 
 _HEADER = struct.Struct(">I")
 HEADER_BYTES = _HEADER.size

@@ -46,6 +46,9 @@ WINDOW_S = 10.0
 # their last MAX_WINDOW_SPANS steps), and the median is taken over the newest MEDIAN_SPANS.
 MAX_WINDOW_SPANS = 4096
 MEDIAN_SPANS = 512
+# The rank-straggler rule judges the newest RULE_SPANS steps of each process: enough for its sign test
+# across steps, few enough that judging 8 ranks stays within an update's budget (BENCHMARKS.md 13b).
+RULE_SPANS = 128
 # More processes than this (a wide torchrun): the first rows by rank, and the straggler always.
 MAX_ROWS = 16
 COLUMNS = ("process", "steps", "data wait", "step p50")
@@ -122,7 +125,10 @@ class _Process:
         steps = self.steps
         wait = min(1.0, self.waits.total / steps.total) if steps.total > 0 else None
         return {"rank": self.rank, "pid": self.pid, "steps": len(steps.ends), "data_wait_fraction": wait,
-                "step_time_p50_s": self.p50}
+                "step_time_p50_s": self.p50,  # and its latest steps one by one, the rule's evidence
+                "step_times": list(islice(steps.durations, max(0, len(steps.durations) - RULE_SPANS), None)),
+                "wait_times": list(islice(self.waits.durations, max(0, len(self.waits.durations) - RULE_SPANS),
+                                          None))}
 
 
 class RankStrip:

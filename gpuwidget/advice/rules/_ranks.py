@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
 import statistics
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, cast
 
 from gpuwidget.facts import ModelFacts, Summary, WorkloadFacts
@@ -45,14 +47,160 @@ def median(values: Iterable[float]) -> float:
 NS = 1e-9
 
 
-def ddp_exposed_comm_s(ddp: Mapping[str, Any] | None) -> float | None:
-    """Seconds per step DDP's all-reduce ran past the end of backward (``backward_comm_time -
-    backward_compute_comm_overlap_time``), the smaller of its average over the iterations DDP samples
-    and its latest sample: the first iterations, in the average, include waiting for the other ranks
-    to start at all (process start-up, imports). None without DDP's timings."""
-    if not ddp:
+# ------------------------------------------------------------------ one rank against the others, step by step
+
+# Steps a rank needs before its figures are compared with the others': a median and a sign test
+# over fewer steps is decided by a handful of scheduler hiccups.
+MIN_STEPS = 20
+# The first steps of a rank (process start, first batches, DDP's bucket rebuild, the other ranks still
+# starting) are left out of the comparison: this share of them, at least WARMUP_MIN_STEPS.
+WARMUP_SHARE = 0.1
+WARMUP_MIN_STEPS = 5
+# A rank is told apart from the others only when its median exceeds theirs by at least this much:
+# the step-to-step jitter of a rank on a shared host (timer, wake-up and scheduling noise, tenths of a
+# millisecond: BENCHMARKS) moves single steps, and one preemption costs a time slice (CFS's minimum
+# granularity, 0.75 ms and more), so a consistent difference under a millisecond is no evidence.
+MIN_EXTRA_S = 1e-3
+# ... and by at least this share of its step (differences of a few percent are what ranks on
+# different cores, sockets and cache states show as a matter of course).
+MIN_EXTRA_SHARE = 0.1
+# The sign test across steps: the chance that ranks of one kind would show a difference at least
+# this consistent (after a Bonferroni correction for choosing the worst of the ranks) must be below this:
+# one symmetric job in a thousand may show a straggler by chance, never one in a handful of runs.
+SIGNIFICANCE = 1e-3
+
+
+# DDP times itself on a sample of iterations (the first ten, then every hundredth): its average is
+# mostly start-up and its latest figure is one step. A difference or a wait it shows is evidence only
+# beyond this many times the ranks' step-to-step jitter (the largest median absolute deviation of
+# their steady step times; three of them are about two standard deviations of normal noise).
+NOISE_MULTIPLE = 3.0
+
+
+def mad(values: Sequence[float]) -> float:
+    """Median absolute deviation from the median."""
+    middle = median(values)
+    return median(abs(value - middle) for value in values)
+
+
+def step_jitter_s(timed: Iterable[Mapping[str, Any]]) -> float:
+    """The ranks' step-to-step jitter: the largest MAD of their steady step times (0 where none is known)."""
+    return max([mad(series[0]) for rank in timed if (series := step_series(rank)) is not None], default=0.0)
+
+
+@dataclass(frozen=True)
+class Exceeds:
+    """One rank's per-step figure against the other ranks': by how much its median exceeds theirs,
+    on how many steps, and how unlikely that consistency would be between ranks of one kind."""
+
+    index: int  # which of the compared ranks
+    median_s: float  # its median
+    others_s: float  # the median of the others' medians
+    extra_s: float  # median_s - others_s
+    steps: int  # its latest steps compared, each with the same step of every other rank
+    above: int  # of those, the fewest it exceeded against any one other rank
+    p_value: float  # the sign tests' largest p, Bonferroni-corrected for choosing it among the ranks
+
+    def holds(self, step_s: float) -> bool:
+        """Measured evidence: a difference noise cannot make, on a step of ``step_s`` seconds."""
+        return (self.extra_s >= max(MIN_EXTRA_S, MIN_EXTRA_SHARE * step_s) and self.p_value < SIGNIFICANCE)
+
+
+def steady(values: Sequence[float]) -> list[float]:
+    """A rank's per-step figures without its first steps (see :data:`WARMUP_SHARE`)."""
+    skip = max(WARMUP_MIN_STEPS, math.ceil(WARMUP_SHARE * len(values)))
+    return [float(value) for value in values[skip:]]
+
+
+def paired(step_times: Sequence[float], wait_times: Sequence[float]) -> tuple[list[float], list[float]]:
+    """Steps and each one's data wait, the latest of both lists paired. A loop's waits can run one
+    ahead of its steps (the batch of a step not yet closed): that extra wait is dropped, then both
+    keep as many of their latest items as the shorter has (no waits at all: zeros)."""
+    steps, waits = list(step_times), list(wait_times)
+    if len(waits) == len(steps) + 1:
+        waits.pop()
+    if not waits:
+        return steps, [0.0] * len(steps)
+    count = min(len(steps), len(waits))
+    return steps[len(steps) - count:], waits[len(waits) - count:]
+
+
+def step_series(rank: Mapping[str, Any]) -> tuple[list[float], list[float]] | None:
+    """A rank's steady (step seconds, data-wait seconds) pairs, or None with under :data:`MIN_STEPS` of them."""
+    steps, waits = paired(rank.get("step_times") or [], rank.get("wait_times") or [])
+    steps, waits = steady(steps), steady(waits)
+    if len(steps) < MIN_STEPS:
         return None
-    estimates = [(int(ddp[f"{prefix}backward_comm_time"])
-                  - int(ddp.get(f"{prefix}backward_compute_comm_overlap_time") or 0)) * NS
-                 for prefix in ("avg_", "") if ddp.get(f"{prefix}backward_comm_time")]
-    return max(0.0, min(estimates)) if estimates else None
+    return steps, waits
+
+
+def worst(series: Sequence[Sequence[float]]) -> Exceeds | None:
+    """The rank whose figure is largest (by median), against the others, with a sign test.
+
+    Its latest steps are paired with the same steps of each other rank (the ranks of a synchronous
+    job take their steps together; for independent ones any pairing will do). If every rank's steps
+    came from one distribution, it would exceed another rank's step with probability 1/2 on each
+    pair that differs; it must do so consistently against *every* other rank (the largest of those
+    p-values counts), and that p is multiplied by the number of ranks, as it was chosen among them.
+    """
+    if len(series) < 2 or any(len(values) < MIN_STEPS for values in series):
+        return None
+    medians = [median(values) for values in series]
+    index = max(range(len(series)), key=medians.__getitem__)
+    count = min(len(values) for values in series)
+    mine = series[index][len(series[index]) - count:]
+    fewest, p_value = count, 0.0
+    for other, values in enumerate(series):
+        if other == index:
+            continue
+        pairs = list(zip(mine, values[len(values) - count:]))
+        above = sum(a > b for a, b in pairs)
+        differ = sum(a != b for a, b in pairs)
+        fewest, p_value = min(fewest, above), max(p_value, binomial_tail(above, differ))
+    others = median(value for other, value in enumerate(medians) if other != index)
+    return Exceeds(index, medians[index], others, medians[index] - others, count, fewest,
+                   min(1.0, len(series) * p_value))
+
+
+def binomial_tail(k: int, n: int) -> float:
+    """P(X >= k) for X ~ Binomial(n, 1/2), exactly."""
+    if k <= 0:
+        return 1.0
+    return sum(math.comb(n, i) for i in range(k, n + 1)) / (1 << n)
+
+
+@dataclass(frozen=True)
+class DdpTiming:
+    """One of DDP's figures for a rank (its average over the sampled iterations, or its latest sample)."""
+
+    which: str  # "average" or "latest"
+    compute_s: float  # forward + backward compute (no waiting for the other ranks)
+    exposed_s: float  # all-reduce time after backward had finished
+
+
+def ddp_timings(rank: Mapping[str, Any]) -> list[DdpTiming]:
+    """A rank's DDP figures that describe a typical step of its run; all of them where its steps are not
+    known one by one (a single process's summary).
+
+    DDP's average is mostly its first iterations (start-up, the others still starting) and its latest
+    figure is one iteration, possibly a preempted one. A figure whose iteration (forward, backward and
+    the all-reduce after it) took longer than the rank's median step and :data:`NOISE_MULTIPLE` times
+    its jitter was no typical step of the run, and is not taken as evidence of one.
+    """
+    ddp = (rank.get("model") or {}).get("ddp")
+    if not ddp:
+        return []
+    timings = []
+    for which, prefix in (("average", "avg_"), ("latest", "")):
+        if not ddp.get(f"{prefix}backward_comm_time") and not ddp.get(f"{prefix}backward_compute_time"):
+            continue
+        compute = (int(ddp.get(f"{prefix}forward_compute_time") or 0)
+                   + int(ddp.get(f"{prefix}backward_compute_time") or 0)) * NS
+        exposed = max(0.0, (int(ddp.get(f"{prefix}backward_comm_time") or 0)
+                            - int(ddp.get(f"{prefix}backward_compute_comm_overlap_time") or 0)) * NS)
+        timings.append(DdpTiming(which, compute, exposed))
+    series = step_series(rank)
+    if series is None:
+        return timings
+    typical = median(series[0]) + NOISE_MULTIPLE * mad(series[0])
+    return [timing for timing in timings if timing.compute_s + timing.exposed_s <= typical]

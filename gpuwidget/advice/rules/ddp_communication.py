@@ -4,13 +4,21 @@ DDP groups gradients into buckets and all-reduces each bucket as soon as its gra
 so communication runs while backward still computes (Li et al., "PyTorch Distributed", VLDB 2020).
 Its own logging data (``model._get_ddp_logging_data()``) times both: the all-reduce that runs past
 the end of backward (``backward_comm_time - backward_compute_comm_overlap_time``, see
-``_ranks.ddp_exposed_comm_s``) is time every step waits on the network. Many tiny buckets pay a
+``_ranks.ddp_timings``) is time every step waits on the network. Many tiny buckets pay a
 fixed latency per all-reduce; fewer all-reduces per optimizer step (``no_sync()`` with gradient
 accumulation) pay it less often.
 
 With several ranks the rule judges the rank that waited least: a straggler's late arrival shows up
 as communication time on every *other* rank (that is ``rank-straggler``'s finding), while the
-straggler itself waits only for the transfer.
+straggler itself waits only for the transfer. Where ``rank-straggler`` measured a straggler, only the
+straggler is judged, and never for more than the step less the straggler's extra time: each measured
+second has one explanation.
+
+DDP times its all-reduce on a sample of iterations (the first ten, then every hundredth), so each
+figure is a step or a few, and only figures of typical steps count (``_ranks.ddp_timings``). An
+exposed all-reduce within the ranks' own step-to-step jitter (``SKEW_MULTIPLE`` times
+``_ranks.step_jitter_s``) is the early rank waiting for the late one's random delay, which no bucket
+setting removes, and is not named.
 """
 
 from __future__ import annotations
@@ -20,8 +28,15 @@ from typing import Any
 
 from gpuwidget.advice.code import model_code
 from gpuwidget.advice.finding import Finding
-from gpuwidget.advice.rules._ranks import ddp_exposed_comm_s, processes_with_models
-from gpuwidget.facts import DdpFacts, MachineFacts, Summary, WorkloadFacts
+from gpuwidget.advice.rules._ranks import (
+    ddp_timings,
+    processes_with_models,
+    rank_label,
+    ranks,
+    step_jitter_s,
+)
+from gpuwidget.advice.rules.rank_straggler import find as find_straggler
+from gpuwidget.facts import DdpFacts, MachineFacts, ModelFacts, Summary, WorkloadFacts
 
 RULE = "ddp-communication"
 # All-reduce left exposed after backward, as a share of the step, worth saying: PyTorch's profiler
@@ -38,18 +53,31 @@ SMALL_BUCKET_BYTES = 1 << 20
 # this target, at most MAX_ACCUMULATION (larger K changes the optimisation more than the speed).
 ACCUMULATION_TARGET_SHARE = 0.05
 MAX_ACCUMULATION = 8
+# Two ranks whose arrival at the all-reduce varies independently by a median absolute deviation m
+# (a standard deviation of about 1.5 m) arrive apart by a standard deviation of about 2.1 m, and the
+# early one waits for the late one about 0.84 m on average: an exposed all-reduce of at most the
+# jitter itself is what random skew alone makes.
+SKEW_MULTIPLE = 1.0
 NS = 1e-9
 
 
 def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> Finding | None:
-    judged = [figures for figures in (_figures(model.get("ddp"), step, who)
-                                      for model, step, who in processes_with_models(summary, workload)
-                                      if model.get("ddp")) if figures is not None]
+    processes = _processes(summary, workload)
+    if any(exposed is None for _, _, _, exposed in processes):
+        return None  # a rank whose DDP figures describe no typical step: nothing to judge it by
+    step_jitter = step_jitter_s(ranks(workload))
+    judged = [figures for figures in (_figures(model.get("ddp"), step, who, step_jitter, exposed)
+                                      for model, step, who, exposed in processes) if figures is not None]
+    straggler = find_straggler(workload)
+    if straggler is not None:  # the others' waiting is the straggler's; it waited for nobody
+        found, timed = straggler
+        who = rank_label(timed[found.index])
+        judged = [_capped(figures, found.step_s - found.extra_s) for figures in judged if figures["who"] == who]
     if not judged:
         return None
     figures = min(judged, key=lambda f: f["exposed_share"])  # the rank that waited least (see above)
     share = figures["exposed_share"]
-    if share < EXPOSED_COMM_SHARE:
+    if share < EXPOSED_COMM_SHARE or figures["exposed_s"] < SKEW_MULTIPLE * figures["noise_s"]:
         return None
     ddp: DdpFacts = figures["ddp"]
     names = [model.get("name") for model, _, _ in processes_with_models(summary, workload) if model.get("ddp")]
@@ -69,6 +97,7 @@ def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> F
         "mean_bucket_kb": round(figures["mean_bucket_bytes"] / 1024, 1),
         "gradient_as_bucket_view": ddp.get("gradient_as_bucket_view"), "static_graph": ddp.get("static_graph"),
         "find_unused_parameters": ddp.get("find_unused_parameters"),
+        "step_jitter_ms": round(figures["noise_s"] * 1e3, 3),
     }
     sentences = [f"{exposed_ms:.1f} ms of each {step_ms:.1f} ms step ({share:.0%}) waits for DDP's gradient "
                  f"all-reduce after backward has finished ({figures['who']}, world size {ddp.get('world_size')})."]
@@ -91,19 +120,43 @@ def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> F
     )
 
 
-def _figures(ddp: DdpFacts | None, step_s: float | None, who: str) -> dict[str, Any] | None:
+def _processes(summary: Summary, workload: WorkloadFacts) -> list[tuple[ModelFacts, float | None, str, float | None]]:
+    """(model, median step s, who, exposed all-reduce s) of every process whose DDP model the probes saw:
+    the smallest of DDP's figures that describe a typical step of it (None: none does)."""
+    listed = [rank for rank in ranks(workload) if (rank.get("model") or {}).get("ddp")]
+    if not listed and (workload.get("model") or {}).get("ddp"):
+        listed = [{"model": workload.get("model"), "step_time_p50_s": summary.get("step_time_p50")}]
+    found: list[tuple[ModelFacts, float | None, str, float | None]] = []
+    for rank in listed:
+        timings = ddp_timings(rank)
+        who = rank_label(rank) if "pid" in rank or "rank" in rank else "this process"
+        found.append((rank["model"], rank.get("step_time_p50_s"), who,
+                      min(timing.exposed_s for timing in timings) if timings else None))
+    return found
+
+
+def _figures(ddp: DdpFacts | None, step_s: float | None, who: str, noise_s: float,
+             exposed: float | None) -> dict[str, Any] | None:
     """Per-step figures of one process, in seconds; None without DDP's timings."""
-    exposed = ddp_exposed_comm_s(ddp)
     if ddp is None or exposed is None:
         return None
+    if step_s and exposed >= step_s:
+        return None  # more all-reduce than its median step holds: no figure of a typical step
     own = (int(ddp.get("avg_forward_compute_time", 0)) + int(ddp.get("avg_backward_compute_time", 0))) * NS
-    step = step_s if step_s and step_s > exposed else own + exposed
+    step = step_s if step_s else own + exposed
     if step <= 0:
         return None
     sizes = list(ddp.get("rebuilt_bucket_sizes") or ddp.get("bucket_sizes") or [])
     total = int(ddp.get("total_parameter_size_bytes") or sum(sizes))
     return {"ddp": ddp, "who": who, "exposed_s": exposed, "step_s": step, "exposed_share": exposed / step,
-            "buckets": len(sizes), "mean_bucket_bytes": total / len(sizes) if sizes else 0.0, "total_bytes": total}
+            "noise_s": noise_s, "buckets": len(sizes), "mean_bucket_bytes": total / len(sizes) if sizes else 0.0,
+            "total_bytes": total}
+
+
+def _capped(figures: dict[str, Any], most_s: float) -> dict[str, Any]:
+    """The figures with the exposed all-reduce no longer than ``most_s`` (the rest is explained elsewhere)."""
+    exposed = max(0.0, min(figures["exposed_s"], most_s))
+    return {**figures, "exposed_s": exposed, "exposed_share": exposed / figures["step_s"]}
 
 
 def _changes(ddp: DdpFacts, figures: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:

@@ -2,30 +2,47 @@
 
 Data-parallel ranks meet in a collective every step (DDP's gradient all-reduce): the slowest rank sets
 everyone's pace and the others spend the difference waiting inside the collective. So each rank's
-step time alone looks alike; what differs is the time a rank spends on its *own* work, its step time
-less the time it waited for the others:
+step time alone looks alike; a straggler shows in what it does before it arrives, and it is named only
+where that was measured, step by step or by DDP itself, never from a difference of noisy figures:
 
-- where DDP's logging data is there, the waiting is measured: all-reduce time left after backward
-  (``_ranks.ddp_exposed_comm_s``; its first iterations, where a rank also waits for the others to
-  *start*, are no straggling and are kept out);
-- without it, if the ranks ran in lockstep (median step times within ``LOCKSTEP_TOLERANCE``), a rank
-  waited at least as long as the slowest loader's extra data wait over its own;
-- ranks that do not synchronise (independent processes) waited for nobody: their step times compare
-  as they are, and the bound is the contract's current step time over the median step time.
+- its data wait: every rank's wait for its own loader is timed on every step. The rank that waits
+  most is the straggler when its median wait exceeds the others' by a difference noise cannot make
+  (``_ranks.MIN_EXTRA_S``, ``_ranks.MIN_EXTRA_SHARE`` of the step) on a consistent majority of its
+  steps (a sign test across steps, ``_ranks.SIGNIFICANCE``);
+- its own forward and backward passes, as DDP times them (``_ranks.ddp_timings``, which leave
+  the waiting out): larger than every other rank's by such a difference, and by more than the
+  ranks' step jitter allows (``_ranks.NOISE_MULTIPLE``: DDP's figures are a step or a few), in DDP's
+  average *and* in its latest sample, both describing typical steps of every rank
+  (``_ranks.ddp_timings``), while every other rank's all-reduce ran at least that long
+  past its backward (they were measured waiting for it);
+- ranks that do not synchronise (independent processes: no DDP model, and median step times apart
+  by more than ``LOCKSTEP_TOLERANCE``) waited for nobody: their step times compare as they are, with the same
+  tests, and the rank must also score under ``RELATIVE_SCORE`` against the others.
 
-A rank whose own work takes ``1 / RELATIVE_SCORE`` times the others' median, and at least
-``MIN_EXTRA_SHARE`` of a step more than they, is named, with its cause
-where one was measured: its loader's data wait, its GPU's clock slowdowns (NVML, per GPU), or its
-host run delay (waiting for a core).
+The gain is bounded by what was measured: the job's step time over the step less the straggler's
+measured extra time. Its cause, where one was measured: its loader's data wait, its GPU's clock
+slowdowns (NVML, per GPU), or its host run delay (waiting for a core).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 from gpuwidget.advice.finding import Finding
 from gpuwidget.advice.loader import CONTENTION_DELAY_FRACTION
-from gpuwidget.advice.rules._ranks import ddp_exposed_comm_s, median, rank_label, ranks
+from gpuwidget.advice.rules._ranks import (
+    MIN_EXTRA_S,
+    MIN_EXTRA_SHARE,
+    NOISE_MULTIPLE,
+    ddp_timings,
+    median,
+    rank_label,
+    ranks,
+    step_jitter_s,
+    step_series,
+    worst,
+)
 from gpuwidget.advice.rules.gpu_throttled import THROTTLED_SHARE
 from gpuwidget.facts import MachineFacts, Summary, WorkloadFacts
 
@@ -38,78 +55,141 @@ RELATIVE_SCORE = 0.7
 LOCKSTEP_TOLERANCE = 0.1
 # Above this gain bound the finding is critical.
 CRITICAL_BOUND = 1.5
-# The straggler's extra work must be at least this share of its step: differences of a fraction of a
-# millisecond on a short step are noise (timer and scheduler jitter), whatever their ratio.
-MIN_EXTRA_SHARE = 0.1
 # A measured cause is named when it accounts for at least this share of the straggler's extra time
 # (the rest is noise of a shared machine or unmeasured work); the suggestion says how much it explains.
 CAUSE_SHARE = 1 / 3
 
 
-def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> Finding | None:
-    timed = [rank for rank in ranks(workload)
-             if (rank.get("step_time_p50_s") or 0) > 0 and (rank.get("steps") or 0) > 1]
+@dataclass
+class Straggler:
+    """A straggler and what was measured of it: its extra seconds per step and the job's step."""
+
+    index: int  # among the timed ranks
+    extra_s: float
+    step_s: float  # the step the gain is judged on: the job's (lockstep) or its own
+    measured: str  # what differs: "data wait", "forward and backward (DDP)", "step time"
+    mine_s: float
+    others_s: float
+    evidence: dict[str, Any] = field(default_factory=dict)
+
+
+def find(workload: WorkloadFacts) -> tuple[Straggler, list[dict[str, Any]]] | None:
+    """The straggler with its measured evidence, and the ranks compared; None where none is measured.
+
+    ``ddp-communication`` calls it too: the seconds the other ranks wait for a straggler are this
+    finding's, not the all-reduce's (one explanation per measured second).
+    """
+    timed = [(rank, series) for rank in ranks(workload) if (series := step_series(rank)) is not None]
     if len(timed) < 2:
         return None
-    steps = [float(rank["step_time_p50_s"]) for rank in timed]
-    waits = [_data_wait_s(rank) for rank in timed]
-    lockstep = max(steps) <= min(steps) * (1 + LOCKSTEP_TOLERANCE)
-    own = [step - _collective_wait_s(rank, step, waits, lockstep) for rank, step in zip(timed, steps)]
-    slow = max(range(len(timed)), key=own.__getitem__)
-    others = [value for index, value in enumerate(own) if index != slow]
-    reference = median(others)
-    if own[slow] <= 0 or reference / own[slow] >= RELATIVE_SCORE:
+    entries = [rank for rank, _ in timed]
+    steps = [median(series[0]) for _, series in timed]
+    if synchronous(entries) or max(steps) <= min(steps) * (1 + LOCKSTEP_TOLERANCE):
+        found = _by_data_wait([series[1] for _, series in timed], max(steps)) or _by_ddp_compute(entries, max(steps))
+    else:
+        found = _by_step_time([series[0] for _, series in timed], steps)
+    return (found, entries) if found is not None else None
+
+
+def synchronous(entries: list[dict[str, Any]]) -> bool:
+    """Every rank trains a DistributedDataParallel model: they meet in its all-reduce every step, whatever
+    their step-time medians say on a busy host."""
+    return all((entry.get("model") or {}).get("ddp") for entry in entries)
+
+
+def _by_data_wait(waits: list[list[float]], job_step: float) -> Straggler | None:
+    compared = worst(waits)
+    if compared is None or not compared.holds(job_step):
         return None
-    if own[slow] - reference < MIN_EXTRA_SHARE * steps[slow]:
+    return Straggler(compared.index, compared.extra_s, job_step, "data wait", compared.median_s, compared.others_s,
+                     _sign_test(compared))
+
+
+def _by_ddp_compute(entries: list[dict[str, Any]], job_step: float) -> Straggler | None:
+    # Both of DDP's figures (average and latest sample) must describe typical steps on every rank.
+    timings = [{timing.which: timing for timing in ddp_timings(entry)} for entry in entries]
+    if any(set(timing) != {"average", "latest"} for timing in timings):
         return None
-    straggler = timed[slow]
-    extra = own[slow] - reference
-    current = steps[slow] if not lockstep else max(steps)
-    bound = current / max(current - extra, 1e-9)
-    who = rank_label(straggler)
-    others_wait = median([wait for index, wait in enumerate(waits) if index != slow])
-    cause, evidence_cause, advice = _cause(straggler, waits[slow], others_wait, extra, summary, timed)
+    index = max(range(len(timings)), key=lambda i: timings[i]["average"].compute_s)
+    others = [timing for i, timing in enumerate(timings) if i != index]
+    mine = timings[index]
+    extra = min(mine[which].compute_s - max(other[which].compute_s for other in others)
+                for which in ("average", "latest"))
+    if extra < max(MIN_EXTRA_S, MIN_EXTRA_SHARE * job_step, NOISE_MULTIPLE * step_jitter_s(entries)):
+        return None
+    waited = min(timing.exposed_s for other in others for timing in other.values())
+    if waited < extra:
+        return None  # the others were not measured waiting that long: no straggler's delay reached them
+    return Straggler(index, extra, job_step, "forward and backward (DDP)", mine["average"].compute_s,
+                     median(other["average"].compute_s for other in others),
+                     {"ddp_compute_ms_by_sample": {which: round(mine[which].compute_s * 1e3, 2)
+                                                   for which in ("average", "latest")},
+                      "others_waited_ms": round(waited * 1e3, 2)})
+
+
+def _by_step_time(series: list[list[float]], steps: list[float]) -> Straggler | None:
+    compared = worst(series)
+    if compared is None or not compared.holds(compared.median_s):
+        return None
+    if compared.others_s / compared.median_s >= RELATIVE_SCORE:
+        return None
+    return Straggler(compared.index, compared.extra_s, compared.median_s, "step time", compared.median_s,
+                     compared.others_s, {**_sign_test(compared),
+                                         "relative_score": round(compared.others_s / compared.median_s, 3)})
+
+
+def _sign_test(compared: Any) -> dict[str, Any]:
+    return {"steps_compared": compared.steps, "steps_above_others": compared.above,
+            "p_value": float(f"{compared.p_value:.3g}")}
+
+
+def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> Finding | None:
+    found = find(workload)
+    if found is None:
+        return None
+    straggler, timed = found
+    rank = timed[straggler.index]
+    lockstep = straggler.measured != "step time"
+    series = [step_series(entry) for entry in timed]
+    steps = [median(s[0]) if s else 0.0 for s in series]
+    waits = [median(s[1]) if s else 0.0 for s in series]
+    extra = straggler.extra_s
+    bound = straggler.step_s / max(straggler.step_s - extra, 1e-9)
+    who = rank_label(rank)
+    others_wait = median(wait for index, wait in enumerate(waits) if index != straggler.index)
+    cause, evidence_cause, advice = _cause(rank, waits[straggler.index], others_wait, extra, summary, timed,
+                                           straggler.measured)
     evidence: dict[str, Any] = {
-        "straggler": straggler.get("rank"), "pid": straggler.get("pid"), "gpu": straggler.get("gpu"),
-        "ranks": len(timed), "lockstep": lockstep,
-        "own_time_ms_by_rank": {rank_label(rank): round(value * 1e3, 2) for rank, value in zip(timed, own)},
-        "step_time_ms_by_rank": {rank_label(rank): round(value * 1e3, 2) for rank, value in zip(timed, steps)},
-        "data_wait_ms_by_rank": {rank_label(rank): round(value * 1e3, 2) for rank, value in zip(timed, waits)},
-        "relative_score": round(reference / own[slow], 3), **evidence_cause,
+        "straggler": rank.get("rank"), "pid": rank.get("pid"), "gpu": rank.get("gpu"),
+        "ranks": len(timed), "lockstep": lockstep, "measured": straggler.measured,
+        "extra_ms": round(extra * 1e3, 2),
+        "step_time_ms_by_rank": {rank_label(entry): round(value * 1e3, 2) for entry, value in zip(timed, steps)},
+        "data_wait_ms_by_rank": {rank_label(entry): round(value * 1e3, 2) for entry, value in zip(timed, waits)},
+        **straggler.evidence, **evidence_cause,
     }
+    what = {"data wait": "it waits {mine} per step for data",
+            "forward and backward (DDP)": "its forward and backward take {mine} per step",
+            "step time": "its steps take {mine}"}[straggler.measured]
+    measured = what.format(mine=f"{straggler.mine_s * 1e3:.1f} ms")
     waiting = (f"the other {len(timed) - 1} rank(s) wait about {extra * 1e3:.1f} ms per step for it in the "
-               "collective" if lockstep else f"it runs {own[slow] / reference:.1f}x slower than the others")
+               "collective" if lockstep else f"it runs {straggler.mine_s / straggler.others_s:.1f}x slower "
+               "than the others")
     return Finding(
         rule=RULE,
         severity="critical" if bound >= CRITICAL_BOUND else "warn",
-        title=f"{who.capitalize()} is a straggler: {own[slow] * 1e3:.1f} ms of its own work per step against "
-              f"{reference * 1e3:.1f} ms on the others ({cause})",
+        title=f"{who.capitalize()} is a straggler: {measured} against {straggler.others_s * 1e3:.1f} ms on the "
+              f"others ({cause})",
         evidence=evidence,
-        suggestion=f"{who.capitalize()} takes {own[slow] * 1e3:.1f} ms per step for its own work, the others "
-                   f"{reference * 1e3:.1f} ms (median), so {waiting}. {advice}",
-        change={"rank": straggler.get("rank"), "cause": cause},
-        code=_code(who, cause, straggler),
+        suggestion=f"{who.capitalize()}: {measured}, the others {straggler.others_s * 1e3:.1f} ms (median over "
+                   f"their steps), so {waiting}. {advice}",
+        change={"rank": rank.get("rank"), "cause": cause},
+        code=_code(who, cause, rank),
         expected_speedup=round(max(1.0, bound), 2),
     )
 
 
-def _data_wait_s(rank: dict[str, Any]) -> float:
-    """Seconds per step this rank waited for its own loader."""
-    return float(rank.get("data_wait_fraction") or 0.0) * float(rank.get("step_time_p50_s") or 0.0)
-
-
-def _collective_wait_s(rank: dict[str, Any], step: float, waits: list[float], lockstep: bool) -> float:
-    """Seconds per step this rank waited for the others (see the module docstring)."""
-    exposed = ddp_exposed_comm_s((rank.get("model") or {}).get("ddp"))
-    if exposed is not None:
-        return min(step, exposed)
-    if lockstep:
-        return max(waits) - _data_wait_s(rank)
-    return 0.0
-
-
 def _cause(rank: dict[str, Any], wait: float, others_wait: float, extra: float, summary: Summary,
-           timed: list[dict[str, Any]]) -> tuple[str, dict[str, Any], str]:
+           timed: list[dict[str, Any]], measured: str) -> tuple[str, dict[str, Any], str]:
     """(cause, its evidence, what to do), from what was measured for this rank."""
     if extra > 0 and wait - others_wait >= CAUSE_SHARE * extra:
         loader: dict[str, Any] = next(iter(rank.get("loaders") or []), {})
@@ -134,6 +214,11 @@ def _cause(rank: dict[str, Any], wait: float, others_wait: float, extra: float, 
         return ("its host process waited for a CPU", {"run_delay_fraction": round(delay, 3)},
                 f"Its process was ready to run but waited for a core {delay:.0%} of the time: other processes hold "
                 "its CPUs. Give each rank cores of its own (os.sched_setaffinity, numactl) or move the other jobs.")
+    if measured == "forward and backward (DDP)":
+        return ("its own forward and backward", {},
+                "DDP's own timings show its forward and backward passes taking longer than the others' on the same "
+                "model: compare what it is given (sequence lengths, batch contents, a different GPU model) and "
+                "profile that rank.")
     return ("cause not measured", {},
             "Nothing measured here explains it (not its loader's data wait, its GPU's clocks or its host): compare "
             "what it is given (shard size, sequence lengths, a different GPU model) and profile that rank.")
