@@ -254,3 +254,38 @@ async def test_without_prometheus_configured_the_cluster_route_says_so_and_asks_
     with pytest.raises(HTTPClientError) as refused:
         await jp_fetch("gpuwidget", "api", "cluster", params={"window_s": "-5"})
     assert refused.value.code == 400
+
+
+async def test_every_mig_instance_is_listed_with_gi_labels_in_prometheus(jp_fetch, fake_nvml, monitor):
+    fake = FakeNvml.mig(extra_gpus=1, hopper=True)
+    first, second = fake.gpu(0).instances
+    fake.set(first.uuid, sm_active=35.0).set(second.uuid, sm_active=8.0)
+    fake.real_time = True
+    fake_nvml(fake)
+    monitor.close()
+    found = await scrape_until_up(jp_fetch)
+    deadline = time.monotonic() + 20
+    while len(found.get("gpuwidget_gpu_sm_active_ratio", [])) < 4:  # GPM's first pair: two samples 100 ms apart
+        assert time.monotonic() < deadline, "no SM activity exported"
+        await asyncio.sleep(0.1)
+        found = await scrape(jp_fetch)
+
+    # dcgm-exporter's labels: an instance is its GPU's index, UUID and model, with GPU_I_ID and GPU_I_PROFILE.
+    sm = {(labels["gpu"], labels["GPU_I_ID"]): (labels, value)
+          for labels, value in found["gpuwidget_gpu_sm_active_ratio"]}
+    assert sorted(sm) == [("0", ""), ("0", "1"), ("0", "5"), ("1", "")]
+    labels, value = sm[("0", "5")]
+    assert labels["GPU_I_PROFILE"] == "2g.20gb" and labels["UUID"] == fake.gpu(0).uuid
+    assert labels["modelName"] == "NVIDIA H100 80GB HBM3" and value == pytest.approx(0.08)
+    assert sm[("0", "1")][0]["GPU_I_PROFILE"] == "3g.40gb" and sm[("0", "1")][1] == pytest.approx(0.35)
+    assert sm[("1", "")][0]["GPU_I_PROFILE"] == "" and sm[("1", "")][0]["UUID"] == fake.gpu(1).uuid
+    memory = {(labels["gpu"], labels["GPU_I_ID"]): value
+              for labels, value in found["gpuwidget_gpu_memory_total_bytes"]}
+    assert memory == {("0", ""): 80 * GIB, ("0", "1"): 40 * GIB, ("0", "5"): 20 * GIB, ("1", ""): 80 * GIB}
+    # "Kernel running" (NVML utilisation) exists on the whole GPU without MIG only, as on a real driver.
+    assert [labels["gpu"] for labels, _ in found["gpuwidget_gpu_utilization_ratio"]] == ["1"]
+
+    devices = json.loads((await jp_fetch("gpuwidget", "api", "devices")).body)["devices"]
+    assert [(d["nvml_index"], d["is_mig"], d["gpu_instance_id"], d["mig_profile"]) for d in devices] == [
+        (0, False, None, None), (0, True, 1, "3g.40gb"), (0, True, 5, "2g.20gb"), (1, False, None, None)]
+    assert all(d["gpm"] for d in devices)
