@@ -22,8 +22,11 @@ derives the tick from elapsed wall time, for tests that run a real sampler threa
 As strict as a real driver: an idle GPU (utilisation 0) records no utilisation sample, so
 ``nvmlDeviceGetSamples`` answers NotFound (``samples_while_idle=True`` keeps zeros); nvmlShutdown
 after the last nvmlInit is no error (nvml.h); the R470-era ``old_driver`` keeps nvmlDeviceGetSamples
-(drivers have it since Kepler). Scenarios of real hosts: ``mixed()`` (an A40 first in NVML's PCI order,
-an H100 first in CUDA's fastest-first order), ``unknown_at()`` (a transient NVML_ERROR_UNKNOWN),
+(drivers have it since Kepler); a MIG instance's handle answers NotSupported for utilisation, power,
+energy, temperature and PCIe, and its SM activity comes only through its parent's GPM
+(``nvmlGpmMigSampleGet``; :data:`MIG_INSTANCE_UNSUPPORTED`). Scenarios of real hosts: ``mig()`` (an A100
+in MIG mode, no GPM), ``mig(hopper=True)`` (an H100 in MIG mode with GPM), ``mixed()`` (an A40 first in
+NVML's PCI order, an H100 first in CUDA's fastest-first order), ``unknown_at()`` (a transient NVML_ERROR_UNKNOWN),
 ``in_container()`` (this process listed by a host pid this namespace does not have),
 ``r535_process_struct()`` (_v3 process lists written with 32-byte entries, misread by the bindings).
 

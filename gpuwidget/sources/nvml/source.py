@@ -16,7 +16,8 @@ Metrics per visible device, named ``gpu{cuda_index}.<metric>`` in SI units:
 ``proc_mem``       bytes held on the device by "our" processes (see ``pids``)
 ``pcie_gen``       PCIe link generation now; ``pcie_width`` lanes now; ``pcie_gen_max``/``pcie_width_max``
                    what the GPU and its slot allow (an idle GPU drops its link speed to save power)
-``sm_active``      % of SMs busy (GPM, Hopper and newer); ``sm_occupancy`` % of warp slots used
+``sm_active``      % of SMs busy (GPM, Hopper and newer; on a MIG instance through its parent with
+                   nvmlGpmMigSampleGet, where NVML gives no ``util``); ``sm_occupancy`` % of warp slots used
 ``tensor_active``  % of time any tensor core pipe was busy (GPM); ``dram_active`` % of DRAM bandwidth
 ``nvlink_tx``      bytes/s sent over NVLink (GPM); ``nvlink_rx`` bytes/s received
 =================  ==========================================================================
