@@ -182,7 +182,10 @@ class GpuFacts(TypedDict, total=False):
     is_mig: bool
     parent_uuid: str | None
     pci_bus_id: str | None
-    gpm: bool  # GPM metrics (SM occupancy, tensor activity) readable
+    gpm: bool  # GPM metrics (SM activity, occupancy, tensor activity) readable: the busy figure is sm_active
+    mig_mode: bool  # a GPU in MIG mode (its instances are the CUDA devices; listed in the server's view)
+    gpu_instance_id: int | None  # a MIG instance's GPU instance id (dcgm-exporter's GPU_I_ID)
+    mig_profile: str | None  # a MIG instance's profile, "3g.40gb" (dcgm-exporter's GPU_I_PROFILE)
     capability: list[int] | None  # CUDA compute capability [major, minor]
     power_limit_default: float | None  # watts, the board's default power limit
     pcie_gen_max: int | None  # PCIe generation the GPU and its slot allow
