@@ -289,3 +289,24 @@ async def test_every_mig_instance_is_listed_with_gi_labels_in_prometheus(jp_fetc
     assert [(d["nvml_index"], d["is_mig"], d["gpu_instance_id"], d["mig_profile"]) for d in devices] == [
         (0, False, None, None), (0, True, 1, "3g.40gb"), (0, True, 5, "2g.20gb"), (1, False, None, None)]
     assert all(d["gpm"] for d in devices)
+
+
+def test_the_cluster_view_keeps_each_mig_instance_apart_though_they_share_their_gpus_uuid():
+    from gpuwidget.server.cluster import SOURCES, _gather
+
+    def series(metric: str, value: float, instance: str = "", kernel: str = "") -> dict:
+        labels = {"__name__": metric, "gpu": "0", "UUID": "GPU-a", "modelName": "NVIDIA H100 80GB HBM3",
+                  "Hostname": "node-a", **({"GPU_I_ID": instance, "GPU_I_PROFILE": "2g.20gb"} if instance else {}),
+                  **({"kernel_id": kernel, "notebook": f"{kernel}.ipynb"} if kernel else {})}
+        return {"metric": labels, "values": [[1000.0, str(value)]]}
+
+    found = {"memory_used": [series("m", 30 * GIB), series("m", 2 * GIB, "5"), series("m", 9 * GIB, "1")],
+             "holder": [series("h", 2 * GIB, "5", kernel="small"), series("h", 9 * GIB, "1", kernel="big")]}
+    results = {(source, query.key): (query, found.get(query.key, []) if source == "gpuwidget" else [])
+               for source, queries in SOURCES for query in queries}
+    gpus = _gather(results, 1000.0, 15.0, 1)
+    by_gpu = {entry["gpu"]: entry for entry in gpus.values()}
+    assert sorted(by_gpu) == ["0", "0/GI1", "0/GI5"]
+    assert by_gpu["0/GI5"]["memory_used_bytes"] == [2 * GIB] and by_gpu["0/GI5"]["holder"] == "small.ipynb"
+    assert by_gpu["0/GI1"]["holder"] == "big.ipynb" and by_gpu["0"]["memory_used_bytes"] == [30 * GIB]
+    assert all(entry["uuid"] == "GPU-a" for entry in gpus.values())
