@@ -284,6 +284,9 @@ async def test_every_mig_instance_is_listed_with_gi_labels_in_prometheus(jp_fetc
     assert memory == {("0", ""): 80 * GIB, ("0", "1"): 40 * GIB, ("0", "5"): 20 * GIB, ("1", ""): 80 * GIB}
     # "Kernel running" (NVML utilisation) exists on the whole GPU without MIG only, as on a real driver.
     assert [labels["gpu"] for labels, _ in found["gpuwidget_gpu_utilization_ratio"]] == ["1"]
+    text = (await jp_fetch("metrics")).body.decode()
+    assert "# HELP gpuwidget_gpu_utilization_ratio Kernel running: share of time any kernel ran" in text
+    assert "# HELP gpuwidget_gpu_sm_active_ratio SM active: share of the SMs busy" in text
 
     devices = json.loads((await jp_fetch("gpuwidget", "api", "devices")).body)["devices"]
     assert [(d["nvml_index"], d["is_mig"], d["gpu_instance_id"], d["mig_profile"]) for d in devices] == [
