@@ -7,6 +7,7 @@ import os
 
 import pynvml
 import pytest
+import torch  # noqa: F401 - imported here: a cell's first import of torch would peg the process (launch-bound's sign)
 
 import gpuwidget
 from gpuwidget.sources.nvml import NvmlSource, list_devices
@@ -21,7 +22,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 train_loader = DataLoader(TensorDataset(torch.randn(64, 8), torch.randn(64, 2)), batch_size=8)
 for x, y in train_loader:
-    time.sleep(0.03)
+    time.sleep(0.05)
 """
 
 
