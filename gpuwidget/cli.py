@@ -1,7 +1,7 @@
 """``gpuwatch``: watch a command (a training script, ``torchrun``) as ``%%gpuwatch`` watches a cell.
 
     gpuwatch [--interval S] [--gpus 0,1] [--view V] [--no-live] [--no-advice] [--tune] [--save PATH] \\
-        [--quiet] -- python train.py ARGS
+        [--quiet] [--price P] -- python train.py ARGS
 
 The command runs inside the same :class:`~gpuwidget.session.Watch` as a watched cell: the same
 options and checks, the same sampler and Run, the same rules; the watch's child channel reaches
@@ -53,6 +53,8 @@ options:
   --tune         after the command, measure DataLoader settings (needs the loader in this process)
   --save PATH    also write the run to PATH (.json, .html or .csv)
   --quiet        print nothing; --save still writes the run
+  --price P      what one GPU-hour costs: the report shows the run's cost and its idle share
+                 (default: $GPUWIDGET_GPU_HOUR_PRICE)
   -h, --help     show this help"""
 
 # A terminal gets its status line redrawn this often; a log (not a terminal) a line this often,

@@ -280,7 +280,10 @@ class GpuFacts(TypedDict, total=False):
     is_mig: bool
     parent_uuid: str | None
     pci_bus_id: str | None
-    gpm: bool  # GPM metrics (SM occupancy, tensor activity) readable
+    gpm: bool  # GPM metrics (SM activity, occupancy, tensor activity) readable: the busy figure is sm_active
+    mig_mode: bool  # a GPU in MIG mode (its instances are the CUDA devices; listed in the server's view)
+    gpu_instance_id: int | None  # a MIG instance's GPU instance id (dcgm-exporter's GPU_I_ID)
+    mig_profile: str | None  # a MIG instance's profile, "3g.40gb" (dcgm-exporter's GPU_I_PROFILE)
     capability: list[int] | None  # CUDA compute capability [major, minor]
     power_limit_default: float | None  # watts, the board's default power limit
     pcie_gen_max: int | None  # PCIe generation the GPU and its slot allow
@@ -355,7 +358,14 @@ class Summary(TypedDict, total=False):
     psi_cpu_some_mean: float  # host PSI: some task waited for a CPU, percent of wall time
     psi_io_some_mean: float  # host PSI: some task waited on I/O, percent of wall time
     psi_cgroup_cpu_some_mean: float  # this cgroup's cpu.pressure "some", percent of wall time
-    gpu_busy_mean: float  # NVML utilisation, percent, mean over the GPUs judged (gpu_busy_basis)
+    # The busy figure users read, percent, mean over the GPUs judged (gpu_busy_basis): GPM's SM activity
+    # where every judged GPU has it (Hopper and newer, MIG instances included), else NVML's utilisation.
+    gpu_busy_mean: float
+    gpu_busy_metric: str  # "sm_active" (GPM) | "kernel_running" (NVML utilisation) : what gpu_busy_mean is
+    gpu_kernel_running_mean: float  # NVML utilisation ("kernel running (nvidia-smi)"), percent, judged GPUs
+    gpu_kernel_running_by_gpu: dict[str, float]  # the same per CUDA index ("0"), where NVML reports it
+    gpu_busy_missing: str  # why no busy figure exists, in words (a MIG instance without GPM)
+    gpus_judged: int  # how many GPUs the GPU figures (and the cost) are over
     gpu_busy_basis: str  # "used": the GPUs this workload used; "visible": no sign of use, every GPU
     gpus_used: list[int]  # CUDA indexes where this workload's processes or torch held memory
     gpus_unused_idle: list[int]  # the other GPUs, idle (under summary.IDLE_UTIL_PERCENT)
@@ -370,8 +380,8 @@ class Summary(TypedDict, total=False):
     gpus_pcie_degraded: list[int]  # GPUs whose link stayed below its generation or width
     gpu_pid_namespace_foreign: bool  # the driver's pids are not this process's namespace (a container)
     process_gpu_mem_source: str  # "nvml" (per-process list) or "torch" (memory_reserved)
-    gpu_busy_by_gpu: dict[str, float]  # percent per CUDA index ("0")
-    gpu_idle_gaps: int  # gaps of at least summary.IDLE_GAP_S under summary.IDLE_UTIL_PERCENT
+    gpu_busy_by_gpu: dict[str, float]  # the busy figure (gpu_busy_metric's where the GPU has it), per CUDA index
+    gpu_idle_gaps: int  # gaps of at least summary.IDLE_GAP_S with the busy figure under summary.IDLE_UTIL_PERCENT
     gpu_longest_idle_s: float
     gpu_throttle_fraction: float  # share of busy samples with a slowdown reason (thermal, HW, brake), worst GPU
     gpu_throttle_fraction_by_gpu: dict[str, float]  # the same per CUDA index ("0"), to name a rank's GPU
@@ -388,3 +398,8 @@ class Summary(TypedDict, total=False):
     energy_j: float
     energy_per_sample_j: float
     energy_per_step_j: float
+    # With a price per GPU-hour (--price, GpuWidget.gpu_hour_price): gpus_judged x the cell's hours x price,
+    # and the idle share of it (1 - gpu_busy_mean / 100; absent without a busy figure), in the price's currency.
+    gpu_hour_price: float
+    cost: float
+    idle_cost: float

@@ -26,7 +26,8 @@ class GpuWatchMagics(Magics):
 
     @cell_magic
     def gpuwatch(self, line: str, cell: str) -> Any:
-        """%%gpuwatch [--interval S] [--gpus 0,1] [--view V] [--no-live] [--no-advice] [--tune] [--save PATH] [--quiet]
+        """%%gpuwatch [--interval S] [--gpus 0,1] [--view V] [--no-live] [--no-advice] [--tune] [--save PATH]
+                   [--quiet] [--price P]
 
         Watch the GPU(s), the host and the workload while the cell runs: a live plot
         under the cell, and when it ends a summary of where the time went. The cell
@@ -44,6 +45,9 @@ class GpuWatchMagics(Magics):
           --tune         after the cell, measure DataLoader settings on its loader (about 20 s)
           --save PATH    also write the run to PATH (.json, .html or .csv)
           --quiet        show nothing; the run is still recorded
+          --price P      what one GPU-hour costs (any currency): the report shows the cell's cost
+                         and its idle share (default: $GPUWIDGET_GPU_HOUR_PRICE, which the Jupyter
+                         server's GpuWidget.gpu_hour_price sets for its kernels)
         """
         __tracebackhide__ = True  # IPython hides this frame: the traceback shows the cell only
         try:

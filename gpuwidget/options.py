@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
@@ -22,6 +23,10 @@ SAVE_SUFFIXES = (".json", ".html", ".htm", ".csv")
 # The live view under a running cell: chosen by where the kernel runs (auto), the Bokeh widget
 # (JupyterLab, Notebook), a widget-free SVG updated in place (VS Code, Colab), or none.
 VIEWS = ("auto", "bokeh", "static", "none")
+# The price of one GPU-hour when neither --price nor watch(price=...) gives one: the Jupyter server's
+# ``GpuWidget.gpu_hour_price`` sets it for the kernels it starts (they inherit its environment), and a
+# user may set it in theirs. In whatever currency the user thinks in; the report shows the number.
+PRICE_ENV = "GPUWIDGET_GPU_HOUR_PRICE"
 
 
 class OptionError(ValueError):
@@ -44,6 +49,7 @@ class WatchOptions:
     tune: bool = False
     save: str | None = None
     quiet: bool = False
+    price: float | None = None  # per GPU-hour: the summary's cost and idle_cost
 
     def __post_init__(self) -> None:
         if not self.live:
@@ -68,9 +74,14 @@ class WatchOptions:
 
 def make_options(interval: float | str = DEFAULT_INTERVAL_S, gpus: Sequence[int] | str | None = None,
                  live: bool = True, advice: bool = True, tune: bool = False,
-                 save: str | Path | None = None, quiet: bool = False, view: str = "auto") -> WatchOptions:
-    """Validate and normalise options; raises :class:`OptionError` with a one-line reason."""
+                 save: str | Path | None = None, quiet: bool = False, view: str = "auto",
+                 price: float | str | None = None) -> WatchOptions:
+    """Validate and normalise options; raises :class:`OptionError` with a one-line reason.
+
+    ``price`` (per GPU-hour) defaults to :data:`PRICE_ENV` in the environment, where set.
+    """
     return WatchOptions(
+        price=_price(price),
         interval=_interval(interval),
         gpus=_gpus(gpus),
         live=_flag("live", live),
@@ -134,6 +145,23 @@ def _gpus(value: Sequence[int] | str | None) -> tuple[int, ...] | None:
     return tuple(out)
 
 
+def _price(value: float | str | None) -> float | None:
+    """``--price``: a positive, finite number per GPU-hour; unset, :data:`PRICE_ENV`'s value (or none)."""
+    where = "--price"
+    if value is None:
+        value = os.environ.get(PRICE_ENV) or None
+        if value is None:
+            return None
+        where = f"{PRICE_ENV} (the environment's GPU-hour price)"
+    try:
+        price = float(value) if not isinstance(value, bool) else math.nan
+    except (TypeError, ValueError):
+        price = math.nan
+    if not math.isfinite(price) or price <= 0:
+        raise OptionError(f"{where}: expected a positive price per GPU-hour like 2.5, got {value!r}")
+    return price
+
+
 def _save(value: str | Path | None) -> str | None:
     """The file to save to, checked now: a bad path is reported before the cell runs, not after it."""
     if value is None:
@@ -162,6 +190,7 @@ def _parser() -> _Parser:
     parser.add_argument("--tune", action="store_true")
     parser.add_argument("--save", default=None)
     parser.add_argument("--quiet", action="store_true")
+    parser.add_argument("--price", default=None)
     return parser
 
 

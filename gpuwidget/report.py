@@ -4,7 +4,8 @@ Every rendering lives here (the model objects render themselves through it, as R
 do with ``__rich_console__``): the run's text and HTML, its chart, the standalone HTML
 document ``Run.save('x.html')`` writes, and the small result tables of the tuner and the
 batch probe. It imports nothing from ``gpuwidget.ui``: ``run.py`` and ``advice/finding.py``
-import it at module top. Same content both ways: a headline (throughput, GPU busy, the main cause in one line),
+import it at module top. Same content both ways: a headline (throughput, SM active and kernel running, the main
+cause in one line),
 where the loop's time went (waiting for data / computing / other), the findings ranked by
 expected gain with their evidence, a copyable change and the gain bound, and a chart of
 the run. It is what the notebook shows when a watched cell ends, and what a saved
@@ -23,7 +24,16 @@ from urllib.parse import quote
 import numpy as np
 
 from gpuwidget.advice.summary import gpu_scope_notes
-from gpuwidget.chart import CPU_COLOR, PALETTE, WAIT_COLOR, merge_bands, percent_data, plot_columns
+from gpuwidget.chart import (
+    CPU_COLOR,
+    SVG_DASH,
+    WAIT_COLOR,
+    gpu_series,
+    merge_bands,
+    percent_data,
+    plot_columns,
+    sm_active_gpus,
+)
 from gpuwidget.probes import DATA_WAIT_SPAN
 from gpuwidget.trace import gpu_indices
 
@@ -79,6 +89,44 @@ def fmt_energy(joules: float | None) -> str:
     return f"{joules * 1e3:.3g} mJ"
 
 
+def fmt_money(value: float | None) -> str:
+    """An amount in the price's own currency (the user's): 1,234.50, 2.35, 0.0042."""
+    if value is None or _unknown(value):
+        return "n/a"
+    return f"{value:,.2f}" if abs(value) >= 1 else f"{value:.2g}"
+
+
+# How the busy figures are named where users read them (dcgm-exporter's names; nvidia-smi's utilisation
+# as what it is: the share of time any kernel ran).
+SM_ACTIVE_LABEL = "SM active"
+KERNEL_RUNNING_LABEL = "kernel running (nvidia-smi)"
+
+
+def busy_items(summary: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """The headline's busy figures: "SM active" where GPM measured it, "kernel running (nvidia-smi)"
+    (NVML's utilisation) beside it or alone, or "not measured" where neither exists (a MIG instance
+    without GPM: the GPU lines say why). A run saved before ``gpu_busy_metric`` held utilisation."""
+    metric = summary.get("gpu_busy_metric")
+    busy = summary.get("gpu_busy_mean")
+    if summary.get("gpu_busy_missing") and busy is None:
+        return [(SM_ACTIVE_LABEL, "not measured")]
+    if metric == "sm_active":
+        items = [(SM_ACTIVE_LABEL, fmt_percent(busy))]
+        if summary.get("gpu_kernel_running_mean") is not None:
+            items.append((KERNEL_RUNNING_LABEL, fmt_percent(summary["gpu_kernel_running_mean"])))
+        return items
+    return [(KERNEL_RUNNING_LABEL, fmt_percent(busy))]
+
+
+def cost_item(summary: Mapping[str, Any]) -> tuple[str, str] | None:
+    """("cost at 2.5/GPU-h", "0.42 (0.31 idle)") where a price was given, else None."""
+    if summary.get("cost") is None:
+        return None
+    idle = summary.get("idle_cost")
+    text = fmt_money(summary["cost"]) + (f" ({fmt_money(idle)} idle)" if idle is not None else "")
+    return f"cost at {summary.get('gpu_hour_price', 0):g}/GPU-h", text
+
+
 def headline(run: Run) -> list[tuple[str, str]]:
     """The figures shown first, as (label, value) pairs, in order."""
     s = run.summary
@@ -95,8 +143,10 @@ def headline(run: Run) -> list[tuple[str, str]]:
     if s.get("data_wait_fraction") is not None:
         items.append(("waiting for data", fmt_fraction(s["data_wait_fraction"])))
     if run.gpu_found:
-        items.append(("GPU busy", fmt_percent(s.get("gpu_busy_mean"))))
+        items += busy_items(s)
         items.append(("peak GPU memory", fmt_fraction(s.get("peak_gpu_mem_fraction"))))
+    if (cost := cost_item(s)) is not None:
+        items.append(cost)
     items.append(("CPU (all cores)", fmt_percent(s.get("cpu_util_mean"))))
     if s.get("process_cpu_mean") is not None:
         items.append(process_cpu_item(s))
@@ -201,14 +251,18 @@ def gpu_lines(run: Run) -> list[str]:
         message = run.machine.get("gpu_message") or "no NVIDIA GPU found"
         return [f"{message}: host metrics only", *stalled]
     busy = run.summary.get("gpu_busy_by_gpu") or {}
+    running = run.summary.get("gpu_kernel_running_by_gpu") or {}
+    sm_active = run.summary.get("gpu_busy_metric") == "sm_active"
     mem = run.summary.get("peak_gpu_mem_fraction_by_gpu") or {}
     lines = []
     for device in run.machine["gpus"]:
         index = device["index"]
         text = f"GPU{index} {device.get('name', '')}".rstrip()
         details = []
-        if str(index) in busy:
-            details.append(f"busy {fmt_percent(busy[str(index)])}")
+        if sm_active and str(index) in busy and device.get("gpm", True):
+            details.append(f"{SM_ACTIVE_LABEL} {fmt_percent(busy[str(index)])}")
+        if str(index) in running or (not sm_active and str(index) in busy):
+            details.append(f"{KERNEL_RUNNING_LABEL} {fmt_percent(running.get(str(index), busy.get(str(index))))}")
         if str(index) in mem:
             details.append(f"peak memory {fmt_fraction(mem[str(index)])}")
         lines.append(text + (": " + ", ".join(details) if details else ": no utilisation reported"))
@@ -492,21 +546,22 @@ def html_document(run: Run) -> str:
 def _chart_series(run: Run) -> tuple[np.ndarray, list[tuple[str, str, str, np.ndarray]]] | None:
     """The chart's times and its (name, colour, dash, values) series, or None under two points."""
     gpus = gpu_indices(run.trace)
-    frame = run.trace.plot_view(plot_columns(gpus, process=False), CHART_POINTS)
+    columns = run.trace.columns
+    sm = sm_active_gpus(columns, gpus)
+    frame = run.trace.plot_view(plot_columns(gpus, process=False, sm_active=sm), CHART_POINTS)
     if len(frame) < 2:
         return None
-    data = percent_data(frame, gpus, process=False)
-    series: list[tuple[str, str, str, np.ndarray]] = []
-    for n, index in enumerate(gpus):
-        color = PALETTE[n % len(PALETTE)]
-        series.append((f"GPU{index} util", color, "", data[f"gpu{index}_util"]))
-        series.append((f"GPU{index} memory", color, "4 3", data[f"gpu{index}_mem"]))
+    data = percent_data(frame, gpus, process=False, sm_active=sm)
+    running = [index for index in gpus if f"gpu{index}.util" in columns]
+    series: list[tuple[str, str, str, np.ndarray]] = [
+        (line.label, line.color, SVG_DASH[line.kind], data[line.key]) for line in gpu_series(gpus, sm, running)]
     series.append(("CPU (all cores)", CPU_COLOR, "", data["cpu_util"]))
     return frame.t, series
 
 
 def chart_svg(run: Run, width: int = CHART_WIDTH, height: int = CHART_HEIGHT) -> str:
-    """GPU util, GPU memory and CPU over the run on a 0-100 % axis, with data-wait bands.
+    """GPU activity (SM active, kernel running), GPU memory and CPU over the run on a 0-100 % axis, with
+    data-wait bands.
 
     A standalone SVG document (it is shown as an image): colours that read on light and dark
     backgrounds, the axis labels apart from each other, the legend left to the HTML around it.

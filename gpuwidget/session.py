@@ -235,7 +235,8 @@ class Watch:
                 self._objects = self._probes.objects()
             if self._children is not None:
                 run.workload = self._children.workload(run.workload)
-            run.summary = summarize(run.trace, run.workload, duration_s=duration, machine=run.machine)
+            run.summary = summarize(run.trace, run.workload, duration_s=duration, machine=run.machine,
+                                    price=self.options.price)
             if self._children is not None:
                 run.summary = self._children.summary(run.summary, run.workload)
             if self.options.advice:
@@ -473,7 +474,8 @@ def watch(*, label: str = "", display: bool | None = None, **options: Any) -> It
 
     Takes the same options as ``%%gpuwatch``: ``interval``, ``gpus``, ``view``
     (``"auto"``, ``"bokeh"``, ``"static"``, ``"none"``; ``live=False`` is ``view="none"``),
-    ``advice``, ``tune``, ``save``, ``quiet``. Bad options raise ``ValueError`` before anything starts.
+    ``advice``, ``tune``, ``save``, ``quiet``, ``price`` (per GPU-hour: the run's cost and idle cost).
+    Bad options raise ``ValueError`` before anything starts.
     """
     caller = sys._getframe(2)  # the `with` statement's frame (1 is contextlib's __enter__)
     # The same `with` statement run again is the same cell: its code object and line.

@@ -22,8 +22,11 @@ derives the tick from elapsed wall time, for tests that run a real sampler threa
 As strict as a real driver: an idle GPU (utilisation 0) records no utilisation sample, so
 ``nvmlDeviceGetSamples`` answers NotFound (``samples_while_idle=True`` keeps zeros); nvmlShutdown
 after the last nvmlInit is no error (nvml.h); the R470-era ``old_driver`` keeps nvmlDeviceGetSamples
-(drivers have it since Kepler). Scenarios of real hosts: ``mixed()`` (an A40 first in NVML's PCI order,
-an H100 first in CUDA's fastest-first order), ``unknown_at()`` (a transient NVML_ERROR_UNKNOWN),
+(drivers have it since Kepler); a MIG instance's handle answers NotSupported for utilisation, power,
+energy, temperature and PCIe, and its SM activity comes only through its parent's GPM
+(``nvmlGpmMigSampleGet``; :data:`MIG_INSTANCE_UNSUPPORTED`). Scenarios of real hosts: ``mig()`` (an A100
+in MIG mode, no GPM), ``mig(hopper=True)`` (an H100 in MIG mode with GPM), ``mixed()`` (an A40 first in
+NVML's PCI order, an H100 first in CUDA's fastest-first order), ``unknown_at()`` (a transient NVML_ERROR_UNKNOWN),
 ``in_container()`` (this process listed by a host pid this namespace does not have),
 ``r535_process_struct()`` (_v3 process lists written with 32-byte entries, misread by the bindings).
 
@@ -93,6 +96,27 @@ OLD_DRIVER_MISSING = frozenset(
         "nvmlGpmMetricsGet",
     }
 )
+
+# What the driver refuses on a MIG instance's handle, as a real one does (nvml.h: utilisation "is not currently
+# supported" on MIG; power, energy, temperature and PCIe are the whole GPU's): NotSupported, whatever the
+# scenario says. SM activity of an instance comes from GPM through its parent (nvmlGpmMigSampleGet), never
+# from nvmlGpmSampleGet on the instance's own handle.
+MIG_INSTANCE_UNSUPPORTED = frozenset(
+    {
+        "nvmlDeviceGetUtilizationRates",
+        "nvmlDeviceGetSamples",
+        "nvmlDeviceGetPowerUsage",
+        "nvmlDeviceGetTotalEnergyConsumption",
+        "nvmlDeviceGetEnforcedPowerLimit",
+        "nvmlDeviceGetPowerManagementDefaultLimit",
+        "nvmlDeviceGetTemperature",
+        "nvmlDeviceGetPcieThroughput",
+        "nvmlGpmSampleGet",
+        "nvmlGpmQueryDeviceSupport",
+    }
+)
+# A GPU in MIG mode has no device-wide utilisation either (nvml.h); its instances are the CUDA devices.
+MIG_PARENT_UNSUPPORTED = frozenset({"nvmlDeviceGetUtilizationRates", "nvmlDeviceGetSamples"})
 
 # pynvml helpers that do not call the library: left alone.
 _NOT_LIBRARY_CALLS = frozenset(
@@ -255,31 +279,35 @@ class FakeNvml:
         return fake
 
     @classmethod
-    def mig(cls, extra_gpus: int = 0) -> FakeNvml:
-        """GPU 0 an A100 in MIG mode with two instances (3g.20gb, 2g.10gb), then ``extra_gpus`` plain GPUs."""
-        parent = make_gpu(0, name="NVIDIA A100-SXM4-40GB", memory_total=40 * GIB, mig_mode=True, gpm=False)
-        for slot, (profile, memory, gi) in enumerate((("3g.20gb", 20, 1), ("2g.10gb", 10, 5))):
+    def mig(cls, extra_gpus: int = 0, hopper: bool = False) -> FakeNvml:
+        """GPU 0 in MIG mode with two instances, then ``extra_gpus`` plain GPUs: an A100 (3g.20gb, 2g.10gb;
+        no GPM, so nothing says how busy an instance is), or with ``hopper`` an H100 (3g.40gb, 2g.20gb)
+        whose GPM gives each instance's SM activity through ``nvmlGpmMigSampleGet``.
+
+        Utilisation, power, energy, temperature and PCIe answer NotSupported on an instance's handle
+        (:data:`MIG_INSTANCE_UNSUPPORTED`), and utilisation on the parent too, as on a real driver.
+        """
+        if hopper:
+            parent = make_gpu(0, name="NVIDIA H100 80GB HBM3", memory_total=80 * GIB, mig_mode=True, gpm=True)
+            profiles = (("3g.40gb", 40, 1), ("2g.20gb", 20, 5))
+        else:
+            parent = make_gpu(0, name="NVIDIA A100-SXM4-40GB", memory_total=40 * GIB, mig_mode=True, gpm=False,
+                              capability=(8, 0))
+            profiles = (("3g.20gb", 20, 1), ("2g.10gb", 10, 5))
+        for slot, (profile, memory, gi) in enumerate(profiles):
             parent.instances.append(
                 FakeGpu(
                     uuid=_uuid("MIG", 0xC0 + slot),
-                    name=f"NVIDIA A100-SXM4-40GB MIG {profile}",
+                    name=f"{parent.name} MIG {profile}",
                     index=0,
                     pci_bus_id=parent.pci_bus_id,
                     memory_total=memory * GIB,
                     memory_used=(slot + 1) * GIB,
+                    capability=parent.capability,
                     parent=parent,
                     gpu_instance_id=gi,
                     compute_instance_id=0,
-                    gpm=False,
-                    # Utilization, power, temperature and PCIe are whole-GPU figures: MIG has none.
-                    unsupported={
-                        "nvmlDeviceGetUtilizationRates",
-                        "nvmlDeviceGetSamples",
-                        "nvmlDeviceGetPowerUsage",
-                        "nvmlDeviceGetEnforcedPowerLimit",
-                        "nvmlDeviceGetTemperature",
-                        "nvmlDeviceGetPcieThroughput",
-                    },
+                    gpm=False,  # GPM is the parent's: an instance is sampled through it
                 )
             )
         return cls([parent, *(make_gpu(index) for index in range(1, 1 + extra_gpus))])
@@ -491,7 +519,8 @@ class FakeNvml:
             if tick in gpu.unknown_at.get(name, ()):
                 gpu.unknown_at[name].discard(tick)
                 raise pynvml.NVMLError(pynvml.NVML_ERROR_UNKNOWN)
-            if name in gpu.unsupported:
+            if name in gpu.unsupported or (gpu.parent is not None and name in MIG_INSTANCE_UNSUPPORTED) or (
+                    gpu.mig_mode and gpu.parent is None and name in MIG_PARENT_UNSUPPORTED):
                 raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
             if name in gpu.no_permission:
                 raise pynvml.NVMLError(pynvml.NVML_ERROR_NO_PERMISSION)
@@ -776,6 +805,8 @@ class FakeNvml:
 
     def nvmlGpmMigSampleGet(self, gpu: FakeGpu, gpu_instance_id: int, sample: Any) -> Any:
         tick = self._call("nvmlGpmMigSampleGet", gpu)
+        if gpu.parent is not None or not gpu.mig_mode:  # asked on the parent GPU in MIG mode only
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         for instance in gpu.instances:
             if instance.gpu_instance_id == gpu_instance_id:
                 return self._take_sample(instance, sample, tick)

@@ -20,10 +20,13 @@ def test_eight_gpus_are_recorded_and_summarised(ip, fake_nvml):
     assert [d["index"] for d in run.machine["gpus"]] == list(range(8))
     for index in range(8):
         assert run.trace.stats(f"gpu{index}.util") is not None
-    assert run.summary["gpu_busy_mean"] == pytest.approx(75.0)
+    # Hopper GPUs: the busy figure is GPM's SM activity (the fake's 60%), NVML's utilisation is beside it.
+    assert run.summary["gpu_busy_metric"] == "sm_active"
+    assert run.summary["gpu_busy_mean"] == pytest.approx(60.0)
+    assert run.summary["gpu_kernel_running_mean"] == pytest.approx(75.0)
     assert 0 < run.summary["peak_gpu_mem_fraction"] <= 1
     text = run._repr_mimebundle_()["text/plain"]
-    assert "GPU busy 75%" in text and "GPU7" in text
+    assert "SM active 60% · kernel running (nvidia-smi) 75%" in text and "GPU7" in text
 
 
 def _eight_busy_gpus() -> FakeNvml:
@@ -156,11 +159,13 @@ def test_one_busy_gpu_of_eight_is_judged_alone_and_the_idle_ones_are_named(ip, f
     assert ip.run_cell(_LOADER_CELL).success
     run = gpuwidget.last_run()
 
-    assert run.summary["gpu_busy_mean"] == pytest.approx(98.0)  # not 12.25
+    assert run.summary["gpu_busy_mean"] == pytest.approx(90.0)  # SM activity of GPU 0 alone, not 11.25
+    assert run.summary["gpu_kernel_running_mean"] == pytest.approx(98.0)
     assert run.summary["gpus_used"] == [0] and run.summary["gpus_unused_idle"] == list(range(1, 8))
     assert not any(f.rule == "small-batch" for f in run.findings)  # the idle seven made it claim up to 8x
     text = run._repr_mimebundle_()["text/plain"]
-    assert "GPU busy 98%" in text and "GPUs 1-7 were idle and unused by this kernel." in text
+    assert "SM active 90% · kernel running (nvidia-smi) 98%" in text
+    assert "GPUs 1-7 were idle and unused by this kernel." in text
 
 
 def test_an_idle_gpu_with_an_empty_sample_buffer_reads_idle_and_is_not_called_throttled(ip, fake_nvml):

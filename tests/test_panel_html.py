@@ -53,7 +53,7 @@ def test_chart_is_an_image_a_sanitizer_keeps_with_labels_apart():
     labels = re.findall(r"<text [^>]*>([^<]*)</text>", svg)
     assert labels[:3] == ["0%", "50%", "100%"] and labels[3:] == ["0.0 s", "2.5 s", "4.9 s"]
     # What the image shows, in words, and a legend as text beside it.
-    assert "GPU0 util mean 81%" in image["alt"] and "CPU (all cores) mean 30%" in image["alt"]
+    assert "GPU0 kernel running (nvidia-smi) mean 81%" in image["alt"] and "CPU (all cores) mean 30%" in image["alt"]
     assert re.search(r"GPU0 memory</span>.*CPU \(all cores\)</span>.*waiting for data</span>", markup)
 
 

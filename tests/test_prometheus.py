@@ -224,7 +224,7 @@ def test_the_readme_promql_joins_work_in_prometheus(tmp_path):
 
     if not os.access(prom.PROMTOOL, os.X_OK):
         pytest.skip(f"needs {prom.PROMTOOL} (make prometheus)")
-    assert set(GPU_LABELS) == {"gpu", "UUID", "modelName", "Hostname"}
+    assert set(GPU_LABELS) == {"gpu", "UUID", "modelName", "Hostname", "GPU_I_ID", "GPU_I_PROFILE"}
     assert set(KERNEL_LABELS) == {"kernel_id", "notebook", "Hostname"}
     gpu = 'gpu="0",UUID="GPU-1",modelName="H100",Hostname="node-a"'
     kernel = 'kernel_id="k1",notebook="work/train.ipynb",Hostname="node-a"'

@@ -254,3 +254,62 @@ async def test_without_prometheus_configured_the_cluster_route_says_so_and_asks_
     with pytest.raises(HTTPClientError) as refused:
         await jp_fetch("gpuwidget", "api", "cluster", params={"window_s": "-5"})
     assert refused.value.code == 400
+
+
+async def test_every_mig_instance_is_listed_with_gi_labels_in_prometheus(jp_fetch, fake_nvml, monitor):
+    fake = FakeNvml.mig(extra_gpus=1, hopper=True)
+    first, second = fake.gpu(0).instances
+    fake.set(first.uuid, sm_active=35.0).set(second.uuid, sm_active=8.0)
+    fake.real_time = True
+    fake_nvml(fake)
+    monitor.close()
+    found = await scrape_until_up(jp_fetch)
+    deadline = time.monotonic() + 20
+    while len(found.get("gpuwidget_gpu_sm_active_ratio", [])) < 4:  # GPM's first pair: two samples 100 ms apart
+        assert time.monotonic() < deadline, "no SM activity exported"
+        await asyncio.sleep(0.1)
+        found = await scrape(jp_fetch)
+
+    # dcgm-exporter's labels: an instance is its GPU's index, UUID and model, with GPU_I_ID and GPU_I_PROFILE.
+    sm = {(labels["gpu"], labels["GPU_I_ID"]): (labels, value)
+          for labels, value in found["gpuwidget_gpu_sm_active_ratio"]}
+    assert sorted(sm) == [("0", ""), ("0", "1"), ("0", "5"), ("1", "")]
+    labels, value = sm[("0", "5")]
+    assert labels["GPU_I_PROFILE"] == "2g.20gb" and labels["UUID"] == fake.gpu(0).uuid
+    assert labels["modelName"] == "NVIDIA H100 80GB HBM3" and value == pytest.approx(0.08)
+    assert sm[("0", "1")][0]["GPU_I_PROFILE"] == "3g.40gb" and sm[("0", "1")][1] == pytest.approx(0.35)
+    assert sm[("1", "")][0]["GPU_I_PROFILE"] == "" and sm[("1", "")][0]["UUID"] == fake.gpu(1).uuid
+    memory = {(labels["gpu"], labels["GPU_I_ID"]): value
+              for labels, value in found["gpuwidget_gpu_memory_total_bytes"]}
+    assert memory == {("0", ""): 80 * GIB, ("0", "1"): 40 * GIB, ("0", "5"): 20 * GIB, ("1", ""): 80 * GIB}
+    # "Kernel running" (NVML utilisation) exists on the whole GPU without MIG only, as on a real driver.
+    assert [labels["gpu"] for labels, _ in found["gpuwidget_gpu_utilization_ratio"]] == ["1"]
+    text = (await jp_fetch("metrics")).body.decode()
+    assert "# HELP gpuwidget_gpu_utilization_ratio Kernel running: share of time any kernel ran" in text
+    assert "# HELP gpuwidget_gpu_sm_active_ratio SM active: share of the SMs busy" in text
+
+    devices = json.loads((await jp_fetch("gpuwidget", "api", "devices")).body)["devices"]
+    assert [(d["nvml_index"], d["is_mig"], d["gpu_instance_id"], d["mig_profile"]) for d in devices] == [
+        (0, False, None, None), (0, True, 1, "3g.40gb"), (0, True, 5, "2g.20gb"), (1, False, None, None)]
+    assert all(d["gpm"] for d in devices)
+
+
+def test_the_cluster_view_keeps_each_mig_instance_apart_though_they_share_their_gpus_uuid():
+    from gpuwidget.server.cluster import SOURCES, _gather
+
+    def series(metric: str, value: float, instance: str = "", kernel: str = "") -> dict:
+        labels = {"__name__": metric, "gpu": "0", "UUID": "GPU-a", "modelName": "NVIDIA H100 80GB HBM3",
+                  "Hostname": "node-a", **({"GPU_I_ID": instance, "GPU_I_PROFILE": "2g.20gb"} if instance else {}),
+                  **({"kernel_id": kernel, "notebook": f"{kernel}.ipynb"} if kernel else {})}
+        return {"metric": labels, "values": [[1000.0, str(value)]]}
+
+    found = {"memory_used": [series("m", 30 * GIB), series("m", 2 * GIB, "5"), series("m", 9 * GIB, "1")],
+             "holder": [series("h", 2 * GIB, "5", kernel="small"), series("h", 9 * GIB, "1", kernel="big")]}
+    results = {(source, query.key): (query, found.get(query.key, []) if source == "gpuwidget" else [])
+               for source, queries in SOURCES for query in queries}
+    gpus = _gather(results, 1000.0, 15.0, 1)
+    by_gpu = {entry["gpu"]: entry for entry in gpus.values()}
+    assert sorted(by_gpu) == ["0", "0/GI1", "0/GI5"]
+    assert by_gpu["0/GI5"]["memory_used_bytes"] == [2 * GIB] and by_gpu["0/GI5"]["holder"] == "small.ipynb"
+    assert by_gpu["0/GI1"]["holder"] == "big.ipynb" and by_gpu["0"]["memory_used_bytes"] == [30 * GIB]
+    assert all(entry["uuid"] == "GPU-a" for entry in gpus.values())

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from gpuwidget.advice.rules import fp32_math, gpu_imbalance, gpu_throttled, launch_bound, small_batch
+from gpuwidget.advice.rules import fp32_math, gpu_imbalance, gpu_throttled, gpu_unused, launch_bound, small_batch
 
 H100 = {"gpus": [{"index": 0, "name": "NVIDIA H100"}], "usable_cpus": 8}
 
@@ -30,8 +30,19 @@ def cuda(capability: tuple[int, int]) -> dict[str, Any]:
 
 
 def summary(busy: float, **extra: Any) -> dict[str, Any]:
-    return {"gpu_busy_mean": busy, "process_cpu_mean": 50.0, "data_wait_fraction": 0.0,
-            "peak_gpu_mem_fraction": 0.2, **extra}
+    """Without GPM: the busy figure is NVML's utilisation ("kernel running")."""
+    return {"gpu_busy_mean": busy, "gpu_busy_metric": "kernel_running", "gpu_kernel_running_mean": busy,
+            "process_cpu_mean": 50.0, "data_wait_fraction": 0.0, "peak_gpu_mem_fraction": 0.2, **extra}
+
+
+def gpm_summary(sm_active: float, kernel_running: float | None, **extra: Any) -> dict[str, Any]:
+    """With GPM (Hopper, a MIG instance of one): the busy figure is SM activity; a MIG instance has no utilisation."""
+    figures = summary(sm_active, gpu_busy_metric="sm_active", gpu_sm_active_mean=sm_active, **extra)
+    if kernel_running is None:
+        figures.pop("gpu_kernel_running_mean")
+    else:
+        figures["gpu_kernel_running_mean"] = kernel_running
+    return figures
 
 
 # ------------------------------------------------------------------ SM activity (GPM) before utilisation
@@ -39,26 +50,56 @@ def summary(busy: float, **extra: Any) -> dict[str, Any]:
 
 def test_launch_bound_sees_tiny_kernels_that_keep_utilisation_high():
     workload = {"loaders": [loader()], "model": model()}
-    tiny_kernels = summary(97.0, gpu_sm_active_mean=18.0, process_cpu_mean=100.0)
+    tiny_kernels = gpm_summary(18.0, 97.0, process_cpu_mean=100.0)
     finding = launch_bound.check(tiny_kernels, workload, H100)
     assert finding is not None
     assert finding.evidence["signal"] == "sm_active" and finding.evidence["sm_active_percent"] == 18.0
+    assert finding.evidence["kernel_running_percent"] == 97.0
     assert finding.expected_speedup == pytest.approx(100 / 18, rel=0.01)
-    # Without GPM the same loop reads 97% busy and nothing can be said.
+    # Without GPM the same loop reads 97% "kernel running" and nothing can be said.
     assert launch_bound.check(summary(97.0, process_cpu_mean=100.0), workload, H100) is None
 
 
-@pytest.mark.parametrize(("util", "sm_active", "fires"), [(95.0, 49.9, True), (95.0, 50.0, False), (40.0, 85.0, False)])
-def test_small_batch_judges_sm_activity_where_gpm_has_it(util, sm_active, fires):
-    finding = small_batch.check(summary(util, gpu_sm_active_mean=sm_active), {"loaders": [loader()]}, H100)
+@pytest.mark.parametrize(("sm_active", "fires"), [(49.9, True), (50.0, False)])
+def test_launch_bound_judges_sm_activity_at_dcgms_half(sm_active, fires):
+    pegged = gpm_summary(sm_active, 99.0, process_cpu_mean=100.0)
+    assert (launch_bound.check(pegged, {"loaders": [loader()], "model": model()}, H100) is not None) is fires
+
+
+@pytest.mark.parametrize(("kernel_running", "sm_active", "fires"),
+                         [(95.0, 49.9, True), (95.0, 50.0, False), (40.0, 85.0, False)])
+def test_small_batch_judges_sm_activity_where_gpm_has_it(kernel_running, sm_active, fires):
+    finding = small_batch.check(gpm_summary(sm_active, kernel_running), {"loaders": [loader()]}, H100)
     assert (finding is not None) is fires
     if finding:
         assert finding.evidence["signal"] == "sm_active" and "SMs" in finding.title
 
 
-def test_small_batch_says_utilisation_is_its_signal_without_gpm():
-    finding = small_batch.check(summary(40.0), {"loaders": [loader()]}, H100)
-    assert finding is not None and finding.evidence["signal"] == "utilisation"
+@pytest.mark.parametrize(("kernel_running", "fires"), [(59.9, True), (60.0, False)])
+def test_small_batch_says_kernel_running_is_its_signal_without_gpm(kernel_running, fires):
+    finding = small_batch.check(summary(kernel_running), {"loaders": [loader()]}, H100)
+    assert (finding is not None) is fires
+    if finding:
+        assert finding.evidence["signal"] == "kernel_running" and "sm_active_percent" not in finding.evidence
+        assert finding.evidence["kernel_running_percent"] == kernel_running
+
+
+def test_a_summary_saved_before_the_busy_metric_is_read_as_it_was_meant():
+    # Older runs held NVML utilisation in gpu_busy_mean and SM activity apart.
+    saved = {"gpu_busy_mean": 95.0, "gpu_sm_active_mean": 30.0, "process_cpu_mean": 50.0, "data_wait_fraction": 0.0,
+             "peak_gpu_mem_fraction": 0.2}
+    finding = small_batch.check(saved, {"loaders": [loader()]}, H100)
+    assert finding is not None
+    assert finding.evidence["sm_active_percent"] == 30.0 and finding.evidence["kernel_running_percent"] == 95.0
+
+
+@pytest.mark.parametrize(("kernel_running", "sm_active", "fires"), [(1.9, 0.0, True), (2.0, 0.0, False)])
+def test_gpu_unused_means_no_kernel_ran_not_few_sms_active(kernel_running, sm_active, fires):
+    on_cpu = gpm_summary(sm_active, kernel_running, process_cpu_mean=100.0, process_gpu_mem_peak=0.0)
+    finding = gpu_unused.check(on_cpu, {"model": model(param_devices=["cpu"])}, H100)
+    assert (finding is not None) is fires
+    if finding:
+        assert finding.evidence["kernel_running_percent"] == kernel_running
 
 
 # ------------------------------------------------------------------ fp32-math: the chip's own ratio
@@ -81,7 +122,7 @@ def test_fp32_math_on_an_a40_claims_far_less_than_an_a100():
 def test_fp32_math_is_silent_when_tensor_pipes_already_work():
     workload = {"model": model(), "cuda": cuda((9, 0))}
     assert fp32_math.check(summary(80.0, gpu_tensor_active_mean=35.0), workload, H100) is None
-    finding = fp32_math.check(summary(80.0, gpu_tensor_active_mean=0.5, gpu_sm_active_mean=60.0), workload, H100)
+    finding = fp32_math.check(gpm_summary(60.0, 80.0, gpu_tensor_active_mean=0.5), workload, H100)
     assert finding is not None and finding.evidence["tensor_active_percent"] == 0.5
     assert finding.evidence["signal"] == "sm_active"
 

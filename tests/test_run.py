@@ -66,15 +66,16 @@ def test_summary_without_gpu_invents_no_gpu_figures():
 def test_run_renders_the_same_content_as_html_and_text():
     bundle = gpu_run()._repr_mimebundle_()
     text, page = bundle["text/plain"], bundle["text/html"]
-    for fragment in ("GPU busy 81%", "waiting for data 9%", "dataloader-starved", "up to 1.19x",
+    for fragment in ("kernel running (nvidia-smi) 81%", "waiting for data 9%", "dataloader-starved", "up to 1.19x",
                      "main cause: The loop waits for data (up to 1.19x faster)",
                      "time: waiting for data 400 ms (8%) · computing 4.0 s (82%) · other 500 ms (10%)"):
         assert fragment in text
-    for fragment in ("GPU busy", "81%", "dataloader-starved", "up to 1.19x", "num_workers=4",
+    for fragment in ("kernel running (nvidia-smi)", "81%", "dataloader-starved", "up to 1.19x", "num_workers=4",
                      "data:image/svg+xml,%3Csvg", "class='gpuwidget-breakdown'",
                      "The loop waits for data (up to 1.19x faster)"):
         assert fragment in page
-    assert "GPU0 NVIDIA H200: busy 81%, peak memory 56%" in text
+    assert "GPU0 NVIDIA H200: kernel running (nvidia-smi) 81%, peak memory 56%" in text
+    assert "SM active" not in text  # no GPM in this run: nothing claims SM activity
 
 
 def test_report_escapes_user_text():
@@ -91,7 +92,7 @@ def test_run_without_gpu_says_so_plainly():
               machine={"gpus": [], "gpu_message": "no NVIDIA GPU found (NVML library not found)"})
     text = run._repr_mimebundle_()["text/plain"]
     assert "no NVIDIA GPU found (NVML library not found): host metrics only" in text
-    assert "GPU busy" not in text
+    assert "kernel running" not in text and "SM active" not in text
 
 
 def test_json_round_trip_keeps_what_the_user_sees(tmp_path):
@@ -146,7 +147,8 @@ def test_run_options_are_watch_options_saved_as_plain_data(tmp_path):
     trace.append(0.0, {"cpu.util": 10.0})
     run = Run(trace=trace, options=options, finished=True)
     assert run.to_dict()["options"] == {"interval": 0.5, "gpus": [0, 1], "live": True, "view": "auto",
-                                        "advice": False, "tune": False, "save": None, "quiet": False}
+                                        "advice": False, "tune": False, "save": None, "quiet": False,
+                                        "price": None}
     loaded = Run.load(run.save(tmp_path / "run.json"))
     assert loaded.options == options
     assert "main cause: advice off (--no-advice)" in loaded._repr_mimebundle_()["text/plain"]

@@ -126,17 +126,44 @@ def test_chart_has_its_axis_labels_series_legend_and_waits():
     machine = {"gpus": [{"index": 0, "name": "Fake GPU"}], "gpu_message": None}
     view = StaticView(busy_trace(6.0, waits=12), machine, label="In [3]")
     bundle = view.bundle()
-    assert re.fullmatch(r"gpuwidget · watching In \[3\] · [\d.]+ s \| GPU0 \d+% · 3\.0/8 GB \| CPU \d+%",
-                        bundle["text/plain"])
+    assert re.fullmatch(r"gpuwidget · watching In \[3\] · [\d.]+ s \| GPU0 kernel running \d+% · 3\.0/8 GB \| "
+                        r"CPU \d+%", bundle["text/plain"])
     root = ET.fromstring(bundle["image/svg+xml"])
     texts = svg_texts(bundle["image/svg+xml"])
     # 0..10 s until the run outgrows it, 0-100 % on the other axis.
     assert {"0%", "50%", "100%", "0 s", "5 s", "10 s"} <= set(texts)
-    assert {"GPU0 util", "GPU0 memory", "CPU (all cores)", "waiting for data"} <= set(texts)
+    assert {"GPU0 kernel running (nvidia-smi)", "GPU0 memory", "CPU (all cores)", "waiting for data"} <= set(texts)
+    assert not any("SM active" in text for text in texts)  # no GPM on this GPU: nothing claims SM activity
     lines = root.findall(f"{SVG}polyline")
     assert len(lines) == 3 and all(len(line.get("points", "").split()) >= 20 for line in lines)
     # Twelve waits of 0.17 s, apart from each other by 0.33 s: twelve bands.
     assert len(root.findall(f"{SVG}rect")) == 12
+
+
+def test_with_gpm_the_chart_draws_sm_activity_with_kernel_running_beside_it():
+    machine = {"gpus": [{"index": 0, "name": "NVIDIA H100 80GB HBM3", "gpm": True}], "gpu_message": None}
+    trace = busy_trace(6.0, waits=0)
+    for i in range(24):
+        trace.append(6.0 + i / 4, {"cpu.util": 40.0, "gpu0.util": 92.0, "gpu0.sm_active": 6.0,
+                                   "gpu0.mem_used": 3e9, "gpu0.mem_total": 8e9})
+    bundle = StaticView(trace, machine, label="In [3]").bundle()
+    assert "| GPU0 SM active 6% (kernel running 92%) · 3.0/8 GB |" in bundle["text/plain"]
+    texts = svg_texts(bundle["image/svg+xml"])
+    assert {"GPU0 SM active", "GPU0 kernel running", "GPU0 memory"} <= set(texts)
+    dashes = {line.get("stroke-dasharray") for line in ET.fromstring(bundle["image/svg+xml"]).findall(f"{SVG}polyline")}
+    assert {None, "1 2", "4 3"} <= dashes  # SM active solid, kernel running dotted, memory dashed
+
+
+def test_a_mig_instance_draws_its_sm_activity_and_no_empty_utilisation_line():
+    machine = {"gpus": [{"index": 0, "name": "NVIDIA H100 80GB HBM3 MIG 3g.40gb", "gpm": True, "is_mig": True}],
+               "gpu_message": None}
+    trace = Trace(start_clock=0.0)
+    for i in range(24):
+        trace.append(i / 4, {"cpu.util": 40.0, "gpu0.sm_active": 30.0, "gpu0.mem_used": 3e9, "gpu0.mem_total": 8e9})
+    bundle = StaticView(trace, machine).bundle()
+    texts = svg_texts(bundle["image/svg+xml"])
+    assert "GPU0 SM active" in texts and not any("kernel running" in text for text in texts)
+    assert "GPU0 SM active 30% · 3.0/8 GB" in bundle["text/plain"]
 
 
 def test_chart_axis_doubles_when_the_run_outgrows_it_and_says_when_there_is_no_gpu():

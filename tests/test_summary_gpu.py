@@ -6,7 +6,8 @@ from typing import Any
 
 import pytest
 
-from gpuwidget.advice.summary import gpu_scope_note, summarize
+from gpuwidget.advice.summary import gpu_scope_note, gpu_scope_notes, summarize
+from gpuwidget.run import Run
 from gpuwidget.trace import Trace
 
 GIB = 2**30
@@ -129,3 +130,72 @@ def test_in_a_container_torchs_reserved_memory_stands_in_for_nvmls_zero():
     summary = summarize(trace, workload, duration_s=4.0)
     assert summary["gpu_pid_namespace_foreign"] is True
     assert summary["process_gpu_mem_peak"] == 55 * GIB and summary["process_gpu_mem_source"] == "torch"
+
+
+# ------------------------------------------------------------------ the busy figure: SM active over kernel running
+
+
+def gpm_trace(sm_active: float = 6.0, kernel_running: float = 92.0, ticks: int = 20) -> Trace:
+    """One H100 this process trained on: tiny kernels keep a kernel running while few SMs work."""
+    trace = Trace()
+    for tick in range(ticks):
+        trace.append(tick * 0.1, {"cpu.util": 20.0, "gpu0.util": kernel_running, "gpu0.sm_active": sm_active,
+                                  "gpu0.mem_used": 10 * GIB, "gpu0.mem_total": 80 * GIB, "gpu0.proc_mem": 8 * GIB})
+    return trace
+
+
+def test_busy_figure_is_sm_active_where_gpm_exists_and_kernel_running_stays_beside_it():
+    summary = summarize(gpm_trace(), {}, duration_s=2.0)
+    assert summary["gpu_busy_metric"] == "sm_active"
+    assert summary["gpu_busy_mean"] == pytest.approx(6.0) and summary["gpu_sm_active_mean"] == pytest.approx(6.0)
+    assert summary["gpu_kernel_running_mean"] == pytest.approx(92.0)
+    assert summary["gpu_busy_by_gpu"] == {"0": pytest.approx(6.0)}
+    assert summary["gpu_kernel_running_by_gpu"] == {"0": pytest.approx(92.0)}
+    assert summary["gpu_idle_gaps"] == 0  # 6% of the SMs all along: not idle by IDLE_UTIL_PERCENT (5)
+    assert "gpu_busy_missing" not in summary
+
+
+def test_without_gpm_the_busy_figure_is_kernel_running():
+    summary = summarize(eight_gpus(), {}, duration_s=4.0)
+    assert summary["gpu_busy_metric"] == "kernel_running"
+    assert summary["gpu_busy_mean"] == summary["gpu_kernel_running_mean"] == pytest.approx(98.0)
+
+
+def test_one_judged_gpu_without_gpm_makes_kernel_running_the_figure_for_all():
+    # A mixed host: the two GPUs used, an H100 (GPM) and an A40 (none); one figure must mean one thing.
+    trace = Trace()
+    for tick in range(20):
+        trace.append(tick * 0.1, {"gpu0.util": 90.0, "gpu0.sm_active": 40.0, "gpu0.proc_mem": GIB,
+                                  "gpu1.util": 70.0, "gpu1.proc_mem": GIB})
+    summary = summarize(trace, {}, duration_s=2.0)
+    assert summary["gpu_busy_metric"] == "kernel_running" and summary["gpu_busy_mean"] == pytest.approx(80.0)
+    assert summary["gpu_sm_active_mean"] == pytest.approx(40.0)  # still there for the rules
+
+
+@pytest.mark.parametrize(("kernel_running", "said"), [(80.0, True), (79.9, False)])
+def test_one_line_says_why_kernel_running_reads_far_above_sm_active(kernel_running, said):
+    summary = summarize(gpm_trace(sm_active=50.0, kernel_running=kernel_running), {}, duration_s=2.0)
+    notes = gpu_scope_notes(summary)
+    assert any("a few small kernels keep the GPU" in note for note in notes) is said
+
+
+def test_headline_reads_sm_active_where_gpm_exists_and_labels_nvidia_smi_utilisation():
+    trace = gpm_trace()
+    run = Run(trace=trace, summary=summarize(trace, {}, duration_s=2.0), finished=True,
+              machine={"gpus": [{"index": 0, "name": "NVIDIA H100 80GB HBM3", "gpm": True}]})
+    text, page = (run._repr_mimebundle_()[kind] for kind in ("text/plain", "text/html"))
+    assert "SM active 6% · kernel running (nvidia-smi) 92%" in text
+    assert "GPU busy" not in text
+    assert ("A kernel was running 92% of the time but only 6% of the SMs were active: a few small kernels keep "
+            "the GPU \"busy\" for nvidia-smi while most of its SMs idle.") in text
+    assert "GPU0 NVIDIA H100 80GB HBM3: SM active 6%, kernel running (nvidia-smi) 92%" in text
+    assert ">SM active<" in page and ">kernel running (nvidia-smi)<" in page
+    chart = next(line for line in page.split("alt='")[1:2])
+    assert "GPU0 SM active mean 6%" in chart and "GPU0 kernel running mean 92%" in chart
+
+
+def test_a_saved_run_from_before_the_busy_metric_still_reads_utilisation_as_kernel_running():
+    run = Run(trace=Trace(), summary={"duration_s": 1.0, "gpu_busy_mean": 81.0, "gpu_busy_by_gpu": {"0": 81.0}},
+              finished=True, machine={"gpus": [{"index": 0, "name": "NVIDIA A100"}]})
+    text = run._repr_mimebundle_()["text/plain"]
+    assert "kernel running (nvidia-smi) 81%" in text and "SM active" not in text

@@ -18,11 +18,18 @@ from gpuwidget.probes import DATA_WAIT_SPAN, STEP_SPAN
 from gpuwidget.sources.nvml import uuid_key
 from gpuwidget.trace import Trace, gpu_indices
 
-# A GPU is idle below this utilisation; a gap must last this long to count. Nsight Systems
-# treats 500 ms without GPU work as starvation; NVML's utilisation itself averages over
-# 1/6 s to 1 s, so shorter gaps are not resolvable from NVML anyway.
+# A GPU is idle below this busy figure (SM activity where GPM has it, else utilisation); a gap must
+# last this long to count. Nsight Systems treats 500 ms without GPU work as starvation; NVML's
+# utilisation itself averages over 1/6 s to 1 s, so shorter gaps are not resolvable from NVML anyway.
 IDLE_UTIL_PERCENT = 5.0
 IDLE_GAP_S = 0.5
+# The busy figure, by how it is named in the summary (``gpu_busy_metric``) -> its Trace column. DCGM's
+# profiling guidance and dcgm-exporter judge a GPU by SM activity (DCGM_FI_PROF_SM_ACTIVE): NVML's
+# utilisation is the share of time *any* kernel ran ("kernel running", nvidia-smi's GPU-Util), so a few
+# tiny kernels read as a fully busy GPU while most SMs idle.
+BUSY_COLUMNS = {"sm_active": "sm_active", "kernel_running": "util"}
+# "Kernel running" this many points above "SM active" is worth a line saying why the two differ.
+BUSY_GAP_POINTS = 30.0
 
 # NVML clock-event bits (nvml.h, nvmlClocksEventReason*) that mean the GPU slowed itself down:
 # hardware slowdown (0x8), software thermal (0x20), hardware thermal (0x40), hardware power brake (0x80).
@@ -37,6 +44,9 @@ BUSY_UTIL_PERCENT = 50.0
 # An energy counter reading lower than the one before by more than this share of it is a reset (the
 # driver reloaded); less is float32 rounding in the trace's archive (a relative error of 6e-8).
 ENERGY_RESET_TOLERANCE = 1e-6
+# Energy over a cell needs readings across at least this share of it; the rest is extrapolated at the
+# nearest readings' rate (the sampler's first reading comes a few ms into the cell, later on a loaded host).
+ENERGY_MIN_COVERAGE = 0.5
 
 def primary_loader(workload: WorkloadFacts | None) -> LoaderFacts | None:
     """The DataLoader the cell spent the most time iterating, or None."""
@@ -137,10 +147,10 @@ def _stat(trace: Trace, column: str, field: str = "mean") -> float | None:
     return None if stats is None else float(getattr(stats, field))
 
 
-def idle_gaps(trace: Trace, index: int) -> list[tuple[float, float]]:
-    """Intervals where GPU ``index`` stayed under IDLE_UTIL_PERCENT for at least IDLE_GAP_S."""
-    frame = trace.window(columns=[f"gpu{index}.util"])
-    util = frame.max[f"gpu{index}.util"]  # the envelope: a bucket is idle only if all of it was
+def idle_gaps(trace: Trace, index: int, metric: str = "util") -> list[tuple[float, float]]:
+    """Intervals where GPU ``index``'s ``metric`` column stayed under IDLE_UTIL_PERCENT for at least IDLE_GAP_S."""
+    frame = trace.window(columns=[f"gpu{index}.{metric}"])
+    util = frame.max[f"gpu{index}.{metric}"]  # the envelope: a bucket is idle only if all of it was
     gaps: list[tuple[float, float]] = []
     start: float | None = None
     for t, value in zip(frame.t.tolist(), util.tolist()):
@@ -157,10 +167,13 @@ def idle_gaps(trace: Trace, index: int) -> list[tuple[float, float]]:
 
 
 def summarize(trace: Trace, workload: WorkloadFacts | None = None,
-              duration_s: float | None = None, machine: MachineFacts | None = None) -> Summary:
+              duration_s: float | None = None, machine: MachineFacts | None = None,
+              price: float | None = None) -> Summary:
     """The run's summary dict (keys documented in DESIGN.md's public contract and facts.Summary).
 
     ``machine`` (the NVML source's device list) lets torch's devices be matched to NVML's by UUID.
+    The watched cell is the trace's time 0 to ``duration_s`` (the watch starts the trace's clock as
+    the cell starts); energy is charged over it. ``price`` (per GPU-hour) gives its cost.
     """
     duration = trace.duration if duration_s is None else duration_s
     summary: Summary = {"duration_s": duration}
@@ -188,7 +201,8 @@ def summarize(trace: Trace, workload: WorkloadFacts | None = None,
 
     summary.update(host_figures(trace))
 
-    summary.update(gpu_figures(trace, workload, machine))
+    summary.update(gpu_figures(trace, workload, machine, cell=(0.0, duration) if duration_s is not None else None))
+    summary.update(cost_figures(summary, price))
     energy = summary.get("energy_j")
     if energy is not None:
         if summary.get("samples"):
@@ -199,39 +213,116 @@ def summarize(trace: Trace, workload: WorkloadFacts | None = None,
 
 
 def gpu_figures(trace: Trace, workload: WorkloadFacts | None = None,
-                machine: MachineFacts | None = None) -> Summary:
+                machine: MachineFacts | None = None, cell: tuple[float, float] | None = None) -> Summary:
     """The GPU figures, judged on the GPUs this workload used; the others are listed apart.
 
     A node's seven idle GPUs must not dilute the one that trained: ``gpu_busy_mean``, idle gaps,
     memory, throttling and SM activity come from the GPUs the workload used (its processes held
     memory there per NVML, or torch allocated there). Without any sign of use (the work ran on the
     CPU, or nothing says where) every GPU is judged, and ``gpu_busy_basis`` says which it was.
+
+    The busy figure is SM activity (GPM) where every judged GPU has it, else NVML's utilisation
+    ("kernel running"); ``gpu_busy_metric`` says which, ``gpu_kernel_running_mean`` keeps the latter
+    beside it, and ``gpu_busy_missing`` says why neither exists (a MIG instance without GPM).
+    ``cell`` (trace times) is the span energy is charged over.
     """
     indices = gpu_indices(trace)
     torch_devices = torch_devices_by_gpu(workload, machine)
     used = gpus_used(trace, indices, torch_devices)
     judged = used or indices
     figures: Summary = {}
-    busy = {index: value for index in indices if (value := _stat(trace, f"gpu{index}.util")) is not None}
+    kernel = _means(trace, indices, "util")
+    sm = _means(trace, indices, "sm_active")
+    read = [index for index in judged if index in kernel or index in sm]
+    metric = "sm_active" if read and all(index in sm for index in read) else "kernel_running"
+    chosen, other = (sm, kernel) if metric == "sm_active" else (kernel, sm)
+    busy = {index: chosen[index] if index in chosen else other[index] for index in indices
+            if index in chosen or index in other}
+    # Which column says a GPU worked, for clocks and links: utilisation where it exists (any kernel).
+    work = {index: "util" if index in kernel else "sm_active" for index in busy}
     judged_busy = [busy[index] for index in judged if index in busy]
     if judged_busy:
-        gaps = [gap for index in judged if index in busy for gap in idle_gaps(trace, index)]
+        column = {index: BUSY_COLUMNS[metric] if index in chosen else work[index] for index in busy}
+        gaps = [gap for index in judged if index in busy for gap in idle_gaps(trace, index, column[index])]
         figures["gpu_busy_mean"] = sum(judged_busy) / len(judged_busy)
+        figures["gpu_busy_metric"] = metric
         figures["gpu_busy_by_gpu"] = {str(index): value for index, value in busy.items()}
         figures["gpu_busy_basis"] = "used" if used else "visible"
         figures["gpu_idle_gaps"] = len(gaps)
         figures["gpu_longest_idle_s"] = max([0.0] + [end - start for start, end in gaps])
+    elif judged:
+        figures["gpu_busy_missing"] = busy_missing(judged, machine)
+    judged_kernel = [kernel[index] for index in judged if index in kernel]
+    if judged_kernel:
+        figures["gpu_kernel_running_mean"] = sum(judged_kernel) / len(judged_kernel)
+        figures["gpu_kernel_running_by_gpu"] = {str(index): value for index, value in kernel.items()}
     if indices:
         figures["gpus_used"] = used
         unused = [index for index in indices if used and index not in used]
-        figures["gpus_unused_idle"] = [i for i in unused if busy.get(i, 0.0) < IDLE_UTIL_PERCENT]
-        figures["gpus_unused_busy"] = [i for i in unused if busy.get(i, 0.0) >= IDLE_UTIL_PERCENT]
+        # Someone else's work is any kernel running there: utilisation where the GPU has it.
+        ran = {**sm, **kernel}
+        figures["gpus_unused_idle"] = [i for i in unused if ran.get(i, 0.0) < IDLE_UTIL_PERCENT]
+        figures["gpus_unused_busy"] = [i for i in unused if ran.get(i, 0.0) >= IDLE_UTIL_PERCENT]
     figures.update(_activity(trace, judged))
     figures.update(_memory(trace, judged, torch_devices))
-    figures.update(_clocks(trace, [index for index in judged if index in busy]))
+    figures.update(_clocks(trace, [index for index in judged if index in busy], work))
     figures.update(_own_memory(trace, indices, torch_devices, machine))
-    figures.update(_pcie_links(trace, judged))
-    figures.update(_energy(trace, judged))
+    figures.update(_pcie_links(trace, judged, work))
+    figures.update(_energy(trace, judged, cell))
+    if judged:
+        figures["gpus_judged"] = len(judged)
+    return figures
+
+
+def _means(trace: Trace, indices: Sequence[int], metric: str) -> dict[int, float]:
+    """Each GPU's whole-run mean of ``gpu{i}.{metric}``, where it has readings."""
+    return {index: value for index in indices if (value := _stat(trace, f"gpu{index}.{metric}")) is not None}
+
+
+def busy_missing(judged: Sequence[int], machine: MachineFacts | None) -> str:
+    """Why the judged GPUs have no busy figure, in words (a MIG instance without GPM, most often)."""
+    devices = {int(gpu["index"]): gpu for gpu in (machine or {}).get("gpus") or [] if gpu.get("index") is not None}
+    reasons = []
+    for index in judged:
+        device = devices.get(index) or {}
+        name = f"GPU {index}" + (f" ({device['name']})" if device.get("name") else "")
+        if device.get("is_mig") and not device.get("gpm"):
+            reasons.append(f"{name} is a MIG instance: NVML reports no utilisation (kernel running) for MIG "
+                           "instances, and SM activity needs GPM, which this GPU lacks (Hopper and newer have it)")
+        elif device.get("gpm"):
+            reasons.append(f"{name} gave no SM activity: GPM needs two samples at least 100 ms apart, and "
+                           "the driver reported no utilisation either")
+        else:
+            reasons.append(f"{name}: the driver reported neither utilisation (kernel running) nor SM activity")
+    return "; ".join(reasons) + "."
+
+
+def busy_gap_note(summary: Summary) -> str | None:
+    """One line on why "kernel running" reads far above "SM active", where it does (None otherwise)."""
+    if summary.get("gpu_busy_metric") != "sm_active":
+        return None
+    sm_active, running = summary.get("gpu_busy_mean"), summary.get("gpu_kernel_running_mean")
+    if sm_active is None or running is None or running - sm_active < BUSY_GAP_POINTS:
+        return None
+    return (f"A kernel was running {running:.0f}% of the time but only {sm_active:.0f}% of the SMs were active: "
+            "a few small kernels keep the GPU \"busy\" for nvidia-smi while most of its SMs idle.")
+
+
+def cost_figures(summary: Summary, price: float | None) -> Summary:
+    """What the judged GPUs cost over the cell at ``price`` per GPU-hour, and the idle share of it.
+
+    Idle is by the busy figure (SM activity where GPM has it): a GPU whose SMs are 30% active
+    spends 70% of what it costs idle. Without a busy figure the idle cost is left out, not guessed.
+    """
+    gpus = summary.get("gpus_judged")
+    duration = summary.get("duration_s")
+    if price is None or not gpus or duration is None:
+        return {}
+    cost = gpus * duration / 3600.0 * price
+    figures: Summary = {"gpu_hour_price": price, "cost": cost}
+    busy = summary.get("gpu_busy_mean")
+    if busy is not None:
+        figures["idle_cost"] = cost * (1.0 - min(100.0, max(0.0, busy)) / 100.0)
     return figures
 
 
@@ -284,11 +375,12 @@ def _memory(trace: Trace, judged: Sequence[int], torch_devices: dict[int, CudaDe
             "peak_gpu_mem_fraction_by_gpu": {str(index): value for index, value in fraction.items()}}
 
 
-def _clocks(trace: Trace, judged: Sequence[int]) -> Summary:
+def _clocks(trace: Trace, judged: Sequence[int], work: dict[int, str]) -> Summary:
     """Slowdown and power-cap shares of busy samples and the clock ratio (worst GPU), and the
-    enforced power limit over the board's default (lowest)."""
+    enforced power limit over the board's default (lowest). ``work``: each GPU's column saying it worked."""
     figures: Summary = {}
-    by_gpu = {index: t for index, t in ((index, _throttling(trace, index)) for index in judged) if t is not None}
+    by_gpu = {index: t for index, t in ((index, _throttling(trace, index, work.get(index, "util")))
+                                        for index in judged) if t is not None}
     throttle = list(by_gpu.values())
     if throttle:
         figures["gpu_throttle_fraction_by_gpu"] = {str(index): t[0] for index, t in by_gpu.items()}
@@ -334,21 +426,27 @@ def _own_memory(trace: Trace, indices: Sequence[int], torch_devices: dict[int, C
     return figures
 
 
-def _energy(trace: Trace, judged: Sequence[int]) -> Summary:
-    """Joules the judged GPUs used while watched (NVML's energy counter), if every one of them reports it."""
-    used = [energy_used(trace, f"gpu{index}.energy_j") for index in judged]
+def _energy(trace: Trace, judged: Sequence[int], cell: tuple[float, float] | None = None) -> Summary:
+    """Joules the judged GPUs used over the cell (NVML's energy counter), if every one of them reports it."""
+    used = [energy_used(trace, f"gpu{index}.energy_j", cell) for index in judged]
     if not used or any(joules is None for joules in used):
         return {}  # absent, not 0: a GPU that can't say (NotSupported, before Volta) would understate it
     return {"energy_j": sum(joules for joules in used if joules is not None)}
 
 
-def energy_used(trace: Trace, column: str) -> float | None:
-    """What a cumulative energy counter rose by from its first reading to its last, or None (under two readings).
+def energy_used(trace: Trace, column: str, cell: tuple[float, float] | None = None) -> float | None:
+    """What a cumulative energy counter rose by over ``cell`` (trace times; default: from its first reading
+    to its last), or None (under two readings, or readings covering under ENERGY_MIN_COVERAGE of the cell).
+
+    The sampler reads the counter from its own start to its stop, which on a loaded host can begin
+    late and end long after the cell did (its last reading waits for the watch to wind down): the
+    counter is interpolated at the cell's start and end between the readings either side, and
+    extrapolated at the rate of the nearest two where the readings stop short of an edge.
 
     The counter counts from the driver's start; a reading below the one before means the driver
     reloaded (the count began again), and the new reading is what was used since. Archive buckets
     keep each bucket's lowest and highest reading, so resets are seen however long the run; without
-    one the rise is the exact whole-run last minus first (archive buckets hold float32).
+    one the rise is exact where the cell's edges fall on raw rows (archive buckets hold float32).
     """
     stats = trace.stats(column)
     if stats is None or stats.count < 2:
@@ -356,28 +454,50 @@ def energy_used(trace: Trace, column: str) -> float | None:
     frame = trace.window(columns=[column])
     low, high = frame.min[column], frame.max[column]
     read = ~np.isnan(low)
-    low, high = low[read].astype(float), high[read].astype(float)
+    t, low, high = frame.t[read].astype(float), low[read].astype(float), high[read].astype(float)
     steps = low[1:] - high[:-1]
     # Beyond float32's rounding (archive buckets) a step down is a reset, not noise.
     reset = steps < -(np.abs(high[:-1]) * ENERGY_RESET_TOLERANCE)
-    if not np.any(reset):
-        return stats.last - stats.min
     steps = np.where(reset, low[1:], np.maximum(steps, 0.0))  # a reset: the new count is what was used since
-    return float(np.sum(high - low) + np.sum(steps))
+    # The exact rise from the first reading to the last: float32 archive buckets would round it.
+    total = stats.last - stats.min if not np.any(reset) else float(np.sum(high - low) + np.sum(steps))
+    if cell is None:
+        return total
+    start, end = cell
+    covered = min(end, t[-1]) - max(start, t[0])
+    if end <= start or covered < ENERGY_MIN_COVERAGE * (end - start):
+        return None  # the readings miss most of the cell (a GPU lost early): no figure rather than a guess
+    # Energy used since the first reading, at each row's first (low) reading (the newest rows are raw).
+    since = np.concatenate([[0.0], np.cumsum((high - low)[:-1] + steps)])
+    # The edges move the exact total by what the counter did between them and the first or last reading.
+    before = _counter_at(t, since, start)
+    after = _counter_at(t, since, end) - since[-1]
+    return max(0.0, total - before + after)
 
 
-def _pcie_links(trace: Trace, judged: Sequence[int]) -> Summary:
+def _counter_at(t: np.ndarray, since: np.ndarray, at: float) -> float:
+    """The cumulative energy at time ``at``: interpolated between readings, extrapolated at the edge rate."""
+    if t[0] <= at <= t[-1] or len(t) < 2:
+        return float(np.interp(at, t, since))
+    i, j = (0, 1) if at < t[0] else (-2, -1)
+    span = t[j] - t[i]
+    rate = (since[j] - since[i]) / span if span > 0 else 0.0
+    edge = i if at < t[0] else j
+    return float(since[edge] + rate * (at - t[edge]))
+
+
+def _pcie_links(trace: Trace, judged: Sequence[int], work: dict[int, str]) -> Summary:
     """Each judged GPU's PCIe link at its best during the run against what it allows; an idle GPU
     trains its link down to save power, so only a GPU that was busy at some point is judged."""
     links: dict[str, dict[str, int]] = {}
+    names = ("pcie_gen", "pcie_width", "pcie_gen_max", "pcie_width_max")
     for index in judged:
-        figures = {name: _stat(trace, f"gpu{index}.{name}", "max")
-                   for name in ("pcie_gen", "pcie_width", "pcie_gen_max", "pcie_width_max", "util")}
-        if any(figures[name] is None for name in ("pcie_gen", "pcie_width", "pcie_gen_max", "pcie_width_max")):
+        figures = {name: _stat(trace, f"gpu{index}.{name}", "max") for name in names}
+        if any(figures[name] is None for name in names):
             continue
-        if (figures["util"] or 0.0) < BUSY_UTIL_PERCENT:
+        if (_stat(trace, f"gpu{index}.{work.get(index, 'util')}", "max") or 0.0) < BUSY_UTIL_PERCENT:
             continue
-        links[str(index)] = {name: int(value or 0) for name, value in figures.items() if name != "util"}
+        links[str(index)] = {name: int(value or 0) for name, value in figures.items()}
     if not links:
         return {}
     degraded = [int(index) for index, link in links.items()
@@ -396,8 +516,13 @@ def gpu_scope_note(summary: Summary) -> str | None:
 
 
 def gpu_scope_notes(summary: Summary) -> list[str]:
-    """What a reader must know to read the GPU figures: GPUs left out, a foreign PID namespace, a slow link."""
-    notes = [note] if (note := gpu_scope_note(summary)) else []
+    """What a reader must know to read the GPU figures: why "kernel running" and "SM active" differ, why
+    neither was measured, GPUs left out, a foreign PID namespace, a slow link."""
+    notes = [note] if (note := busy_gap_note(summary)) else []
+    if summary.get("gpu_busy_missing"):
+        notes.append(f"Not measured how busy the GPU was: {summary['gpu_busy_missing']}")
+    if note := gpu_scope_note(summary):
+        notes.append(note)
     if summary.get("gpu_pid_namespace_foreign"):
         notes.append("This process runs in its own PID namespace (a container): the driver reports host pids, "
                      "so its GPU memory is torch's memory_reserved.")
@@ -473,14 +598,15 @@ def _steady_mean(trace: Trace, column: str, between: tuple[float, float] | None)
     return float(values.mean()) if len(values) else None
 
 
-def _throttling(trace: Trace, index: int) -> tuple[float, float, float | None] | None:
+def _throttling(trace: Trace, index: int, work: str = "util") -> tuple[float, float, float | None] | None:
     """(share of busy samples with a slowdown bit set, share with the power-cap bit set, mean SM clock
     over its maximum on those samples), or None when the GPU was never busy.
 
     Read from the samples still held at full resolution: a bitmask has no meaningful mean. Samples
-    with the idle bit are left out: an idle GPU's low clocks are on purpose, not throttling.
+    with the idle bit are left out: an idle GPU's low clocks are on purpose, not throttling. Busy is
+    by ``work``: utilisation (a kernel ran: clocks then matter), SM activity where there is none (MIG).
     """
-    columns = [f"gpu{index}.util", f"gpu{index}.clock_events", f"gpu{index}.sm_clock", f"gpu{index}.sm_clock_max"]
+    columns = [f"gpu{index}.{work}", f"gpu{index}.clock_events", f"gpu{index}.sm_clock", f"gpu{index}.sm_clock_max"]
     frame = trace.recent_since(-np.inf, columns)
     util, events = frame.mean[columns[0]], frame.mean[columns[1]]
     known = ~np.isnan(events)

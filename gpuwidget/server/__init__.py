@@ -49,6 +49,18 @@ class GpuWidget(Configurable):
     ).tag(config=True)
     prometheus_timeout_s = Float(10.0, help="Seconds a Prometheus query may take.").tag(config=True)
     prometheus_connect_timeout_s = Float(3.0, help="Seconds to connect to Prometheus.").tag(config=True)
+    gpu_hour_price = Float(
+        None, allow_none=True,
+        help="What one GPU-hour costs (any currency). Kernels this server starts inherit it (as "
+             "$GPUWIDGET_GPU_HOUR_PRICE), so a watched cell's report shows its cost and idle cost; "
+             "%%gpuwatch --price overrides it.").tag(config=True)
+
+    @validate("gpu_hour_price")
+    def _check_price(self, proposal: Any) -> float | None:
+        price = proposal["value"]
+        if price is not None and not (price > 0 and price != float("inf")):
+            raise TraitError(f"gpu_hour_price must be a positive number per GPU-hour, not {price!r}")
+        return price
 
     @validate("prometheus_url")
     def _check_url(self, proposal: Any) -> str:
@@ -92,6 +104,7 @@ def _load_jupyter_server_extension(serverapp: ServerApp) -> None:
     from gpuwidget.server.subshells import untrack_subshell_requests
 
     config = GpuWidget(parent=serverapp)
+    share_price(config)
     monitor = Monitor(interval=config.interval, history_s=config.history_s)
     web_app = serverapp.web_app
     web_app.settings["gpuwidget_monitor"] = monitor
@@ -113,6 +126,17 @@ def _load_jupyter_server_extension(serverapp: ServerApp) -> None:
 
     PeriodicCallback(lambda: asyncio.ensure_future(refresh()), KERNEL_REFRESH_MS).start()
     serverapp.log.info("gpuwidget server extension loaded (interval %.2f s)", config.interval)
+
+
+def share_price(config: GpuWidget) -> None:
+    """Hand ``gpu_hour_price`` to the kernels this server starts: they inherit its environment, and a
+    watch reads the price from there (gpuwidget.options.PRICE_ENV)."""
+    import os
+
+    from gpuwidget.options import PRICE_ENV
+
+    if config.gpu_hour_price is not None:
+        os.environ[PRICE_ENV] = repr(config.gpu_hour_price)
 
 
 def _add_prometheus(serverapp: ServerApp, config: GpuWidget, monitor: Any) -> None:

@@ -274,8 +274,11 @@ def _gather(results: dict[tuple[str, str], tuple[Query, list[dict[str, Any]]]], 
                 host = labels.get("Hostname") or labels.get("instance") or "unknown host"
                 gpu_label = str(labels.get("gpu", ""))
                 uuid = labels.get("UUID") or None
-                key = by_uuid.get(uuid) if uuid else None
-                key = key or (host, uuid or gpu_label)
+                identity = _identity(labels)
+                if labels.get("GPU_I_ID"):  # a MIG instance: its GPU's index and its own GPU instance id
+                    gpu_label = f"{gpu_label}/GI{labels['GPU_I_ID']}"
+                key = by_uuid.get(identity) if identity else None
+                key = key or (host, identity or gpu_label)
                 entry = gpus.get(key)
                 if entry is not None and entry["source"] != source:
                     continue  # gpuwidget's series already describe this GPU
@@ -284,8 +287,8 @@ def _gather(results: dict[tuple[str, str], tuple[Query, list[dict[str, Any]]]], 
                                          "holder": None, "util": [None] * points,
                                          "memory_used_bytes": [None] * points, "memory_total_bytes": None,
                                          "power_w": [None] * points, "source": source, "_free": None}
-                    if uuid:
-                        by_uuid[uuid] = key
+                    if identity:
+                        by_uuid[identity] = key
                 taken.add(key)
                 values = _aligned(series.get("values") or [], start, step, points, query.factor)
                 if query.key == "util":
@@ -309,13 +312,21 @@ def _gather(results: dict[tuple[str, str], tuple[Query, list[dict[str, Any]]]], 
     return gpus
 
 
+def _identity(labels: dict[str, Any]) -> str:
+    """Which GPU a series is of: its UUID, and for a MIG instance (both exporters label it with its GPU's
+    UUID) the GPU instance id after it; "" without a UUID."""
+    uuid = labels.get("UUID") or ""
+    instance = labels.get("GPU_I_ID") or ""
+    return f"{uuid}/GI{instance}" if uuid and instance else uuid
+
+
 def _holders(gpus: dict[tuple[str, str], dict[str, Any]], by_uuid: dict[str, tuple[str, str]],
              series_list: list[dict[str, Any]], start: float, step: float, points: int) -> None:
     """Each GPU's holder: the notebook (else kernel) holding most of its memory at the newest point."""
     best: dict[tuple[str, str], tuple[float, str]] = {}
     for series in series_list:
         labels = series.get("metric") or {}
-        key = by_uuid.get(labels.get("UUID") or "")
+        key = by_uuid.get(_identity(labels))
         if key is None:
             continue
         held = _last(_aligned(series.get("values") or [], start, step, points, 1.0), newest_only=True)

@@ -7,17 +7,25 @@ registry (:func:`register`); each scrape reads what the server's shared sampler 
 waiting, well under a millisecond for 8 GPUs (benchmarks/prometheus.py).
 
 Series (every one carries ``Hostname``; GPU series carry dcgm-exporter's label names ``gpu``
-(NVML's index, as nvidia-smi and dcgm-exporter number GPUs), ``UUID`` and ``modelName``, so
-the two join in PromQL; dcgm-exporter's ``DCGM_FI_*`` series are never repeated under their names):
+(NVML's index, as nvidia-smi and dcgm-exporter number GPUs), ``UUID`` and ``modelName``, and for a
+MIG instance ``GPU_I_ID`` (its GPU instance id) and ``GPU_I_PROFILE`` ("3g.40gb"), with ``gpu``,
+``UUID`` and ``modelName`` its GPU's, as dcgm-exporter labels them (empty on a whole GPU); so the
+two join in PromQL; dcgm-exporter's ``DCGM_FI_*`` series are never repeated under their names):
 
 ==============================================  ===============================================
-``gpuwidget_gpu_utilization_ratio``             share of time a kernel ran, 0..1 (NVML utilization)
+``gpuwidget_gpu_sm_active_ratio``               share of SMs busy, 0..1 (GPM, Hopper and newer; the
+                                                busy figure, as DCGM_FI_PROF_SM_ACTIVE)
+``gpuwidget_gpu_tensor_active_ratio``           share of time a tensor pipe was busy, 0..1 (GPM; as
+                                                DCGM_FI_PROF_PIPE_TENSOR_ACTIVE)
+``gpuwidget_gpu_dram_active_ratio``             share of DRAM bandwidth used, 0..1 (GPM)
+``gpuwidget_gpu_utilization_ratio``             "kernel running": share of time any kernel ran, 0..1
+                                                (NVML utilization, nvidia-smi's GPU-Util; one tiny
+                                                kernel counts as fully busy; absent on MIG)
 ``gpuwidget_gpu_memory_utilization_ratio``      share of time memory was read or written, 0..1
 ``gpuwidget_gpu_memory_used_bytes``             ``..._memory_total_bytes``: device memory
 ``gpuwidget_gpu_power_watts``                   ``..._power_limit_watts``: draw and enforced limit
 ``gpuwidget_gpu_temperature_celsius``           GPU sensor
 ``gpuwidget_gpu_sm_clock_hertz``                SM clock
-``gpuwidget_gpu_{sm,tensor,dram}_active_ratio`` GPM activity (Hopper and newer), 0..1
 ``gpuwidget_gpu_energy_joules_total``           energy since the driver loaded (counter)
 ``gpuwidget_host_cpu_utilization_ratio``        all cores of the node, 0..1
 ``gpuwidget_host_memory_{used,total}_bytes``    the node's memory
@@ -66,13 +74,14 @@ from gpuwidget.sources.cgroup import CgroupLimits, CgroupUsage, read_limits, rea
 
 log = logging.getLogger("gpuwidget")
 
-GPU_LABELS = ["gpu", "UUID", "modelName", "Hostname"]
+GPU_LABELS = ["gpu", "UUID", "modelName", "Hostname", "GPU_I_ID", "GPU_I_PROFILE"]
 KERNEL_LABELS = ["kernel_id", "notebook", "Hostname"]
 
 # NVML column (after ``gpu{i}.``) -> (metric, help, factor to the metric's unit).
 GPU_GAUGES: list[tuple[str, str, str, float]] = [
-    ("util", "gpuwidget_gpu_utilization_ratio", "Share of time a kernel ran on the GPU (NVML utilization), 0..1.",
-     0.01),
+    ("util", "gpuwidget_gpu_utilization_ratio",
+     "Kernel running: share of time any kernel ran on the GPU (NVML utilization, nvidia-smi's GPU-Util; a few tiny "
+     "kernels read as fully busy: gpuwidget_gpu_sm_active_ratio says how much of the GPU worked), 0..1.", 0.01),
     ("mem_util", "gpuwidget_gpu_memory_utilization_ratio", "Share of time device memory was read or written, 0..1.",
      0.01),
     ("mem_used", "gpuwidget_gpu_memory_used_bytes", "Device memory in use, bytes.", 1.0),
@@ -81,8 +90,10 @@ GPU_GAUGES: list[tuple[str, str, str, float]] = [
     ("power_limit", "gpuwidget_gpu_power_limit_watts", "Enforced power limit, watts.", 1.0),
     ("temperature", "gpuwidget_gpu_temperature_celsius", "GPU temperature, degrees Celsius.", 1.0),
     ("sm_clock", "gpuwidget_gpu_sm_clock_hertz", "SM clock, hertz.", 1.0),
-    ("sm_active", "gpuwidget_gpu_sm_active_ratio", "Share of SMs busy (GPM), 0..1.", 0.01),
-    ("tensor_active", "gpuwidget_gpu_tensor_active_ratio", "Share of time a tensor core pipe was busy (GPM), 0..1.",
+    ("sm_active", "gpuwidget_gpu_sm_active_ratio",
+     "SM active: share of the SMs busy, averaged over time (GPM, as DCGM_FI_PROF_SM_ACTIVE), 0..1.", 0.01),
+    ("tensor_active", "gpuwidget_gpu_tensor_active_ratio",
+     "Tensor active: share of time a tensor core pipe was busy (GPM, as DCGM_FI_PROF_PIPE_TENSOR_ACTIVE), 0..1.",
      0.01),
     ("dram_active", "gpuwidget_gpu_dram_active_ratio", "Share of DRAM bandwidth used (GPM), 0..1.", 0.01),
 ]
@@ -280,9 +291,17 @@ class GpuWidgetCollector:
         return [(device, self._gpu_labels(device)) for device in known.get("devices") or []]
 
     def _gpu_labels(self, device: dict[str, Any]) -> list[str]:
+        """dcgm-exporter's labels: a MIG instance is named by its GPU (index, UUID, model) and its
+        GPU instance id and profile."""
         index = device.get("nvml_index", device.get("index"))
-        return ["" if index is None else str(index), device.get("uuid") or "", device.get("name") or "",
-                self.hostname]
+        name = device.get("name") or ""
+        if not device.get("is_mig"):
+            return ["" if index is None else str(index), device.get("uuid") or "", name, self.hostname, "", ""]
+        instance = device.get("gpu_instance_id")
+        profile = device.get("mig_profile") or ""
+        model = name.rpartition(" MIG ")[0] or name
+        return ["" if index is None else str(index), device.get("parent_uuid") or device.get("uuid") or "", model,
+                self.hostname, "" if instance is None else str(instance), profile]
 
     def _collect_cgroup(self, families: dict[str, Any], host: str) -> None:
         now = time.monotonic()

@@ -64,7 +64,8 @@ HISTORY_DIGITS = 4
 # suffix, host metrics by name; labextension/src/protocol.ts HISTORY_METRICS says the same), at most
 # this many points per column (a chart ~350 px wide gets a minimum and a maximum per pixel) of
 # which the newest rows are as sampled, and this many significant digits (a chart is 64 px high).
-STREAM_HISTORY_METRICS = ("util", "mem_used", "power", "temperature", "pcie_tx", "pcie_rx", "cpu.util", "mem.used")
+STREAM_HISTORY_METRICS = ("util", "sm_active", "mem_used", "power", "temperature", "pcie_tx", "pcie_rx", "cpu.util",
+                          "mem.used")
 STREAM_HISTORY_POINTS = 800
 STREAM_HISTORY_RAW_ROWS = 60
 STREAM_HISTORY_DIGITS = 3
@@ -90,6 +91,11 @@ FIRST_READING_GAP_S = 0.1
 # 0.7 ms of server CPU per connection under churn; with 5 rows of catch-up, a fifth of that.
 HISTORY_CATCH_UP_ROWS = 5
 HISTORY_REUSE_S = 10.0
+
+# What /devices tells of each device (docs/server-api.md); a MIG instance carries its GPU instance id
+# and profile (dcgm-exporter's GPU_I_ID, GPU_I_PROFILE), ``gpm`` says whether SM activity is read.
+DEVICE_KEYS = ("id", "index", "nvml_index", "uuid", "name", "memory_total", "power_limit", "is_mig", "parent_uuid",
+               "pci_bus_id", "mig_mode", "gpu_instance_id", "mig_profile", "gpm")
 
 Send = Callable[[str], None]
 
@@ -319,8 +325,7 @@ class Monitor:
                 "gpu_found": bool(facts.get("available")),
                 "message": None if facts.get("available") else facts.get("reason") or "no NVIDIA GPU found",
                 "devices": [
-                    {key: device.get(key) for key in ("id", "index", "nvml_index", "uuid", "name", "memory_total",
-                                                       "power_limit", "is_mig", "parent_uuid", "pci_bus_id")}
+                    {key: device.get(key) for key in DEVICE_KEYS}
                     for device in facts.get("devices") or [] if not device.get("lost")
                 ],
                 "host": {"cpu_count": host_facts.get("cpu_count"), "mem_total": host_facts.get("mem_total")},
@@ -542,7 +547,8 @@ class Monitor:
 
 def default_sources() -> MonitorSources:
     # The sidebar shows neither per-core CPU nor the server process itself.
-    return MonitorSources(HostSource(per_core=False, process=False), NvmlSource(pids=lambda: ()))
+    # The machine's view: every MIG instance, not the one a CUDA process would see.
+    return MonitorSources(HostSource(per_core=False, process=False), NvmlSource(pids=lambda: (), every_device=True))
 
 
 def _for_plot(values: np.ndarray) -> list[float | None]:

@@ -3,8 +3,9 @@
 Updates are batched: the sampler calls :meth:`LiveView.on_tick` every tick, and at most
 every ``PUSH_INTERVAL_S`` the view streams the rows that arrived since the last push into
 its ColumnDataSource (jupyter_bokeh turns that into a few comm messages, which reach the
-browser while the cell is still busy). Everything is on one 0-100 % axis: GPU
-utilisation and memory per GPU, host CPU; intervals when the loop waited for data are
+browser while the cell is still busy). Everything is on one 0-100 % axis: per GPU its SM
+activity (GPM) with "kernel running" (NVML utilisation) beside it, or utilisation alone without
+GPM, and its memory; host CPU; intervals when the loop waited for data are
 shaded bands. When several processes train, a per-rank table under the plot
 (gpuwidget.ui.rank_strip) shows each one's steps, data wait and step time, updated with the plot.
 
@@ -36,7 +37,16 @@ from typing import Any
 
 import numpy as np
 
-from gpuwidget.chart import CPU_COLOR, PALETTE, PROCESS_COLOR, WAIT_COLOR, merge_bands, percent_data, plot_columns
+from gpuwidget.chart import (
+    CPU_COLOR,
+    PROCESS_COLOR,
+    WAIT_COLOR,
+    gpu_series,
+    machine_gpu_lines,
+    merge_bands,
+    percent_data,
+    plot_columns,
+)
 from gpuwidget.clock import now
 from gpuwidget.facts import MachineFacts
 from gpuwidget.probes import DATA_WAIT_SPAN
@@ -61,6 +71,9 @@ INITIAL_SPAN_S = 10.0
 # was built.
 RESEND_WHOLE_S = 3.0
 LIVE_TAG = "gpuwidget-live"
+# Bokeh's dash of each kind of GPU line (gpuwidget.chart.gpu_series): the busy figure solid, "kernel
+# running" beside SM activity dash-dotted (this process's CPU is dotted), memory dashed.
+LINE_DASH = {"busy": "solid", "kernel": "dotdash", "memory": "dashed"}
 # The per-rank table's figures are over seconds (gpuwidget.ui.rank_strip.WINDOW_S): once shown, it
 # is brought up to date at most this often, not on every push.
 RANKS_INTERVAL_S = 1.0
@@ -195,7 +208,7 @@ class LiveView:
 
         self.trace = trace
         self.label = label
-        self._gpus = [int(d["index"]) for d in machine.get("gpus") or []]
+        self._gpus, self._sm, running = machine_gpu_lines(machine)
         self._names = {int(d["index"]): d.get("name", "") for d in machine.get("gpus") or []}
         self._gpu_message = machine.get("gpu_message")
         self._lock = threading.Lock()
@@ -208,17 +221,18 @@ class LiveView:
         self._created = now()
 
         # (column in the plot, label, colour, dash)
-        self._series: list[tuple[str, str, str, str]] = []
-        for n, index in enumerate(self._gpus):
-            color = PALETTE[n % len(PALETTE)]
-            self._series.append((f"gpu{index}_util", f"GPU{index} util", color, "solid"))
-            self._series.append((f"gpu{index}_mem", f"GPU{index} memory", color, "dashed"))
+        self._series: list[tuple[str, str, str, str]] = [
+            (line.key, line.label, line.color, LINE_DASH[line.kind])
+            for line in gpu_series(self._gpus, self._sm, running)]
         self._series.append(("cpu_util", "CPU (all cores)", CPU_COLOR, "solid"))
         self._series.append(("proc_cpu", "this process (% of a core)", PROCESS_COLOR, "dotted"))
 
         self._x_end = INITIAL_SPAN_S
         self._x_range = Range1d(start=0, end=INITIAL_SPAN_S)
-        self.source = ColumnDataSource(data={"t": [], **{key: [] for key, *_ in self._series}})
+        # Every column percent_data gives (Bokeh streams only to a source's exact columns), drawn or not.
+        keys = ["cpu_util", "proc_cpu", *(f"gpu{i}_{part}" for i in self._gpus for part in ("util", "mem")),
+                *(f"gpu{i}_sm" for i in self._sm)]
+        self.source = ColumnDataSource(data={"t": [], **{key: [] for key in keys}})
         self.bands = ColumnDataSource(data={"left": [], "right": []})
         fig = figure(
             height=230,
@@ -308,10 +322,10 @@ class LiveView:
         _close_tree(self.widget)
 
     def _columns(self) -> list[str]:
-        return plot_columns(self._gpus)
+        return plot_columns(self._gpus, sm_active=self._sm)
 
     def _plot_data(self, frame: Frame) -> dict[str, Any]:
-        return {"t": frame.t, **percent_data(frame, self._gpus)}
+        return {"t": frame.t, **percent_data(frame, self._gpus, sm_active=self._sm)}
 
     def _push_bands(self, whole: bool = False) -> None:
         after = -math.inf if whole else self._last_band_end
@@ -346,7 +360,7 @@ class LiveView:
 
     def _header_html(self, elapsed: float, last: dict[str, float]) -> str:
         parts = [f"<b>gpuwidget</b> · watching {html.escape(self.label)} · {elapsed:5.1f} s"]
-        figures = [html.escape(part) for part in status_parts(last, self._gpus, self._gpu_message)]
+        figures = [html.escape(part) for part in status_parts(last, self._gpus, self._gpu_message, self._sm)]
         if not self._gpus:  # the no-GPU notice stands out
             figures[0] = f"<span style='color:#b35c00'>{figures[0]}</span>"
         parts += figures

@@ -23,11 +23,12 @@ import html
 import math
 import threading
 import time
+from collections.abc import Collection
 from typing import Any
 
 import numpy as np
 
-from gpuwidget.chart import CPU_COLOR, PALETTE, WAIT_COLOR, merge_bands
+from gpuwidget.chart import CPU_COLOR, SVG_DASH, WAIT_COLOR, gpu_series, machine_gpu_lines, merge_bands
 from gpuwidget.clock import now
 from gpuwidget.facts import MachineFacts
 from gpuwidget.probes import DATA_WAIT_SPAN
@@ -57,17 +58,23 @@ RANK_COLUMN_X = (LEFT, LEFT + 190, LEFT + 265, LEFT + 335)
 STRAGGLER_COLOR = "#d9822b"  # reads on light and dark backgrounds alike
 
 
-def status_parts(last: dict[str, float], gpus: list[int], gpu_message: str | None) -> list[str]:
-    """The running figures after the title: per GPU its utilisation and memory, then the host CPU."""
+def status_parts(last: dict[str, float], gpus: list[int], gpu_message: str | None,
+                 sm_active: Collection[int] = ()) -> list[str]:
+    """The running figures after the title: per GPU how busy (SM active where GPM has it, with kernel
+    running beside it; else kernel running) and its memory, then the host CPU."""
     parts = []
     if gpus:
         for index in gpus:
             util = last.get(f"gpu{index}.util")
+            sm = last.get(f"gpu{index}.sm_active") if index in sm_active else None
             used = last.get(f"gpu{index}.mem_used")
             total = last.get(f"gpu{index}.mem_total")
             text = f"GPU{index}"
-            if util is not None and math.isfinite(util):
-                text += f" {util:.0f}%"
+            running = util is not None and math.isfinite(util)
+            if sm is not None and math.isfinite(sm):
+                text += f" SM active {sm:.0f}%" + (f" (kernel running {util:.0f}%)" if running else "")
+            elif running:
+                text += f" kernel running {util:.0f}%"
             if used is not None and total:
                 text += f" · {used / 1e9:.1f}/{total / 1e9:.0f} GB"
             parts.append(text)
@@ -85,17 +92,16 @@ class StaticView:
     def __init__(self, trace: Trace, machine: MachineFacts, label: str = "") -> None:
         self.trace = trace
         self.label = label
-        self._gpus = [int(d["index"]) for d in machine.get("gpus") or []]
+        self._gpus, self._sm, running = machine_gpu_lines(machine)
         self._gpu_message = machine.get("gpu_message")
         # A GPU's memory total does not change: it is read from the last row, not downsampled
         # with the rest (a third fewer columns through plot_view, the dearest part of a redraw).
-        self._columns = ["cpu.util", *(f"gpu{i}.{m}" for i in self._gpus for m in ("util", "mem_used"))]
+        self._columns = ["cpu.util", *(f"gpu{i}.{m}" for i in self._gpus for m in ("util", "mem_used")),
+                         *(f"gpu{i}.sm_active" for i in self._sm)]
         # (label, colour, dash, key in _percent)
-        self._series: list[tuple[str, str, str, str]] = []
-        for n, index in enumerate(self._gpus):
-            color = PALETTE[n % len(PALETTE)]
-            self._series.append((f"GPU{index} util", color, "", f"gpu{index}_util"))
-            self._series.append((f"GPU{index} memory", color, "4 3", f"gpu{index}_mem"))
+        self._series: list[tuple[str, str, str, str]] = [
+            (line.label, line.color, SVG_DASH[line.kind], line.key)
+            for line in gpu_series(self._gpus, self._sm, running)]
         self._series.append(("CPU (all cores)", CPU_COLOR, "", "cpu_util"))
         self._lock = threading.Lock()
         self._intervals: list[tuple[float, float]] = []
@@ -145,7 +151,7 @@ class StaticView:
         values = last[1] if last else {}
         elapsed = self.trace.now()
         title = " ".join(["gpuwidget · watching", *([self.label] if self.label else []), f"· {elapsed:.1f} s"])
-        line = " | ".join([title, *status_parts(values, self._gpus, self._gpu_message)])
+        line = " | ".join([title, *status_parts(values, self._gpus, self._gpu_message, self._sm)])
         self.rank_rows = rows = self._strip.update()
         text = "\n".join([line, *text_lines(self._strip, rows)])
         return {"image/svg+xml": self.svg(line, rows), "text/plain": text}
@@ -198,6 +204,8 @@ class StaticView:
         data = {"cpu_util": frame.mean["cpu.util"]}
         for index in self._gpus:
             data[f"gpu{index}_util"] = frame.mean[f"gpu{index}.util"]
+            if index in self._sm:
+                data[f"gpu{index}_sm"] = frame.mean[f"gpu{index}.sm_active"]
             total = last.get(f"gpu{index}.mem_total")
             used = frame.mean[f"gpu{index}.mem_used"]
             data[f"gpu{index}_mem"] = 100.0 * used / total if total else np.full(len(used), np.nan)

@@ -15,6 +15,7 @@ import { Reading } from './protocol';
 /** The JupyterLab theme variable behind each line colour. */
 const COLOR_VARIABLES: Record<ColorRole, string> = {
   busy: '--jp-brand-color1',
+  kernel: '--jp-ui-font-color2',
   memory: '--jp-accent-color1',
   power: '--jp-warn-color1',
   heat: '--jp-error-color1',

@@ -30,7 +30,7 @@ export const GPU_METRICS: GpuMetric[] = [
 
 /** A line's colour, by meaning; charts.ts maps each to a JupyterLab CSS variable. */
 export type ColorRole =
-  'busy' | 'memory' | 'power' | 'heat' | 'send' | 'receive';
+  'busy' | 'kernel' | 'memory' | 'power' | 'heat' | 'send' | 'receive';
 
 export type Unit = 'percent' | 'bytes' | 'watts' | 'celsius' | 'rate';
 
@@ -59,6 +59,30 @@ function positive(value: number | null | undefined): number | null {
   return typeof value === 'number' && value > 0 ? value : null;
 }
 
+/**
+ * How busy a GPU is, as dcgm-exporter names it: "SM active" (GPM's SM activity, Hopper and newer,
+ * MIG instances included) where the server reads it, else NVML's utilisation, which is only the
+ * share of time some kernel ran: "kernel running", nvidia-smi's GPU-Util.
+ */
+export function busyColumn(device: IDeviceInfo): string {
+  return device.gpm ? `${device.id}.sm_active` : `${device.id}.util`;
+}
+
+export const SM_ACTIVE_LABEL = 'SM active';
+export const KERNEL_RUNNING_LABEL = 'kernel running (nvidia-smi)';
+
+/** "SM active 6% · kernel running 92%", "kernel running (nvidia-smi) 92%": both figures where known. */
+export function busyText(device: IDeviceInfo, latest: Latest): string {
+  const running = latest(`${device.id}.util`);
+  if (!device.gpm) {
+    return `${KERNEL_RUNNING_LABEL} ${formatPercent(running)}`;
+  }
+  const sm = `${SM_ACTIVE_LABEL} ${formatPercent(latest(busyColumn(device)))}`;
+  return running === null
+    ? sm
+    : `${sm} · kernel running ${formatPercent(running)}`;
+}
+
 /** The charts of one GPU, in the settings' order of `metrics`. */
 export function gpuCharts(
   device: IDeviceInfo,
@@ -71,14 +95,43 @@ export function gpuCharts(
   const powerLimit =
     positive(device.power_limit) ?? positive(latest(`${id}.power_limit`));
   const charts: Record<GpuMetric, IChartDef> = {
-    utilization: {
-      key: `${id}/utilization`,
-      title: 'Utilization',
-      lines: [{ column: `${id}.util`, label: 'busy', color: 'busy' }],
-      unit: 'percent',
-      yMax: 100,
-      readout: at => formatPercent(at(`${id}.util`))
-    },
+    utilization: device.gpm
+      ? {
+          key: `${id}/utilization`,
+          title: 'SM active',
+          // Beside SM activity, the share of time some kernel ran (a MIG instance has none).
+          lines: [
+            { column: `${id}.sm_active`, label: 'SM active', color: 'busy' },
+            ...(device.is_mig
+              ? []
+              : [
+                  {
+                    column: `${id}.util`,
+                    label: 'kernel running',
+                    color: 'kernel' as ColorRole
+                  }
+                ])
+          ],
+          unit: 'percent',
+          yMax: 100,
+          readout: at => {
+            const running = at(`${id}.util`);
+            const sm = formatPercent(at(`${id}.sm_active`));
+            return running === null
+              ? sm
+              : `${sm} · kernel ${formatPercent(running)}`;
+          }
+        }
+      : {
+          key: `${id}/utilization`,
+          title: 'Utilization',
+          lines: [
+            { column: `${id}.util`, label: 'kernel running', color: 'busy' }
+          ],
+          unit: 'percent',
+          yMax: 100,
+          readout: at => formatPercent(at(`${id}.util`))
+        },
     memory: {
       key: `${id}/memory`,
       title: 'Memory',
@@ -190,17 +243,29 @@ export function tickLabel(unit: Unit, value: number): string {
   }
 }
 
-/** "GPU0" for the first device. */
+/**
+ * "GPU0" for the first device, as nvidia-smi numbers it where the server says (`nvml_index`);
+ * a MIG instance "GPU0/GI5": its GPU and its GPU instance id, as nvidia-smi and dcgm-exporter name it.
+ */
 export function deviceLabel(device: IDeviceInfo): string {
-  return `GPU${device.index}`;
+  const gpu = `GPU${device.nvml_index ?? device.index}`;
+  if (
+    device.is_mig &&
+    device.gpu_instance_id !== null &&
+    device.gpu_instance_id !== undefined
+  ) {
+    return `${gpu}/GI${device.gpu_instance_id}`;
+  }
+  return gpu;
 }
 
-/** "87% · 41/80 GB" for one GPU from the newest readings. */
+/** "87% · 41/80 GB" for one GPU from the newest readings ("SM 6% · ..." where SM activity is read). */
 export function gpuReadout(device: IDeviceInfo, latest: Latest): string {
   const id = device.id;
   const memoryTotal =
     positive(device.memory_total) ?? latest(`${id}.mem_total`);
-  return `${formatPercent(latest(`${id}.util`))} · ${formatBytesOf(latest(`${id}.mem_used`), memoryTotal)}`;
+  const busy = formatPercent(latest(busyColumn(device)));
+  return `${device.gpm ? `SM ${busy}` : busy} · ${formatBytesOf(latest(`${id}.mem_used`), memoryTotal)}`;
 }
 
 export interface IStatusSummary {
@@ -294,7 +359,7 @@ export function statusSummary(
     }
     for (const device of devices.devices) {
       lines.push(
-        `${deviceLabel(device)} ${device.name}: ${gpuReadout(device, latest)}`
+        `${deviceLabel(device)} ${device.name}: ${busyText(device, latest)} · ${formatBytesOf(latest(`${device.id}.mem_used`), positive(device.memory_total) ?? latest(`${device.id}.mem_total`))}`
       );
     }
   }

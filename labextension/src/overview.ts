@@ -13,7 +13,7 @@ import {
   formatPercent,
   formatWatts
 } from './format';
-import { Latest, deviceLabel } from './metrics';
+import { Latest, busyColumn, busyText, deviceLabel } from './metrics';
 import { IDeviceInfo, IProcessInfo } from './protocol';
 
 /** From this many GPUs on, the sidebar shows the overview above the cards. */
@@ -82,9 +82,11 @@ export function holderOf(
 export interface IOverviewRow {
   id: string;
   label: string;
-  /** Utilisation percent, or null with no reading. */
+  /** The busy figure, percent (SM active where GPM is read, else kernel running), or null with no reading. */
   util: number | null;
   utilText: string;
+  /** Both figures in words: "SM active 6% · kernel running 92%". */
+  utilTitle: string;
   memoryText: string;
   powerText: string;
   holder: IHolder;
@@ -99,13 +101,14 @@ export function overviewRows(
 ): IOverviewRow[] {
   return devices.map(device => {
     const id = device.id;
-    const util = latest(`${id}.util`);
+    const util = latest(busyColumn(device));
     const total = device.memory_total ?? latest(`${id}.mem_total`);
     return {
       id,
       label: deviceLabel(device),
       util,
       utilText: formatPercent(util),
+      utilTitle: busyText(device, latest),
       memoryText: formatBytesOf(latest(`${id}.mem_used`), total),
       powerText: formatWatts(latest(`${id}.power`)),
       holder: holderOf(processesListed ? (processes[id] ?? []) : null)
@@ -161,7 +164,7 @@ export class GpuOverview {
     const head = table.createTHead().insertRow();
     for (const [heading, className] of [
       ['GPU', ''],
-      ['Util', 'jp-gpuwidget-number'],
+      ['Busy', 'jp-gpuwidget-number'],
       ['Memory', 'jp-gpuwidget-number'],
       ['Power', 'jp-gpuwidget-number'],
       ['Held by', '']
@@ -170,6 +173,10 @@ export class GpuOverview {
       th.scope = 'col';
       th.className = className;
       th.textContent = heading;
+      if (heading === 'Busy') {
+        th.title =
+          'SM active (GPM) where the GPU reports it, else kernel running (nvidia-smi): the share of time any kernel ran';
+      }
       head.appendChild(th);
     }
     this._body = table.createTBody();
@@ -191,6 +198,9 @@ export class GpuOverview {
         row.util === null ? 0 : Math.max(0, Math.min(100, row.util));
       nodes.bar.style.width = `${width}%`;
       setText(nodes.util, row.utilText);
+      if (nodes.util.title !== row.utilTitle) {
+        nodes.util.title = row.utilTitle;
+      }
       setText(nodes.memory, row.memoryText);
       setText(nodes.power, row.powerText);
       const key = `${row.holder.text}\n${row.holder.title}\n${row.holder.notebook}`;

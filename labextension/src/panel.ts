@@ -486,7 +486,14 @@ export class GpuPanel extends Widget {
   }
 
   private _gpuTitle(device: IDeviceInfo): string {
-    return `${deviceLabel(device)} · ${device.name}${device.is_mig ? ' (MIG)' : ''}`;
+    // A MIG instance's name ends with its profile ("... MIG 3g.40gb"); a GPU in MIG mode says so.
+    const mig =
+      device.is_mig && !device.name.includes(' MIG ')
+        ? ' (MIG)'
+        : device.mig_mode
+          ? ' (MIG mode)'
+          : '';
+    return `${deviceLabel(device)} · ${device.name}${mig}`;
   }
 
   private _buildCard(

@@ -22,6 +22,7 @@ export const DEFAULT_HISTORY_S = 3600;
  */
 export const HISTORY_METRICS = [
   'util',
+  'sm_active',
   'mem_used',
   'power',
   'temperature',
@@ -58,6 +59,15 @@ export interface IDeviceInfo {
   is_mig?: boolean;
   parent_uuid?: string | null;
   pci_bus_id?: string | null;
+  /** NVML's (nvidia-smi's) number of the GPU; a MIG instance's is its GPU's. */
+  nvml_index?: number | null;
+  /** A GPU in MIG mode: its instances follow it in the list. */
+  mig_mode?: boolean;
+  /** A MIG instance's GPU instance id and profile (dcgm-exporter's GPU_I_ID, GPU_I_PROFILE). */
+  gpu_instance_id?: number | null;
+  mig_profile?: string | null;
+  /** SM activity is read (GPM: Hopper and newer): the busy figure is `sm_active`, not `util`. */
+  gpm?: boolean;
 }
 
 export interface IHostInfo {

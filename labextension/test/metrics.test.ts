@@ -1,5 +1,6 @@
 import {
   GPU_METRICS,
+  deviceLabel,
   gpuCharts,
   hostCharts,
   splitReported,
@@ -7,6 +8,7 @@ import {
   tickLabel
 } from '../src/metrics';
 import { SeriesBuffer } from '../src/model';
+import { overviewRows } from '../src/overview';
 import { GiB, T0, gpuDevices, noGpuDevices } from './fixtures';
 
 function bufferWith(
@@ -98,7 +100,7 @@ describe('statusSummary', () => {
     const live = statusSummary(gpuDevices(1), series, { kind: 'live' }, T0);
     expect(live).toEqual({
       text: 'GPU0 87% · 41/80 GB',
-      title: 'GPU0 NVIDIA H200: 87% · 41/80 GB',
+      title: 'GPU0 NVIDIA H200: kernel running (nvidia-smi) 87% · 41/80 GB',
       stale: false
     });
     expect(
@@ -137,5 +139,89 @@ describe('statusSummary', () => {
     expect(summary.text).toBe('GPU');
     expect(summary.stale).toBe(true);
     expect(summary.title).toContain('open the GPU panel');
+  });
+});
+
+describe('SM activity and MIG', () => {
+  const hopper = { ...gpuDevices().devices[0], gpm: true };
+  const instance = {
+    ...hopper,
+    id: 'gpu2',
+    index: 2,
+    nvml_index: 0,
+    uuid: 'MIG-2',
+    name: 'NVIDIA H100 80GB HBM3 MIG 2g.20gb',
+    memory_total: 20 * GiB,
+    is_mig: true,
+    gpu_instance_id: 5,
+    mig_profile: '2g.20gb'
+  };
+
+  it('draws SM active as the busy line with kernel running beside it where GPM is read', () => {
+    const [activity] = gpuCharts(hopper, ['utilization'], () => null);
+    expect(activity.title).toBe('SM active');
+    expect(activity.lines.map(line => [line.column, line.label])).toEqual([
+      ['gpu0.sm_active', 'SM active'],
+      ['gpu0.util', 'kernel running']
+    ]);
+    const series = bufferWith({ 'gpu0.sm_active': 6, 'gpu0.util': 92 });
+    expect(activity.readout(c => series.latest(c))).toBe('6% · kernel 92%');
+  });
+
+  it('labels NVML utilisation "kernel running" without GPM', () => {
+    const [utilization] = gpuCharts(
+      gpuDevices().devices[0],
+      ['utilization'],
+      () => null
+    );
+    expect(utilization.lines.map(line => line.label)).toEqual([
+      'kernel running'
+    ]);
+  });
+
+  it('names a MIG instance by its GPU and instance id and draws no utilisation line for it', () => {
+    expect(deviceLabel(instance)).toBe('GPU0/GI5');
+    expect(deviceLabel({ ...hopper, nvml_index: 1, index: 3 })).toBe('GPU1');
+    const [activity] = gpuCharts(instance, ['utilization'], () => null);
+    expect(activity.lines.map(line => line.column)).toEqual(['gpu2.sm_active']);
+    const series = bufferWith({
+      'gpu2.sm_active': 20,
+      'gpu2.mem_used': 2 * GiB
+    });
+    expect(activity.readout(c => series.latest(c))).toBe('20%');
+  });
+
+  it('shows SM activity in the status bar and both figures in its tooltip', () => {
+    const devices = { ...gpuDevices(), devices: [hopper, instance] };
+    const series = bufferWith({
+      'gpu0.sm_active': 6,
+      'gpu0.util': 92,
+      'gpu0.mem_used': 41 * GiB,
+      'gpu2.sm_active': 20,
+      'gpu2.mem_used': 2 * GiB
+    });
+    const summary = statusSummary(devices, series, { kind: 'live' }, T0);
+    expect(summary.text).toBe('GPU0 SM 6% · 41/80 GB +1');
+    expect(summary.title.split('\n')).toEqual([
+      'GPU0 NVIDIA H200: SM active 6% · kernel running 92% · 41/80 GB',
+      'GPU0/GI5 NVIDIA H100 80GB HBM3 MIG 2g.20gb: SM active 20% · 2/20 GB'
+    ]);
+  });
+});
+
+describe('overview rows', () => {
+  it('bar the busy figure: SM active where GPM is read, both figures in words', () => {
+    const hopper = { ...gpuDevices().devices[0], gpm: true };
+    const plain = { ...gpuDevices(2).devices[1] };
+    const series = bufferWith({
+      'gpu0.sm_active': 6,
+      'gpu0.util': 92,
+      'gpu1.util': 40
+    });
+    const rows = overviewRows([hopper, plain], c => series.latest(c), {}, true);
+    expect(rows.map(row => [row.label, row.util, row.utilTitle])).toEqual([
+      ['GPU0', 6, 'SM active 6% · kernel running 92%'],
+      ['GPU1', 40, 'kernel running (nvidia-smi) 40%']
+    ]);
   });
 });

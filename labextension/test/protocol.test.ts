@@ -94,6 +94,7 @@ describe('the stream history', () => {
     const drawn: string[] = [];
     for (const chart of [
       ...gpuCharts(device, GPU_METRICS, none),
+      ...gpuCharts({ ...device, gpm: true }, GPU_METRICS, none),
       ...hostCharts(null, none)
     ]) {
       drawn.push(...chart.lines.map(line => line.column));

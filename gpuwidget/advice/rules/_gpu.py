@@ -7,33 +7,47 @@ from typing import NamedTuple
 from gpuwidget.facts import MachineFacts, Summary, WorkloadFacts
 
 # DCGM's profiling-metrics guidance: SM activity of 0.8 or more is needed to use a GPU well, below
-# 0.5 its use is ineffective. NVML's utilisation is the share of time *any* kernel ran (one tiny
-# kernel counts as 100%), so where GPM gives SM activity (Hopper and newer) the rules judge that.
+# 0.5 its use is ineffective. NVML's utilisation is the share of time *any* kernel ran ("kernel
+# running": one tiny kernel counts as 100%), so where GPM gives SM activity (Hopper and newer, MIG
+# instances included) the summary's busy figure is SM activity, and the rules judge that.
 SM_ACTIVE_LOW_PERCENT = 50.0
 
 
 class Busy(NamedTuple):
-    """How hard the judged GPUs worked, percent, and which counter says so (named in evidence)."""
+    """How hard the judged GPUs worked, percent, which counter says so, and NVML's "kernel running"
+    beside it where known (both named in evidence)."""
 
     percent: float
-    signal: str  # "sm_active" (GPM) or "utilisation" (NVML)
+    signal: str  # "sm_active" (GPM) or "kernel_running" (NVML utilisation)
+    kernel_running: float | None = None
 
     @property
     def evidence(self) -> dict[str, float | str]:
-        key = "sm_active_percent" if self.signal == "sm_active" else "gpu_busy_percent"
-        return {"signal": self.signal, key: round(self.percent, 1)}
+        out: dict[str, float | str] = {"signal": self.signal}
+        if self.signal == "sm_active":
+            out["sm_active_percent"] = round(self.percent, 1)
+        if self.kernel_running is not None:
+            out["kernel_running_percent"] = round(self.kernel_running, 1)
+        return out
 
 
 def busy(summary: Summary) -> Busy:
-    """GPM's SM activity where the GPU has it, NVML's utilisation otherwise (call after gpu_measured)."""
+    """The summary's busy figure (call after gpu_measured): SM activity where GPM has it, else NVML's
+    utilisation. A summary from before ``gpu_busy_metric`` held utilisation in ``gpu_busy_mean`` and
+    SM activity apart; it is read that way."""
+    metric = summary.get("gpu_busy_metric")
+    if metric is not None:
+        return Busy(summary["gpu_busy_mean"], "sm_active" if metric == "sm_active" else "kernel_running",
+                    summary.get("gpu_kernel_running_mean"))
     sm_active = summary.get("gpu_sm_active_mean")
     if sm_active is not None:
-        return Busy(sm_active, "sm_active")
-    return Busy(summary["gpu_busy_mean"], "utilisation")
+        return Busy(sm_active, "sm_active", summary["gpu_busy_mean"])
+    return Busy(summary["gpu_busy_mean"], "kernel_running", summary["gpu_busy_mean"])
 
 
 def gpu_measured(summary: Summary, machine: MachineFacts) -> bool:
-    """GPU rules need GPU evidence: a GPU on the machine and its utilisation recorded."""
+    """GPU rules need GPU evidence: a GPU on the machine and its busy figure recorded (a MIG instance
+    without GPM has none: ``gpu_busy_missing`` says so and the GPU rules stay silent)."""
     return bool(machine.get("gpus")) and summary.get("gpu_busy_mean") is not None
 
 

@@ -47,7 +47,8 @@ def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> F
         return None
     ratio = TF32_OVER_FP32.get(cap, DEFAULT_TF32_OVER_FP32)
     worked = busy(summary)
-    # Amdahl: at most the busy share of the time speeds up, by at most the chip's ratio.
+    # Amdahl: at most the busy share of the time speeds up, by at most the chip's ratio. The busy figure is
+    # SM activity where GPM has it (below utilisation, so the bound is the smaller, never overstated).
     share = worked.percent / 100.0
     bound = 1.0 / (1.0 - share * (1.0 - 1.0 / ratio))
     name = model_name(workload)
@@ -56,7 +57,7 @@ def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> F
         "param_dtypes": dtypes, "autocast": False, "capability": f"{cap[0]}.{cap[1]}",
         "float32_matmul_precision": model.get("float32_matmul_precision"),
         "cudnn_allow_tf32": model.get("cudnn_allow_tf32"), "tf32_over_fp32": ratio,
-        **worked.evidence, "gpu_busy_percent": round(summary["gpu_busy_mean"], 1),
+        **worked.evidence,
     }
     if tensor_active is not None:
         evidence["tensor_active_percent"] = round(tensor_active, 1)

@@ -18,7 +18,8 @@ from gpuwidget.advice.summary import IDLE_UTIL_PERCENT
 from gpuwidget.facts import MachineFacts, Summary, WorkloadFacts
 
 RULE = "gpu-imbalance"
-# Busy percent of the used GPUs spread by at least this many points: one GPU does the others' waiting.
+# The busy figure (SM activity where GPM has it, else utilisation) of the used GPUs spread by at least
+# this many points: one GPU does the others' waiting. DataParallel's gather on GPU 0 shows in both.
 SPREAD_PERCENT = 30.0
 # Model wrappers that say "use several GPUs" (torch.nn and torch.distributed class names).
 MULTI_GPU_WRAPPERS = frozenset({"DataParallel", "DistributedDataParallel", "FullyShardedDataParallel"})

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from gpuwidget.advice.code import model_code
 from gpuwidget.advice.finding import Finding
-from gpuwidget.advice.rules._gpu import gpu_measured, model_name
+from gpuwidget.advice.rules._gpu import busy, gpu_measured, model_name
 from gpuwidget.facts import MachineFacts, Summary, WorkloadFacts
 
 RULE = "gpu-unused"
-# Below this mean utilisation the GPU did essentially nothing.
+# Below this the GPU did essentially nothing: judged on NVML's utilisation ("kernel running": no kernel
+# ran at all) where the GPU reports it, else on the busy figure (SM activity on a MIG instance).
 IDLE_GPU_BUSY_PERCENT = 2.0
 # The process must have worked (percent of a core) for "ran on the CPU" to mean anything.
 BUSY_PROCESS_PERCENT = 50.0
@@ -27,7 +28,9 @@ def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> F
         return None
     model = workload.get("model") or {}
     devices = model.get("param_devices") or []
-    if summary["gpu_busy_mean"] >= IDLE_GPU_BUSY_PERCENT or "cuda" in devices:
+    worked = busy(summary)
+    idle = worked.kernel_running if worked.kernel_running is not None else worked.percent
+    if idle >= IDLE_GPU_BUSY_PERCENT or "cuda" in devices:
         return None
     if (summary.get("process_cpu_mean") or 0.0) < BUSY_PROCESS_PERCENT:
         return None
@@ -39,7 +42,7 @@ def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> F
         rule=RULE,
         severity="critical",
         title="A GPU is here but the cell ran on the CPU",
-        evidence={"gpu_busy_percent": round(summary["gpu_busy_mean"], 1),
+        evidence={**worked.evidence,
                   "process_cpu_percent": round(summary.get("process_cpu_mean") or 0.0, 1),
                   "model_device": ",".join(devices) or "unknown",
                   "process_gpu_memory": own},

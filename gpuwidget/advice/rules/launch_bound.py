@@ -26,7 +26,9 @@ from gpuwidget.advice.rules._gpu import (
 from gpuwidget.facts import MachineFacts, Summary, WorkloadFacts
 
 RULE = "launch-bound"
-# GPU busy below this while the host is pegged: the GPU waits on kernel launches.
+# Without GPM: NVML utilisation ("kernel running") below this while the host is pegged means the GPU
+# waits on kernel launches. With GPM the busy figure is SM activity, judged at DCGM's SM_ACTIVE_LOW_PERCENT
+# (the same 50): tiny kernels keep utilisation near 100% while SM activity reads a few percent.
 LOW_GPU_BUSY_PERCENT = 50.0
 # The main process at or above this share of one core is pegged (Python is single-threaded).
 PEGGED_PROCESS_PERCENT = 90.0
@@ -56,10 +58,9 @@ def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> F
     return Finding(
         rule=RULE,
         severity="warn",
-        title=(f"The GPU waits on Python: {'SMs active' if worked.signal == 'sm_active' else 'busy'} "
+        title=(f"The GPU waits on Python: {'SMs active' if worked.signal == 'sm_active' else 'kernel running'} "
                f"{worked.percent:.0f}% while the process uses {process:.0f}% of a core"),
-        evidence={**worked.evidence, "gpu_busy_percent": round(summary["gpu_busy_mean"], 1),
-                  "process_cpu_percent": round(process, 1), "data_wait_fraction": round(wait, 3),
+        evidence={**worked.evidence, "process_cpu_percent": round(process, 1), "data_wait_fraction": round(wait, 3),
                   "compiled": compiled},
         suggestion=("The main process is saturated launching work and the loop is not waiting for data, "
                     "yet the GPU is idle most of the time: each step is many small kernels. "

@@ -19,7 +19,10 @@ from gpuwidget.advice.summary import primary_loader
 from gpuwidget.facts import MachineFacts, Summary, WorkloadFacts
 
 RULE = "small-batch"
-# GPU busy below this (percent of time a kernel ran) means the GPU waits on the host.
+# Without GPM: NVML utilisation ("kernel running", percent of time any kernel ran) below this means
+# the GPU waits on the host. It is higher than SM_ACTIVE_LOW_PERCENT, DCGM's threshold for SM activity
+# (what the summary's busy figure is where GPM exists), because utilisation overstates how busy a GPU
+# is: a kernel running on a few SMs counts as fully busy.
 LOW_GPU_BUSY_PERCENT = 60.0
 # Less than this share of GPU memory at peak leaves room to at least double the batch.
 MEMORY_HEADROOM_FRACTION = 0.5
@@ -49,13 +52,12 @@ def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> F
     change = {"batch_size": new_batch}
     sm = worked.signal == "sm_active"
     idle_what = "GPU's SMs" if sm else "GPU"
-    busy_what = "GPU's SMs were active" if sm else "GPU was busy"
+    busy_what = "GPU's SMs were active" if sm else "GPU ran a kernel"
     return Finding(
         rule=RULE,
         severity="warn",
         title=f"Batches of {batch} leave the {idle_what} idle {100 - worked.percent:.0f}% of the time",
-        evidence={**worked.evidence, "gpu_busy_percent": round(summary["gpu_busy_mean"], 1),
-                  "peak_gpu_mem_fraction": round(memory, 3), "batch_size": batch,
+        evidence={**worked.evidence, "peak_gpu_mem_fraction": round(memory, 3), "batch_size": batch,
                   "data_wait_fraction": round(wait, 3)},
         suggestion=(f"The {busy_what} {worked.percent:.0f}% of the time and it used at most {100 * memory:.0f}% "
                     f"of its memory, and the loop was not waiting for data. A batch of {new_batch} gives each step "

@@ -40,6 +40,8 @@ class DeviceInfo:
     mig_index: int | None = None  # position under the parent (nvmlDeviceGetMigDeviceHandleByIndex)
     cuda_index: int | None = None  # position among CUDA-visible devices; None when CUDA cannot see it
     capability: tuple[int, int] | None = None  # CUDA compute capability (major, minor)
+    gpu_instance_id: int | None = None  # a MIG instance's GPU instance id (dcgm-exporter's GPU_I_ID)
+    mig_profile: str | None = None  # a MIG instance's profile, "3g.40gb" (dcgm-exporter's GPU_I_PROFILE)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -126,15 +128,19 @@ def _mig_instances(driver: _Driver, parent: _Found) -> list[_Found]:
         memory = _memory_info(driver, handle, None, None)
         gi = driver.query("nvmlDeviceGetGpuInstanceId", handle)
         ci = driver.query("nvmlDeviceGetComputeInstanceId", handle)
+        name = _text(driver.query("nvmlDeviceGetName", handle)) or f"{parent.info.name} MIG"
         info = DeviceInfo(
             index=parent.info.index,
             uuid=uuid,
-            name=_text(driver.query("nvmlDeviceGetName", handle)) or f"{parent.info.name} MIG",
+            name=name,
             memory_total=None if isinstance(memory, Absent) else int(memory.total),
             is_mig=True,
             parent_uuid=parent.info.uuid,
             pci_bus_id=parent.info.pci_bus_id,
             mig_index=slot,
+            capability=parent.info.capability,
+            gpu_instance_id=None if isinstance(gi, Absent) else int(gi),
+            mig_profile=mig_profile(name),
         )
         instances.append(
             _Found(
@@ -146,6 +152,16 @@ def _mig_instances(driver: _Driver, parent: _Found) -> list[_Found]:
             )
         )
     return instances
+
+
+def mig_profile(name: str) -> str | None:
+    """The profile in a MIG instance's name: "NVIDIA H100 80GB HBM3 MIG 3g.40gb" -> "3g.40gb".
+
+    The driver names an instance after its GPU and its profile (as ``nvidia-smi -L`` lists it);
+    dcgm-exporter's ``GPU_I_PROFILE`` label is that profile.
+    """
+    _, found, profile = name.rpartition(" MIG ")
+    return profile.strip() or None if found else None
 
 
 def _leading_integer(entry: str) -> int | None:
@@ -205,9 +221,22 @@ def uuid_key(uuid: str) -> str:
     return text
 
 
-def _torch_order(visible: list[_Found], torch_uuids: Sequence[str] | None) -> list[_Found] | None:
-    """``visible`` in torch's device order when torch's UUIDs name exactly these devices, else None."""
-    if not torch_uuids or len(torch_uuids) != len(visible):
+def _torch_order(visible: list[_Found], torch_uuids: Sequence[str] | None,
+                 machine: Sequence[_Found] = ()) -> list[_Found] | None:
+    """``visible`` in torch's device order when torch's UUIDs name exactly these devices, else None.
+
+    A MIG instance is the exception: CUDA's choice of one when none is named is not documented
+    beyond "the first", so where torch (CUDA itself) names one MIG instance of ``machine`` that one
+    is the device, whichever :func:`_cuda_visible` guessed.
+    """
+    if not torch_uuids:
+        return None
+    if len(torch_uuids) == 1 and all(device.info.is_mig for device in visible):
+        instances = {uuid_key(i.info.uuid): i for gpu in machine for i in gpu.instances}
+        named = instances.get(uuid_key(torch_uuids[0]))
+        if named is not None:
+            return [named]
+    if len(torch_uuids) != len(visible):
         return None
     by_uuid = {uuid_key(device.info.uuid): device for device in visible}
     ordered = [by_uuid.get(uuid_key(uuid)) for uuid in torch_uuids]
@@ -231,7 +260,7 @@ def _torch_uuids() -> list[str] | None:
         return None
 
 
-def _cuda_visible(gpus: list[_Found], cuda_visible_devices: str | None) -> list[_Found]:
+def _cuda_visible(gpus: list[_Found], cuda_visible_devices: str | None, every_instance: bool = False) -> list[_Found]:
     """The devices CUDA shows, in CUDA's order, for a CUDA_VISIBLE_DEVICES value (None: unset).
 
     ``gpus`` are the physical GPUs in CUDA's enumeration order (:func:`_cuda_order`): an ordinal in
@@ -241,6 +270,10 @@ def _cuda_visible(gpus: list[_Found], cuda_visible_devices: str | None) -> list[
     (or the legacy ``MIG-GPU-<uuid>/<gi>/<ci>``); an invalid, unknown or ambiguous entry, or a switch
     between ordinals and UUIDs, ends the list there; a repeated device hides every device; a process
     sees at most one MIG instance, and when one is visible the non-MIG GPUs are hidden.
+
+    ``every_instance`` is the machine's view, not one CUDA process's (the server's sidebar and
+    /metrics): the same selection, but a GPU in MIG mode is listed with every one of its instances
+    after it (the GPU itself for its power, temperature and memory), and nothing is hidden.
     """
     if cuda_visible_devices is None:
         chosen = list(gpus)
@@ -269,6 +302,8 @@ def _cuda_visible(gpus: list[_Found], cuda_visible_devices: str | None) -> list[
             if any(device is seen for seen in chosen):
                 return []
             chosen.append(device)
+    if every_instance:
+        return [each for device in chosen for each in (device, *device.instances)]
     migs = [device for device in chosen if device.info.is_mig]
     if migs:
         return migs[:1]
@@ -283,11 +318,16 @@ def _cuda_visible(gpus: list[_Found], cuda_visible_devices: str | None) -> list[
 
 
 def _visible(gpus: list[_Found], cuda_visible_devices: str | None,
-             device_order: str | None) -> tuple[list[_Found], str]:
-    """CUDA's devices in CUDA's order, and how the order is known: "torch" (its UUIDs), "pci", "guessed"."""
+             device_order: str | None, every_instance: bool = False) -> tuple[list[_Found], str]:
+    """CUDA's devices in CUDA's order, and how the order is known: "torch" (its UUIDs), "pci", "guessed".
+
+    ``every_instance``: the machine's view (:func:`_cuda_visible`), in that order; torch has no say.
+    """
     ordered, how = _cuda_order(gpus, device_order)
-    visible = _cuda_visible(ordered, cuda_visible_devices)
-    exact = _torch_order(visible, _torch_uuids())
+    visible = _cuda_visible(ordered, cuda_visible_devices, every_instance)
+    if every_instance:
+        return visible, how
+    exact = _torch_order(visible, _torch_uuids(), gpus)
     return (visible, how) if exact is None else (exact, "torch")
 
 

@@ -16,7 +16,8 @@ Metrics per visible device, named ``gpu{cuda_index}.<metric>`` in SI units:
 ``proc_mem``       bytes held on the device by "our" processes (see ``pids``)
 ``pcie_gen``       PCIe link generation now; ``pcie_width`` lanes now; ``pcie_gen_max``/``pcie_width_max``
                    what the GPU and its slot allow (an idle GPU drops its link speed to save power)
-``sm_active``      % of SMs busy (GPM, Hopper and newer); ``sm_occupancy`` % of warp slots used
+``sm_active``      % of SMs busy (GPM, Hopper and newer; on a MIG instance through its parent with
+                   nvmlGpmMigSampleGet, where NVML gives no ``util``); ``sm_occupancy`` % of warp slots used
 ``tensor_active``  % of time any tensor core pipe was busy (GPM); ``dram_active`` % of DRAM bandwidth
 ``nvlink_tx``      bytes/s sent over NVLink (GPM); ``nvlink_rx`` bytes/s received
 =================  ==========================================================================
@@ -202,6 +203,9 @@ class _Device:
             "pcie_width_max": _whole(self.held.get("pcie_width_max")),
             "is_mig": self.info.is_mig,
             "parent_uuid": self.info.parent_uuid,
+            "mig_mode": self.found.mig_enabled,  # a GPU in MIG mode (its instances are the CUDA devices)
+            "gpu_instance_id": self.info.gpu_instance_id,
+            "mig_profile": self.info.mig_profile,
             "pci_bus_id": self.info.pci_bus_id,
             "gpm": self.gpm is not None,
             "lost": self.lost,
@@ -218,6 +222,9 @@ class NvmlSource:
     ``gpus`` selects CUDA device indexes (as torch numbers them, after CUDA_VISIBLE_DEVICES); ``None``
     means every visible device. ``pids`` returns the process ids whose GPU memory counts as ours for
     ``proc_mem`` (asked at most once a second); by default this process and its descendants.
+    ``every_device`` is the machine's view for the server (sidebar, /metrics) rather than one CUDA
+    process's: a GPU in MIG mode is read with every one of its instances, where CUDA shows a process
+    one instance only (:func:`gpuwidget.sources.nvml.devices._cuda_visible`).
     Without a driver or a GPU the source is ``available = False`` with ``unavailable_reason`` set,
     and ``read()`` returns ``{}``.
     """
@@ -228,8 +235,10 @@ class NvmlSource:
         self,
         gpus: Sequence[int] | None = None,
         pids: Callable[[], Iterable[int]] | None = None,
+        every_device: bool = False,
     ) -> None:
         self._log = ErrorLog(self.name)
+        self.every_device = every_device
         self.errors: list[SourceError] = self._log.errors
         self.available = False
         self.unavailable_reason: str | None = None
@@ -283,7 +292,7 @@ class NvmlSource:
             self._unavailable("no NVIDIA GPU found")
             return
         visible, self.cuda_order = _visible(
-            gpus_found, self._cuda_visible_devices, os.environ.get("CUDA_DEVICE_ORDER")
+            gpus_found, self._cuda_visible_devices, os.environ.get("CUDA_DEVICE_ORDER"), self.every_device
         )
         if not visible:
             self._unavailable(

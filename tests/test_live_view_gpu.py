@@ -1,0 +1,47 @@
+"""The Bokeh live plot's GPU lines: SM activity where GPM is read with "kernel running" beside it,
+utilisation alone without GPM, no empty utilisation line for a MIG instance (no browser needed)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from gpuwidget.trace import Trace
+from gpuwidget.ui.live import LiveView
+
+MACHINE = {"gpus": [{"index": 0, "name": "NVIDIA H100 80GB HBM3", "gpm": True},
+                    {"index": 1, "name": "NVIDIA H100 80GB HBM3 MIG 3g.40gb", "gpm": True, "is_mig": True},
+                    {"index": 2, "name": "NVIDIA A40", "gpm": False}],
+           "gpu_message": None}
+
+
+def legend(view: LiveView) -> list[str]:
+    return [str(item.label.value) for item in view.figure.legend[0].items]
+
+
+def test_the_live_plot_draws_sm_activity_where_gpm_is_read_and_streams_it():
+    trace = Trace(start_clock=0.0)
+    for tick in range(20):
+        trace.append(tick * 0.05, {"cpu.util": 30.0, "proc.cpu": 99.0,
+                                   "gpu0.util": 92.0, "gpu0.sm_active": 6.0, "gpu0.mem_used": 1e9,
+                                   "gpu0.mem_total": 8e10, "gpu1.sm_active": 40.0, "gpu1.mem_used": 1e9,
+                                   "gpu1.mem_total": 4e10, "gpu2.util": 70.0, "gpu2.mem_used": 1e9,
+                                   "gpu2.mem_total": 4.8e10})
+    view = LiveView(trace, MACHINE, label="In [2]")
+    try:
+        assert legend(view) == ["waiting for data", "GPU0 SM active", "GPU0 kernel running", "GPU0 memory",
+                                "GPU1 SM active", "GPU1 memory", "GPU2 kernel running (nvidia-smi)", "GPU2 memory",
+                                "CPU (all cores)", "this process (% of a core)"]
+        view.push()
+        data = view.source.data
+        assert np.nanmean(data["gpu0_sm"]) == 6.0 and np.nanmean(data["gpu0_util"]) == 92.0
+        assert np.nanmean(data["gpu1_sm"]) == 40.0 and "gpu2_sm" not in data
+        assert "GPU0 SM active 6% (kernel running 92%)" in view.header.value
+        assert "GPU1 SM active 40%" in view.header.value and "GPU2 kernel running 70%" in view.header.value
+        for tick in range(20, 30):  # later rows stream into the same columns
+            trace.append(tick * 0.05, {"cpu.util": 30.0, "gpu0.util": 90.0, "gpu0.sm_active": 50.0})
+        view._last_push = -np.inf
+        view._created -= 10  # past the first seconds' resends: this push streams
+        view.push()
+        assert view.source.data["gpu0_sm"][-1] == 50.0
+    finally:
+        view.close()
