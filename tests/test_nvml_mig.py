@@ -15,15 +15,16 @@ from gpuwidget.sources.nvml import devices as nvml_devices
 
 from fakenvml import GIB, FakeNvml
 
-# 128 samples in batches of 8, 60 ms of "compute" per step: a loop not waiting for data (a batch takes
+# 256 samples in batches of 8, 40 ms of "compute" per step (32 steps, 1.3 s: past the evidence a cause
+# needs, advice.evidence): a loop not waiting for data (a batch takes
 # well under a millisecond, a few on a host whose cores are contended: far below the 10% that means starved).
 LOADER_CELL = """%%gpuwatch --quiet --interval 0.02
 import time
 import torch
 from torch.utils.data import DataLoader, TensorDataset
-train_loader = DataLoader(TensorDataset(torch.randn(128, 8), torch.randn(128, 2)), batch_size=8)
+train_loader = DataLoader(TensorDataset(torch.randn(256, 8), torch.randn(256, 2)), batch_size=8)
 for x, y in train_loader:
-    time.sleep(0.06)
+    time.sleep(0.04)
 """
 
 
