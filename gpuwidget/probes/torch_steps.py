@@ -143,10 +143,13 @@ class StepProbe:
         if optimizer is not self._optimizer:
             if id(optimizer) in self._judged and self._judged[id(optimizer)]() is optimizer:
                 return  # another optimizer, already judged not to count the steps
+            counting = self._optimizer
             with contextlib.suppress(Exception):  # a probe never breaks the user's step
                 self._judge(optimizer)
             if optimizer is not self._optimizer:
                 return
+            if counting is not None and self._waiting:
+                return  # it takes over the counting within a step the other one ended: not a step more
         ended = now()
         self.steps += 1
         self._waiting = True

@@ -51,8 +51,8 @@ def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> F
     total = sum(dtypes.values())
     if not total or dtypes.get("float32", 0) / total < FP32_SHARE:
         return None
-    share = autocast_share(workload)
-    if share >= AUTOCAST_SHARE_ENOUGH or _matmul_tf32(model):
+    under_autocast = autocast_share(workload)
+    if under_autocast >= AUTOCAST_SHARE_ENOUGH or _matmul_tf32(model):
         return None
     if ((workload.get("training") or {}).get("flops_dtype") or "fp32") in TENSOR_CORE_DTYPES:
         return None
@@ -67,7 +67,7 @@ def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> F
     name = model_name(workload)
     conv_off = model.get("cudnn_allow_tf32") is False
     evidence: dict[str, Any] = {
-        "param_dtypes": dtypes, "autocast": False, "autocast_share": round(share, 2),
+        "param_dtypes": dtypes, "autocast": False, "autocast_share": round(under_autocast, 2),
         "capability": f"{cap[0]}.{cap[1]}",
         "float32_matmul_precision": model.get("float32_matmul_precision"),
         "cudnn_allow_tf32": model.get("cudnn_allow_tf32"), "tf32_over_fp32": ratio,
