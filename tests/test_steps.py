@@ -305,3 +305,46 @@ def test_a_model_trained_outside_autocast_still_gets_fp32_math():
     workload = autocast_loop(first_call_outside=True, autocast=False)
     finding = fp32_math_on_an_a100(workload)
     assert finding is not None and finding.rule == "fp32-math" and finding.evidence["autocast_share"] == 0.0
+
+
+# ------------------------------------------------------------------ a script under gpuwatch
+
+GET_BATCH_SCRIPT = '''\
+import time, torch
+tokens = torch.randint(0, 50, (4000,))
+model = torch.nn.Sequential(torch.nn.Embedding(50, 16), torch.nn.Flatten(), torch.nn.Linear(16 * 8, 50))
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+def get_batch():
+    starts = torch.randint(0, len(tokens) - 9, (6,))
+    time.sleep(0.003)
+    return torch.stack([tokens[i:i + 8] for i in starts]), tokens[starts + 8]
+
+for _ in range(30):
+    x, y = get_batch()
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+'''
+
+
+def test_a_get_batch_script_under_gpuwatch_counts_the_training_processs_steps(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from gpuwidget import Run
+
+    script, saved = tmp_path / "train.py", tmp_path / "run.json"
+    script.write_text(GET_BATCH_SCRIPT)
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run([sys.executable, "-m", "gpuwidget.cli", "--interval", "0.1", "--save", str(saved), "--",
+                             sys.executable, str(script)], capture_output=True, text=True, timeout=180,
+                            stdin=subprocess.DEVNULL, cwd=root)
+    assert result.returncode == 0, result.stderr
+    run = Run.load(saved)
+    assert run.summary["steps"] == 30 and run.summary["step_source"] == "optimizer"
+    assert run.workload["training"]["optimizer_steps"] == 30 and run.workload["trained_in"]
+    assert "no training loop seen" not in result.stdout
+    assert len(run.trace.spans(TRAIN_STEP_SPAN)) == 30

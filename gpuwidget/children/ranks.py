@@ -24,12 +24,12 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, cast
 
-from gpuwidget.advice.summary import percentiles, primary_loader
+from gpuwidget.advice.summary import optimizer_loop, percentiles, primary_loader
 from gpuwidget.children.channel import ChildRecord
-from gpuwidget.facts import Summary, WorkloadFacts
+from gpuwidget.facts import Summary, TrainingFacts, WorkloadFacts
 from gpuwidget.sources.nvml import uuid_key
 
-PER_STEP_LISTS = ("step_times", "wait_times")
+PER_STEP_LISTS = ("step_times", "wait_times", "step_ends")
 PUBLIC_KEYS = ("rank", "pid", "gpu", "steps", "samples_per_s", "data_wait_fraction",
                "step_time_p50_s", "step_time_p95_s")
 
@@ -40,10 +40,16 @@ def public(entries: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
 
 
 def loop_figures(workload: Mapping[str, Any] | None) -> dict[str, Any]:
-    """Steps, samples/s, data wait and step-time percentiles of a process's busiest DataLoader."""
+    """Steps, samples/s, data wait and step-time percentiles of a process's training loop: its primary
+    DataLoader, or its optimizer's steps where no DataLoader fed them."""
     loader = primary_loader(cast(WorkloadFacts, workload or {}))
     loop_time = (loader or {}).get("loop_time_s") or 0.0
     if loader is None or loop_time <= 0:
+        steps = optimizer_loop(cast(TrainingFacts, (workload or {}).get("training") or {}))
+        if steps:
+            return {"steps": steps["steps"], "samples_per_s": steps["samples_per_s"], "data_wait_fraction": None,
+                    "step_time_p50_s": steps["step_time_p50"], "step_time_p95_s": steps["step_time_p95"],
+                    "loop_time_s": steps["loop_time_s"]}
         return {"steps": 0, "samples_per_s": None, "data_wait_fraction": None,
                 "step_time_p50_s": None, "step_time_p95_s": None}
     p50, p95 = percentiles(loader.get("step_times") or [], (50, 95))
@@ -88,6 +94,7 @@ def child_entry(record: ChildRecord, machine: Mapping[str, Any] | None = None) -
     return {"rank": ident.get("rank"), "local_rank": ident.get("local_rank"), "world_size": ident.get("world_size"),
             "pid": record.pid, "gpu": watch_gpu(ident, machine), **figures,
             "loaders": list(workload.get("loaders") or []), "model": workload.get("model"),
+            "training": workload.get("training"),
             "cuda": workload.get("cuda"), "host": dict(record.host), "finished": record.finished,
             "argv": ident.get("argv")}
 
@@ -98,6 +105,7 @@ def own_entry(workload: WorkloadFacts, identity: Mapping[str, Any], summary_host
     return {"rank": identity.get("rank"), "local_rank": identity.get("local_rank"),
             "world_size": identity.get("world_size"), "pid": os.getpid(), "gpu": identity.get("gpu"), **figures,
             "loaders": list(workload.get("loaders") or []), "model": workload.get("model"),
+            "training": workload.get("training"),
             "cuda": workload.get("cuda"), "host": dict(summary_host), "finished": True, "argv": None}
 
 
@@ -125,10 +133,13 @@ def merge(workload: WorkloadFacts, records: Iterable[ChildRecord], identity: Map
         merged["loaders"] = busiest["loaders"]
         merged["model"] = busiest["model"]
         merged["cuda"] = busiest["cuda"]
+        merged["training"] = busiest.get("training")
         merged["trained_in"] = {"pid": busiest["pid"], "rank": busiest["rank"]}
     for entry in entries:  # the entry has the percentiles: the per-step lists would only repeat them per rank
         entry["loaders"] = [{key: value for key, value in loader.items() if key not in PER_STEP_LISTS}
                             for loader in entry["loaders"]]
+        if entry.get("training"):  # a copy: the workload's own training facts keep their step times
+            entry["training"] = {key: value for key, value in entry["training"].items() if key not in PER_STEP_LISTS}
     return cast(WorkloadFacts, merged)
 
 
