@@ -219,22 +219,23 @@ def test_autocast_share_counts_every_forward_call_not_the_first():
     assert run.workload["model"]["autocast"]["enabled"] is False  # the first call's view
     assert training["forward_calls"] == 20
     assert training["autocast_share"] == 1.0 and training["autocast_dtype"] == "bfloat16"
-    assert training["flops_dtype"] == "bf16"
 
 
 def test_a_step_that_raises_while_counted_leaves_no_flop_counter_entered():
     model = Student()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(RuntimeError, match="loss went NaN"), gpuwidget.watch(quiet=True, interval=0.1) as run:
-        for step in range(10):
+        stepped = 0
+        while stepped < 2000:  # until the counted step: the FLOP counter loads on the sampler thread first
             out = model(torch.randn(8, 16))
-            if step == FLOPS_AT_STEP:
-                assert torch._C._len_torch_dispatch_stack() == 1  # the counted step, counting
+            if torch._C._len_torch_dispatch_stack() == 1:  # the counted step, counting
                 raise RuntimeError("loss went NaN")
             nn.functional.cross_entropy(out, torch.randint(0, 4, (8,))).backward()
             optimizer.step()
+            stepped += 1
+            time.sleep(0.002)
     nothing_left()
-    assert run.workload["training"]["optimizer_steps"] == FLOPS_AT_STEP
+    assert run.workload["training"]["optimizer_steps"] == stepped >= FLOPS_AT_STEP
     assert "flops_per_step" not in run.workload["training"]
     assert run.summary["mfu_missing"] == "the counted step did not reach its optimizer step"
 
@@ -297,7 +298,7 @@ def test_a_model_whose_first_call_ran_outside_autocast_gets_no_false_fp32_math_f
     assert workload["model"]["autocast"]["enabled"] is False  # all the first call saw
     assert fp32_math_on_an_a100(workload) is None
     # The share alone settles it, without the counted step's dtype.
-    workload["training"].pop("flops_dtype")
+    workload["training"].pop("flops_dtype", None)
     assert fp32_math_on_an_a100(workload) is None
 
 

@@ -51,6 +51,7 @@ class Probes:
             self._data.flush()  # the spans the loop queued since the last tick
             if self._steps is not None:
                 self._steps.flush()
+                self._steps.prepare()  # once: the FLOP counter's imports, off the loop's thread
             return
         if self._closed or "torch.utils.data" not in sys.modules:
             return

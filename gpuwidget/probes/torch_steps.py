@@ -88,10 +88,15 @@ class StepProbe:
         self._autocast: dict[Any, int] = {}
         self._waiting = False  # a step ended; the next training forward starts the next step
         self._sampling = True
+        self._early = True  # the full forward hook (samples, FLOP counter) until those are done
+        self._entries: list[Any] = []  # weak references to the trained model's top-level modules
         self._step_samples = 0
         self._samples: list[int] = []
         self._counter: Any = None
         self._counter_thread = 0
+        self._counter_ready = False  # prepare() ran: counting costs the loop no import
+        self._counted_pending = False  # the step ending next was the counted one
+        self._pre_handle: Any = None
         self._counted_forwards = 0
         self._flops: float | None = None
         self._flops_dtype: str | None = None
@@ -133,9 +138,9 @@ class StepProbe:
 
     def detach(self) -> None:
         """In a forked child: remove the hooks only (no lock, no counter: the parent's thread is not here)."""
-        for handle in self._handles + self._forward_handles:
+        for handle in self._handles + self._forward_handles + ([self._pre_handle] if self._pre_handle else []):
             handle.remove()
-        self._handles, self._forward_handles, self._counter = [], [], None
+        self._handles, self._forward_handles, self._counter, self._pre_handle = [], [], None, None
         self.installed = False
 
     def _stepped(self, optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -151,22 +156,27 @@ class StepProbe:
             if counting is not None and self._waiting:
                 return  # it takes over the counting within a step the other one ended: not a step more
         ended = now()
+        if self._counter is not None:  # its pre-hook did not see the step: left here instead
+            self._stop_counting(completed=True)
         self.steps += 1
         self._waiting = True
-        if self._counter is not None:
-            self._stop_counting(completed=True)
+        if self._counted_pending:
+            self._counted_pending = False
             self._events.append((_COUNTED_STEP_END, ended))
         else:
             self._events.append((_STEP_END, ended))
         if self._sampling:
             self._end_sampled_step()
+        if self._early and not self._sampling and self._counter is None and self._flops_settled:
+            self._hook(early=False)  # samples read, FLOPs counted: the lean hook from now on
         data = self.data
         if data is not None and data.last is not None:
             data.last.steps_fed += 1
             data.last = None
 
     def _forward(self, module: Any, args: Any, kwargs: Any) -> None:
-        """Before each top-level forward of the trained model."""
+        """Before each top-level forward of the trained model in the first steps: it also reads the
+        inputs' first dimension (keyword arguments too) and starts the FLOP counter."""
         self.forward_calls += 1
         device = self._device_type
         if self._autocast_enabled(device):
@@ -177,7 +187,7 @@ class StepProbe:
         if self._waiting:
             self._waiting = False
             self._events.append((_FORWARD, now()))
-            if self.steps == FLOPS_AT_STEP and self._flops is None and self._flops_missing is None:
+            if self.steps >= FLOPS_AT_STEP and self._counter_ready and not self._flops_settled:
                 self._start_counting()
         elif self._counter is not None:
             self._counted_forwards += 1
@@ -216,8 +226,40 @@ class StepProbe:
         self._device_type = "cuda" if "cuda" in devices else next(iter(devices), "cpu")
         if self._first_call is None:
             self._first_call = first_call
-        self._forward_handles = [entry.register_forward_pre_hook(self._forward, with_kwargs=True)
-                                 for entry in entries]
+        self._entries = [weakref.ref(entry) for entry in entries]  # never keep the user's model alive
+        self._hook(early=self._early)
+
+    def _hook(self, early: bool) -> None:
+        """Hook the trained model's top-level modules: the full hook for the first steps, then a lean
+        one (no keyword arguments: torch's hook dispatch costs about a microsecond more with them)."""
+        for handle in self._forward_handles:
+            handle.remove()
+        entries = [entry for entry in (ref() for ref in self._entries) if entry is not None]
+        if early:
+            self._forward_handles = [entry.register_forward_pre_hook(self._forward, with_kwargs=True)
+                                     for entry in entries]
+        else:
+            lean = self._lean_forward()
+            self._forward_handles = [entry.register_forward_pre_hook(lean) for entry in entries]
+        self._early = early
+
+    def _lean_forward(self) -> Any:
+        """The steady-state forward hook: a closure over what it reads, as few lookups as can be."""
+        probe, queue, clock = self, self._events.append, now
+        autocast_enabled, autocast_dtype = self._autocast_enabled, self._autocast_dtype
+        grad_enabled = self._grad_enabled
+        device, under = self._device_type, self._autocast
+
+        def forward(module: Any, args: Any) -> None:
+            probe.forward_calls += 1
+            if autocast_enabled(device):
+                dtype = autocast_dtype(device)
+                under[dtype] = under.get(dtype, 0) + 1
+            if probe._waiting and grad_enabled():
+                probe._waiting = False
+                queue((_FORWARD, clock()))
+
+        return forward
 
     # ---------------------------------------------------------------- samples and FLOPs
 
@@ -228,7 +270,32 @@ class StepProbe:
         if len(self._samples) >= SAMPLE_STEPS:
             self._sampling = False
 
+    @property
+    def _flops_settled(self) -> bool:
+        """The step was counted, or it will not be."""
+        return self._flops is not None or self._flops_missing is not None
+
+    def prepare(self) -> None:
+        """On the sampler thread, once: load what the FLOP counter needs before a step is counted.
+
+        Every torch dispatch mode imports ``torch._dynamo`` at its first dispatch (seconds, in a fresh
+        process); done here it never lands in the user's step. Counting waits for it (a later step
+        is counted if it takes longer than the first FLOPS_AT_STEP steps)."""
+        if self._counter_ready or self._flops_settled:
+            return
+        try:
+            import torch
+
+            with DtypeFlopCounter():  # dispatch modes are per thread: the loop's thread is untouched
+                torch.ones(2, 2) @ torch.ones(2, 2)
+        except Exception as exc:  # noqa: BLE001 - without a count the run still has its steps
+            self._flops_missing = f"the FLOP counter is unavailable: {exc!r}"
+            return
+        self._counter_ready = True
+
     def _start_counting(self) -> None:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
         try:
             counter = DtypeFlopCounter()
             counter.__enter__()
@@ -236,9 +303,19 @@ class StepProbe:
             self._flops_missing = f"the FLOP counter could not start: {exc!r}"
             return
         self._counter, self._counter_thread, self._counted_forwards = counter, threading.get_ident(), 0
+        # Left as the optimizer step starts: the update's element-wise math has no FLOPs the counter
+        # counts (matmuls, convolutions, attention), and would only pay its dispatch cost.
+        self._pre_handle = register_optimizer_step_pre_hook(self._before_step)
+
+    def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if optimizer is self._optimizer and self._counter is not None:
+            self._stop_counting(completed=True)
 
     def _stop_counting(self, completed: bool) -> None:
         counter, self._counter = self._counter, None
+        if self._pre_handle is not None:
+            self._pre_handle.remove()
+            self._pre_handle = None
         if counter is None:
             return
         if threading.get_ident() != self._counter_thread:
@@ -255,7 +332,8 @@ class StepProbe:
             return
         self._flops = float(counter.get_total_flops())
         self._flops_dtype = counter.dominant_dtype(self._device_type)
-        self._flops_at = self.steps - 1
+        self._flops_at = self.steps  # the step ending now (0-based)
+        self._counted_pending = True
 
     # ---------------------------------------------------------------- spans and facts
 
@@ -333,7 +411,9 @@ class StepProbe:
         else:
             facts["flops_missing"] = self._flops_missing or (
                 "no trained model was matched to the optimizer" if self._model_class is None else
-                f"the loop ended before step {FLOPS_AT_STEP + 1}, the one counted")
+                f"the loop ended before step {FLOPS_AT_STEP + 1}, the one counted" if self.steps <= FLOPS_AT_STEP
+                else "the loop ended before the FLOP counter was loaded (torch's dispatch modes import "
+                     "torch._dynamo first)")
         return facts
 
 
@@ -352,6 +432,8 @@ def _make_counter_class() -> type:
         def __init__(self) -> None:
             super().__init__(display=False)
             self.by_kind: dict[tuple[str, bool], int] = {}
+            # Only the total is read: no per-module breakdown, so no module and gradient hooks to pay for.
+            self.mod_tracker = _GlobalOnly()  # type: ignore[assignment]
 
         def _count_flops(self, func_packet: Any, out: Any, args: Any, kwargs: Any) -> Any:
             counts = self.flop_counts["Global"]
@@ -378,6 +460,18 @@ def _make_counter_class() -> type:
             return max(by_dtype, key=lambda d: by_dtype[d]) if by_dtype else "fp32"
 
     return _DtypeFlopCounter
+
+
+class _GlobalOnly:
+    """Stands in for FlopCounterMode's ModuleTracker: every FLOP is the whole model's ("Global")."""
+
+    parents = frozenset({"Global"})
+
+    def __enter__(self) -> _GlobalOnly:
+        return self
+
+    def __exit__(self, *args: Any) -> None:
+        return None
 
 
 def DtypeFlopCounter() -> Any:  # noqa: N802 - builds the class on first use: torch is imported late
