@@ -281,8 +281,8 @@ class StepProbe:
         Every torch dispatch mode imports ``torch._dynamo`` at its first dispatch (seconds, in a fresh
         process); done here it never lands in the user's step. Counting waits for it (a later step
         is counted if it takes longer than the first FLOPS_AT_STEP steps)."""
-        if self._counter_ready or self._flops_settled:
-            return
+        if self._counter_ready or self._flops_settled or not self.steps or self._model_class is None:
+            return  # nothing to count yet: a cell that never trains never pays for the import
         try:
             import torch
 
