@@ -24,8 +24,10 @@ spans of them on the sampler thread. The forward hook also counts calls made und
 ``torch.autocast`` (``autocast_share``), and the inputs' first dimension for a few steps
 (``samples_per_step``).
 
-One step per watch, :data:`FLOPS_AT_STEP`, is counted with ``torch.utils.flop_counter.FlopCounterMode``
-(forward and backward): entered at that step's first training forward, left at its optimizer step.
+One step per watch, :data:`FLOPS_AT_STEP` or the first after the counter is loaded (on the sampler
+thread: :meth:`StepProbe.prepare`), is counted with ``torch.utils.flop_counter.FlopCounterMode``
+(forward and backward): entered at that step's first training forward, left as its optimizer step
+starts (or, where the forward runs inside ``step()`` as Lightning's closure does, as it ends).
 It is counted after the first steps (CUDA and cuDNN start-up, compilation), which a counted step
 would only make slower, and its time is kept out of ``step_times`` (the counter's own cost, in
 ``flops_step_s``). :meth:`StepProbe.uninstall` leaves the counter if a step that raised or a watch
@@ -102,7 +104,8 @@ class StepProbe:
         self._flops_dtype: str | None = None
         self._flops_at: int | None = None
         self._flops_missing: str | None = None
-        # Assembled by flush() on the sampler thread.
+        # Assembled by flush() on the sampler thread (and once more by uninstall, on the cell's: a lock).
+        self._flush_lock = threading.Lock()
         self._last_end: float | None = None
         self._between_start: float | None = None
         self._loop_start: float | None = None  # the first step span's start
@@ -339,6 +342,10 @@ class StepProbe:
 
     def flush(self) -> None:
         """Make spans of the queued events (the sampler thread calls this every tick)."""
+        with self._flush_lock:
+            self._flush()
+
+    def _flush(self) -> None:
         origin = self.trace.start_clock
         steps: list[tuple[float, float]] = []
         between: list[tuple[float, float]] = []
