@@ -21,6 +21,22 @@ from typing import Any, TypedDict
 # --------------------------------------------------------------------------- workload
 
 
+class LoaderConstructor(TypedDict, total=False):
+    """How a DataLoader subclass's ``__init__`` hands its arguments to DataLoader's
+    (``probes.constructor.constructor_facts``): what a rebuilt loader of the user's class may pass."""
+
+    class_name: str  # the subclass's own name
+    code: dict[str, Any] | None  # file, function, line of the __init__ that hands on (absent: DataLoader's own)
+    known: bool  # that hand-over was read; False: ``reason`` says why not
+    reason: str
+    dataset: str  # "positional", "fixed" (it makes its own), or the keyword of the parameter taking it
+    keywords: dict[str, str]  # DataLoader parameter -> the constructor's parameter that takes it
+    fixed: list[str]  # DataLoader parameters the constructor sets itself
+    attributes: dict[str, str]  # its own parameter -> the loader attribute that keeps its value
+    defaults: dict[str, int | None]  # its own parameters no attribute keeps -> position (None: keyword-only)
+    missing: list[str]  # its own required parameters no attribute keeps
+
+
 class LoaderSettings(TypedDict, total=False):
     """One DataLoader's configuration (``probes.torch_data.loader_settings``); empty when the
     probe saw an iterator before its loader."""
@@ -49,6 +65,7 @@ class LoaderSettings(TypedDict, total=False):
     shards_by_worker: bool | None  # IterableDataset reads get_worker_info(); None: unknown or map-style
     dataset_code: dict[str, Any] | None  # file, function, line of the dataset's __getitem__/__iter__
     dataset_transforms: list[str]  # the dataset's attributes holding per-sample transforms
+    constructor: LoaderConstructor | None  # the loader's own class's constructor; None: torch's DataLoader
 
 
 class LoaderFacts(TypedDict, total=False):
@@ -73,6 +90,9 @@ class LoaderFacts(TypedDict, total=False):
     # Optimizer steps of the trained model taken right after one of this loader's batches: the loader
     # that feeds the training loop (probes.torch_steps); 0 for a validation loader, absent in older runs.
     steps_fed: int
+    # role ("class", "collate_fn", "batch_sampler", "sampler", "built_by": the object whose method
+    # built the loader, a LightningModule or datamodule) -> the user's name for it, where one holds it
+    user_names: dict[str, str]
 
 
 class AutocastState(TypedDict, total=False):
@@ -262,6 +282,14 @@ class Summary(TypedDict, total=False):
     step_time_p50: float | None  # seconds
     step_time_p95: float | None
     step_time_p99: float | None
+    # The steps before the loop's steady state (gpuwidget.advice.warmup), left out of the step
+    # percentiles and of periodic-stall's period: how many, their seconds, what they were where
+    # the facts say ("compilation", "CUDA start-up", "worker start-up"); all_warmup when the
+    # run never reached a steady state (then every step is counted as warm-up).
+    warmup_steps: int
+    warmup_s: float
+    warmup_cause: str
+    all_warmup: bool
     time_breakdown: TimeBreakdown
     cpu_util_mean: float | None  # host CPU, percent of all cores
     process_cpu_mean: float | None  # this process, percent of one core (can exceed 100)

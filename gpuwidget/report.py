@@ -155,6 +155,27 @@ def breakdown(run: Run) -> list[tuple[str, float, float, str]]:
     return [(label, parts.get(key) or 0.0, (parts.get(key) or 0.0) / total, color) for key, label, color in BREAKDOWN]
 
 
+def warmup_sentence(steps: int, seconds: float, cause: str | None = None, all_warmup: bool = False) -> str:
+    """The warm-up in words: "the first 6 steps took 2.1 s: compilation" (the cause only where
+    the facts name it, else "warm-up"); for a run that never reached a steady state, says so."""
+    what = cause or "warm-up"
+    if all_warmup:
+        return (f"all {steps} step{'s' if steps != 1 else ''} {'were' if steps != 1 else 'was'} warm-up "
+                f"({fmt_seconds(seconds)}{': ' + cause if cause else ''}): the loop never reached a steady state")
+    first = "the first step" if steps == 1 else f"the first {steps} steps"
+    return f"{first} took {fmt_seconds(seconds)}: {what}"
+
+
+def warmup_line(run: Run) -> str | None:
+    """The panel's warm-up line, or None when the loop had none."""
+    s = run.summary
+    steps = s.get("warmup_steps") or 0
+    if not steps:
+        return None
+    line = warmup_sentence(steps, s.get("warmup_s") or 0.0, s.get("warmup_cause"), bool(s.get("all_warmup")))
+    return f"warm-up: {line}" + ("" if s.get("all_warmup") else " (left out of the step times and the advice)")
+
+
 def status_line(run: Run) -> str:
     outcome = run.outcome
     label = f"{run.label} " if run.label else ""
@@ -222,7 +243,8 @@ def _gain(finding: Finding) -> str:
     """The gain of the finding's change, with the bound if no waiting remained where it differs."""
     upper = finding.evidence.get("upper_bound_speedup")
     if isinstance(upper, (int, float)) and upper > (finding.expected_speedup or 0) + 0.005:
-        return f"about {finding.expected_speedup:.2f}x (at most {upper:.2f}x if no waiting remained)"
+        remained = "no waiting or warm-up" if finding.evidence.get("warmup_steps") else "no waiting"
+        return f"about {finding.expected_speedup:.2f}x (at most {upper:.2f}x if {remained} remained)"
     return f"up to {finding.expected_speedup:.2f}x"
 
 
@@ -251,6 +273,8 @@ def run_text(run: Run) -> str:
     if parts:
         lines.append("  time: " + " · ".join(f"{label} {fmt_seconds(sec)} ({100 * share:.0f}%)"
                                              for label, sec, share, _ in parts))
+    if warmup := warmup_line(run):
+        lines.append("  " + warmup)
     lines += ["  " + line for line in gpu_lines(run)]
     if rows := rank_rows(run):
         lines.append("  per process: " + " | ".join(RANK_COLUMNS))
@@ -404,6 +428,8 @@ def run_html(run: Run) -> str:
         (f"<div class='gpuwidget-comparison' style='margin-bottom:6px'>{html.escape(compared)}</div>"
          if (compared := comparison_line(run)) else ""),
         breakdown_html(run),
+        (f"<div class='gpuwidget-warmup' style='font-size:12px;margin-bottom:6px'>{html.escape(warmup)}</div>"
+         if (warmup := warmup_line(run)) else ""),
         ranks_html(run),
         f"<div style='font-size:12px;margin-bottom:6px'>{gpu_html}</div>",
         chart_html(run),

@@ -23,7 +23,9 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
 LOADER_RULES = {"dataloader-starved", "dataloader-cpu-bound", "io-bound"}
-ITEMS = 64
+# 40 batches of 8 at 4 ms an item: 1.3 s of loop, over the evidence a cause needs
+# (gpuwidget.advice.evidence: 16 steady steps, 1 s of them).
+ITEMS = 320
 FEATURES = 16
 
 
@@ -143,7 +145,9 @@ def burn_each_step(step_s: float) -> Any:
     return BurnEachStep()
 
 
-def lightning_module(dataset: Dataset, step_s: float = 0.0) -> Any:
+def lightning_module(dataset: Dataset | None, step_s: float = 0.0) -> Any:
+    """A LightningModule that builds its loader over ``dataset`` in ``train_dataloader``; with
+    ``dataset=None`` it has none and trains from a datamodule's."""
     import pytorch_lightning as pl
 
     class Classifier(pl.LightningModule):
@@ -163,10 +167,26 @@ def lightning_module(dataset: Dataset, step_s: float = 0.0) -> Any:
         def configure_optimizers(self) -> Any:
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
-        def train_dataloader(self) -> DataLoader:
-            return DataLoader(self.dataset, batch_size=8, shuffle=True)
+        if dataset is not None:
+            def train_dataloader(self) -> DataLoader:
+                return DataLoader(self.dataset, batch_size=8, shuffle=True)
 
     return Classifier()
+
+
+def lightning_datamodule(items: int = ITEMS, latency: float = 0.004) -> Any:
+    """A LightningDataModule that makes its dataset in ``setup()``, as datamodules do: no name of
+    the user's holds the dataset or the loader."""
+    import pytorch_lightning as pl
+
+    class Storage(pl.LightningDataModule):
+        def setup(self, stage: str) -> None:
+            self.train_set = SlowItems(n=items, latency=latency)
+
+        def train_dataloader(self) -> DataLoader:
+            return DataLoader(self.train_set, batch_size=8, shuffle=True)
+
+    return Storage()
 
 
 # --------------------------------------------------------------------------- the cases
@@ -255,8 +275,10 @@ def cases(latency: float = 0.004, items: int = ITEMS) -> list[Case]:
              "train_dl", "io", frameworks=("accelerate",)),
         Case("Hugging Face Trainer", HF_SETUP.format(latency=latency, items=items), HF_CELL,
              "trainer.get_train_dataloader()", "io", frameworks=("transformers",)),
-        Case("Lightning Trainer", LIGHTNING_SETUP.format(latency=latency, items=items), LIGHTNING_CELL, None, "io",
-             frameworks=("pytorch_lightning",), sweep="model.train_dataloader()"),
+        Case("Lightning Trainer", LIGHTNING_SETUP.format(latency=latency, items=items), LIGHTNING_CELL,
+             "model.train_dataloader()", "io", frameworks=("pytorch_lightning",)),
+        Case("Lightning datamodule", LIGHTNING_DATAMODULE_SETUP.format(latency=latency, items=items),
+             LIGHTNING_DATAMODULE_CELL, "dm.train_dataloader()", "io", frameworks=("pytorch_lightning",)),
     ]
 
 
@@ -286,6 +308,19 @@ trainer = pl.Trainer(max_epochs=1, logger=False, enable_checkpointing=False, ena
 LIGHTNING_CELL = """
 with gpuwidget.watch(display=False) as run:
     trainer.fit(model)
+"""
+LIGHTNING_DATAMODULE_SETUP = """
+import gpuwidget
+import pytorch_lightning as pl
+from frameworks import lightning_datamodule, lightning_module
+model = lightning_module(None, step_s)
+dm = lightning_datamodule(items={items}, latency={latency})
+trainer = pl.Trainer(max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                     enable_model_summary=False, accelerator="cpu")
+"""
+LIGHTNING_DATAMODULE_CELL = """
+with gpuwidget.watch(display=False) as run:
+    trainer.fit(model, datamodule=dm)
 """
 
 
@@ -380,6 +415,14 @@ def check_code(code: str, namespace: dict[str, Any], case: Case) -> CodeCheck:
     else:
         result.same_samples = same(before, after)
     return result
+
+
+def end_workers(loader: Any) -> None:
+    """Shut a persistent-workers loader's worker processes down now, not at garbage collection."""
+    iterator = getattr(loader, "_iterator", None)
+    if iterator is not None:
+        iterator._shutdown_workers()
+        loader._iterator = None
 
 
 def batch_size(batch: Any) -> int:

@@ -87,15 +87,29 @@ def test_framework_loaders_are_changed_in_the_frameworks_terms(ran):
     assert "trainer.args.dataloader_num_workers = 2" in code and "DataLoader(" not in code
 
 
-@pytest.mark.parametrize(("name", "function"), [("Lightning Trainer", "train_dataloader"),
-                                                ("loader from an imported function", "make_loader")])
-def test_loader_built_in_a_function_is_changed_where_it_is_built(ran, name, function):
-    _, run = ran(name)
+def test_loader_built_in_a_function_is_changed_where_it_is_built(ran):
+    _, run = ran("loader from an imported function")
     loader = primary_loader(run.workload)
     assert loader["name"] is None and loader["built_at"]["file"].endswith("frameworks.py")
     code = loader_code(loader, WORKER_CHANGE, run.workload)
-    assert f"{function}() (frameworks.py, line " in code
+    assert "make_loader() (frameworks.py, line " in code
     assert "num_workers=2, persistent_workers=True)" in code and "shuffle=True" in code
+
+
+@pytest.mark.parametrize(("name", "instance", "method"), [
+    ("Lightning Trainer", "model", "Classifier.train_dataloader"),
+    ("Lightning datamodule", "dm", "Storage.train_dataloader"),
+])
+def test_lightning_loader_is_changed_by_a_train_dataloader_the_trainer_calls(ran, name, instance, method):
+    _, run = ran(name)
+    loader = primary_loader(run.workload)
+    assert loader["name"] is None and loader["owner"] == "lightning"
+    assert loader["built_at"]["function"] == method and loader["user_names"]["built_by"] == instance
+    code = loader_code(loader, WORKER_CHANGE, run.workload)
+    assert f"{instance}.train_dataloader = types.MethodType(faster_train_dataloader, {instance})" in code
+    assert ("return DataLoader(loader.dataset, batch_size=8, shuffle=True, num_workers=2, persistent_workers=True)"
+            in code)
+    assert f"instead of {method} (frameworks.py, line " in code
 
 
 def test_cpu_bound_code_caches_before_the_random_augmentation(ran):
@@ -212,6 +226,14 @@ def test_loader_built_inline_in_a_watched_cell_is_changed_at_its_line(ip):
 def test_tuner_code_for_a_loader_no_name_holds_says_where_it_is_built(ran):
     from gpuwidget.measure.tuner import tune_for_run
 
+    namespace, run = ran("loader from an imported function")
+    result = tune_for_run(run, eval("make_loader(train_ds)", namespace), budget_s=3)
+    assert "make_loader() (frameworks.py, line " in result.code and "loader =" not in result.code
+
+
+def test_tuner_code_for_a_lightning_loader_replaces_train_dataloader(ran):
+    from gpuwidget.measure.tuner import tune_for_run
+
     namespace, run = ran("Lightning Trainer")
     result = tune_for_run(run, namespace["model"].train_dataloader(), budget_s=3)
-    assert "Classifier.train_dataloader() (frameworks.py, line " in result.code and "loader =" not in result.code
+    assert result.code.endswith("model.train_dataloader = types.MethodType(faster_train_dataloader, model)")

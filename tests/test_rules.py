@@ -29,7 +29,8 @@ from gpuwidget.probes.torch_data import loader_kwargs, loader_settings
 
 STABLE_IDS = {"dataloader-starved", "dataloader-cpu-bound", "io-bound", "small-batch", "memory-pressure",
               "fp32-math", "launch-bound", "periodic-stall", "pageable-transfer", "gpu-throttled", "gpu-unused",
-              "gpu-imbalance", "cpu-contention", "rank-straggler", "ddp-communication", "data-parallel"}
+              "gpu-imbalance", "cpu-contention", "rank-straggler", "ddp-communication", "data-parallel",
+              "watch-longer"}
 H100 = {"gpus": [{"index": 0, "name": "NVIDIA H100"}], "usable_cpus": 8}
 NO_GPU = {"gpus": [], "usable_cpus": 8}
 
@@ -361,15 +362,16 @@ def test_expected_gain_shrinks_when_other_processes_hold_cores():
 
 
 def test_a_short_loop_gets_the_workers_that_pay_for_their_start_up():
-    # 30 ms to read a batch, 5 ms to use it, 2 cores: 8 workers in steady state. Over 20 steps
-    # (0.7 s) starting 8 workers (0.2 s) costs more than the last three save: 5 do best.
+    # 30 ms to read a batch, 5 ms to use it, 2 cores: 8 workers in steady state. Over 32 steps
+    # (1.1 s, just long enough to name a cause) starting 8 workers (0.2 s) costs more than the
+    # last three save: 5 do best.
     long_loop = {"loaders": [loader_facts(wait=300.0, compute=50.0, wait_cpu=0.05, steps=10_000)]}
-    short_loop = {"loaders": [loader_facts(wait=0.6, compute=0.1, wait_cpu=0.05, steps=20)]}
+    short_loop = {"loaders": [loader_facts(wait=0.96, compute=0.16, wait_cpu=0.05, steps=32)]}
     two_cores = {**NO_GPU, "usable_cpus": 2}
     assert io_bound.check(summary(), long_loop, two_cores).change["num_workers"] == 8
     short = io_bound.check(summary(), short_loop, two_cores)
     assert short.change["num_workers"] == 5
-    assert short.expected_speedup == pytest.approx(700 / (20 * 6 + 30 + 5 * 25), abs=0.01)
+    assert short.expected_speedup == pytest.approx(1120 / (32 * 6 + 30 + 5 * 25), abs=0.01)
 
 
 def _model_findings(name: str | None) -> dict[str, Any]:
@@ -416,3 +418,118 @@ def test_model_findings_code_runs_as_pasted_and_names_only_the_users_model(name,
     finally:
         torch.set_float32_matmul_precision(legacy)
     assert (moved == [("cuda",)]) is (name is not None)  # gpu-unused moved the user's model, once
+
+
+# ------------------------------------------------------------------ periodic-stall: steady steps, periods, what it is
+
+
+def stalled(steps: int, period: int, stall: float = 0.5, median: float = 0.0012, first: int | None = None,
+            warmup: list[float] | None = None) -> list[float]:
+    times = list(warmup or []) + [median] * steps
+    start = len(warmup or []) + (period - 1 if first is None else first)
+    for i in range(start, len(times), period):
+        times[i] = stall
+    return times
+
+
+def stall_check(times: list[float], **workload: Any) -> Finding | None:
+    return periodic_stall.check(summary(), {"loaders": [loader_facts(step_times=times, compute=sum(times),
+                                                                     steps=len(times))], **workload}, NO_GPU)
+
+
+def test_warm_up_steps_are_not_stalls_and_do_not_break_the_period():
+    # 8 first steps of 18-28 ms (torch's own, on this machine) before a 0.5 s pause every 25 steps.
+    warm = [0.028, 0.024, 0.021, 0.019, 0.018, 0.022, 0.020, 0.018]
+    finding = stall_check(stalled(142, 25, warmup=warm))
+    assert finding is not None and finding.evidence["period_steps"] == 25 and finding.evidence["stalls"] == 5
+    assert finding.evidence["warmup_steps"] == 8 and finding.evidence["period_agreement"] == 1.0
+
+
+def test_a_noisy_burst_is_not_a_period():
+    times = [0.01] * 200
+    for i in [*range(60, 76), 77, 80]:
+        times[i] = 0.45
+    assert stall_check(times) is None
+    # Regular within the burst, but only there: not "every 2 steps" over a 200-step run.
+    times = [0.01] * 200
+    for i in range(60, 82, 2):
+        times[i] = 0.45
+    assert stall_check(times) is None
+    # Consecutive slow steps are one stall: a 3-step evaluation every 20 steps is "every 20".
+    times = [0.01] * 200
+    for start in range(19, 200, 20):
+        times[start:start + 3] = [0.3] * len(times[start:start + 3])
+    finding = stall_check(times)
+    assert finding is not None and finding.evidence["period_steps"] == 20 and finding.evidence["stalls"] == 10
+
+
+@pytest.mark.parametrize(("stalls", "fires"), [(9, False), (10, True)])
+def test_a_period_must_recur_over_the_run(stalls, fires):
+    # Every 10 steps over 200 steady steps: at least PERIOD_COVERAGE (half) of the 20 stalls it puts there.
+    times = [0.01] * 200
+    for i in range(9, 9 + 10 * stalls, 10):
+        times[i] = 0.2
+    assert (stall_check(times) is not None) is fires
+
+
+def test_gaps_agree_within_a_tenth_of_the_period():
+    times = [0.01] * 200
+    for i in (10, 34, 60, 85, 112, 136, 163, 187):  # gaps 24, 26, 25, 27, 24, 27, 24
+        times[i] = 0.3
+    assert stall_check(times).evidence["period_steps"] == 25  # the median of the agreeing gaps
+    # Within one step is no slack for a period of 4: gaps 3, 4, 5 do not make "every 4".
+    times = [0.01] * 60
+    for i in (3, 6, 10, 15, 18, 22, 27, 30, 34, 39, 42, 46, 51, 54, 58):  # gaps 3, 4, 5 in turn
+        times[i] = 0.3
+    assert stall_check(times) is None
+
+
+def test_spikes_of_a_loaded_host_beside_the_stalls_do_not_hide_the_period():
+    times = stalled(150, 25, median=0.0006)
+    for i in (5, 13, 31, 40, 66, 81, 97, 120, 133):  # 25-45 ms spikes beside 0.5 s stalls
+        times[i] = 0.025 + 0.0025 * (i % 9)
+    finding = stall_check(times)
+    assert finding is not None and finding.evidence["period_steps"] == 25 and finding.evidence["stalls"] == 6
+    # One spike between stalls leaves the period agreeing 67% of the time: the stalls alone agree
+    # always, and the spike is not counted as a stall.
+    times = stalled(150, 25, median=0.0006)
+    times[61] = 0.03
+    finding = stall_check(times)
+    assert finding.evidence["stalls"] == 6 and finding.evidence["period_agreement"] == 1.0
+
+
+def loop_waits(**seconds: float) -> list[dict[str, Any]]:
+    files = {"generate": "transformers/generation/utils.py", "save": "torch/serialization.py",
+             "train_step": "/home/me/samples/train.py"}
+    return [{"function": function, "file": files[function], "line": 1, "cell": None, "share": 0.1,
+             "seconds": value} for function, value in seconds.items()]
+
+
+def test_a_stall_that_is_mostly_evaluation_gets_evaluation_code_that_runs():
+    # 23 s of sampling with generate() and 0.08 s of torch.save, every 25 steps.
+    finding = stall_check(stalled(150, 25), model=cuda_model(), loop_waits=loop_waits(generate=23.0, save=0.08))
+    assert finding.change["stall"] == "evaluation" and finding.evidence["evaluation_s"] == 23.0
+    assert "evaluation" in finding.suggestion and "save_in_background" not in finding.code
+    assert "torch.inference_mode()" in finding.code
+    net = torch.nn.Linear(4, 2)
+    namespace: dict[str, Any] = {"net": net}
+    exec(compile(finding.code, "<periodic-stall code>", "exec"), namespace)  # as pasted
+    out = namespace["evaluate_without_grad"](net, net, torch.zeros(3, 4))
+    assert out.shape == (3, 2) and not out.requires_grad and net.training
+
+
+def test_a_stall_that_is_mostly_a_checkpoint_gets_the_background_save():
+    finding = stall_check(stalled(150, 25), loop_waits=loop_waits(generate=0.2, save=9.0, train_step=3.0))
+    assert finding.change["stall"] == "checkpoint" and "save_in_background" in finding.code
+    namespace: dict[str, Any] = {}
+    exec(compile(finding.code, "<periodic-stall code>", "exec"), namespace)
+    assert callable(namespace["save_in_background"])
+
+
+def test_without_stack_samples_forward_passes_beyond_the_steps_say_evaluation():
+    times = stalled(150, 25)
+    evaluating = stall_check(times, training={"forward_calls": 150 + 6 * 20, "optimizer_steps": 150})
+    assert evaluating.change["stall"] == "evaluation" and evaluating.evidence["forwards_beyond_steps"] == 120
+    unknown = stall_check(times, training={"forward_calls": 150, "optimizer_steps": 150})
+    assert unknown.change["stall"] == "unknown" and "a checkpoint, an evaluation" in unknown.suggestion
+    assert stall_check(times).change["stall"] == "unknown"

@@ -72,6 +72,31 @@ def test_tuner_refuses_what_is_not_a_dataloader():
         tune_loader(DataLoader(TensorDataset(torch.zeros(4))), budget_s=0)
 
 
+def test_tuner_progress_is_true_false_or_a_callable(capsys):
+    loader = DataLoader(TensorDataset(torch.zeros(64, 3)), batch_size=4)
+    quiet = tune_loader(loader, budget_s=3, progress=False)
+    assert quiet.trials and capsys.readouterr().out == ""
+    told: list[tuple[str, float]] = []
+    told_result = tune_loader(loader, budget_s=3, progress=lambda trial, elapsed: told.append((trial.label, elapsed)))
+    assert [label for label, _ in told] == [t.label for t in told_result.trials]
+    assert all(b >= a >= 0 for (_, a), (_, b) in zip(told, told[1:]))
+    printed = tune_loader(loader, budget_s=3, progress=True)
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == len(printed.trials) and lines[0].startswith("tuning ") and lines[0].endswith(
+        f"/3 s: as it is: {printed.trials[0].batches_per_s:.1f} batches/s")
+
+
+@pytest.mark.parametrize("progress", [1, "yes", 0.5, [print]])
+def test_tuner_refuses_any_other_progress_before_a_trial(progress, monkeypatch):
+    import gpuwidget.measure.tuner as tuner
+
+    trials: list[object] = []
+    monkeypatch.setattr(tuner, "_trial", lambda *args: trials.append(args))
+    with pytest.raises(TypeError, match=r"progress must be True, False or a callable progress\(trial, elapsed_s\)"):
+        tune_loader(DataLoader(TensorDataset(torch.zeros(8, 3))), budget_s=3, progress=progress)
+    assert trials == []
+
+
 class Exhausted(IterableDataset):
     def __iter__(self):
         return iter(())

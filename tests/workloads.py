@@ -47,6 +47,21 @@ class SlowStorageDataset(CpuHeavyDataset):
         return self.data[i], self.labels[i]
 
 
+class FirstTouchDataset(TensorDataset):
+    """In-memory tensors whose first ``slow_items`` reads each wait ``latency`` seconds: a
+    memory-mapped file paged in on first touch, or a cache filled by the first batches."""
+
+    def __init__(self, *tensors: torch.Tensor, slow_items: int = 0, latency: float = 0.0) -> None:
+        super().__init__(*tensors)
+        self.slow_items, self.latency, self.reads = slow_items, latency, 0
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, ...]:
+        self.reads += 1
+        if self.reads <= self.slow_items:
+            time.sleep(self.latency)
+        return super().__getitem__(i)
+
+
 def mlp(features: int = 256, hidden: int = 1024, layers: int = 3) -> torch.nn.Module:
     blocks: list[torch.nn.Module] = []
     width = features
@@ -131,3 +146,15 @@ def failing(items: int = 640, batch: int = 16, fail_at: int = 5) -> Workload:
     model = mlp(layers=1)
     loader = DataLoader(CpuHeavyDataset(items, 0.001), batch_size=batch)
     return _bind("exception mid-loop", loader, model, _trainer(model, fail_at=fail_at), set())
+
+
+def periodic_pause(items: int = 4800, batch: int = 32, every: int = 25, pause_s: float = 0.5,
+                   warm_batches: int = 8, warm_batch_s: float = 0.05) -> Workload:
+    """A pause of ``pause_s`` every ``every`` steps over in-memory tensors, after a slow start:
+    the first ``warm_batches`` batches are read from a cold cache (``warm_batch_s`` each)."""
+    model = mlp(features=64, hidden=128, layers=2)
+    data = FirstTouchDataset(torch.randn(items, 64), torch.randint(0, 10, (items,)),
+                             slow_items=warm_batches * batch, latency=warm_batch_s / batch)
+    loader = DataLoader(data, batch_size=batch, shuffle=True)
+    return _bind(f"a {pause_s} s pause every {every} steps after a slow start", loader, model,
+                 _trainer(model, every, lambda: time.sleep(pause_s)), {"periodic-stall"})

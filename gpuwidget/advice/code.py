@@ -1,13 +1,18 @@
 """The code a loader finding offers: it runs as pasted in the user's namespace and keeps the data.
 
 The invariant (DESIGN.md, public contract): executed where the watched cell ran, the code
-either (a) rebinds the user's own name for the loader to a DataLoader that yields the same
-samples with the same batching, sampling and collation, only the speed settings changed;
-or (b) where no name of the user's holds the loader (a Trainer owns it, or a function
-built it), it is an instruction in the owning framework's terms that raises nothing:
-attribute assignments on the user's ``TrainingArguments``, ``accelerator.prepare`` of a
-loader built with the settings, or comments naming the file, function and the DataLoader
-line to change. It never uses a name the user does not have.
+either (a) rebinds the user's own name for the loader to a loader that yields the same
+samples with the same batching, sampling and collation, only the speed settings changed:
+of the user's own class where the loader is a DataLoader subclass whose constructor takes the
+arguments (gpuwidget.probes.constructor), with its sampler, batch sampler and collate function
+by the user's names for them; or (b) where a method of the user's object built the loader (a
+LightningModule's or datamodule's ``train_dataloader``), replaces that method on the user's
+instance with one that rebuilds the loader it builds, so the next ``trainer.fit`` uses it; or
+(c) where neither can be done (a Trainer owns the loader, a function built it, the class cannot
+take the arguments), it is an instruction in the owning framework's terms that raises nothing:
+attribute assignments on the user's ``TrainingArguments``, ``accelerator.prepare`` of a loader
+built with the settings, or comments naming the file, function and line that built the loader
+and what to add there. It never uses a name the user does not have.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from typing import Any
 
 from gpuwidget.advice.loader import DEFAULT_PREFETCH
 from gpuwidget.facts import LoaderFacts, WorkloadFacts
+from gpuwidget.probes.constructor import constructor_call, constructor_keywords, defaults_hold
 from gpuwidget.probes.origin import call_with_keywords
 
 IMPORT = "from torch.utils.data import DataLoader"
@@ -68,40 +74,167 @@ def loader_code(loader: LoaderFacts | Mapping[str, Any], change: Mapping[str, An
     if name and owner == "accelerate":
         return _accelerate_code(name, loader, change, frameworks.get("accelerator"))
     if name:
-        return f"{IMPORT}\n{name} = {dataloader_call(name, loader, change)}"
-    return _where_built(loader, change)
+        try:
+            call = constructor_expression(name, loader, change)
+        except Unbuildable as why:
+            return _class_instruction(loader, change, str(why), name)
+        return f"{_import_for(loader)}{name} = {call}"
+    hook = _hook_code(loader, change)
+    return hook if hook is not None else _where_built(loader, change)
+
+
+class Unbuildable(Exception):
+    """The loader's own class cannot be built again with the change; the message says why
+    ("its __init__ ...")."""
+
+
+def constructor_expression(ref: str, loader: LoaderFacts | Mapping[str, Any], change: Mapping[str, Any],
+                           dataset: str | None = None) -> str:
+    """The call that builds the loader ``ref`` names again, with ``change`` applied: ``DataLoader(...)``,
+    or its own class (by the user's name for it, else ``type(ref)``) called as its constructor takes
+    the arguments (gpuwidget.probes.constructor). ``dataset``: the dataset's expression (default: the
+    user's name for it, else ``ref.dataset``). Raises :class:`Unbuildable` when the class cannot take them."""
+    settings = loader.get("settings") or {}
+    constructor = settings.get("constructor")
+    arguments = _arguments(ref, loader, change, dataset)
+    plan = constructor_call(constructor, arguments, set(change))
+    if isinstance(plan, str):
+        raise Unbuildable(plan)
+    if not constructor:
+        callee = "DataLoader"
+    else:
+        class_name = constructor.get("class_name", "")
+        if plan.defaults and not defaults_hold(plan.defaults, loader.get("built_at"), class_name):
+            listed = ", ".join(plan.defaults)
+            raise Unbuildable(f"its __init__ takes {listed}, whose value the loader does not keep")
+        callee = (loader.get("user_names") or {}).get("class") or f"type({ref})"
+    parts = []
+    if plan.dataset is not None and plan.dataset_keyword is None:
+        parts.append(plan.dataset)
+    elif plan.dataset is not None:
+        parts.append(f"{plan.dataset_keyword}={plan.dataset}")
+    parts += [f"{parameter}={ref}.{attribute}" for parameter, attribute in plan.attributes.items()]
+    parts += [f"{key}={value}" for key, value in plan.keywords.items()]
+    return f"{callee}({', '.join(parts)})"
 
 
 def dataloader_call(name: str, loader: LoaderFacts | Mapping[str, Any], change: Mapping[str, Any]) -> str:
     """``DataLoader(...)`` over the same dataset, sampling, batching and collation as the loader
-    the user calls ``name``, with ``change`` applied."""
+    the user calls ``name``, with ``change`` applied (torch's class, whatever the loader's own)."""
+    settings = {**(loader.get("settings") or {}), "constructor": None}
+    return constructor_expression(name, {**loader, "settings": settings}, change)
+
+
+def _arguments(ref: str, loader: LoaderFacts | Mapping[str, Any], change: Mapping[str, Any],
+               dataset: str | None) -> dict[str, str]:
+    """DataLoader keyword -> expression, for the same dataset, sampling, batching and collation as
+    the loader ``ref`` names, with ``change``'s speed settings. The sampler, batch sampler and
+    collate function are the loader's own objects, by the user's name where one holds them."""
     settings = loader.get("settings") or {}
-    args = [loader.get("dataset_name") or f"{name}.dataset"]
+    names = loader.get("user_names") or {}
+
+    def own(attribute: str) -> str:
+        return names.get(attribute) or f"{ref}.{attribute}"
+
+    arguments = {"dataset": dataset or loader.get("dataset_name") or f"{ref}.dataset"}
     if settings.get("iterable_dataset"):
         # An IterableDataset takes no sampler (torch raises on sampler= or shuffle=).
-        args.append(f"batch_size={settings.get('batch_size')!r}")
+        arguments["batch_size"] = repr(settings.get("batch_size"))
         if settings.get("drop_last"):
-            args.append("drop_last=True")
+            arguments["drop_last"] = "True"
     elif settings.get("custom_batch_sampler") or settings.get("batch_sampler_given"):
-        args.append(f"batch_sampler={name}.batch_sampler")
+        arguments["batch_sampler"] = own("batch_sampler")
     else:
-        args.append(f"batch_size={change.get('batch_size', settings.get('batch_size'))!r}")
+        arguments["batch_size"] = repr(change.get("batch_size", settings.get("batch_size")))
         if settings.get("custom_sampler"):
-            args.append(f"sampler={name}.sampler")
+            arguments["sampler"] = own("sampler")
         elif settings.get("shuffle"):
-            args.append("shuffle=True")
+            arguments["shuffle"] = "True"
         if settings.get("drop_last"):
-            args.append("drop_last=True")
+            arguments["drop_last"] = "True"
     if not settings.get("default_collate", True):
-        args.append(f"collate_fn={name}.collate_fn")
+        arguments["collate_fn"] = own("collate_fn")
     if settings.get("worker_init_fn"):
-        args.append(f"worker_init_fn={name}.worker_init_fn")
+        arguments["worker_init_fn"] = f"{ref}.worker_init_fn"
     if settings.get("generator"):
-        args.append(f"generator={name}.generator")
+        arguments["generator"] = f"{ref}.generator"
     if settings.get("timeout"):
-        args.append(f"timeout={settings['timeout']!r}")
-    args += [f"{key}={value!r}" for key, value in speed_keywords(settings, change).items()]
-    return f"DataLoader({', '.join(args)})"
+        arguments["timeout"] = repr(settings["timeout"])
+    arguments.update({key: repr(value) for key, value in speed_keywords(settings, change).items()})
+    return arguments
+
+
+def _import_for(loader: LoaderFacts | Mapping[str, Any]) -> str:
+    """torch's DataLoader import, where the code calls torch's class (never over the user's own
+    class of that name: torch_geometric's loader is called DataLoader too)."""
+    return "" if (loader.get("settings") or {}).get("constructor") else f"{IMPORT}\n"
+
+
+# The methods a framework calls to get a loader (Lightning's LightningModule and LightningDataModule hooks).
+LOADER_HOOKS = ("train_dataloader", "val_dataloader", "test_dataloader", "predict_dataloader")
+
+
+def _hook_code(loader: LoaderFacts | Mapping[str, Any], change: Mapping[str, Any]) -> str | None:
+    """For a loader a method of the user's object built (a LightningModule's or datamodule's
+    ``train_dataloader``, which the Trainer calls): that method replaced on the user's instance by
+    one that builds the loader as theirs does and rebuilds it with the settings. The class stays
+    as written; the next ``trainer.fit`` calls the replacement. None where no name holds the instance."""
+    site = loader.get("built_at") or {}
+    instance = (loader.get("user_names") or {}).get("built_by")
+    method = str(site.get("function") or "").rsplit(".", 1)[-1]
+    if instance is None or method not in LOADER_HOOKS:
+        return None
+    try:
+        call = constructor_expression("loader", loader, change, dataset="loader.dataset")
+    except Unbuildable as why:
+        return _class_instruction(loader, change, str(why), None)
+    replacement = f"faster_{method}"
+    return "\n".join([
+        f"import types\n{_import_for(loader)}", "",
+        f"def {replacement}(self):",
+        f"    loader = type(self).{method}(self)  # your {method}'s loader, built but not iterated",
+        f"    return {call}", "", "",
+        f"# The next trainer.fit(...) calls this instead of {site['function']} ({_where(site)}):",
+        f"{instance}.{method} = types.MethodType({replacement}, {instance})",
+    ])
+
+
+def _where(site: Mapping[str, Any]) -> str:
+    """``models.py, line 12`` or ``cell In [5], line 3``."""
+    where = f"cell In [{site['cell']}]" if site.get("cell") is not None else Path(site["file"]).name
+    return f"{where}, line {site['line']}"
+
+
+def _class_instruction(loader: LoaderFacts | Mapping[str, Any], change: Mapping[str, Any], reason: str,
+                       name: str | None) -> str:
+    """Comments only: the loader's own class cannot be built again with the change here, so say
+    why and what to add where the loader is built."""
+    settings = loader.get("settings") or {}
+    constructor = settings.get("constructor") or {}
+    class_name = constructor.get("class_name", "DataLoader")
+    keywords = speed_keywords(settings, change)
+    listed = ", ".join(f"{key}={value!r}" for key, value in keywords.items())
+    subject = name or "This loader"
+    init = constructor.get("code")
+    if init:
+        reason = reason.replace("its __init__", f"its __init__ ({_where(init)})", 1)
+    lines = [f"# {subject} is a {class_name}; {reason},",
+             f"# so it cannot be built again here without losing what {class_name} does."]
+    site = loader.get("built_at")
+    where = f"Where it is built, {_place(site)}," if site else "Where you build it,"
+    taken = constructor_keywords(constructor, keywords, set(change)) if constructor else keywords
+    if isinstance(taken, str):
+        lines += [f"# {where} pass {listed},",
+                  f"# and have {class_name}.__init__ hand them to DataLoader: take **kwargs and call",
+                  "# super().__init__(..., **kwargs)."]
+        return "\n".join(lines)
+    line = call_with_keywords(site, taken, [class_name]) if site else None
+    if line is None:
+        mapped = ", ".join(f"{key}={value!r}" for key, value in taken.items())
+        lines.append(f"# {where} pass it {mapped}.")
+    else:
+        lines += [f"# {where} build it as", f"#     {line}"]
+    return "\n".join(lines)
 
 
 def _hf_code(change: Mapping[str, Any], frameworks: Mapping[str, str]) -> str:
@@ -137,7 +270,11 @@ def _where_built(loader: LoaderFacts | Mapping[str, Any], change: Mapping[str, A
     """Comments only: no name of the user's holds the loader, so say where to change it."""
     settings = loader.get("settings") or {}
     keywords = speed_keywords(settings, change)
-    listed = ", ".join(f"{key}={value!r}" for key, value in keywords.items())
+    constructor = settings.get("constructor")
+    plan = constructor_call(constructor, keywords, set(change))
+    if isinstance(plan, str):
+        return _class_instruction(loader, change, plan, None)
+    listed = ", ".join(f"{key}={value!r}" for key, value in plan.keywords.items())
     site = loader.get("built_at")
     owner = loader.get("owner")
     if site is None:
@@ -145,7 +282,8 @@ def _where_built(loader: LoaderFacts | Mapping[str, Any], change: Mapping[str, A
                  else "the code that builds this DataLoader")
         return f"# No variable of yours holds this loader: in {where}, pass\n#     {listed}"
     place = _place(site)
-    line = call_with_keywords(site, keywords)
+    classes = [constructor["class_name"]] if constructor else []
+    line = call_with_keywords(site, plan.keywords, classes)
     if line is None:
         return f"# This DataLoader is built {place}: pass it\n#     {listed}"
     return f"# This DataLoader is built {place}; build it there as\n#     {line}"
@@ -166,10 +304,10 @@ SHARDING_SENTENCE = (" Its IterableDataset does not split items between workers:
 def _place(site: Mapping[str, Any]) -> str:
     """``in make_loader() (loaders.py, line 12)``, ``in train() (cell In [5], line 3)``, or
     ``at line 3 of cell In [5]`` for a cell's own top level."""
-    where = f"cell In [{site['cell']}]" if site.get("cell") is not None else Path(site["file"]).name
     if site["function"] == "<module>":
+        where = f"cell In [{site['cell']}]" if site.get("cell") is not None else Path(site["file"]).name
         return f"at line {site['line']} of {where}"
-    return f"in {site['function']}() ({where}, line {site['line']})"
+    return f"in {site['function']}() ({_where(site)})"
 
 
 def _duplicates_warning(loader: LoaderFacts | Mapping[str, Any], change: Mapping[str, Any]) -> str | None:
@@ -180,7 +318,7 @@ def _duplicates_warning(loader: LoaderFacts | Mapping[str, Any], change: Mapping
     settings = loader.get("settings") or {}
     workers = int(change.get("num_workers") or 0)
     where = settings.get("dataset_code") or {}
-    place = f" ({Path(where['file']).name}, line {where['line']})" if where else ""
+    place = f" ({_where(where)})" if where else ""
     dataset = settings.get("dataset_type") or "the dataset"
     return (f"# {dataset}.__iter__{place} does not split its items between worker processes: with\n"
             f"# num_workers={workers} every worker would yield every sample ({workers} copies of each).\n"
@@ -201,7 +339,7 @@ def cache_code(loader: LoaderFacts | Mapping[str, Any]) -> str:
     settings = loader.get("settings") or {}
     dataset = settings.get("dataset_type") or "the dataset"
     where = settings.get("dataset_code") or {}
-    place = f" ({Path(where['file']).name}, line {where['line']})" if where else ""
+    place = f" ({_where(where)})" if where else ""
     transforms = settings.get("dataset_transforms") or []
     lines = [f"# Each sample is rebuilt every epoch in {dataset}.__getitem__{place}."]
     if transforms:

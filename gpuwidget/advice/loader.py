@@ -14,15 +14,28 @@ from typing import Any
 
 import numpy as np
 
+from gpuwidget.advice.evidence import enough_evidence
 from gpuwidget.advice.summary import primary_loader
+from gpuwidget.advice.warmup import split_run
 from gpuwidget.facts import LoaderFacts, MachineFacts, Summary, WorkloadFacts
+from gpuwidget.probes.torch_data import CPU_SAMPLE_EVERY
 
 # The loop is starved when at least this share of its time is spent blocked in next().
 # PyTorch's profiler recommendations flag DataLoader time above 5% of a step; we ask for
 # 10% so that a finding is worth acting on and timing noise of short cells stays below it.
 STARVED_WAIT_FRACTION = 0.10
-# Fewer steps than this say nothing reliable about a loop.
-MIN_STEPS = 5
+# How long the loop must run at its steady state before a cause is named: see
+# gpuwidget.advice.evidence (MIN_CAUSE_STEPS, MIN_CAUSE_LOOP_S); warm-up steps are left out of
+# every figure below (gpuwidget.advice.warmup).
+# The looping thread's CPU while blocked in next() (num_workers=0) tells CPU work from sleep
+# only over at least this many seconds of sampled waits. The kernel adds a running thread's
+# CPU time to its counters at scheduler ticks (4 ms at CONFIG_HZ=250, as here: schedstat's
+# count of a spinning thread advances in 4.0 ms steps), so one sampled wait of half a
+# millisecond reads 0 or a whole tick. Over W seconds of sampled waits the ratio errs by about
+# sqrt(tick / W): 0.2 at 0.1 s, under the gap between IO_WAIT_RATIO and CPU_WORK_RATIO that
+# tells the causes apart. The 32 in-memory batches once called io-bound had sampled four waits
+# of well under a millisecond each, which read as 0.0 CPU: asleep.
+MIN_SAMPLED_WAIT_S = 0.1
 # The batch builders are the looping thread while it is blocked in next() (num_workers=0)
 # or the worker processes. Per wall second, each builder is on a core (CPU), runnable but
 # queued for a core (run delay, /proc/<pid>/schedstat), or asleep (storage, network).
@@ -104,6 +117,11 @@ class LoaderDiagnosis:
     contended: bool = False
     # The speed-up expected from `change` (expected_gain), at most expected_speedup.
     gain: float = 1.0
+    # Warm-up steps left out of the figures above (advice.warmup); the loop's seconds as measured
+    # and the least its steps could take (each at the steady compute time): expected_speedup.
+    warmup_steps: int = 0
+    loop_s: float = 0.0
+    least_loop_s: float = 0.0
 
     @property
     def name(self) -> str:
@@ -118,20 +136,64 @@ class LoaderDiagnosis:
 
     @property
     def expected_speedup(self) -> float:
-        """Upper bound if every wait disappeared: the loop time minus all time in next()."""
-        return 1.0 / max(1e-9, 1.0 - self.wait_fraction)
+        """Upper bound if no waiting remained: the loop time as measured over the least those
+        steps can take, each at the steady compute time and none waiting::
+
+            T / (N * c)    T: loop seconds, N: its steps, c: steady compute seconds per step
+
+        Without a warm-up that is ``1 / (1 - w)``, ``w`` the share of the loop spent in next().
+        It used to be that in every case, with the warm-up counted as compute: a slow start then
+        diluted ``w``, and a run that followed the change in a warm process (no first CUDA use
+        or compilation again, a dataset already cached) gained more than the bound, as an
+        io-bound "at most 1.46x" that measured 1.81x. Whatever the re-run pays again of the
+        warm-up, it cannot take less than ``N * c``."""
+        return self.loop_s / max(1e-9, self.least_loop_s) if self.least_loop_s else \
+            1.0 / max(1e-9, 1.0 - self.wait_fraction)
+
+
+@dataclass(frozen=True)
+class SteadyLoop:
+    """The primary loader's totals over its steady steps (warm-up left out)."""
+
+    steps: int
+    wait_s: float
+    loop_s: float
+    warmup_steps: int
+
+    @property
+    def compute_s(self) -> float:
+        return max(0.0, self.loop_s - self.wait_s)
+
+
+def steady_loop(loader: LoaderFacts) -> SteadyLoop:
+    """The loader's steps, waits and loop time without its warm-up steps (advice.warmup)."""
+    steps, wait, loop = int(loader["steps"]), loader["wait_total_s"], loader["loop_time_s"]
+    split = split_run(loader.get("step_times") or [], steps)
+    if split.all_warmup or not split.steps or split.steps >= steps:
+        return SteadyLoop(steps, wait, loop, 0)
+    warm_wait = float(sum((loader.get("wait_times") or [])[:split.steps]))
+    return SteadyLoop(steps - split.steps, max(0.0, wait - warm_wait), max(1e-9, loop - split.seconds), split.steps)
+
+
+def sampled_wait_s(loader: LoaderFacts) -> float:
+    """Seconds of the waits whose CPU and run delay the probe read (one step in
+    probes.torch_data.CPU_SAMPLE_EVERY, from the second): the basis of ``wait_cpu_ratio``."""
+    waits = loader.get("wait_times") or []
+    if len(waits) >= int(loader.get("steps") or 0):
+        return float(sum(waits[1::CPU_SAMPLE_EVERY]))
+    return float(loader.get("wait_total_s") or 0.0) / CPU_SAMPLE_EVERY  # the history lost the first steps
 
 
 def diagnose(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> LoaderDiagnosis | None:
-    """None when no DataLoader ran long enough to judge."""
+    """None when no DataLoader ran long enough at its steady state to judge (advice.evidence)."""
     loader = primary_loader(workload)
-    if loader is None or loader["steps"] < MIN_STEPS or not loader.get("loop_time_s"):
+    if loader is None or not loader.get("loop_time_s") or not enough_evidence(workload):
         return None
     settings = loader.get("settings") or {}
-    steps = loader["steps"]
-    wait_fraction = loader["wait_total_s"] / loader["loop_time_s"]
-    wait = loader["wait_total_s"] / steps
-    compute = max(loader["compute_total_s"] / steps, 1e-6)
+    steady = steady_loop(loader)
+    wait_fraction = steady.wait_s / steady.loop_s
+    wait = steady.wait_s / steady.steps
+    compute = max(steady.compute_s / steady.steps, 1e-6)
     num_workers = int(settings.get("num_workers") or 0)
     usable = int(machine.get("usable_cpus") or 1)
 
@@ -140,11 +202,13 @@ def diagnose(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -
     if num_workers > 0 and workers_cpu is not None:
         workers_busy = workers_cpu / 100.0 / num_workers
     wait_cpu = loader.get("wait_cpu_ratio")
+    if sampled_wait_s(loader) < MIN_SAMPLED_WAIT_S:
+        wait_cpu = None  # too little sampled to tell CPU work from sleep (MIN_SAMPLED_WAIT_S)
     host = summary.get("cpu_util_mean")
     cpus_busy = _cpus_busy_percent(summary, machine, usable)
     host_saturated = cpus_busy is not None and cpus_busy >= HOST_SATURATED_PERCENT
     if num_workers == 0:
-        busy, builder_delay = wait_cpu, loader.get("wait_delay_ratio")
+        busy, builder_delay = wait_cpu, loader.get("wait_delay_ratio") if wait_cpu is not None else None
         cause = _cause(busy, builder_delay, host_saturated, CPU_WORK_RATIO, IO_WAIT_RATIO, CPU_ASLEEP_MAX)
     else:
         workers_delay = summary.get("workers_run_delay_mean")
@@ -162,12 +226,12 @@ def diagnose(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -
         starved=wait_fraction >= STARVED_WAIT_FRACTION, cause=cause, cpu_saturated=cpu_saturated,
         num_workers=num_workers, usable_cpus=usable, workers_busy=workers_busy,
         builder_delay=builder_delay, loop_delay=None if loop_delay is None else loop_delay / 100.0,
-        other_cores=None if others is None else others / 100.0,
+        other_cores=None if others is None else others / 100.0, warmup_steps=steady.warmup_steps,
+        loop_s=loader["loop_time_s"], least_loop_s=loader["steps"] * compute,
     )
     lost = diagnosis.time_lost_to_contention
     other_cores = diagnosis.other_cores
-    diagnosis.contended = other_cores is not None and other_cores >= OTHER_CORES_MIN and (
-        (lost is not None and lost >= CONTENTION_DELAY_FRACTION) or other_cores >= OTHERS_HOLD_SHARE * usable)
+    diagnosis.contended = contended(lost, other_cores, usable, diagnosis.starved)
     diagnosis.evidence = _evidence(diagnosis, host, wait_cpu)
     if cpus_busy is not None and cpus_busy >= (host or 0.0) + 1.0:
         diagnosis.evidence["cpus_busy_percent"] = round(cpus_busy, 1)  # the container's CPUs, not the node's
@@ -177,6 +241,17 @@ def diagnose(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -
         diagnosis.evidence["expected_gain"] = round(diagnosis.gain, 2)
         diagnosis.evidence["upper_bound_speedup"] = round(diagnosis.expected_speedup, 2)
     return diagnosis
+
+
+def contended(lost: float | None, other_cores: float | None, usable: int, starved: bool) -> bool:
+    """Other processes contend for the loop's cores: they held at least OTHER_CORES_MIN of the
+    usable cores and the loop's thread or its batch builders lost at least
+    CONTENTION_DELAY_FRACTION of wall time waiting for a core, starved or not; or, for a starved
+    loop (whose advice adds workers), they held OTHERS_HOLD_SHARE of the cores."""
+    if other_cores is None or other_cores < OTHER_CORES_MIN:
+        return False
+    return (lost is not None and lost >= CONTENTION_DELAY_FRACTION) or (
+        starved and other_cores >= OTHERS_HOLD_SHARE * usable)
 
 
 def _cpus_busy_percent(summary: Summary, machine: MachineFacts, usable: int) -> float | None:
@@ -223,6 +298,8 @@ def _evidence(d: LoaderDiagnosis, host: float | None, wait_cpu: float | None) ->
         "num_workers": d.num_workers,
         "usable_cpus": d.usable_cpus,
     }
+    if d.warmup_steps:
+        evidence["warmup_steps"] = d.warmup_steps  # left out of the figures: not the steady state
     if host is not None:
         evidence["host_cpu_percent"] = round(host, 1)
     if d.workers_busy is not None:

@@ -10,10 +10,12 @@ the optimizer's counted step (:func:`training_figures`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any, cast
 
 import numpy as np
 
+from gpuwidget.advice.warmup import WarmupSplit, split_run, warmup_cause
 from gpuwidget.facts import CudaDeviceFacts, LoaderFacts, MachineFacts, Summary, TrainingFacts, WorkloadFacts
 from gpuwidget.peaks import chip, peak_flops
 from gpuwidget.probes import DATA_WAIT_SPAN
@@ -45,9 +47,6 @@ ENERGY_RESET_TOLERANCE = 1e-6
 # sanity check, feeds none; half leaves room for a loop whose epochs alternate with an evaluation
 # on another loader that happens to end right before a step.
 FED_SHARE = 0.5
-# Without the warm-up split: the first steps left out of achieved FLOP/s (CUDA and cuDNN start-up,
-# compilation: probes.torch_steps counts FLOPs after as many).
-STEADY_FROM_STEP = 3
 
 
 def primary_loader(workload: WorkloadFacts | None) -> LoaderFacts | None:
@@ -67,32 +66,29 @@ def primary_loader(workload: WorkloadFacts | None) -> LoaderFacts | None:
     return max(loaders, key=lambda loader: loader.get("loop_time_s") or 0.0, default=None)
 
 
-def optimizer_loop(training: TrainingFacts) -> Summary:
-    """The loop figures from the optimizer's steps, for a loop no DataLoader fed."""
+def optimizer_loop(training: TrainingFacts, workload: WorkloadFacts | None = None) -> Summary:
+    """The loop figures from the optimizer's steps, for a loop no DataLoader fed: steps, their rate,
+    samples (the trained model's input's first dimension per step), and the steady steps' percentiles
+    with the warm-up apart (:func:`step_figures`)."""
     loop = training.get("loop_s") or 0.0
     steps = training.get("optimizer_steps") or 0
     if not steps or loop <= 0:
         return {}
     per_step = training.get("samples_per_step")
     steps_per_s = (training.get("spanned_steps") or steps) / loop
-    p50, p95, p99 = percentiles(training.get("step_times") or [])
-    return {"step_source": "optimizer", "steps": steps, "steps_per_s": steps_per_s, "loop_time_s": loop,
-            "samples": per_step * steps if per_step else None,
-            "samples_per_s": per_step * steps_per_s if per_step else None, "data_wait_fraction": None,
-            "step_time_p50": p50, "step_time_p95": p95, "step_time_p99": p99}
+    figures: Summary = {"step_source": "optimizer", "steps": steps, "steps_per_s": steps_per_s,
+                        "loop_time_s": loop, "samples": per_step * steps if per_step else None,
+                        "samples_per_s": per_step * steps_per_s if per_step else None, "data_wait_fraction": None}
+    figures.update(step_figures(training.get("step_times") or [], steps, workload))
+    return figures
 
 
-def steady_step_times(step_times: Sequence[float]) -> list[float]:
-    """The step times after the warm-up (advice.warmup's split where it exists; else after the first
-    STEADY_FROM_STEP), or all of them when that leaves none."""
-    try:
-        from gpuwidget.advice.warmup import split_warmup
-    except ImportError:
-        steady = list(step_times[STEADY_FROM_STEP:])
-    else:
-        split = split_warmup(step_times)
-        steady = [] if split.all_warmup else split.steady(step_times)
-    return steady or list(step_times)
+def steady_step_times(training: TrainingFacts) -> list[float]:
+    """The optimizer's step times after the warm-up (advice.warmup), or all of them when the run
+    never reached a steady state."""
+    times = list(training.get("step_times") or [])
+    split = split_run(times, training.get("optimizer_steps"))
+    return times if split.all_warmup else split.steady(times) or times
 
 
 def training_figures(workload: WorkloadFacts | None, machine: MachineFacts | None = None) -> Summary:
@@ -108,7 +104,7 @@ def training_figures(workload: WorkloadFacts | None, machine: MachineFacts | Non
         return figures
     dtype = training.get("flops_dtype") or "fp32"
     figures.update({"flops_per_step": flops, "flops_dtype": dtype})
-    steady = steady_step_times(training.get("step_times") or [])
+    steady = steady_step_times(training)
     if not steady or sum(steady) <= 0:
         figures["mfu_missing"] = "no step time was measured beside the counted step"
         return figures
@@ -145,10 +141,44 @@ def _trained_gpu_name(workload: WorkloadFacts | None, machine: MachineFacts | No
     return None
 
 
+def loop_step_times(workload: WorkloadFacts | None) -> tuple[list[float], int]:
+    """The loop's step times (seconds, the latest of them) and the steps counted: the primary
+    DataLoader's; without one, the trained model's optimizer steps (``WorkloadFacts["training"]``)."""
+    loader = primary_loader(workload)
+    if loader is not None and loader.get("steps"):
+        return list(loader.get("step_times") or []), int(loader["steps"])
+    training = cast(Mapping[str, Any], workload or {}).get("training") or {}
+    times = list(training.get("step_times") or [])
+    return times, int(training.get("optimizer_steps") or len(times))
+
+
+def loop_warmup(workload: WorkloadFacts | None) -> WarmupSplit:
+    """The warm-up of the loop whose step times the summary uses (:func:`loop_step_times`)."""
+    return split_run(*loop_step_times(workload))
+
+
 def percentiles(values: Sequence[float], qs: Sequence[float] = (50, 95, 99)) -> list[float | None]:
     if not len(values):
         return [None for _ in qs]
     return [float(v) for v in np.percentile(np.asarray(values, dtype=float), qs)]
+
+
+def step_figures(step_times: Sequence[float], steps: int | None = None, workload: WorkloadFacts | None = None,
+                 loader: LoaderFacts | None = None) -> Summary:
+    """The step-time percentiles over the steady steps, and the warm-up before them
+    (``warmup_steps``, ``warmup_s``, ``warmup_cause``; ``all_warmup`` when no steady state was
+    reached, and then the percentiles are of every step): gpuwidget.advice.warmup. ``steps``
+    is how many steps the loop took, when the times may be only the latest of them."""
+    split = split_run(step_times, steps)
+    p50, p95, p99 = percentiles(step_times if split.all_warmup else split.steady(step_times))
+    figures: Summary = {"step_time_p50": p50, "step_time_p95": p95, "step_time_p99": p99,
+                        "warmup_steps": split.steps, "warmup_s": split.seconds}
+    if split.all_warmup:
+        figures["all_warmup"] = True
+    cause = warmup_cause(split, workload, loader)
+    if cause:
+        figures["warmup_cause"] = cause
+    return figures
 
 
 def _stat(trace: Trace, column: str, field: str = "mean") -> float | None:
@@ -196,8 +226,7 @@ def summarize(trace: Trace, workload: WorkloadFacts | None = None,
         summary["steps_per_s"] = loader["steps"] / loop_time
         summary["loop_time_s"] = loop_time
         summary["data_wait_fraction"] = loader["wait_total_s"] / loop_time
-        p50, p95, p99 = percentiles(loader.get("step_times") or [])
-        summary.update({"step_time_p50": p50, "step_time_p95": p95, "step_time_p99": p99})
+        summary.update(step_figures(loader.get("step_times") or [], loader["steps"], workload, loader))
         # Where the cell's time went: blocked on data, the loop's own work, and the rest
         # (set-up, evaluation outside a DataLoader, the time before the loop started).
         all_loops = sum(item.get("loop_time_s") or 0.0 for item in (workload or {}).get("loaders") or [])
@@ -207,8 +236,8 @@ def summarize(trace: Trace, workload: WorkloadFacts | None = None,
             "compute_s": max(0.0, all_loops - waits),
             "other_s": max(0.0, duration - all_loops),
         }
-    elif training.get("optimizer_steps") and optimizer_loop(training):
-        summary.update(optimizer_loop(training))
+    elif steps := optimizer_loop(training, workload):  # no DataLoader fed the loop: the optimizer's steps
+        summary.update(steps)
     else:
         summary.update({"steps": None, "samples": None, "samples_per_s": None, "data_wait_fraction": None})
     summary.update(training_figures(workload, machine))

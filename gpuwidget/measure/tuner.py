@@ -27,6 +27,7 @@ from gpuwidget.advice.summary import primary_loader
 from gpuwidget.clock import now
 from gpuwidget.facts import LoaderFacts, WorkloadFacts
 from gpuwidget.measure.rng import preserved_rng
+from gpuwidget.probes.constructor import rebuild_loader
 from gpuwidget.probes.torch_data import loader_kwargs, loader_settings
 from gpuwidget.report import html_table, text_table
 from gpuwidget.sources.host import usable_cpu_count
@@ -120,10 +121,10 @@ class TuneResult:
         return self.chosen.batches_per_s / base.batches_per_s
 
     def loader(self) -> Any:
-        """A new DataLoader with the chosen settings over the same data (the original is untouched)."""
-        from torch.utils.data import DataLoader
-
-        return DataLoader(**loader_kwargs(self.original, self.change))
+        """A new loader of the original's own class with the chosen settings over the same data (the
+        original is untouched); ``TypeError`` when that class's constructor cannot take them (the
+        ``.code`` then says what to add where the loader is built)."""
+        return rebuild_loader(self.original, self.change, self.facts.get("built_at"))
 
     def _rows(self) -> list[list[str]]:
         rows = []
@@ -248,8 +249,37 @@ def _worker_counts(start: int, cap: int) -> list[int]:
 TrialCallback = Callable[[Trial, float], None]
 
 
+def trial_line(trial: Trial) -> str:
+    """One trial as the progress displays show it: ``num_workers=2: 41.2 batches/s``."""
+    return f"{trial.label}: {'failed' if trial.error else f'{trial.batches_per_s:.1f} batches/s'}"
+
+
+class PrintedProgress:
+    """``progress=True``: one line per trial on standard output, where a script's or a cell's output
+    goes (the notebook's own bars are ui.progress's, which the watch and the Measure button pass)."""
+
+    def __init__(self, budget_s: float) -> None:
+        self.budget_s = budget_s
+
+    def __call__(self, trial: Trial, elapsed_s: float) -> None:
+        print(f"tuning {min(elapsed_s, self.budget_s):.1f}/{self.budget_s:.0f} s: {trial_line(trial)}", flush=True)
+
+
+def progress_callback(progress: bool | TrialCallback | None, budget_s: float) -> TrialCallback | None:
+    """The callback ``progress`` asks for: none (False, None), printed lines (True) or its own."""
+    if progress is None or progress is False:
+        return None
+    if progress is True:
+        return PrintedProgress(budget_s)
+    if callable(progress):
+        return progress
+    raise TypeError("progress must be True, False or a callable progress(trial, elapsed_s), "
+                    f"not {type(progress).__name__} {progress!r}")
+
+
 def tune_loader(loader: Any, target_rate: float | None = None, budget_s: float = DEFAULT_BUDGET_S,
-                name: str | None = None, progress: TrialCallback | None = None, io_bound: bool | None = None,
+                name: str | None = None, progress: bool | TrialCallback | None = None,
+                io_bound: bool | None = None,
                 dataset_name: str | None = None, run_facts: LoaderFacts | None = None,
                 workload: WorkloadFacts | None = None) -> TuneResult:
     """Measure DataLoader settings for ``loader`` and choose the cheapest that feeds the loop.
@@ -259,12 +289,15 @@ def tune_loader(loader: Any, target_rate: float | None = None, budget_s: float =
     ``budget_s`` bounds the whole search; ``name`` and ``dataset_name`` are used in the code
     line (``train_loader = DataLoader(train_ds, ...)``); without a name, the code says where the
     loader is built (``run_facts``: what a watch saw of it, its owner and call site; ``workload``:
-    the run's, for a Trainer's or Accelerator's name); ``progress`` is told of each trial.
+    the run's, for a Trainer's or Accelerator's name). ``progress``: True prints a line per
+    trial, a callable ``progress(trial, elapsed_s)`` is told of each, False or None shows nothing.
     Returns a :class:`TuneResult`; ``.loader()`` builds the chosen DataLoader. Raises
-    ``TypeError`` for anything but a DataLoader and :class:`TuneError` when the loader cannot
-    be measured (empty, or its dataset raises: the message names the item).
+    ``TypeError`` for anything but a DataLoader or a ``progress`` of another kind (before any trial)
+    and :class:`TuneError` when the loader cannot be measured (empty, or its dataset raises: the
+    message names the item).
     """
     _check(loader)
+    told = progress_callback(progress, budget_s)
     if not (budget_s > 0 and math.isfinite(budget_s)):
         raise ValueError(f"budget_s must be a positive number of seconds, not {budget_s!r}")
     if target_rate is not None and not target_rate > 0:
@@ -277,8 +310,8 @@ def tune_loader(loader: Any, target_rate: float | None = None, budget_s: float =
 
     def measure(change: dict[str, Any]) -> Trial:
         trial = _trial(loader, change, deadline)
-        if progress is not None:
-            progress(trial, now() - started)
+        if told is not None:
+            told(trial, now() - started)
         return trial
 
     # Each trial iterates a loader (drawing its sampler's and workers' seeds): the user's RNG stays as it was.
@@ -387,7 +420,7 @@ def _choose(trials: list[Trial], target_rate: float | None, fastest: Trial) -> T
 
 
 def tune_for_run(run: Any, loader: Any, budget_s: float = DEFAULT_BUDGET_S,
-                 progress: TrialCallback | None = None) -> TuneResult:
+                 progress: bool | TrialCallback | None = None) -> TuneResult:
     """Tune ``loader`` against what a watched run measured: its consumption rate and its cause."""
     facts = primary_loader(run.workload) or {}
     compute = facts.get("compute_total_s") or 0.0

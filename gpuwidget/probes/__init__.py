@@ -158,7 +158,7 @@ class Probes:
             facts["torch"] = getattr(torch, "__version__", None)
         # Each fact on its own: one probe's failure is recorded and never empties the run.
         for key, probe, read in (("training", self._steps, lambda p: p.facts()),
-                                 ("loaders", self._data, lambda p: p.facts(names)),
+                                 ("loaders", self._data, lambda p: origin.placed(p.facts(names), namespace)),
                                  ("model", self._model, lambda p: p.facts(names)),
                                  ("cuda", self._cuda, lambda p: p.facts())):
             if probe is None:

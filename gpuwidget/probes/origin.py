@@ -13,7 +13,8 @@ import ast
 import inspect
 import linecache
 import sys
-from collections.abc import Mapping
+import weakref
+from collections.abc import Collection, Mapping
 from types import FrameType
 from typing import Any
 
@@ -36,11 +37,18 @@ FRAMEWORK_OBJECTS = {
 }
 
 
-def stack_origin(frame: FrameType | None) -> dict[str, Any]:
+def stack_origin(frame: FrameType | None, constructing: Any = None) -> dict[str, Any]:
     """The innermost frame of user code above ``frame`` (file, function, line), the frameworks
     between it and ``frame`` (``inner``: they built the object) and those above it (``outer``:
-    they called the user's code, as Lightning calls ``train_dataloader``)."""
+    they called the user's code, as Lightning calls ``train_dataloader``).
+
+    ``constructing``: the object being built; the ``__init__`` frames of its own class (a
+    DataLoader subclass's constructor handing on to DataLoader's) are not where it was built,
+    the call of the class is. ``instance`` is a weak reference to the ``self`` of the site's
+    method (the LightningModule or datamodule whose ``train_dataloader`` built the loader), or None.
+    """
     site: dict[str, Any] | None = None
+    instance: Any = None
     inner: list[str] = []
     outer: list[str] = []
     for _ in range(MAX_FRAMES):
@@ -48,18 +56,58 @@ def stack_origin(frame: FrameType | None) -> dict[str, Any]:
             break
         package = str(frame.f_globals.get("__name__", "")).split(".")[0]
         framework = FRAMEWORKS.get(package)
+        code = frame.f_code
         if framework is not None:
             found = outer if site is not None else inner
             if framework not in found:
                 found.append(framework)
-        elif site is None and package not in LIBRARIES:
-            code = frame.f_code
+        elif site is None and package not in LIBRARIES and not _constructor_of(frame, constructing):
             # "Classifier.train_dataloader", not "make_module.<locals>.Classifier.train_dataloader".
             function = getattr(code, "co_qualname", code.co_name).rsplit("<locals>.", 1)[-1]
             site = {"file": code.co_filename, "function": function, "line": frame.f_lineno,
                     "cell": notebook_cell(code.co_filename)}
+            instance = _self_of(frame)
         frame = frame.f_back
-    return {"site": site, "inner": inner, "outer": outer}
+    return {"site": site, "inner": inner, "outer": outer, "instance": instance}
+
+
+def _constructor_of(frame: FrameType, constructing: Any) -> bool:
+    """``frame`` runs an ``__init__`` of ``constructing`` (read once per loader, never per batch)."""
+    code = frame.f_code
+    if constructing is None or code.co_name != "__init__" or not code.co_argcount:
+        return False
+    return frame.f_locals.get(code.co_varnames[0]) is constructing
+
+
+def _self_of(frame: FrameType) -> Any:
+    """A weak reference to the ``self`` of a method's frame, or None."""
+    code = frame.f_code
+    if not code.co_argcount or code.co_varnames[0] != "self":
+        return None
+    try:
+        return weakref.ref(frame.f_locals["self"])
+    except (KeyError, TypeError):
+        return None
+
+
+def user_names(loader: Any, names: Mapping[int, str], built: Mapping[str, Any] | None) -> dict[str, str]:
+    """The user's names for what a rebuilt loader must keep: its class (a DataLoader subclass),
+    its ``collate_fn``, ``batch_sampler`` and ``sampler``; and ``built_by``, the object whose method
+    built it (``model`` for a LightningModule's ``train_dataloader``). Only those a name holds."""
+    from torch.utils.data import DataLoader
+
+    found: dict[str, str] = {}
+    objects = {"class": type(loader) if type(loader) is not DataLoader else None,
+               "collate_fn": getattr(loader, "collate_fn", None),
+               "batch_sampler": getattr(loader, "batch_sampler", None),
+               "sampler": getattr(loader, "sampler", None)}
+    reference = (built or {}).get("instance")
+    objects["built_by"] = reference() if reference is not None else None
+    for role, value in objects.items():
+        name = names.get(id(value)) if value is not None else None
+        if name is not None:
+            found[role] = name
+    return found
 
 
 def notebook_cell(file: str) -> int | None:
@@ -68,6 +116,50 @@ def notebook_cell(file: str) -> int | None:
     shell = ipython.get_ipython() if ipython is not None else None
     mapping = getattr(getattr(shell, "compile", None), "_filename_map", None)
     return mapping.get(file) if isinstance(mapping, dict) else None
+
+
+def history_site(namespace: Mapping[str, Any] | None, name: str,
+                 classes: Collection[str] = ()) -> dict[str, Any] | None:
+    """Where the notebook's latest cell assigning ``name`` at its top level built it with
+    ``DataLoader(...)`` (or one of ``classes``): the site of a loader built before the watch began
+    (the probe sees only those built during it). None outside IPython, when that cell assigned
+    ``name`` otherwise, or when its source is gone."""
+    cells = (namespace or {}).get("_ih")
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    mapping = getattr(getattr(shell, "compile", None), "_filename_map", None)
+    if not isinstance(cells, list) or not isinstance(mapping, dict):
+        return None
+    files = {number: file for file, number in mapping.items()}
+    callees = {*classes, "DataLoader"}
+    for number in range(len(cells) - 1, 0, -1):
+        try:
+            tree = ast.parse(cells[number])  # IPython's own translation: magics are calls
+        except (SyntaxError, TypeError, ValueError):
+            continue
+        assigned = [node for node in tree.body if isinstance(node, ast.Assign)
+                    and any(isinstance(bound, ast.Name) and bound.id == name
+                            for target in node.targets for bound in ast.walk(target))]
+        if not assigned:
+            continue
+        last = assigned[-1]
+        value = last.value
+        plain = any(isinstance(target, ast.Name) and target.id == name for target in last.targets)
+        if not (plain and isinstance(value, ast.Call) and _called_name(value) in callees) or number not in files:
+            return None
+        return {"file": files[number], "function": "<module>", "line": value.lineno, "cell": number}
+    return None
+
+
+def placed(loaders: list[Any], namespace: Mapping[str, Any] | None) -> list[Any]:
+    """``loaders`` (LoaderFacts), a named one built before the watch given its site from the
+    notebook's history (:func:`history_site`)."""
+    for facts in loaders:
+        if facts.get("built_at") is None and facts.get("name"):
+            constructor = (facts.get("settings") or {}).get("constructor") or {}
+            classes = [constructor["class_name"]] if constructor.get("class_name") else []
+            facts["built_at"] = history_site(namespace, facts["name"], classes)
+    return loaders
 
 
 def owner(built: Mapping[str, Any] | None, iterated: Mapping[str, Any] | None) -> str | None:
@@ -146,7 +238,8 @@ def code_location(function: Any) -> dict[str, Any] | None:
         return None
     if file is None:
         return None
-    return {"file": file, "function": getattr(function, "__qualname__", str(function)), "line": line}
+    return {"file": file, "function": getattr(function, "__qualname__", str(function)), "line": line,
+            "cell": notebook_cell(file)}
 
 
 def dataset_facts(dataset: Any) -> dict[str, Any]:
@@ -159,9 +252,30 @@ def dataset_facts(dataset: Any) -> dict[str, Any]:
             "dataset_transforms": transforms}
 
 
-def call_with_keywords(site: Mapping[str, Any], keywords: Mapping[str, Any]) -> str | None:
-    """The source of the ``DataLoader(...)`` call at ``site`` with ``keywords`` set (added or
-    replaced), as one line; None when the source cannot be read or holds no such call."""
+def call_with_keywords(site: Mapping[str, Any], keywords: Mapping[str, Any],
+                       classes: Collection[str] = ()) -> str | None:
+    """The source of the ``DataLoader(...)`` call (or of one of ``classes``, the loader's own class)
+    at ``site`` with ``keywords`` set (added or replaced), as one line; None when the source cannot
+    be read or holds no such call."""
+    call = _call_at(site, classes)
+    if call is None:
+        return None
+    kept = [keyword for keyword in call.keywords if keyword.arg not in keywords]
+    call.keywords = kept + [ast.keyword(arg=key, value=ast.Constant(value)) for key, value in keywords.items()]
+    return ast.unparse(call)
+
+
+def call_arguments(site: Mapping[str, Any], classes: Collection[str] = ()) -> tuple[int, set[str]] | None:
+    """(positional arguments, keyword names) of the loader's call at ``site``; None when it cannot
+    be read or passes ``*args`` or ``**kwargs`` (which arguments they hold is not in the source)."""
+    call = _call_at(site, classes)
+    if call is None or any(isinstance(a, ast.Starred) for a in call.args) or any(k.arg is None for k in call.keywords):
+        return None
+    return len(call.args), {k.arg for k in call.keywords if k.arg is not None}
+
+
+def _call_at(site: Mapping[str, Any], classes: Collection[str]) -> ast.Call | None:
+    """The innermost call of ``DataLoader`` or one of ``classes`` on the line ``site`` names."""
     source = "".join(linecache.getlines(site["file"]))
     if not source:
         return None
@@ -175,14 +289,13 @@ def call_with_keywords(site: Mapping[str, Any], keywords: Mapping[str, Any]) -> 
         except SyntaxError:
             return None
     line = site["line"]
+    names = {*classes, "DataLoader"}
     calls = [node for node in ast.walk(tree) if isinstance(node, ast.Call)
-             and node.lineno <= line <= (node.end_lineno or node.lineno) and _called_name(node).endswith("DataLoader")]
+             and node.lineno <= line <= (node.end_lineno or node.lineno)
+             and (_called_name(node).endswith("DataLoader") or _called_name(node) in names)]
     if not calls:
         return None
-    call = max(calls, key=lambda node: (node.lineno, node.col_offset))  # the innermost
-    kept = [keyword for keyword in call.keywords if keyword.arg not in keywords]
-    call.keywords = kept + [ast.keyword(arg=key, value=ast.Constant(value)) for key, value in keywords.items()]
-    return ast.unparse(call)
+    return max(calls, key=lambda node: (node.lineno, node.col_offset))  # the innermost
 
 
 def _called_name(call: ast.Call) -> str:

@@ -42,6 +42,7 @@ from gpuwidget.clock import now
 from gpuwidget.facts import LoaderFacts, LoaderSettings
 from gpuwidget.probes import DATA_WAIT_SPAN, STEP_SPAN
 from gpuwidget.probes import origin as origins
+from gpuwidget.probes.constructor import constructor_facts
 from gpuwidget.sources.schedstat import thread_counters
 from gpuwidget.trace import Trace
 
@@ -116,6 +117,7 @@ class LoaderStats:
             "owner": self.owner,
             "built_at": (self.built or {}).get("site"),
             "steps_fed": self.steps_fed,
+            "user_names": origins.user_names(loader, names, self.built) if loader is not None else {},
         }
 
     def rebuilt_as(self, loader: Any) -> bool:
@@ -166,7 +168,7 @@ class DataLoaderProbe:
         def __init__(loader: Any, *args: Any, **kwargs: Any) -> None:
             original_init(loader, *args, **kwargs)
             with contextlib.suppress(Exception):  # never break the user's code
-                probe._built[loader] = origins.stack_origin(sys._getframe(1))
+                probe._built[loader] = origins.stack_origin(sys._getframe(1), loader)
 
         def __iter__(loader: Any) -> Any:
             iterator = original_iter(loader)
@@ -360,6 +362,7 @@ def loader_settings(loader: Any) -> LoaderSettings:
         "shards_by_worker": origins.shards_by_worker(dataset, loader.worker_init_fn) if iterable else None,
         "worker_init_fn": getattr(loader.worker_init_fn, "__name__", None),
         **origins.dataset_facts(dataset),
+        "constructor": constructor_facts(loader),  # None for torch's DataLoader itself
     }
     # The batching a framework wrapped (accelerate's BatchSamplerShard keeps the original).
     inner = getattr(batch_sampler, "batch_sampler", batch_sampler)

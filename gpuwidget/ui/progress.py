@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from gpuwidget.measure.tuner import Trial, TrialCallback
+from gpuwidget.measure.tuner import Trial, TrialCallback, trial_line
 
 
 class TuningProgress:
@@ -28,7 +28,7 @@ class TuningProgress:
 
     def __call__(self, trial: Trial, elapsed_s: float) -> None:
         self._bar.value = min(elapsed_s, self._bar.max)
-        self._label.value = f"{trial.label}: {trial.batches_per_s:.1f} batches/s"
+        self._label.value = trial_line(trial)
 
     def close(self) -> None:
         for widget in (self._bar, self._label, self._box):
@@ -59,8 +59,7 @@ class DisplayProgress:
                              f"{html.escape(text)}</div>"}
 
     def __call__(self, trial: Trial, elapsed_s: float) -> None:
-        self._handle.update(self._bundle(elapsed_s, f"{trial.label}: {trial.batches_per_s:.1f} batches/s"),
-                            raw=True)
+        self._handle.update(self._bundle(elapsed_s, trial_line(trial)), raw=True)
 
     def close(self) -> None:
         self._handle.update({"text/plain": ""}, raw=True)

@@ -25,6 +25,7 @@ from gpuwidget.advice.rules import (
     periodic_stall,
     rank_straggler,
     small_batch,
+    watch_longer,
 )
 from gpuwidget.facts import MachineFacts, Summary, WorkloadFacts
 
@@ -35,6 +36,6 @@ RULES: dict[str, Rule] = {
     for module in (
         dataloader_starved, dataloader_cpu_bound, io_bound, small_batch, memory_pressure, fp32_math,
         launch_bound, periodic_stall, pageable_transfer, gpu_throttled, gpu_unused, cpu_contention, gpu_imbalance,
-        rank_straggler, ddp_communication, data_parallel,
+        rank_straggler, ddp_communication, data_parallel, watch_longer,
     )
 }

@@ -4,18 +4,24 @@ On a shared GPU server other users' jobs often fill the cores. The loop's thread
 DataLoader's builders are then ready to run but queued for a core (the kernel's run delay,
 /proc/<pid>/schedstat), while processes outside this process tree keep the cores busy. That
 is the machine, not the code: the finding names the share of time lost and who to look at.
-It does not replace the loader's own finding: a storage-bound loader still gains from more
-workers (they wait on storage, and need little CPU to do it), a CPU-bound one still needs
-cheaper batches. Thresholds live in gpuwidget.advice.loader (CONTENTION_DELAY_FRACTION,
-OTHER_CORES_MIN, OTHERS_HOLD_SHARE); the severity follows the share of time lost.
+It is named whenever the loop's own threads lose time waiting for a core, whether the loader
+is starved or not (a loop beside two busy processes ran 3.5x slower, its main thread queued
+65% of the time, without waiting for data), and also without a DataLoader (the main thread's
+run delay). It does not replace the loader's own finding: a storage-bound loader still gains
+from more workers (they wait on storage, and need little CPU to do it), a CPU-bound one still
+needs cheaper batches. The gain it states is bounded by the run delay measured: at most
+``1 / (1 - delay)``, the wall time less the time queued for a core. Thresholds live in
+gpuwidget.advice.loader (CONTENTION_DELAY_FRACTION, OTHER_CORES_MIN, OTHERS_HOLD_SHARE) and
+gpuwidget.advice.evidence; the severity follows the share of time lost.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from gpuwidget.advice.evidence import MIN_CAUSE_LOOP_S, loop_evidence
 from gpuwidget.advice.finding import Finding, Severity
-from gpuwidget.advice.loader import CONTENTION_DELAY_FRACTION, LoaderDiagnosis, diagnose
+from gpuwidget.advice.loader import CONTENTION_DELAY_FRACTION, LoaderDiagnosis, contended, diagnose
 from gpuwidget.facts import MachineFacts, Summary, WorkloadFacts
 
 RULE = "cpu-contention"
@@ -44,33 +50,54 @@ for _percent, _pid, _name, _user in sorted(((_cpu(p), p.pid, p.info["name"], p.i
 
 def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> Finding | None:
     d = diagnose(summary, workload, machine)
-    if d is None or not d.starved or not d.contended:
+    usable = int(machine.get("usable_cpus") or 1)
+    if d is not None:
+        lost, others, loop_delay, builder_delay = (d.time_lost_to_contention, d.other_cores, d.loop_delay,
+                                                   d.builder_delay)
+        named = d.contended
+    else:
+        # No loader diagnosis: the loop's main thread alone (a loop that fetches its own batches),
+        # judged once the loop ran long enough at its steady state, or the cell did without a loop.
+        seen = loop_evidence(workload)
+        if seen is not None and not seen.enough:
+            return None
+        if seen is None and (summary.get("duration_s") or 0.0) < MIN_CAUSE_LOOP_S:
+            return None
+        delay, other = summary.get("process_run_delay_mean"), summary.get("other_cpu_mean")
+        loop_delay = None if delay is None else delay / 100.0
+        others = None if other is None else other / 100.0
+        lost, builder_delay = loop_delay, None
+        named = contended(lost, others, usable, starved=False)
+    if not named:
         return None
-    lost = d.time_lost_to_contention
-    others = d.other_cores or 0.0
+    others = others or 0.0
     evidence: dict[str, Any] = {"other_cpu_cores": round(others, 2)}
+    bound = None
     if lost is not None:
         evidence["run_delay_fraction"] = round(lost, 3)
-        # Upper bound if no core were taken by others. Kept here, not as expected_speedup: the
-        # change is the machine's, not the code's, and the code changes rank first.
-        evidence["speedup_without_contention"] = round(1.0 / max(1e-9, 1.0 - lost), 2)
-    evidence.update({
-        "usable_cpus": d.usable_cpus,
-        "data_wait_fraction": round(d.wait_fraction, 3),
-    })
-    if d.loop_delay is not None:
-        evidence["loop_run_delay_fraction"] = round(d.loop_delay, 3)
-    if d.builder_delay is not None:
-        evidence["builder_run_delay_fraction"] = round(d.builder_delay, 3)
+        # Upper bound if no core were taken by others: the wall time less the time queued for
+        # one. Kept here, not as expected_speedup: the change is the machine's, not the code's,
+        # and the code changes rank first.
+        bound = 1.0 / max(1e-9, 1.0 - lost)
+        evidence["speedup_without_contention"] = round(bound, 2)
+    evidence["usable_cpus"] = usable
+    wait_fraction = d.wait_fraction if d is not None else summary.get("data_wait_fraction")
+    if wait_fraction is not None:
+        evidence["data_wait_fraction"] = round(wait_fraction, 3)
+    if loop_delay is not None:
+        evidence["loop_run_delay_fraction"] = round(loop_delay, 3)
+    if builder_delay is not None:
+        evidence["builder_run_delay_fraction"] = round(builder_delay, 3)
     if summary.get("cpu_util_mean") is not None:
         evidence["host_cpu_percent"] = round(summary["cpu_util_mean"] or 0.0, 1)
     pressure = summary.get("psi_cgroup_cpu_some_mean", summary.get("psi_cpu_some_mean"))
     if pressure is not None:
         evidence["psi_cpu_some_percent"] = round(pressure, 1)
-    if d.cause == "io":
+    cause = d.cause if d is not None and d.starved else None
+    if cause == "io":
         still = ("The batches still wait on storage, so more workers still help (io-bound): waiting "
                  "workers need little CPU. ")
-    elif d.cause == "cpu":
+    elif cause == "cpu":
         still = "Building batches is CPU work, and the cores it needs are taken: make batches cheaper too. "
     else:
         still = ""
@@ -81,17 +108,18 @@ def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> F
         severity = "warn"
     else:
         severity = "info"  # the cores are taken, little time lost yet
-    if lost is None:
+    if lost is None or bound is None:
         waited, title = "", "Other processes hold the cores"
     else:
-        waited = f", and {_who(d)} ready to run but waited for a core {100 * lost:.0f}% of the time"
+        waited = (f", and {_who(d)} ready to run but waited for a core {100 * lost:.0f}% of the time: "
+                  f"with the cores to itself it would run at most {bound:.2f}x faster")
         title = f"Other processes hold the cores ({100 * lost:.0f}% of the time lost waiting for one)"
     return Finding(
         rule=RULE,
         severity=severity,
         title=title,
         evidence=evidence,
-        suggestion=(f"Processes outside this one kept {others:.1f} cores busy on the {d.usable_cpus} CPUs it may "
+        suggestion=(f"Processes outside this one kept {others:.1f} cores busy on the {usable} CPUs it may "
                     f"use{waited}. That is the machine, not the code. {still}Run when the machine is quieter, "
                     "ask who runs "
                     "the busy processes (the code lists them), reserve cores for this job (a CPU request for "
@@ -102,7 +130,9 @@ def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> F
     )
 
 
-def _who(d: LoaderDiagnosis) -> str:
+def _who(d: LoaderDiagnosis | None) -> str:
+    if d is None:
+        return "the training loop was"
     if d.builder_delay is not None and d.builder_delay >= (d.loop_delay or 0.0):
         return "the loop's batch builders were" if d.num_workers == 0 else f"its {d.num_workers} loader workers were"
     return "the training loop was"

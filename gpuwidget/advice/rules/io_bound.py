@@ -1,5 +1,9 @@
 """io-bound: starved while the process (or its workers) mostly sleeps: batches wait on storage.
 
+Storage is named only from the batch builders' measured sleep (their CPU and run delay, from
+kernel counters, over enough sampled time: gpuwidget.advice.loader.MIN_SAMPLED_WAIT_S), never
+from waiting alone, and only over a loop long enough to judge (gpuwidget.advice.evidence).
+
 Waiting on storage overlaps, so workers beyond the core count help here (the starved
 finding already sizes them); beyond that, the data should come from faster or local
 storage, or be cached after the first epoch. Thresholds live in gpuwidget.advice.loader
@@ -27,11 +31,14 @@ def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> F
         why = (f"its {d.num_workers} workers were busy only {100 * (d.workers_busy or 0):.0f}% of the time: "
                "they wait on storage")
     workers = d.change.get("num_workers", d.num_workers)
+    evidence = dict(d.evidence)
+    if summary.get("psi_io_some_mean") is not None:  # the host's own I/O pressure, beside the builders' sleep
+        evidence["psi_io_some_percent"] = round(summary["psi_io_some_mean"], 1)
     return Finding(
         rule=RULE,
         severity="warn",
         title=f"Batches wait on storage ({d.name})",
-        evidence=d.evidence,
+        evidence=evidence,
         suggestion=(f"The loop waits {100 * d.wait_fraction:.0f}% of the time and {why}. Because the waits "
                     f"overlap, {workers} workers (more than the {d.usable_cpus} cores) hide them; copying the "
                     "data to local disk or memory, or caching samples after the first epoch, removes them."

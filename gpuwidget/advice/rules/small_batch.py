@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 
 from gpuwidget.advice.code import loader_code
+from gpuwidget.advice.evidence import enough_evidence
 from gpuwidget.advice.finding import Finding
 from gpuwidget.advice.loader import STARVED_WAIT_FRACTION
 from gpuwidget.advice.rules._gpu import SM_ACTIVE_LOW_PERCENT, busy, gpu_measured, gpu_speedup_bound
@@ -36,6 +37,8 @@ def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> F
     wait = summary.get("data_wait_fraction") or 0.0
     if loader is None or worked.percent >= low or memory is None or memory >= MEMORY_HEADROOM_FRACTION:
         return None
+    if not enough_evidence(workload):
+        return None  # too short a loop to judge its GPU use (advice.evidence; watch-longer says so)
     if wait >= STARVED_WAIT_FRACTION or (summary.get("process_cpu_mean") or 0) >= PEGGED_PROCESS_PERCENT:
         return None
     batch = (loader.get("settings") or {}).get("batch_size")
