@@ -1054,7 +1054,9 @@ class FakeMachine:
         self.gpu = make_gpu(0, name=FAKE_H200["name"], memory_total=FAKE_H200["memory_total_mib"] * 2**20,
                             memory_reserved=FAKE_H200["reserved_mib"] * 2**20, power_limit_mw=700_000,
                             power_limit_default_mw=700_000, sm_clock_max_mhz=FAKE_H200["sm_clock_max_mhz"],
-                            gpm=flip != "no gpm")
+                            power_limit_min_mw=int(FAKE_H200["power_min_w"] * 1000),
+                            power_limit_max_mw=int(FAKE_H200["power_max_w"] * 1000),
+                            mem_clock_mhz=FAKE_H200["mem_clock_mhz"], gpm=flip != "no gpm")
         self.fake = FakeNvml([self.gpu])
         self._set_phase("idle")
         self._patch = self.fake.patched()
@@ -1283,8 +1285,9 @@ def fake_run(name: str, spec: FakeWorkload, gpm: bool = True) -> Any:
                               "peak_allocated": int(used * 0.8), "peak_reserved": int(used * 0.9),
                               "uuid": gpu.uuid.removeprefix("GPU-")}], "peak_since_cell_start": True},
         "loaders": [],
-        # TrainingFacts (the optimizer-step probe's figures, wave-1 contract)
-        "training": {"optimizer_steps": steps, "step_times": [spec.step_s] * steps, "step_ends": step_ends,
+        # TrainingFacts (the optimizer-step probe's figures, probes.torch_steps)
+        "training": {"device_type": "cuda", "model_class": "Sequential",
+                     "optimizer_steps": steps, "step_times": [spec.step_s] * steps, "step_ends": step_ends,
                      "forward_calls": steps, "autocast_share": 1.0 if spec.autocast else 0.0,
                      "autocast_dtype": spec.autocast, "flops_per_step": spec.flops_per_step,
                      "flops_counted_at_step": 3,

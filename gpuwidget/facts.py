@@ -87,6 +87,9 @@ class LoaderFacts(TypedDict, total=False):
     owner: str | None  # framework that built or drives it: "transformers", "accelerate", "lightning"
     # file, function, line (and cell: the notebook cell's number) of the user's code that built it
     built_at: dict[str, Any] | None
+    # Optimizer steps of the trained model taken right after one of this loader's batches: the loader
+    # that feeds the training loop (probes.torch_steps); 0 for a validation loader, absent in older runs.
+    steps_fed: int
     # role ("class", "collate_fn", "batch_sampler", "sampler", "built_by": the object whose method
     # built the loader, a LightningModule or datamodule) -> the user's name for it, where one holds it
     user_names: dict[str, str]
@@ -241,9 +244,34 @@ class RankEntry(TypedDict, total=False):
     host: dict[str, float]  # its main thread over its life: "cpu_fraction", "run_delay_fraction" (0-1), "cpu_count"
     loaders: list[LoaderFacts]  # without the per-step lists
     model: ModelFacts | None
+    training: TrainingFacts | None  # its optimizer's steps (probes.torch_steps)
     cuda: CudaFacts | None
     finished: bool  # False: it was killed or crashed, and its figures are those it last sent
     argv: list[str] | None
+
+
+class TrainingFacts(TypedDict, total=False):
+    """The training loop as its optimizer steps tell it (``probes.torch_steps.StepProbe``), whatever
+    feeds it: a DataLoader, a generator, ``get_batch``. Times are on the trace's clock (seconds)."""
+
+    optimizer_steps: int  # optimizer.step() calls of the trained model's optimizer
+    step_times: list[float]  # seconds per optimizer step, the latest STEP_HISTORY of them
+    step_ends: list[float]  # trace-clock time of each of those steps' end, same length (warm-up split)
+    forward_calls: int  # top-level forward calls of the trained model (after its optimizer was known)
+    autocast_share: float  # share of those forward calls that ran under torch.autocast (0-1)
+    autocast_dtype: str | None  # the dtype most of them ran under ("bfloat16", "float16")
+    flops_per_step: float  # FlopCounterMode's count for one training step (forward and backward), FLOPs
+    flops_counted_at_step: int  # which step was counted (0-based)
+    flops_dtype: str  # the dtype most counted FLOPs ran in: "fp8", "bf16", "fp16", "tf32", "fp32", "fp64"
+    flops_missing: str  # why no step was counted (too few steps, the counter failed)
+    flops_step_s: float  # seconds the counted step took (with the counter's own cost; not in step_times)
+    samples_per_step: int | None  # the first dimension of the trained model's inputs in one step
+    between_s: float  # seconds in train.between spans (a step's end to the next training forward)
+    loop_s: float  # seconds from the first train.step span's start to the last one's end
+    spanned_steps: int  # steps with a train.step span in loop_s (a first step seen before its model has none)
+    step_source: str  # "optimizer": the steps are the optimizer's
+    model_class: str | None  # the trained model's class (the module whose parameters the optimizer holds)
+    device_type: str | None  # where its parameters are ("cuda", "cpu")
 
 
 class WorkloadFacts(TypedDict, total=False):
@@ -253,6 +281,7 @@ class WorkloadFacts(TypedDict, total=False):
     loaders: list[LoaderFacts]  # in the order first iterated
     model: ModelFacts | None
     cuda: CudaFacts | None
+    training: TrainingFacts | None  # from optimizer steps; None when no optimizer stepped
     probe_errors: list[str]  # why a probe could not run or be removed
     frameworks: dict[str, str]  # role ("hf_trainer", "training_args", "accelerator") -> the user's name
     # One entry per training process, the watch's own included when it trained (gpuwidget.children.ranks).
@@ -324,7 +353,9 @@ class TimeBreakdown(TypedDict, total=False):
 class Summary(TypedDict, total=False):
     """A run's headline figures (``advice.summary.summarize``); DESIGN.md's public contract.
 
-    Loop figures refer to the primary loader (the one the cell iterated longest).
+    Loop figures refer to the primary loader (the one whose batches fed the optimizer's steps; without
+    optimizer steps, the one the cell iterated longest), or to the optimizer's steps when no DataLoader
+    fed them (``step_source``).
     """
 
     duration_s: float  # the watched cell, wall seconds
@@ -403,3 +434,12 @@ class Summary(TypedDict, total=False):
     gpu_hour_price: float
     cost: float
     idle_cost: float
+    # The training loop's steps as the optimizer counted them (summary.training_figures):
+    step_source: str  # "dataloader" (the primary loader's batches) or "optimizer" (its step() calls)
+    optimizer_steps: int  # optimizer.step() calls of the trained model's optimizer
+    flops_per_step: float  # FLOPs of one training step (forward and backward), FlopCounterMode's count
+    flops_dtype: str  # the dtype the counted matmuls ran in: "fp8", "bf16", "fp16", "tf32", "fp32"
+    achieved_flops_per_s: float  # flops_per_step over the mean time of the steady steps
+    peak_flops_per_s: float  # the chip's dense peak for flops_dtype (gpuwidget.peaks), where a GPU trained
+    mfu: float  # achieved_flops_per_s / peak_flops_per_s (0-1), where a GPU trained and its peak is known
+    mfu_missing: str  # why there is no MFU (no GPU trained, a chip or dtype the peak table lacks)

@@ -79,6 +79,16 @@ def fmt_rate(value: float | None) -> str:
     return f"{value:,.0f}/s" if value >= 100 else f"{value:.1f}/s"
 
 
+def fmt_flops(flops_per_s: float | None) -> str:
+    """FLOP/s with the prefix that keeps three figures: 312 TFLOP/s on a GPU, 41.2 GFLOP/s on a CPU."""
+    if flops_per_s is None or _unknown(flops_per_s):
+        return "n/a"
+    for scale, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G")):
+        if abs(flops_per_s) >= scale:
+            return f"{flops_per_s / scale:.3g} {prefix}FLOP/s"
+    return f"{flops_per_s / 1e6:.3g} MFLOP/s"
+
+
 def fmt_energy(joules: float | None) -> str:
     """Joules in the unit that keeps three figures: 850 mJ, 12.3 J, 4.1 kJ, 2.75 MJ."""
     if joules is None or _unknown(joules):
@@ -127,12 +137,23 @@ def cost_item(summary: Mapping[str, Any]) -> tuple[str, str] | None:
     return f"cost at {summary.get('gpu_hour_price', 0):g}/GPU-h", text
 
 
+def throughput(summary: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """The headline's first figures: samples/s, achieved FLOP/s, and MFU where a GPU trained and its
+    peak is known (a model on the CPU shows GFLOP/s and no MFU claim)."""
+    items: list[tuple[str, str]] = []
+    if summary.get("samples_per_s") is not None:
+        items.append(("samples/s", fmt_rate(summary["samples_per_s"])))
+    if summary.get("achieved_flops_per_s") is not None:
+        items.append(("achieved", fmt_flops(summary["achieved_flops_per_s"])))
+    if summary.get("mfu") is not None:
+        items.append(("MFU", fmt_fraction(summary["mfu"])))
+    return items
+
+
 def headline(run: Run) -> list[tuple[str, str]]:
     """The figures shown first, as (label, value) pairs, in order."""
     s = run.summary
-    items: list[tuple[str, str]] = [("duration", fmt_seconds(s.get("duration_s")))]
-    if s.get("samples_per_s") is not None:
-        items.append(("samples/s", fmt_rate(s["samples_per_s"])))
+    items: list[tuple[str, str]] = [*throughput(s), ("duration", fmt_seconds(s.get("duration_s")))]
     if s.get("energy_j") is not None:  # NVML's energy counter: per sample (or step) where counted
         per_sample, per_step = s.get("energy_per_sample_j"), s.get("energy_per_step_j")
         per = f"{fmt_energy(per_sample)}/sample, " if per_sample is not None else \
@@ -176,7 +197,7 @@ def main_cause(run: Run) -> str:
         gain = f" (up to {top.expected_speedup:.2f}x faster)" if top.expected_speedup else ""
         return f"{top.title}{gain}"
     if run.summary.get("steps") is None:
-        return "no training loop seen (no DataLoader was iterated)"
+        return "no training loop seen (no DataLoader was iterated and no optimizer stepped)"
     return "no cause of idle time found"
 
 

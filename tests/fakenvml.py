@@ -109,6 +109,7 @@ MIG_INSTANCE_UNSUPPORTED = frozenset(
         "nvmlDeviceGetTotalEnergyConsumption",
         "nvmlDeviceGetEnforcedPowerLimit",
         "nvmlDeviceGetPowerManagementDefaultLimit",
+        "nvmlDeviceGetPowerManagementLimitConstraints",
         "nvmlDeviceGetTemperature",
         "nvmlDeviceGetPcieThroughput",
         "nvmlGpmSampleGet",
@@ -161,9 +162,12 @@ class FakeGpu:
     energy_base_mj: int = 86_400_000_000  # a day at 1 kW before the test began
     energy_reset_at_tick: int | None = None  # the driver reloaded: the counter starts again from 0
     power_limit_default_mw: int = 700_000
+    power_limit_min_mw: int = 200_000  # nvmlDeviceGetPowerManagementLimitConstraints
+    power_limit_max_mw: int = 700_000
     temperature: Value = 61
     sm_clock_mhz: Value = 1755
     sm_clock_max_mhz: int = 1980
+    mem_clock_mhz: int = 2619
     clock_events: Value = 0
     pcie_tx_kib: Value = 2048
     pcie_rx_kib: Value = 4096
@@ -687,6 +691,10 @@ class FakeNvml:
         self._call("nvmlDeviceGetPowerManagementDefaultLimit", gpu)
         return gpu.power_limit_default_mw
 
+    def nvmlDeviceGetPowerManagementLimitConstraints(self, gpu: FakeGpu) -> tuple[int, int]:
+        self._call("nvmlDeviceGetPowerManagementLimitConstraints", gpu)
+        return gpu.power_limit_min_mw, gpu.power_limit_max_mw
+
     def nvmlDeviceGetCurrPcieLinkGeneration(self, gpu: FakeGpu) -> int:
         tick = self._call("nvmlDeviceGetCurrPcieLinkGeneration", gpu)
         return int(_at(gpu.pcie_gen, tick))
@@ -716,13 +724,13 @@ class FakeNvml:
     def nvmlDeviceGetClockInfo(self, gpu: FakeGpu, clock_type: int) -> int:
         tick = self._call("nvmlDeviceGetClockInfo", gpu)
         if clock_type == pynvml.NVML_CLOCK_MEM:
-            return 2619
+            return gpu.mem_clock_mhz
         return int(_at(gpu.sm_clock_mhz, tick))
 
     def nvmlDeviceGetMaxClockInfo(self, gpu: FakeGpu, clock_type: int) -> int:
         self._call("nvmlDeviceGetMaxClockInfo", gpu)
         if clock_type == pynvml.NVML_CLOCK_MEM:
-            return 2619
+            return gpu.mem_clock_mhz
         return gpu.sm_clock_max_mhz
 
     def nvmlDeviceGetCurrentClocksEventReasons(self, gpu: FakeGpu) -> int:

@@ -2,14 +2,10 @@
 DataLoader), the rule at the edges of its thresholds, and every ``.code`` it writes executed.
 
 The rule attributes stack samples to the step probe's ``train.step`` and ``train.between`` spans.
-Where the step probe is not in this tree yet, :func:`step_spans` records the same two spans from
-the trained model's forward pre-hook and torch's global optimizer step hook, as CONTRACT.md
-defines them; once it is, the probe's own spans are used and the stand-in records nothing.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import threading
 from collections.abc import Iterator
@@ -19,53 +15,12 @@ import pytest
 import torch
 
 import gpuwidget
-from gpuwidget import probes, session
 from gpuwidget.advice.rules import RULES, loop_waits
-from gpuwidget.clock import now
 from gpuwidget.prefetch import THREAD_NAME, Prefetcher
 
 from frameworks import LOADER_RULES
 
-BETWEEN, STEP = "train.between", "train.step"
-
-
-@contextlib.contextmanager
-def step_spans(model: torch.nn.Module) -> Iterator[None]:
-    """``train.step`` and ``train.between`` spans of ``model``'s optimizer steps in the active watch's Trace."""
-    if hasattr(probes, "TRAIN_STEP_SPAN"):  # the step probe records them itself
-        yield
-        return
-    from torch.optim.optimizer import register_optimizer_step_post_hook
-
-    state: dict[str, float | None] = {"start": None, "end": None}
-
-    def trace() -> Any:
-        watch = session._active
-        return watch.run.trace if watch is not None and watch.run is not None else None
-
-    def before_forward(module: Any, args: Any) -> None:
-        t, into = now(), trace()
-        if into is None:
-            return
-        if state["end"] is not None:
-            into.add_span(BETWEEN, state["end"] - into.start_clock, t - into.start_clock)
-            state["end"] = None
-        if state["start"] is None:
-            state["start"] = t
-
-    def after_step(optimizer: Any, args: Any, kwargs: Any) -> None:
-        t, into = now(), trace()
-        if into is None or state["start"] is None:
-            return
-        into.add_span(STEP, state["start"] - into.start_clock, t - into.start_clock)
-        state["start"] = state["end"] = t
-
-    handles = [model.register_forward_pre_hook(before_forward), register_optimizer_step_post_hook(after_step)]
-    try:
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
+BETWEEN = "train.between"
 
 
 # nanoGPT's shape (train.py): get_batch takes random windows of a token array; here the array is
@@ -129,8 +84,7 @@ def watched(ip: Any, setup: str, loop: str, **names: Any) -> tuple[Any, int]:
     ip.run_cell(setup, store_history=True)
     defined_in = ip.execution_count - 1
     ip.user_ns.update(names)
-    with step_spans(ip.user_ns["model"]):
-        result = ip.run_cell(loop)
+    result = ip.run_cell(loop)
     assert result.error_in_exec is None
     return gpuwidget.last_run(), defined_in
 

@@ -21,7 +21,6 @@ import pytest
 import torch
 
 import gpuwidget
-from gpuwidget import probes
 from gpuwidget import sampler as sampler_module
 from gpuwidget.clock import now
 from gpuwidget.probes import DATA_WAIT_SPAN, STEP_SPAN, Probes
@@ -423,8 +422,6 @@ def test_the_stack_sampler_lives_in_the_watch_only_not_in_a_childs_span_buffer()
     assert isinstance(Probes(Trace())._stack, StackSampler)
 
 
-@pytest.mark.xfail(not hasattr(probes, "TRAIN_STEP_SPAN"), reason="needs train.between spans from the step probe",
-                   strict=True)
 def test_the_step_probes_real_spans_attribute_a_slow_batch_function():
     from torch import nn
 

@@ -2,7 +2,10 @@
 
 Every figure is measured; a figure the run cannot support (no GPU, no DataLoader seen)
 is None or absent rather than a guess. Loop figures (samples/s, data wait) refer to the
-*primary* loader, the one the cell spent the most time iterating.
+*training loop*: the primary loader, the one whose batches fed the trained model's optimizer steps
+(:func:`primary_loader`), or, where no DataLoader fed them (``get_batch``, a generator), the
+optimizer's steps themselves (``step_source``). FLOPs per step, achieved FLOP/s and MFU come from
+the optimizer's counted step (:func:`training_figures`).
 """
 
 from __future__ import annotations
@@ -13,7 +16,16 @@ from typing import Any, cast
 import numpy as np
 
 from gpuwidget.advice.warmup import WarmupSplit, split_run, warmup_cause
-from gpuwidget.facts import CudaDeviceFacts, LoaderFacts, MachineFacts, Summary, TimeBreakdown, WorkloadFacts
+from gpuwidget.facts import (
+    CudaDeviceFacts,
+    LoaderFacts,
+    MachineFacts,
+    Summary,
+    TimeBreakdown,
+    TrainingFacts,
+    WorkloadFacts,
+)
+from gpuwidget.peaks import chip, peak_flops
 from gpuwidget.probes import DATA_WAIT_SPAN, STEP_SPAN
 from gpuwidget.sources.nvml import uuid_key
 from gpuwidget.trace import Trace, gpu_indices
@@ -47,11 +59,104 @@ ENERGY_RESET_TOLERANCE = 1e-6
 # Energy over a cell needs readings across at least this share of it; the rest is extrapolated at the
 # nearest readings' rate (the sampler's first reading comes a few ms into the cell, later on a loaded host).
 ENERGY_MIN_COVERAGE = 0.5
+# A DataLoader is the training loop's when its batch came right before at least this share of the
+# trained model's optimizer steps. Its own loop feeds every step (with gradient accumulation, the
+# last of each step's batches does); a validation loader iterated between epochs, or a 2-batch
+# sanity check, feeds none; half leaves room for a loop whose epochs alternate with an evaluation
+# on another loader that happens to end right before a step.
+FED_SHARE = 0.5
+
 
 def primary_loader(workload: WorkloadFacts | None) -> LoaderFacts | None:
-    """The DataLoader the cell spent the most time iterating, or None."""
+    """The training loop's DataLoader, or None.
+
+    Where the optimizer's steps were counted, it is the loader whose batches fed most of them
+    (None when none did: the loop fetches its own batches). Otherwise (no optimizer stepped: an
+    inference loop; a run recorded before steps were counted) the loader the cell spent the most
+    time iterating. A loader built anew each epoch over the same dataset is one loader already
+    (probes.torch_data).
+    """
     loaders = (workload or {}).get("loaders") or []
+    steps = ((workload or {}).get("training") or {}).get("optimizer_steps") or 0
+    if steps and any("steps_fed" in loader for loader in loaders):
+        fed = max(loaders, key=lambda loader: (loader.get("steps_fed") or 0, loader.get("loop_time_s") or 0.0))
+        return fed if (fed.get("steps_fed") or 0) >= FED_SHARE * steps else None
     return max(loaders, key=lambda loader: loader.get("loop_time_s") or 0.0, default=None)
+
+
+def optimizer_loop(training: TrainingFacts, workload: WorkloadFacts | None = None) -> Summary:
+    """The loop figures from the optimizer's steps, for a loop no DataLoader fed: steps, their rate,
+    samples (the trained model's input's first dimension per step), and the steady steps' percentiles
+    with the warm-up apart (:func:`step_figures`)."""
+    loop = training.get("loop_s") or 0.0
+    steps = training.get("optimizer_steps") or 0
+    if not steps or loop <= 0:
+        return {}
+    per_step = training.get("samples_per_step")
+    steps_per_s = (training.get("spanned_steps") or steps) / loop
+    figures: Summary = {"step_source": "optimizer", "steps": steps, "steps_per_s": steps_per_s,
+                        "loop_time_s": loop, "samples": per_step * steps if per_step else None,
+                        "samples_per_s": per_step * steps_per_s if per_step else None, "data_wait_fraction": None}
+    figures.update(step_figures(training.get("step_times") or [], steps, workload))
+    return figures
+
+
+def steady_step_times(training: TrainingFacts) -> list[float]:
+    """The optimizer's step times after the warm-up (advice.warmup), or all of them when the run
+    never reached a steady state."""
+    times = list(training.get("step_times") or [])
+    split = split_run(times, training.get("optimizer_steps"))
+    return times if split.all_warmup else split.steady(times) or times
+
+
+def training_figures(workload: WorkloadFacts | None, machine: MachineFacts | None = None) -> Summary:
+    """FLOPs per step, achieved FLOP/s and, where a GPU trained, the chip's peak for the dtype the
+    counted step's matmuls ran in and MFU; ``mfu_missing`` says why there is no MFU."""
+    training = (workload or {}).get("training") or {}
+    if not training.get("optimizer_steps"):
+        return {}
+    figures: Summary = {"optimizer_steps": training["optimizer_steps"]}
+    flops = training.get("flops_per_step")
+    if not flops:
+        figures["mfu_missing"] = training.get("flops_missing") or "no step's FLOPs were counted"
+        return figures
+    dtype = training.get("flops_dtype") or "fp32"
+    figures.update({"flops_per_step": flops, "flops_dtype": dtype})
+    steady = steady_step_times(training)
+    if not steady or sum(steady) <= 0:
+        figures["mfu_missing"] = "no step time was measured beside the counted step"
+        return figures
+    achieved = flops * len(steady) / sum(steady)
+    figures["achieved_flops_per_s"] = achieved
+    if training.get("device_type") != "cuda":
+        figures["mfu_missing"] = f"the model trained on the {training.get('device_type') or 'CPU'}, not a GPU"
+        return figures
+    name = _trained_gpu_name(workload, machine)
+    if name and "MIG" in name.upper().split():
+        figures["mfu_missing"] = f"{name} is a MIG slice: the datasheet's peak is the whole chip's"
+        return figures
+    peak = peak_flops(name, dtype)
+    if peak is None:
+        known = chip(name)
+        figures["mfu_missing"] = (f"the {known.chip}'s datasheet has no dense {dtype} peak" if known is not None
+                                  else f"{name or 'this GPU'} is not in gpuwidget's table of chip peaks")
+        return figures
+    figures["peak_flops_per_s"] = peak
+    figures["mfu"] = achieved / peak
+    return figures
+
+
+def _trained_gpu_name(workload: WorkloadFacts | None, machine: MachineFacts | None) -> str | None:
+    """The name of the GPU the model trained on: torch's CUDA device that held memory (else its first),
+    else NVML's first GPU."""
+    devices = ((workload or {}).get("cuda") or {}).get("devices") or []
+    for device in sorted(devices, key=lambda device: not device.get("peak_reserved")):
+        if device.get("name"):
+            return device["name"]
+    for gpu in (machine or {}).get("gpus") or []:
+        if gpu.get("name"):
+            return gpu["name"]
+    return None
 
 
 def loop_step_times(workload: WorkloadFacts | None) -> tuple[list[float], int]:
@@ -180,7 +285,9 @@ def summarize(trace: Trace, workload: WorkloadFacts | None = None,
 
     loader = primary_loader(workload)
     loop_time = (loader or {}).get("loop_time_s") or 0.0
+    training = (workload or {}).get("training") or {}
     if loader is not None and loop_time > 0:
+        summary["step_source"] = "dataloader"
         summary["loader"] = loader.get("name")
         summary["steps"] = loader["steps"]
         summary["samples"] = loader["samples"] or None
@@ -196,8 +303,11 @@ def summarize(trace: Trace, workload: WorkloadFacts | None = None,
         summary["time_breakdown"] = time_breakdown(
             duration, trace, pid, loop_s=sum(item.get("loop_time_s") or 0.0 for item in loaders),
             wait_s=sum(item.get("wait_total_s") or 0.0 for item in loaders))
+    elif steps := optimizer_loop(training, workload):  # no DataLoader fed the loop: the optimizer's steps
+        summary.update(steps)
     else:
         summary.update({"steps": None, "samples": None, "samples_per_s": None, "data_wait_fraction": None})
+    summary.update(training_figures(workload, machine))
 
     summary.update(host_figures(trace))
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from gpuwidget.children.protocol import decode_frames, open_kind
-from gpuwidget.probes import DATA_WAIT_SPAN, STEP_SPAN
+from gpuwidget.probes import BETWEEN_STEPS_SPAN, DATA_WAIT_SPAN, STEP_SPAN, TRAIN_STEP_SPAN
 from gpuwidget.trace import Trace
 
 log = logging.getLogger("gpuwidget")
@@ -35,7 +35,7 @@ THREAD_NAME = "gpuwidget-children"
 MAX_PROCESSES = 1024
 MAX_CONNECTIONS = 1024
 STEP_HISTORY = 4096
-SPAN_KINDS = (STEP_SPAN, DATA_WAIT_SPAN)
+SPAN_KINDS = (STEP_SPAN, DATA_WAIT_SPAN, TRAIN_STEP_SPAN, BETWEEN_STEPS_SPAN)
 # At close, keep reading while finished children's data is still arriving, for at most this long.
 DRAIN_S = 1.0
 READ_BYTES = 1 << 18
@@ -211,7 +211,8 @@ class ChildChannel:
                 if not isinstance(items, list) or not items:
                     continue
                 intervals = [(float(start) - origin, float(end) - origin) for start, end in items]
-                if not still_open:  # an open step was not a whole step
+                # the DataLoader's figures, if the child dies before its facts (an open step was not a whole step)
+                if not still_open and kind in (STEP_SPAN, DATA_WAIT_SPAN):
                     history = record.step_times if kind == STEP_SPAN else record.wait_times
                     history.extend(end - start for start, end in intervals)
                 self.trace.add_spans(kind, intervals, {**attrs, "open": True} if still_open else attrs)

@@ -37,7 +37,7 @@ from gpuwidget.facts import RankEntry, Summary, WorkloadFacts
 from gpuwidget.sources.nvml import uuid_key
 from gpuwidget.trace import Trace
 
-PER_STEP_LISTS = ("step_times", "wait_times")
+PER_STEP_LISTS = ("step_times", "wait_times", "step_ends")
 PUBLIC_KEYS = ("rank", "pid", "gpu", "steps", "samples_per_s", "data_wait_fraction",
                "step_time_p50_s", "step_time_p95_s")
 # Steps kept one by one per rank for the rank rules: enough for medians and a significance test
@@ -114,6 +114,7 @@ def child_entry(record: ChildRecord, machine: Mapping[str, Any] | None = None) -
     return {"rank": ident.get("rank"), "local_rank": ident.get("local_rank"), "world_size": ident.get("world_size"),
             "pid": record.pid, "gpu": watch_gpu(ident, machine), **figures,
             "loaders": list(workload.get("loaders") or []), "model": workload.get("model"),
+            "training": workload.get("training"),
             "cuda": workload.get("cuda"), "host": dict(record.host), "cpu": dict(record.cpu),
             "finished": record.finished, "argv": ident.get("argv")}
 
@@ -124,6 +125,7 @@ def own_entry(workload: WorkloadFacts, identity: Mapping[str, Any], summary_host
     return {"rank": identity.get("rank"), "local_rank": identity.get("local_rank"),
             "world_size": identity.get("world_size"), "pid": os.getpid(), "gpu": identity.get("gpu"), **figures,
             "loaders": list(workload.get("loaders") or []), "model": workload.get("model"),
+            "training": workload.get("training"),
             "cuda": workload.get("cuda"), "host": dict(summary_host), "finished": True, "argv": None}
 
 
@@ -151,10 +153,13 @@ def merge(workload: WorkloadFacts, records: Iterable[ChildRecord], identity: Map
         merged["loaders"] = busiest["loaders"]
         merged["model"] = busiest["model"]
         merged["cuda"] = busiest["cuda"]
+        merged["training"] = busiest.get("training")
         merged["trained_in"] = {"pid": busiest["pid"], "rank": busiest["rank"]}
     for entry in entries:  # the entry has the percentiles: the per-step lists would only repeat them per rank
         entry["loaders"] = [{key: value for key, value in loader.items() if key not in PER_STEP_LISTS}
                             for loader in entry["loaders"]]
+        if entry.get("training"):  # a copy: the workload's own training facts keep their step times
+            entry["training"] = {key: value for key, value in entry["training"].items() if key not in PER_STEP_LISTS}
     return cast(WorkloadFacts, merged)
 
 

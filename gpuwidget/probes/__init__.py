@@ -24,6 +24,8 @@ log = logging.getLogger("gpuwidget")
 # The span kinds the probes record in the Trace (the summary, the report and the live view read them).
 DATA_WAIT_SPAN = "loader.wait"  # blocked in a DataLoader's next()
 STEP_SPAN = "step"  # from one next() to the following one
+TRAIN_STEP_SPAN = "train.step"  # one optimizer step of the trained model: from the previous one's end to its end
+BETWEEN_STEPS_SPAN = "train.between"  # from an optimizer step's end to the trained model's next training forward
 
 
 class Probes:
@@ -35,6 +37,7 @@ class Probes:
         self._data: Any = None
         self._model: Any = None
         self._cuda: Any = None
+        self._steps: Any = None
         self.errors: list[str] = []
         self._closed = False
         # The watched thread's stack at each tick (probes.stack): the thread building the probes is the cell's.
@@ -50,6 +53,9 @@ class Probes:
             self._stack.tick()
         if self._data is not None:
             self._data.flush()  # the spans the loop queued since the last tick
+            if self._steps is not None:
+                self._steps.flush()
+                self._steps.prepare()  # once: the FLOP counter's imports, off the loop's thread
             return
         if self._closed or "torch.utils.data" not in sys.modules:
             return
@@ -59,12 +65,15 @@ class Probes:
             try:
                 from gpuwidget.probes.torch_data import DataLoaderProbe
                 from gpuwidget.probes.torch_model import CudaMemoryProbe, ModelProbe
+                from gpuwidget.probes.torch_steps import StepProbe
 
                 data, model, cuda = DataLoaderProbe(self.trace), ModelProbe(), CudaMemoryProbe()
+                steps = StepProbe(self.trace, model, data)
                 data.install()
                 model.install()
                 cuda.install()
-                self._data, self._model, self._cuda = data, model, cuda
+                steps.install()
+                self._data, self._model, self._cuda, self._steps = data, model, cuda, steps
             except Exception as exc:  # noqa: BLE001 - without probes the run still has metrics
                 self.errors.append(f"probes unavailable: {exc!r}")
                 log.warning("gpuwidget: workload probes unavailable: %s", exc)
@@ -74,7 +83,7 @@ class Probes:
         """Remove every hook and patch; safe to call more than once."""
         with self._lock:
             self._closed = True
-            for probe in (self._data, self._model, self._cuda):
+            for probe in (self._steps, self._data, self._model, self._cuda):
                 if probe is None:
                     continue
                 try:
@@ -90,7 +99,7 @@ class Probes:
         """In a forked child: put torch back without taking any lock (another thread of the parent
         may have held one at the fork, and that thread does not exist here) and record nothing more."""
         self._closed = True
-        data, model = self._data, self._model
+        data, model, steps = self._data, self._model, self._steps
         if data is not None and data.installed:
             from torch.utils.data import DataLoader
             from torch.utils.data.dataloader import _BaseDataLoaderIter
@@ -103,31 +112,45 @@ class Probes:
         if model is not None:
             with contextlib.suppress(Exception):  # removing a hook handle takes no lock
                 model.uninstall()
-        self._data = self._model = self._cuda = None
+        if steps is not None:
+            with contextlib.suppress(Exception):
+                steps.detach()
+        self._data = self._model = self._cuda = self._steps = None
 
     def objects(self) -> dict[str, Any]:
-        """The live loader (busiest first) and model objects the probes saw, for measuring advice."""
+        """The live loaders (the one that fed the optimizer's steps first, then the busiest) and the
+        trained model the probes saw, for measuring advice."""
         loaders = []
         if self._data is not None:
-            ranked = sorted(self._data.stats, key=lambda s: s.wait_total + s.compute_total, reverse=True)
+            ranked = sorted(self._data.stats, key=lambda s: (s.steps_fed, s.wait_total + s.compute_total),
+                            reverse=True)
             loaders = [s.loader for s in ranked if s.loader is not None]
         model = self._model.model() if self._model is not None else None
         return {"loaders": loaders, "model": model}
 
     def progress(self) -> tuple[int, int, float, float] | None:
-        """The busiest loader's running totals so far: (steps, samples, wait s, loop s); None before one."""
+        """The training loop's running totals so far: (steps, samples, wait s, loop s); None before one.
+
+        The loop is the loader that fed the optimizer's steps (else the busiest loader); without a
+        loader, the optimizer's steps (no wait measured) since the first one ended.
+        """
         data = self._data
         if data is None:
             return None
-        busiest = max(list(data.stats), key=lambda s: s.wait_total + s.compute_total, default=None)
-        if busiest is None:
+        stats = list(data.stats)
+        busiest = max(stats, key=lambda s: (s.steps_fed, s.wait_total + s.compute_total), default=None)
+        if busiest is not None:
+            return busiest.steps, busiest.samples, busiest.wait_total, busiest.wait_total + busiest.compute_total
+        steps = self._steps
+        if steps is None or not steps.steps:
             return None
-        return busiest.steps, busiest.samples, busiest.wait_total, busiest.wait_total + busiest.compute_total
+        loop = sum(steps.step_times)
+        return steps.steps, steps.steps * (steps.samples_per_step() or 0), 0.0, loop
 
     def facts(self, namespace: Mapping[str, Any] | None) -> WorkloadFacts:
         """WorkloadFacts as plain data: loaders, model, CUDA memory, torch version."""
         names = _names(namespace)
-        facts: dict[str, Any] = {"torch": None, "loaders": [], "model": None, "cuda": None}
+        facts: dict[str, Any] = {"torch": None, "loaders": [], "model": None, "cuda": None, "training": None}
         if self._data is not None:
             from gpuwidget.probes import origin
 
@@ -140,7 +163,8 @@ class Probes:
         if torch is not None:
             facts["torch"] = getattr(torch, "__version__", None)
         # Each fact on its own: one probe's failure is recorded and never empties the run.
-        for key, probe, read in (("loaders", self._data, lambda p: origin.placed(p.facts(names), namespace)),
+        for key, probe, read in (("training", self._steps, lambda p: p.facts()),
+                                 ("loaders", self._data, lambda p: origin.placed(p.facts(names), namespace)),
                                  ("model", self._model, lambda p: p.facts(names)),
                                  ("cuda", self._cuda, lambda p: p.facts())):
             if probe is None:

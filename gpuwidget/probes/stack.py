@@ -50,15 +50,9 @@ from typing import Any
 
 from gpuwidget.clock import now
 from gpuwidget.facts import CodeSite, HostCopy, LoopWait, StackFacts
-from gpuwidget.probes import DATA_WAIT_SPAN, STEP_SPAN
+from gpuwidget.probes import BETWEEN_STEPS_SPAN, DATA_WAIT_SPAN, STEP_SPAN, TRAIN_STEP_SPAN
 from gpuwidget.probes.origin import LIBRARIES, notebook_cell, parse_source
 from gpuwidget.sampler import tick_due
-
-try:
-    from gpuwidget.probes import BETWEEN_STEPS_SPAN, TRAIN_STEP_SPAN  # type: ignore[attr-defined]
-except ImportError:  # the step probe's span names (CONTRACT.md), until its branch is merged
-    TRAIN_STEP_SPAN = "train.step"
-    BETWEEN_STEPS_SPAN = "train.between"
 
 # Samples waiting for the spans that decide them. At the default 4 Hz that is 17 minutes of
 # samples; a basis whose loop spans never come (no optimizer steps) drops its oldest.

@@ -59,6 +59,8 @@ class LoaderStats:
     def __init__(self, loader: Any) -> None:
         self.loader_ref = weakref.ref(loader) if loader is not None else None
         self.settings = loader_settings(loader) if loader is not None else {}
+        self.dataset_ref = _weak(getattr(loader, "dataset", None))
+        self.steps_fed = 0  # optimizer steps taken right after one of its batches (probes.torch_steps)
         self.epochs = 0
         self.steps = 0
         self.samples = 0
@@ -114,8 +116,19 @@ class LoaderStats:
             "wait_times": list(self.wait_times),
             "owner": self.owner,
             "built_at": (self.built or {}).get("site"),
+            "steps_fed": self.steps_fed,
             "user_names": origins.user_names(loader, names, self.built) if loader is not None else {},
         }
+
+    def rebuilt_as(self, loader: Any) -> bool:
+        """``loader`` is this one built again (a loop that makes its DataLoader anew each epoch): the same
+        dataset object and settings, and this one is gone or ran to its end."""
+        dataset = None if self.dataset_ref is None else self.dataset_ref()
+        if dataset is None or dataset is not getattr(loader, "dataset", None):
+            return False
+        if self.loader is not None and not self.exhausted:
+            return False
+        return self.settings == loader_settings(loader)
 
 
 class DataLoaderProbe:
@@ -132,6 +145,8 @@ class DataLoaderProbe:
         self._built: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
         # (kind, start, end) queued by the loop's thread, moved into the Trace by flush().
         self._queue: deque[tuple[str, float, float]] = deque()
+        # The loader whose next() returned last: an optimizer step that follows is fed by it.
+        self.last: LoaderStats | None = None
 
     # ---------------------------------------------------------------- patching
 
@@ -203,6 +218,7 @@ class DataLoaderProbe:
             stats.wait_total += wait
             stats.wait_times.append(wait)
             stats.last_batch_samples = first_dim(batch)
+            probe.last = stats
             stats.samples += stats.last_batch_samples
             queue((DATA_WAIT_SPAN, started - origin, ended - origin))
             return batch
@@ -265,6 +281,13 @@ class DataLoaderProbe:
         key = id(loader) if loader is not None else id(iterator)
         stats = self._by_loader.get(key)
         if stats is None or (loader is not None and stats.loader is not loader):
+            rebuilt = next((s for s in self.stats if loader is not None and s.rebuilt_as(loader)), None)
+            if rebuilt is not None:  # one loop whose loader is built anew each epoch: one LoaderStats
+                rebuilt.loader_ref = weakref.ref(loader)
+                self._by_loader[key] = rebuilt
+                self._by_iterator[iterator] = rebuilt
+                rebuilt.pending_start = None
+                return rebuilt
             stats = self._by_loader[key] = LoaderStats(loader)
             self.stats.append(stats)
             if loader is not None:
@@ -277,6 +300,14 @@ class DataLoaderProbe:
 
     def facts(self, names: Mapping[int, str]) -> list[LoaderFacts]:
         return [s.facts(names) for s in self.stats if s.steps]
+
+
+def _weak(value: Any) -> Any:
+    """A weak reference to ``value``, or None (nothing, or a type that takes none)."""
+    try:
+        return None if value is None else weakref.ref(value)
+    except TypeError:
+        return None
 
 
 def first_dim(batch: Any, depth: int = 0) -> int:

@@ -21,9 +21,10 @@ import sys
 import threading
 import weakref
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, cast
 
+from gpuwidget.clock import now
 from gpuwidget.facts import CudaDeviceFacts, CudaFacts, ModelFacts
 
 TOP_LEVEL_CALLS = 16
@@ -31,6 +32,8 @@ TOP_LEVEL_CALLS = 16
 MAX_CALLS = 4096
 # Frames above a module call searched for a method of another module (training_step).
 OWNER_FRAMES = 4
+# Modules called top-level on behalf of one model kept (a LightningModule's encoder and decoder).
+MAX_ENTRIES = 4
 
 
 class ModelProbe:
@@ -46,6 +49,12 @@ class ModelProbe:
         self._objects: dict[int, Any] = {}
         self._versions: dict[int, int] = {}  # trainable parameters' version counters when first seen
         self._parallel: dict[int, ParallelWatch] = {}  # DDP / DataParallel wrappers seen, by id
+        # The modules actually called top-level for each model (itself, or its submodules called from
+        # one of its methods) and when it was first called: where a step probe hooks its forward.
+        self._entries: dict[int, list[Any]] = {}
+        self._first_call: dict[int, float] = {}
+        # The model whose parameters the stepped optimizer holds (set by probes.torch_steps).
+        self.trained_key: int | None = None
 
     def install(self) -> None:
         if self.installed:
@@ -82,8 +91,12 @@ class ModelProbe:
         import torch
 
         self._calls += 1
+        called = module
         module = _owner(module, sys._getframe(3))  # 3: _before, Module._call_impl, its caller
         key = id(module)
+        entries = self._entries.setdefault(key, [])
+        if len(entries) < MAX_ENTRIES and not any(ref() is called for ref in entries):
+            entries.append(weakref.ref(called))
         if key in self._models:
             self._models[key]["calls"] += 1
             if self._versions[key] >= 0:
@@ -104,6 +117,7 @@ class ModelProbe:
         tensor = _first_tensor(args)
         device_type = next(iter(devices)) if len(devices) == 1 else ("cuda" if "cuda" in devices else "cpu")
         self._objects[key] = weakref.ref(module)  # never keep the user's model alive
+        self._first_call[key] = now()
         parallel = ParallelWatch.of(module)
         if parallel is not None:
             self._parallel[key] = parallel
@@ -128,11 +142,23 @@ class ModelProbe:
             return False
         return sum(p._version for p in module.parameters() if p.requires_grad) > self._versions[key]
 
+    def candidates(self) -> Iterator[tuple[int, Any, list[Any], float]]:
+        """The models seen that are still alive: (key, model, the modules called top-level for it, first call)."""
+        for key, ref in list(self._objects.items()):
+            module = ref()
+            if module is None:
+                continue
+            entries = [entry for entry in (ref() for ref in self._entries.get(key, [])) if entry is not None]
+            yield key, module, entries or [module], self._first_call.get(key, 0.0)
+
     def _main(self) -> int | None:
-        """The trained module with the most parameters; without training (inference), the
-        module with the most trainable parameters, then the most parameters."""
+        """The model the stepped optimizer trains; else the trained module with the most parameters;
+        without training (inference), the module with the most trainable parameters, then the most
+        parameters."""
         if not self._models:
             return None
+        if self.trained_key in self._models:
+            return self.trained_key
         return max(self._models, key=lambda k: (self._trained(k), self._versions.get(k, -1) >= 0,
                                                 self._models[k]["parameters"]))
 

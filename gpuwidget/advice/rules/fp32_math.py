@@ -5,6 +5,11 @@ FP32 units, by a ratio that depends on the chip (dense figures from NVIDIA's dat
 with TF32 off (``fp32_precision == "ieee"``, legacy ``float32_matmul_precision == "highest"``) and no
 autocast, matmuls skip them. Where GPM reports tensor-pipe activity (Hopper and newer), tensor pipes
 already busy mean the Tensor Cores are in use and there is nothing to say.
+
+Autocast is judged over the trained model's forward calls (``workload["training"]["autocast_share"]``),
+not its first call alone: a loop whose first call (a shape check, a warm-up pass) runs outside
+``torch.autocast`` and its steps inside it trains in bf16. Where the counted step's FLOPs ran in a
+Tensor Core dtype (``flops_dtype``), that settles it.
 """
 
 from __future__ import annotations
@@ -27,6 +32,12 @@ TF32_OVER_FP32 = {(8, 0): 8.0, (8, 6): 2.0, (8, 9): 2.0, (9, 0): 7.4}
 DEFAULT_TF32_OVER_FP32 = 2.0
 # GPM tensor-pipe activity at or above this share of time: the Tensor Cores already carry work.
 TENSOR_ACTIVE_IN_USE_PERCENT = 10.0
+# Share of the trained model's forward calls under torch.autocast from which the model counts as
+# trained under autocast: most of its math then runs in bf16/fp16 (the rest, typically evaluation
+# passes or a first shape check, is the smaller part and not what the finding is about).
+AUTOCAST_SHARE_ENOUGH = 0.5
+# Dtypes the counted step's FLOPs may run in on Tensor Cores (probes.torch_steps: flops_dtype).
+TENSOR_CORE_DTYPES = frozenset({"fp8", "bf16", "fp16", "tf32"})
 
 
 def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> Finding | None:
@@ -40,7 +51,10 @@ def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> F
     total = sum(dtypes.values())
     if not total or dtypes.get("float32", 0) / total < FP32_SHARE:
         return None
-    if (model.get("autocast") or {}).get("enabled") or _matmul_tf32(model):
+    under_autocast = autocast_share(workload)
+    if under_autocast >= AUTOCAST_SHARE_ENOUGH or _matmul_tf32(model):
+        return None
+    if ((workload.get("training") or {}).get("flops_dtype") or "fp32") in TENSOR_CORE_DTYPES:
         return None
     tensor_active = summary.get("gpu_tensor_active_mean")
     if tensor_active is not None and tensor_active >= TENSOR_ACTIVE_IN_USE_PERCENT:
@@ -54,7 +68,8 @@ def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> F
     name = model_name(workload)
     conv_off = model.get("cudnn_allow_tf32") is False
     evidence: dict[str, Any] = {
-        "param_dtypes": dtypes, "autocast": False, "capability": f"{cap[0]}.{cap[1]}",
+        "param_dtypes": dtypes, "autocast": False, "autocast_share": round(under_autocast, 2),
+        "capability": f"{cap[0]}.{cap[1]}",
         "float32_matmul_precision": model.get("float32_matmul_precision"),
         "cudnn_allow_tf32": model.get("cudnn_allow_tf32"), "tf32_over_fp32": ratio,
         **worked.evidence,
@@ -78,6 +93,15 @@ def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> F
                                                          f"#     loss = loss_fn({name or 'model'}(x), y)"),
         expected_speedup=round(bound, 2),
     )
+
+
+def autocast_share(workload: WorkloadFacts) -> float:
+    """Share of the trained model's forward calls that ran under autocast; without counted calls (no
+    optimizer stepped), 1 or 0 from its first call."""
+    training = workload.get("training") or {}
+    if training.get("forward_calls"):
+        return float(training.get("autocast_share") or 0.0)
+    return 1.0 if ((workload.get("model") or {}).get("autocast") or {}).get("enabled") else 0.0
 
 
 def _matmul_tf32(model: ModelFacts) -> bool:

@@ -7,10 +7,11 @@ Metrics per visible device, named ``gpu{cuda_index}.<metric>`` in SI units:
                    driver has no new sample, as on an idle GPU, nvmlDeviceGetUtilizationRates)
 ``mem_util``       % of time device memory was read or written
 ``mem_used``       bytes in use; ``mem_total`` bytes
-``power``          W; ``power_limit`` W (enforced limit); ``power_limit_default`` W (the board's default)
+``power``          W; ``power_limit`` W (enforced limit); ``power_limit_default`` W (the board's default);
+                   ``power_limit_min``/``power_limit_max`` W (the limits the board accepts)
 ``energy_j``       J the GPU used since the driver loaded (a cumulative counter, Volta and newer)
 ``temperature``    degrees Celsius (GPU sensor)
-``sm_clock``       Hz; ``sm_clock_max`` Hz
+``sm_clock``       Hz; ``sm_clock_max`` Hz; ``mem_clock`` Hz (the memory clock)
 ``clock_events``   bitmask of NVML clock event (throttle) reasons, as a float
 ``pcie_tx``        bytes/s sent by the GPU; ``pcie_rx`` bytes/s received
 ``proc_mem``       bytes held on the device by "our" processes (see ``pids``)
@@ -99,13 +100,20 @@ _READS: tuple[tuple[str, str, tuple[str, ...], float, float], ...] = (
     ("temperature", "nvmlDeviceGetTemperature", ("NVML_TEMPERATURE_GPU",), 1.0, 0.0),  # degrees C
     ("sm_clock", "nvmlDeviceGetClockInfo", ("NVML_CLOCK_SM",), MHZ, 0.0),  # MHz
     ("sm_clock_max", "nvmlDeviceGetMaxClockInfo", ("NVML_CLOCK_SM",), MHZ, math.inf),
+    ("mem_clock", "nvmlDeviceGetClockInfo", ("NVML_CLOCK_MEM",), MHZ, POWER_LIMIT_REFRESH_S),  # MHz, seldom moves
     ("power_limit", "nvmlDeviceGetEnforcedPowerLimit", (), 1e-3, POWER_LIMIT_REFRESH_S),  # mW
     ("power_limit_default", "nvmlDeviceGetPowerManagementDefaultLimit", (), 1e-3, math.inf),  # mW
+    # (min, max) in mW, one element each (_PARTS)
+    ("power_limit_min", "nvmlDeviceGetPowerManagementLimitConstraints", (), 1e-3, math.inf),
+    ("power_limit_max", "nvmlDeviceGetPowerManagementLimitConstraints", (), 1e-3, math.inf),
     ("pcie_gen", "nvmlDeviceGetCurrPcieLinkGeneration", (), 1.0, PCIE_LINK_REFRESH_S),
     ("pcie_width", "nvmlDeviceGetCurrPcieLinkWidth", (), 1.0, PCIE_LINK_REFRESH_S),  # lanes
     ("pcie_gen_max", "nvmlDeviceGetMaxPcieLinkGeneration", (), 1.0, math.inf),
     ("pcie_width_max", "nvmlDeviceGetMaxPcieLinkWidth", (), 1.0, math.inf),
 )
+
+# _READS metrics whose function returns a tuple: the element each one takes.
+_PARTS = {"power_limit_min": 0, "power_limit_max": 1}
 
 METRICS = (
     "util",
@@ -116,9 +124,12 @@ METRICS = (
     "energy_j",
     "power_limit",
     "power_limit_default",
+    "power_limit_min",
+    "power_limit_max",
     "temperature",
     "sm_clock",
     "sm_clock_max",
+    "mem_clock",
     "clock_events",
     "pcie_tx",
     "pcie_rx",
@@ -527,7 +538,8 @@ class NvmlSource:
                 if isinstance(value, Absent):
                     device.held.pop(metric, None)
                 else:
-                    device.held[metric] = float(value) * scale
+                    part = _PARTS.get(metric)
+                    device.held[metric] = float(value if part is None else value[part]) * scale
             if metric in device.held:
                 values[device.key[metric]] = device.held[metric]
             if every == 0.0:

@@ -1,0 +1,500 @@
+"""Step probe: the training loop's steps from its optimizer and its model, whatever feeds them.
+
+A DataLoader is one way to feed a loop; nanoGPT's ``get_batch``, a generator or a stream are
+others, and each of them still calls ``optimizer.step()`` once per step. torch's global optimizer
+hook (``register_optimizer_step_post_hook``) sees every such call; the *trained model* is the model
+(among those :class:`~gpuwidget.probes.torch_model.ModelProbe` saw called) whose parameters that
+optimizer holds, matched by parameter identity at the optimizer's first step, never simply the
+largest module. Of several optimizers, the one holding most of the trained model's parameters
+counts the steps (a GAN's two, nanoGPT-speedrun's Muon beside AdamW).
+
+Once the model is known, a forward pre-hook on it (on the module called at top level: a
+LightningModule's ``training_step`` calls its ``encoder``) marks each step's first training forward
+(grad enabled: an evaluation under ``no_grad`` between steps is part of the wait between them).
+Two spans come of it (``probes.TRAIN_STEP_SPAN`` and ``probes.BETWEEN_STEPS_SPAN``):
+
+* ``train.step``: from the end of one optimizer step (for the first: the model's first call) to
+  the end of the next;
+* ``train.between``: from a step's end to the next training forward: where the loop fetched its
+  next batch, logged, evaluated.
+
+On the loop's path each hook reads the clock and queues a plain tuple (the micro-benchmark is
+``benchmarks/step_probe_cost.py``, its figures in BENCHMARKS.md); :meth:`StepProbe.flush` makes
+spans of them on the sampler thread. The forward hook also counts calls made under
+``torch.autocast`` (``autocast_share``), and the inputs' first dimension for a few steps
+(``samples_per_step``).
+
+One step per watch, :data:`FLOPS_AT_STEP` or the first after the counter is loaded (on the sampler
+thread: :meth:`StepProbe.prepare`), is counted with ``torch.utils.flop_counter.FlopCounterMode``
+(forward and backward): entered at that step's first training forward, left as its optimizer step
+starts (or, where the forward runs inside ``step()`` as Lightning's closure does, as it ends).
+It is counted after the first steps (CUDA and cuDNN start-up, compilation), which a counted step
+would only make slower, and its time is kept out of ``step_times`` (the counter's own cost, in
+``flops_step_s``). :meth:`StepProbe.uninstall` leaves the counter if a step that raised or a watch
+that ended mid-step left it entered.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from collections import Counter, deque
+from typing import Any
+
+from gpuwidget.clock import now
+from gpuwidget.facts import TrainingFacts
+from gpuwidget.probes import BETWEEN_STEPS_SPAN, TRAIN_STEP_SPAN
+from gpuwidget.probes.torch_data import STEP_HISTORY, first_dim
+from gpuwidget.trace import Trace
+
+# The step FLOPs are counted on (0-based): after the first steps, which pay for CUDA and cuDNN
+# start-up and torch.compile's compilation (a counted step runs eagerly through torch's dispatcher,
+# so a compiling step would be counted at its slowest), and early enough that a short cell of a
+# few steps still has a count. The warm-up split (advice.warmup) is made after the run, from all
+# step times; FLOPs per step do not depend on the step's speed, only its work.
+FLOPS_AT_STEP = 3
+# Steps whose training inputs' first dimension is summed into samples_per_step (then no more reads).
+SAMPLE_STEPS = 3
+# Forward calls inside the counted step after which the count is given up (a step that raised
+# and a loop that went on without stepping the optimizer would otherwise count on and on).
+MAX_COUNTED_FORWARDS = 256
+
+# Event codes queued by the hooks (plain ints: the cheapest tuple to build).
+_FORWARD, _STEP_END, _COUNTED_STEP_END = 0, 1, 2
+# torch dtype -> the name FLOP peaks are listed under (gpuwidget.peaks).
+_DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64",
+                "float8_e4m3fn": "fp8", "float8_e5m2": "fp8", "float8_e4m3fnuz": "fp8", "float8_e5m2fnuz": "fp8"}
+_CONV_OPS = ("convolution", "convolution_backward")
+
+
+class StepProbe:
+    """Counts the trained model's optimizer steps, times them, and counts one step's FLOPs."""
+
+    def __init__(self, trace: Trace, models: Any, data: Any = None) -> None:
+        self.trace = trace
+        self.models = models  # the watch's ModelProbe: the models called, to match an optimizer's parameters
+        self.data = data  # the watch's DataLoaderProbe: which loader fed a step
+        self.installed = False
+        self._handles: list[Any] = []
+        self._forward_handles: list[Any] = []
+        self._events: deque[tuple[int, float]] = deque()
+        self._optimizer: Any = None  # the optimizer whose steps are counted
+        self._overlap = -1  # how many of the trained model's parameters it holds (numel)
+        self._judged: dict[int, Any] = {}  # id(optimizer) -> weakref, every optimizer matched once
+        self._device_type = "cpu"
+        self._model_class: str | None = None
+        self._first_call: float | None = None
+        self.steps = 0
+        self.forward_calls = 0
+        self._autocast: dict[Any, int] = {}
+        self._waiting = False  # a step ended; the next training forward starts the next step
+        self._sampling = True
+        self._early = True  # the full forward hook (samples, FLOP counter) until those are done
+        self._entries: list[Any] = []  # weak references to the trained model's top-level modules
+        self._step_samples = 0
+        self._samples: list[int] = []
+        self._counter: Any = None
+        self._counter_thread = 0
+        self._counter_ready = False  # prepare() ran: counting costs the loop no import
+        self._counted_pending = False  # the step ending next was the counted one
+        self._pre_handle: Any = None
+        self._counted_forwards = 0
+        self._flops: float | None = None
+        self._flops_dtype: str | None = None
+        self._flops_at: int | None = None
+        self._flops_missing: str | None = None
+        # Assembled by flush() on the sampler thread (and once more by uninstall, on the cell's: a lock).
+        self._flush_lock = threading.Lock()
+        self._last_end: float | None = None
+        self._between_start: float | None = None
+        self._loop_start: float | None = None  # the first step span's start
+        self.spanned = 0  # steps with a span (all but a first step whose start was not seen)
+        self.step_times: deque[float] = deque(maxlen=STEP_HISTORY)
+        self.step_ends: deque[float] = deque(maxlen=STEP_HISTORY)
+        self.between_total = 0.0
+        self._counted_step_s: float | None = None
+
+    # ---------------------------------------------------------------- hooks
+
+    def install(self) -> None:
+        if self.installed:
+            return
+        import torch
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        # Bound once: the forward hook runs on every step.
+        self._autocast_enabled, self._autocast_dtype = torch.is_autocast_enabled, torch.get_autocast_dtype
+        self._grad_enabled = torch.is_grad_enabled
+        self._handles = [register_optimizer_step_post_hook(self._stepped)]
+        self.installed = True
+
+    def uninstall(self) -> None:
+        """Remove every hook, leave a FLOP counter still entered, and make spans of what is queued."""
+        for handle in self._handles + self._forward_handles:
+            handle.remove()
+        self._handles, self._forward_handles = [], []
+        self.installed = False
+        if self._counter is not None:
+            self._stop_counting(completed=False)
+        self.flush()
+
+    def detach(self) -> None:
+        """In a forked child: remove the hooks only (no lock, no counter: the parent's thread is not here)."""
+        for handle in self._handles + self._forward_handles + ([self._pre_handle] if self._pre_handle else []):
+            handle.remove()
+        self._handles, self._forward_handles, self._counter, self._pre_handle = [], [], None, None
+        self.installed = False
+
+    def _stepped(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """After every ``optimizer.step()`` (torch's global post hook): the end of a training step."""
+        if optimizer is not self._optimizer:
+            if id(optimizer) in self._judged and self._judged[id(optimizer)]() is optimizer:
+                return  # another optimizer, already judged not to count the steps
+            counting = self._optimizer
+            with contextlib.suppress(Exception):  # a probe never breaks the user's step
+                self._judge(optimizer)
+            if optimizer is not self._optimizer:
+                return
+            if counting is not None and self._waiting:
+                return  # it takes over the counting within a step the other one ended: not a step more
+        ended = now()
+        if self._counter is not None:  # its pre-hook did not see the step: left here instead
+            self._stop_counting(completed=True)
+        self.steps += 1
+        self._waiting = True
+        if self._counted_pending:
+            self._counted_pending = False
+            self._events.append((_COUNTED_STEP_END, ended))
+        else:
+            self._events.append((_STEP_END, ended))
+        if self._sampling:
+            self._end_sampled_step()
+        if self._early and not self._sampling and self._counter is None and self._flops_settled:
+            self._hook(early=False)  # samples read, FLOPs counted: the lean hook from now on
+        data = self.data
+        if data is not None and data.last is not None:
+            data.last.steps_fed += 1
+            data.last = None
+
+    def _forward(self, module: Any, args: Any, kwargs: Any) -> None:
+        """Before each top-level forward of the trained model in the first steps: it also reads the
+        inputs' first dimension (keyword arguments too) and starts the FLOP counter."""
+        self.forward_calls += 1
+        device = self._device_type
+        if self._autocast_enabled(device):
+            dtype = self._autocast_dtype(device)
+            self._autocast[dtype] = self._autocast.get(dtype, 0) + 1
+        if not self._grad_enabled():
+            return  # evaluation between steps: not the step's own forward
+        if self._waiting:
+            self._waiting = False
+            self._events.append((_FORWARD, now()))
+            if self.steps >= FLOPS_AT_STEP and self._counter_ready and not self._flops_settled:
+                self._start_counting()
+        elif self._counter is not None:
+            self._counted_forwards += 1
+            if self._counted_forwards > MAX_COUNTED_FORWARDS:
+                self._stop_counting(completed=False)
+        if self._sampling:
+            self._step_samples += first_dim(args) or first_dim(kwargs)
+
+    # ---------------------------------------------------------------- the trained model
+
+    def _judge(self, optimizer: Any) -> None:
+        """Match a newly seen optimizer's parameters to the models called: it counts the steps if it
+        holds more of its model's parameters than the optimizer counting them now."""
+        self._judged[id(optimizer)] = weakref.ref(optimizer)
+        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        best: tuple[int, Any, list[Any], float] | None = None
+        best_overlap = 0
+        for _key, model, entries, first_call in self.models.candidates() if self.models is not None else ():
+            overlap = sum(p.numel() for p in model.parameters() if id(p) in held)
+            if overlap > best_overlap:
+                best, best_overlap = (_key, model, entries, first_call), overlap
+        if best_overlap <= self._overlap:
+            return
+        if self._optimizer is not None and best is None:
+            return
+        self._optimizer, self._overlap = optimizer, best_overlap
+        for handle in self._forward_handles:
+            handle.remove()
+        self._forward_handles = []
+        if best is None:  # steps without a model to match (it ran before the watch saw it): count them
+            return
+        key, model, entries, first_call = best
+        self.models.trained_key = key
+        self._model_class = type(model).__name__
+        devices = {p.device.type for p in model.parameters()}
+        self._device_type = "cuda" if "cuda" in devices else next(iter(devices), "cpu")
+        if self._first_call is None:
+            self._first_call = first_call
+        self._entries = [weakref.ref(entry) for entry in entries]  # never keep the user's model alive
+        self._hook(early=self._early)
+
+    def _hook(self, early: bool) -> None:
+        """Hook the trained model's top-level modules: the full hook for the first steps, then a lean
+        one (no keyword arguments: torch's hook dispatch costs about a microsecond more with them)."""
+        for handle in self._forward_handles:
+            handle.remove()
+        entries = [entry for entry in (ref() for ref in self._entries) if entry is not None]
+        if early:
+            self._forward_handles = [entry.register_forward_pre_hook(self._forward, with_kwargs=True)
+                                     for entry in entries]
+        else:
+            lean = self._lean_forward()
+            self._forward_handles = [entry.register_forward_pre_hook(lean) for entry in entries]
+        self._early = early
+
+    def _lean_forward(self) -> Any:
+        """The steady-state forward hook: a closure over what it reads, as few lookups as can be."""
+        probe, queue, clock = self, self._events.append, now
+        autocast_enabled, autocast_dtype = self._autocast_enabled, self._autocast_dtype
+        grad_enabled = self._grad_enabled
+        device, under = self._device_type, self._autocast
+
+        def forward(module: Any, args: Any) -> None:
+            probe.forward_calls += 1
+            if autocast_enabled(device):
+                dtype = autocast_dtype(device)
+                under[dtype] = under.get(dtype, 0) + 1
+            if probe._waiting and grad_enabled():
+                probe._waiting = False
+                queue((_FORWARD, clock()))
+
+        return forward
+
+    # ---------------------------------------------------------------- samples and FLOPs
+
+    def _end_sampled_step(self) -> None:
+        if self.steps > 1:  # the first step ran before the model was known: its inputs were not seen
+            self._samples.append(self._step_samples)
+        self._step_samples = 0
+        if len(self._samples) >= SAMPLE_STEPS:
+            self._sampling = False
+
+    @property
+    def _flops_settled(self) -> bool:
+        """The step was counted, or it will not be."""
+        return self._flops is not None or self._flops_missing is not None
+
+    def prepare(self) -> None:
+        """On the sampler thread, once: load what the FLOP counter needs before a step is counted.
+
+        Every torch dispatch mode imports ``torch._dynamo`` at its first dispatch (seconds, in a fresh
+        process); done here it never lands in the user's step. Counting waits for it (a later step
+        is counted if it takes longer than the first FLOPS_AT_STEP steps)."""
+        if self._counter_ready or self._flops_settled or not self.steps or self._model_class is None:
+            return  # nothing to count yet: a cell that never trains never pays for the import
+        try:
+            import torch
+
+            with DtypeFlopCounter():  # dispatch modes are per thread: the loop's thread is untouched
+                torch.ones(2, 2) @ torch.ones(2, 2)
+        except Exception as exc:  # noqa: BLE001 - without a count the run still has its steps
+            self._flops_missing = f"the FLOP counter is unavailable: {exc!r}"
+            return
+        self._counter_ready = True
+
+    def _start_counting(self) -> None:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        try:
+            counter = DtypeFlopCounter()
+            counter.__enter__()
+        except Exception as exc:  # noqa: BLE001 - without a count the run still has its steps
+            self._flops_missing = f"the FLOP counter could not start: {exc!r}"
+            return
+        self._counter, self._counter_thread, self._counted_forwards = counter, threading.get_ident(), 0
+        # Left as the optimizer step starts: the update's element-wise math has no FLOPs the counter
+        # counts (matmuls, convolutions, attention), and would only pay its dispatch cost.
+        self._pre_handle = register_optimizer_step_pre_hook(self._before_step)
+
+    def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if optimizer is self._optimizer and self._counter is not None:
+            self._stop_counting(completed=True)
+
+    def _stop_counting(self, completed: bool) -> None:
+        counter, self._counter = self._counter, None
+        if self._pre_handle is not None:
+            self._pre_handle.remove()
+            self._pre_handle = None
+        if counter is None:
+            return
+        if threading.get_ident() != self._counter_thread:
+            # Dispatch modes are per thread: only the thread that entered it can leave it.
+            self._flops_missing = "the watch ended in another thread while a step was being counted"
+            return
+        try:
+            counter.__exit__(None, None, None)
+        except Exception as exc:  # noqa: BLE001
+            self._flops_missing = f"the FLOP counter could not stop: {exc!r}"
+            return
+        if not completed:
+            self._flops_missing = "the counted step did not reach its optimizer step"
+            return
+        self._flops = float(counter.get_total_flops())
+        self._flops_dtype = counter.dominant_dtype(self._device_type)
+        self._flops_at = self.steps  # the step ending now (0-based)
+        self._counted_pending = True
+
+    # ---------------------------------------------------------------- spans and facts
+
+    def flush(self) -> None:
+        """Make spans of the queued events (the sampler thread calls this every tick)."""
+        with self._flush_lock:
+            self._flush()
+
+    def _flush(self) -> None:
+        origin = self.trace.start_clock
+        steps: list[tuple[float, float]] = []
+        between: list[tuple[float, float]] = []
+        events = self._events
+        while True:
+            try:
+                kind, at = events.popleft()
+            except IndexError:
+                break
+            at -= origin
+            if kind == _FORWARD:
+                if self._between_start is not None:
+                    between.append((self._between_start, at))
+                    self.between_total += at - self._between_start
+                    self._between_start = None
+                continue
+            start = self._last_end
+            if start is None and self._first_call is not None:
+                start = self._first_call - origin
+            if start is not None and at >= start:
+                steps.append((start, at))
+                self.spanned += 1
+                if self._loop_start is None:
+                    self._loop_start = start
+                if kind == _COUNTED_STEP_END:
+                    self._counted_step_s = at - start  # the counter's cost is in it: not a step time
+                else:
+                    self.step_times.append(at - start)
+                    self.step_ends.append(at)
+            self._last_end = self._between_start = at
+        if steps:
+            self.trace.add_spans(TRAIN_STEP_SPAN, steps)
+        if between:
+            self.trace.add_spans(BETWEEN_STEPS_SPAN, between)
+
+    def samples_per_step(self) -> int | None:
+        """The first dimension of the trained model's inputs in one step (the most common of those read)."""
+        return (Counter(self._samples).most_common(1)[0][0] or None) if self._samples else None
+
+    def facts(self) -> TrainingFacts | None:
+        """The loop as its optimizer steps tell it, or None when no optimizer stepped."""
+        if not self.steps:
+            return None
+        self.flush()
+        calls = self.forward_calls
+        under = sum(self._autocast.values())
+        dtype = max(self._autocast, key=lambda d: self._autocast[d]) if self._autocast else None
+        facts: TrainingFacts = {
+            "optimizer_steps": self.steps,
+            "step_times": list(self.step_times),
+            "step_ends": list(self.step_ends),
+            "forward_calls": calls,
+            "autocast_share": under / calls if calls else 0.0,
+            "autocast_dtype": None if dtype is None else str(dtype).replace("torch.", ""),
+            "samples_per_step": self.samples_per_step(),
+            "between_s": self.between_total,
+            "loop_s": (self._last_end - self._loop_start
+                       if self._last_end is not None and self._loop_start is not None else 0.0),
+            "spanned_steps": self.spanned,
+            "step_source": "optimizer",
+            "model_class": self._model_class,
+            "device_type": self._device_type if self._model_class is not None else None,
+        }
+        if self._flops is not None:
+            facts["flops_per_step"] = self._flops
+            facts["flops_counted_at_step"] = self._flops_at if self._flops_at is not None else FLOPS_AT_STEP
+            facts["flops_dtype"] = self._flops_dtype or "fp32"
+            if self._counted_step_s is not None:
+                facts["flops_step_s"] = self._counted_step_s
+        else:
+            facts["flops_missing"] = self._flops_missing or (
+                "no trained model was matched to the optimizer" if self._model_class is None else
+                f"the loop ended before step {FLOPS_AT_STEP + 1}, the one counted" if self.steps <= FLOPS_AT_STEP
+                else "the loop ended before the FLOP counter was loaded (torch's dispatch modes import "
+                     "torch._dynamo first)")
+        return facts
+
+
+def _dtype_name(dtype: Any) -> str:
+    name = str(dtype).replace("torch.", "")
+    return _DTYPE_NAMES.get(name, name)
+
+
+def _make_counter_class() -> type:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    class _DtypeFlopCounter(FlopCounterMode):
+        """FlopCounterMode that also tells the dtype each counted FLOP ran in (its operands'), and
+        whether it was a convolution (TF32 has a switch of its own for those)."""
+
+        def __init__(self) -> None:
+            super().__init__(display=False)
+            self.by_kind: dict[tuple[str, bool], int] = {}
+            # Only the total is read: no per-module breakdown, so no module and gradient hooks to pay for.
+            self.mod_tracker = _GlobalOnly()  # type: ignore[assignment]
+
+        def _count_flops(self, func_packet: Any, out: Any, args: Any, kwargs: Any) -> Any:
+            counts = self.flop_counts["Global"]
+            before = counts.get(func_packet, 0)
+            result = super()._count_flops(func_packet, out, args, kwargs)
+            added = counts.get(func_packet, 0) - before
+            if added:
+                name = getattr(func_packet, "__name__", str(func_packet))
+                dtype = "fp8" if "scaled_mm" in name else _operand_dtype(args)
+                kind = (dtype, name in _CONV_OPS)
+                self.by_kind[kind] = self.by_kind.get(kind, 0) + added
+            return result
+
+        def dominant_dtype(self, device_type: str) -> str:
+            """The dtype most FLOPs ran in; FP32 on CUDA counts as TF32 where torch allowed it."""
+            from gpuwidget.probes.torch_model import precision_settings
+
+            settings = precision_settings() if device_type == "cuda" else {}
+            by_dtype: dict[str, int] = {}
+            for (dtype, conv), flops in self.by_kind.items():
+                if dtype == "fp32" and settings.get("cudnn_allow_tf32" if conv else "cuda_matmul_allow_tf32"):
+                    dtype = "tf32"
+                by_dtype[dtype] = by_dtype.get(dtype, 0) + flops
+            return max(by_dtype, key=lambda d: by_dtype[d]) if by_dtype else "fp32"
+
+    return _DtypeFlopCounter
+
+
+class _GlobalOnly:
+    """Stands in for FlopCounterMode's ModuleTracker: every FLOP is the whole model's ("Global")."""
+
+    parents = frozenset({"Global"})
+
+    def __enter__(self) -> _GlobalOnly:
+        return self
+
+    def __exit__(self, *args: Any) -> None:
+        return None
+
+
+def DtypeFlopCounter() -> Any:  # noqa: N802 - builds the class on first use: torch is imported late
+    global _counter_class
+    if _counter_class is None:
+        _counter_class = _make_counter_class()
+    return _counter_class()
+
+
+_counter_class: type | None = None
+
+
+def _operand_dtype(args: Any) -> str:
+    """The dtype of the first operand with two or more dimensions (a matmul's or convolution's input,
+    not a 1-d bias)."""
+    for arg in args:
+        if getattr(arg, "ndim", 0) >= 2 and hasattr(arg, "dtype"):
+            return _dtype_name(arg.dtype)
+    return "fp32"

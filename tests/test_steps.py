@@ -1,0 +1,351 @@
+"""The training loop from its optimizer's steps: counted whatever feeds it, the loader chosen by what
+trains, a loader rebuilt each epoch as one loop, and nothing left behind."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.modules import module as nn_module
+from torch.optim import optimizer as optim_module
+from torch.utils.data import DataLoader, TensorDataset
+
+import gpuwidget
+from gpuwidget.advice.summary import primary_loader
+from gpuwidget.probes import BETWEEN_STEPS_SPAN, TRAIN_STEP_SPAN
+from gpuwidget.probes.torch_steps import FLOPS_AT_STEP
+from gpuwidget.report import main_cause
+
+torch.manual_seed(0)
+
+
+class Student(nn.Module):
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(16, width), nn.ReLU(), nn.Linear(width, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> None:
+    loss = nn.functional.cross_entropy(model(x), y)
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+
+
+def nothing_left() -> None:
+    assert not optim_module._global_optimizer_post_hooks and not optim_module._global_optimizer_pre_hooks
+    assert not nn_module._global_forward_pre_hooks and not nn_module._global_forward_hooks
+    assert torch._C._len_torch_dispatch_stack() == 0  # no FLOP counter still entered
+
+
+def test_a_get_batch_loop_without_a_dataloader_counts_its_optimizer_steps():
+    """nanoGPT's shape: random slices of a token array, 'storage' that takes 4 ms per batch."""
+    tokens = torch.randint(0, 50, (5000,))
+    model = nn.Sequential(nn.Embedding(50, 16), nn.Flatten(), nn.Linear(16 * 8, 50))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def get_batch() -> tuple[torch.Tensor, torch.Tensor]:
+        starts = torch.randint(0, len(tokens) - 9, (12,))
+        time.sleep(0.004)  # the storage read
+        x = torch.stack([tokens[i:i + 8] for i in starts])
+        return x, tokens[starts + 8]
+
+    with gpuwidget.watch(quiet=True, interval=0.1) as run:
+        for _ in range(40):
+            train_step(model, optimizer, *get_batch())
+    summary = run.summary
+    assert summary["step_source"] == "optimizer" and summary["steps"] == 40
+    assert summary["samples"] == 40 * 12
+    assert summary["samples_per_s"] == pytest.approx(12 * summary["steps_per_s"])
+    assert summary["step_time_p50"] >= 0.004  # every step waited on its storage read
+    assert "no training loop seen" not in main_cause(run)
+    assert len(run.trace.spans(TRAIN_STEP_SPAN)) == 40
+    between = run.trace.spans(BETWEEN_STEPS_SPAN)
+    assert len(between) == 39
+    # The wait between one step's end and the next forward is the batch fetch: at least its sleep.
+    assert min(span.duration for span in between) >= 0.004
+    assert run.workload["training"]["between_s"] == pytest.approx(sum(span.duration for span in between))
+    assert run.workload["model"]["class"] == "Sequential"
+    nothing_left()
+
+
+def test_a_generator_fed_loop_is_counted_too():
+    def batches() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        while True:
+            yield torch.randn(8, 16), torch.randint(0, 4, (8,))
+
+    model = Student()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    stream = batches()
+    with gpuwidget.watch(quiet=True, interval=0.1) as run:
+        for _ in range(25):
+            train_step(model, optimizer, *next(stream))
+    assert run.summary["steps"] == 25 and run.summary["step_source"] == "optimizer"
+    assert run.workload["training"]["samples_per_step"] == 8
+
+
+def test_validation_iterator_kept_open_is_not_the_training_loop():
+    """Lightning's sanity check: two batches of a validation iterator kept alive, then 60 training steps."""
+    val_loader = DataLoader(TensorDataset(torch.randn(64, 16), torch.randint(0, 4, (64,))), batch_size=16)
+    train_loader = DataLoader(TensorDataset(torch.randn(480, 16), torch.randint(0, 4, (480,))), batch_size=8)
+    model = Student()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gpuwidget.watch(quiet=True, interval=0.1) as run:  # the names: this function's locals
+        val_batches = iter(val_loader)
+        with torch.no_grad():
+            for _ in range(2):
+                model(next(val_batches)[0])
+        for x, y in train_loader:
+            train_step(model, optimizer, x, y)
+    loaders = {loader["name"]: loader for loader in run.workload["loaders"]}
+    # The kept-open iterator was in its loop for the whole run: by loop time alone it would win.
+    assert loaders["val_loader"]["loop_time_s"] > loaders["train_loader"]["loop_time_s"]
+    assert loaders["val_loader"]["steps_fed"] == 0 and loaders["train_loader"]["steps_fed"] == 60
+    assert primary_loader(run.workload)["name"] == "train_loader"
+    assert run.summary["steps"] == 60 and run.summary["loader"] == "train_loader"
+    assert run.summary["step_source"] == "dataloader"
+    del val_batches
+
+
+def test_loader_rebuilt_each_epoch_counts_every_epoch():
+    dataset = TensorDataset(torch.randn(256, 16), torch.randint(0, 4, (256,)))
+    model = Student()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gpuwidget.watch(quiet=True, interval=0.1) as run:
+        for _ in range(3):
+            loader = DataLoader(dataset, batch_size=4, shuffle=True)
+            for x, y in loader:
+                train_step(model, optimizer, x, y)
+    (facts,) = run.workload["loaders"]
+    assert facts["epochs"] == 3 and facts["steps"] == 192 and facts["steps_fed"] == 192
+    assert run.summary["steps"] == 192 and run.summary["samples"] == 768
+
+
+def test_loaders_over_other_data_or_settings_stay_apart():
+    dataset = TensorDataset(torch.randn(32, 16), torch.randint(0, 4, (32,)))
+    with gpuwidget.watch(quiet=True, interval=0.1) as run:
+        for _ in DataLoader(dataset, batch_size=4):
+            pass
+        for _ in DataLoader(dataset, batch_size=8):
+            pass
+        for _ in DataLoader(TensorDataset(torch.randn(32, 16)), batch_size=4):
+            pass
+    assert sorted(loader["steps"] for loader in run.workload["loaders"]) == [4, 8, 8]
+
+
+def test_gradient_accumulation_keeps_the_loaders_steps_and_counts_the_optimizers():
+    loader = DataLoader(TensorDataset(torch.randn(160, 16), torch.randint(0, 4, (160,))), batch_size=4)
+    model = Student()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gpuwidget.watch(quiet=True, interval=0.1) as run:
+        for index, (x, y) in enumerate(loader):
+            (nn.functional.cross_entropy(model(x), y) / 4).backward()
+            if index % 4 == 3:
+                optimizer.step()
+                optimizer.zero_grad()
+    assert run.summary["step_source"] == "dataloader" and run.summary["steps"] == 40
+    assert run.summary["optimizer_steps"] == 10 and run.workload["loaders"][0]["steps_fed"] == 10
+    assert run.workload["training"]["samples_per_step"] == 16  # four micro-batches of 4
+
+
+def test_the_trained_model_is_the_one_the_optimizer_holds_not_the_largest():
+    teacher = nn.Sequential(nn.Linear(16, 512), nn.ReLU(), nn.Linear(512, 4))  # trainable, never stepped
+    student = Student(width=8)
+    optimizer = torch.optim.SGD(student.parameters(), lr=0.1)
+    with gpuwidget.watch(quiet=True, interval=0.1) as run:
+        for _ in range(20):
+            x = torch.randn(8, 16)
+            with torch.no_grad():
+                target = teacher(x).argmax(dim=1)
+            train_step(student, optimizer, x, target)
+    assert run.workload["training"]["model_class"] == "Student"
+    assert run.workload["model"]["name"] == "student"
+    # Only the student's own forward calls: the teacher's are not the trained model's.
+    assert run.workload["training"]["forward_calls"] == 19  # all but the first step's, before it was known
+
+
+def test_of_two_optimizers_the_one_holding_most_of_the_model_counts_the_steps():
+    model = Student()
+    head, body = list(model.body[2].parameters()), list(model.body[0].parameters())
+    big, small = torch.optim.AdamW(body, lr=1e-3), torch.optim.SGD(head, lr=0.1)
+    with gpuwidget.watch(quiet=True, interval=0.1) as run:
+        for _ in range(15):
+            loss = nn.functional.cross_entropy(model(torch.randn(8, 16)), torch.randint(0, 4, (8,)))
+            loss.backward()
+            small.step()  # steps first, holds fewer of the model's parameters
+            big.step()
+            small.zero_grad()
+            big.zero_grad()
+    assert run.summary["steps"] == 15 and run.workload["training"]["optimizer_steps"] == 15
+
+
+def test_evaluation_between_steps_is_time_between_steps():
+    model = Student()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gpuwidget.watch(quiet=True, interval=0.1) as run:
+        for step in range(12):
+            train_step(model, optimizer, torch.randn(8, 16), torch.randint(0, 4, (8,)))
+            if step % 4 == 3:
+                with torch.no_grad():  # evaluation: forward calls of the trained model, not a step's
+                    for _ in range(3):
+                        model(torch.randn(8, 16))
+                        time.sleep(0.01)
+    between = [span.duration for span in run.trace.spans(BETWEEN_STEPS_SPAN)]
+    assert len(between) == 11
+    assert sum(1 for duration in between if duration >= 0.03) == 2  # after steps 3 and 7; step 11 was the last
+
+
+def test_autocast_share_counts_every_forward_call_not_the_first():
+    model = Student()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gpuwidget.watch(quiet=True, interval=0.1) as run:
+        for step in range(21):
+            x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+            if step == 0:
+                train_step(model, optimizer, x, y)  # outside autocast: what the first call saw
+                continue
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = nn.functional.cross_entropy(model(x).float(), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    training = run.workload["training"]
+    assert run.workload["model"]["autocast"]["enabled"] is False  # the first call's view
+    assert training["forward_calls"] == 20
+    assert training["autocast_share"] == 1.0 and training["autocast_dtype"] == "bfloat16"
+
+
+def test_a_step_that_raises_while_counted_leaves_no_flop_counter_entered():
+    model = Student()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(RuntimeError, match="loss went NaN"), gpuwidget.watch(quiet=True, interval=0.1) as run:
+        stepped = 0
+        while stepped < 2000:  # until the counted step: the FLOP counter loads on the sampler thread first
+            out = model(torch.randn(8, 16))
+            if torch._C._len_torch_dispatch_stack() == 1:  # the counted step, counting
+                raise RuntimeError("loss went NaN")
+            nn.functional.cross_entropy(out, torch.randint(0, 4, (8,))).backward()
+            optimizer.step()
+            stepped += 1
+            time.sleep(0.002)
+    nothing_left()
+    assert run.workload["training"]["optimizer_steps"] == stepped >= FLOPS_AT_STEP
+    assert "flops_per_step" not in run.workload["training"]
+    assert run.summary["mfu_missing"] == "the counted step did not reach its optimizer step"
+
+
+def test_a_cell_too_short_for_the_counted_step_says_why_there_are_no_flops():
+    model = Student()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gpuwidget.watch(quiet=True, interval=0.1) as run:
+        for _ in range(FLOPS_AT_STEP):
+            train_step(model, optimizer, torch.randn(8, 16), torch.randint(0, 4, (8,)))
+    assert run.summary["steps"] == FLOPS_AT_STEP and "flops_per_step" not in run.summary
+    assert run.summary["mfu_missing"] == f"the loop ended before step {FLOPS_AT_STEP + 1}, the one counted"
+    nothing_left()
+
+
+def test_an_inference_loop_keeps_the_busiest_loader():
+    model = Student()
+    loader = DataLoader(TensorDataset(torch.randn(64, 16)), batch_size=8)
+    with gpuwidget.watch(quiet=True, interval=0.1) as run, torch.no_grad():
+        for (x,) in loader:
+            model(x)
+    assert run.workload["training"] is None
+    assert run.summary["steps"] == 8 and run.summary["step_source"] == "dataloader"
+
+
+# ------------------------------------------------------------------ fp32-math reads the autocast share
+
+
+def fp32_math_on_an_a100(workload: dict) -> object:
+    """fp32-math on the run's real model and step facts, as if the model had trained on an A100 (no GPM)."""
+    from gpuwidget.advice.rules import fp32_math
+
+    model_facts = {**workload["model"], "param_devices": ["cuda"], "cuda_matmul_allow_tf32": False,
+                   "float32_matmul_precision": "highest"}
+    cuda = {"devices": [{"index": 0, "name": "NVIDIA A100-SXM4-80GB", "capability": [8, 0], "total_memory": 100,
+                         "peak_allocated": 10, "peak_reserved": 10}]}
+    machine = {"gpus": [{"index": 0, "name": "NVIDIA A100-SXM4-80GB"}], "usable_cpus": 8}
+    summary = {"gpu_busy_mean": 90.0, "process_cpu_mean": 50.0, "data_wait_fraction": 0.0}
+    return fp32_math.check(summary, {**workload, "model": model_facts, "cuda": cuda}, machine)
+
+
+def autocast_loop(first_call_outside: bool, autocast: bool) -> dict:
+    model = Student()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gpuwidget.watch(quiet=True, interval=0.1) as run:
+        if first_call_outside:
+            model(torch.randn(2, 16))  # a shape check before the loop, outside autocast
+        for _ in range(12):
+            x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                loss = nn.functional.cross_entropy(model(x).float(), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    return run.workload
+
+
+def test_a_model_whose_first_call_ran_outside_autocast_gets_no_false_fp32_math_finding():
+    workload = autocast_loop(first_call_outside=True, autocast=True)
+    assert workload["model"]["autocast"]["enabled"] is False  # all the first call saw
+    assert fp32_math_on_an_a100(workload) is None
+    # The share alone settles it, without the counted step's dtype.
+    workload["training"].pop("flops_dtype", None)
+    assert fp32_math_on_an_a100(workload) is None
+
+
+def test_a_model_trained_outside_autocast_still_gets_fp32_math():
+    workload = autocast_loop(first_call_outside=True, autocast=False)
+    finding = fp32_math_on_an_a100(workload)
+    assert finding is not None and finding.rule == "fp32-math" and finding.evidence["autocast_share"] == 0.0
+
+
+# ------------------------------------------------------------------ a script under gpuwatch
+
+GET_BATCH_SCRIPT = '''\
+import time, torch
+tokens = torch.randint(0, 50, (4000,))
+model = torch.nn.Sequential(torch.nn.Embedding(50, 16), torch.nn.Flatten(), torch.nn.Linear(16 * 8, 50))
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+def get_batch():
+    starts = torch.randint(0, len(tokens) - 9, (6,))
+    time.sleep(0.003)
+    return torch.stack([tokens[i:i + 8] for i in starts]), tokens[starts + 8]
+
+for _ in range(30):
+    x, y = get_batch()
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+'''
+
+
+def test_a_get_batch_script_under_gpuwatch_counts_the_training_processs_steps(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from gpuwidget import Run
+
+    script, saved = tmp_path / "train.py", tmp_path / "run.json"
+    script.write_text(GET_BATCH_SCRIPT)
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run([sys.executable, "-m", "gpuwidget.cli", "--interval", "0.1", "--save", str(saved), "--",
+                             sys.executable, str(script)], capture_output=True, text=True, timeout=180,
+                            stdin=subprocess.DEVNULL, cwd=root)
+    assert result.returncode == 0, result.stderr
+    run = Run.load(saved)
+    assert run.summary["steps"] == 30 and run.summary["step_source"] == "optimizer"
+    assert run.workload["training"]["optimizer_steps"] == 30 and run.workload["trained_in"]
+    assert "no training loop seen" not in result.stdout
+    assert len(run.trace.spans(TRAIN_STEP_SPAN)) == 30
