@@ -1,6 +1,7 @@
 # gpuwidget developer entry points. Everything sets itself up on a fresh machine:
 #   make lab     JupyterLab on 127.0.0.1 with gpuwidget installed (editable), notebooks/ as root
-#   make test    the whole test suite (installs Debian's chromium first when root and missing)
+#   make test    the whole test suite: jest, then pytest's parallel and serial passes (installs
+#                Debian's chromium and prometheus first when root and missing)
 #   make bench   every benchmarks/*.py, one after the other
 #   make lint    ruff, mypy and the TypeScript lint (`jlpm lint`: prettier, eslint, tsc)
 #   make clean   build outputs (keeps .venv and node_modules); `make distclean` removes those too
@@ -53,9 +54,14 @@ $(LABEXT): $(TS_SOURCES) tsconfig.json package.json yarn.lock | $(STAMP)
 lab: install
 	$(VENV)/bin/jupyter lab --ip=127.0.0.1 --no-browser $(ROOT_FLAG) $(NOTEBOOK_DIR)
 
+# The Python suite in two passes (tests/conftest.py says which tests are `serial`): first the tests
+# that neither judge time nor load the machine, on every core (pytest-xdist); then the serial ones
+# one at a time, so nothing running beside a timed test changes what it measures.
+PYTEST_WORKERS ?= auto
 test: install chromium prometheus
 	PATH="$(VBIN):$$PATH" jlpm test
-	$(VPY) -m pytest
+	$(VPY) -m pytest -m "not serial" -n $(PYTEST_WORKERS)
+	$(VPY) -m pytest -m serial
 
 # Browser tests use Debian's chromium (Playwright's own browser download cannot work here).
 chromium:

@@ -1,4 +1,12 @@
-"""Shared fixtures: an in-process IPython shell with gpuwidget loaded, and leak checks."""
+"""Shared fixtures: an in-process IPython shell with gpuwidget loaded, leak checks, and which tests run alone.
+
+``make test`` runs the suite in two passes: the tests not marked ``serial`` on every core
+(pytest-xdist), then the ``serial`` ones one at a time. A test is ``serial`` when it judges
+time or speed, or loads the machine itself (kernels, servers, browsers, process trees), so
+that another test running beside it cannot change what it measures: marked so in its module
+(``pytestmark = pytest.mark.serial``) or on itself, or because it carries one of
+:data:`SERIAL_MARKERS` or uses one of :data:`SERIAL_FIXTURES` (see ``pytest_collection_modifyitems``).
+"""
 
 from __future__ import annotations
 
@@ -22,6 +30,21 @@ PYNVML_FUNCTIONS = {name: getattr(pynvml, name) for name in dir(pynvml) if name.
 # those gpuwidget or the fake driver set (libraries set some of their own on first import: theirs).
 PYTEST_VARIABLE = "PYTEST_CURRENT_TEST"
 OURS = ("GPUWIDGET", "CUDA_VISIBLE_DEVICES")
+
+
+# Tests with these markers or fixtures run in the serial pass without saying so: real kernels,
+# notebooks, browsers and long process trees load the machine; training loops timed on one
+# torch thread, and watched cells in the in-process shell (a real sampler), measure time.
+SERIAL_MARKERS = ("browser", "notebooks", "kernel", "slow")
+SERIAL_FIXTURES = ("one_torch_thread", "ip")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        fixtures = getattr(item, "fixturenames", ())
+        if any(item.get_closest_marker(name) for name in SERIAL_MARKERS) or any(
+                name in fixtures for name in SERIAL_FIXTURES):
+            item.add_marker(pytest.mark.serial)
 
 
 @pytest.fixture(autouse=True)

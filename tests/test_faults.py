@@ -26,6 +26,9 @@ from gpuwidget.trace import Trace
 
 from fakenvml import FakeNvml
 
+# Judges deadlines of hung sources, stops and Ctrl-C: alone, in make test's serial pass (tests/conftest.py).
+pytestmark = pytest.mark.serial
+
 MB = 1024**2
 
 

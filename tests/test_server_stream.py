@@ -17,7 +17,8 @@ from tornado.httpclient import HTTPClientError
 
 from fakenvml import FakeNvml
 
-pytestmark = pytest.mark.server
+# Real-time stream margins and keep-alives: alone, in make test's serial pass (tests/conftest.py).
+pytestmark = [pytest.mark.server, pytest.mark.serial]
 
 # Stream sockets here are pinged every 200 ms (Jupyter's setting is in milliseconds).
 PING_MS = 200
