@@ -1,6 +1,7 @@
 # gpuwidget developer entry points. Everything sets itself up on a fresh machine:
 #   make lab     JupyterLab on 127.0.0.1 with gpuwidget installed (editable), notebooks/ as root
-#   make test    the whole test suite (installs Debian's chromium first when root and missing)
+#   make test    the whole test suite: jest, then pytest's parallel and serial passes (installs
+#                Debian's chromium and prometheus first when root and missing)
 #   make bench   every benchmarks/*.py, one after the other
 #   make lint    ruff, mypy and the TypeScript lint (`jlpm lint`: prettier, eslint, tsc)
 #   make clean   build outputs (keeps .venv and node_modules); `make distclean` removes those too
@@ -33,10 +34,12 @@ install: $(STAMP) $(LABEXT)
 $(STAMP): pyproject.toml package.json yarn.lock gpuwidget/children/_boot.py gpuwidget/children/gpuwidget_children.pth
 	test -x $(VPY) || $(PYTHON) -m venv $(VENV)
 	$(VPY) -m pip install --upgrade pip
-	$(VPY) -m pip install "$(TORCH_SPEC)"
+	@# --no-compile: byte-compiling all 14,000 modules of the venv is 38 s of CPU here, most of them
+	@# never imported by the tests; Python compiles (and caches) the ones imported, when imported.
+	$(VPY) -m pip install --no-compile "$(TORCH_SPEC)"
 	@# a link left by `jupyter-builder develop` would make pip write through it into the source tree
 	if [ -L $(LABEXT_LINK) ]; then rm $(LABEXT_LINK); fi
-	PATH="$(VBIN):$$PATH" $(VPY) -m pip install -e ".[test,dev]" "$(TORCH_SPEC)"
+	PATH="$(VBIN):$$PATH" $(VPY) -m pip install --no-compile -e ".[test,dev]" "$(TORCH_SPEC)"
 	PATH="$(VBIN):$$PATH" $(VENV)/bin/jupyter-builder develop --overwrite . || { \
 	  echo "make: linking the lab extension failed; gpuwidget/__init__.py must re-export" >&2; \
 	  echo "      _jupyter_labextension_paths (from gpuwidget._labext)." >&2; exit 1; }
@@ -53,9 +56,14 @@ $(LABEXT): $(TS_SOURCES) tsconfig.json package.json yarn.lock | $(STAMP)
 lab: install
 	$(VENV)/bin/jupyter lab --ip=127.0.0.1 --no-browser $(ROOT_FLAG) $(NOTEBOOK_DIR)
 
+# The Python suite in two passes (tests/conftest.py says which tests are `serial`): first the tests
+# that neither judge time nor load the machine, on every core (pytest-xdist); then the serial ones
+# one at a time, so nothing running beside a timed test changes what it measures.
+PYTEST_WORKERS ?= auto
 test: install chromium prometheus
 	PATH="$(VBIN):$$PATH" jlpm test
-	$(VPY) -m pytest
+	$(VPY) -m pytest -m "not serial" -n $(PYTEST_WORKERS)
+	$(VPY) -m pytest -m serial
 
 # Browser tests use Debian's chromium (Playwright's own browser download cannot work here).
 chromium:

@@ -463,7 +463,7 @@ def test_proc_mem_by_default_counts_this_process_and_its_children(fake_nvml):
     try:
         fake = fake_nvml(
             FakeNvml.single().processes(
-                0, compute=[(os.getpid(), 2 * GIB), (child.pid, 1 * GIB), (2**22 + 12345, 7 * GIB), (1, GIB)]
+                0, compute=[(os.getpid(), 2 * GIB), (child.pid, 1 * GIB), (2**22 + 12345, 7 * GIB), (os.getppid(), GIB)]
             )
         )
         source = NvmlSource()

@@ -18,7 +18,8 @@ from gpuwidget.server.metrics import GPU_LABELS
 
 from fakenvml import GIB, FakeNvml
 
-pytestmark = pytest.mark.server
+# Real-time stream margins and keep-alives: alone, in make test's serial pass (tests/conftest.py).
+pytestmark = [pytest.mark.server, pytest.mark.serial]
 
 HOST = "gpu-node-7"
 

@@ -22,6 +22,9 @@ from gpuwidget.advice.rules.rank_straggler import RELATIVE_SCORE
 from gpuwidget.children.ranks import loop_figures
 from gpuwidget.probes.torch_model import ddp_logging_facts
 
+# Times real gloo ranks (who straggles): alone, in make test's serial pass (tests/conftest.py).
+pytestmark = pytest.mark.serial
+
 NO_GPU: dict[str, Any] = {"gpus": [], "usable_cpus": 2}
 FOUR_GPUS: dict[str, Any] = {"gpus": [{"index": i, "name": "NVIDIA H100"} for i in range(4)], "usable_cpus": 32}
 SLOW_ITEM_S = 0.002  # the straggler's loader: 2 ms per sample, 4 per batch

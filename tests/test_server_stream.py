@@ -17,7 +17,8 @@ from tornado.httpclient import HTTPClientError
 
 from fakenvml import FakeNvml
 
-pytestmark = pytest.mark.server
+# Real-time stream margins and keep-alives: alone, in make test's serial pass (tests/conftest.py).
+pytestmark = [pytest.mark.server, pytest.mark.serial]
 
 # Stream sockets here are pinged every 200 ms (Jupyter's setting is in milliseconds).
 PING_MS = 200
@@ -427,8 +428,6 @@ async def test_a_tab_reconnecting_within_a_second_finds_the_sampler_still_runnin
 
 async def test_a_gpu_that_stops_answering_is_named_to_the_sidebar_and_the_host_goes_on(
         jp_ws_fetch, jp_fetch, fake_nvml, monitor, monkeypatch):
-    import pynvml
-
     from gpuwidget import sampler
 
     monkeypatch.setattr(sampler, "SOURCE_DEADLINE_S", 0.3)
@@ -436,8 +435,7 @@ async def test_a_gpu_that_stops_answering_is_named_to_the_sidebar_and_the_host_g
     monkeypatch.setattr(sampler, "WATCHDOG_LATE_S", 0.1)
     fake = FakeNvml.gpus(2)
     fake.real_time = True
-    fake_nvml(fake)
-    lost, query, released = fake.gpu(1), pynvml.nvmlDeviceGetMemoryInfo, threading.Event()
+    lost, query, released = fake.gpu(1), fake.nvmlDeviceGetMemoryInfo, threading.Event()
     asked = []
 
     def memory_info(gpu, *args):  # GPU 1 falls off the bus: its fourth memory query never returns
@@ -447,7 +445,10 @@ async def test_a_gpu_that_stops_answering_is_named_to_the_sidebar_and_the_host_g
                 released.wait(30)
         return query(gpu, *args)
 
-    monkeypatch.setattr(pynvml, "nvmlDeviceGetMemoryInfo", memory_info)
+    # On the fake, which installs it as pynvml's and takes it out again (a monkeypatch of pynvml undone
+    # after the fake's own teardown would leave this fake's function in pynvml for the tests after).
+    fake.nvmlDeviceGetMemoryInfo = memory_info  # type: ignore[method-assign]
+    fake_nvml(fake)
     ws = await jp_ws_fetch("gpuwidget", "api", "stream")
     try:
         hello = await read_until(ws, "hello")

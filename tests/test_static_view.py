@@ -23,6 +23,9 @@ from gpuwidget.ui.views import frontend, resolve_view
 from support import cell_messages as run_cell
 from support import gpuwidget_kernel
 
+# Judges the live view's redraw cost and real-kernel updates: alone, in make test's serial pass (tests/conftest.py).
+pytestmark = pytest.mark.serial
+
 SVG = "{http://www.w3.org/2000/svg}"
 
 # ------------------------------------------------------------------ the option
