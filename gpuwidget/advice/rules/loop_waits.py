@@ -25,18 +25,26 @@ thread around a loader. So a function whose samples fall mostly inside ``loader.
 optimizer steps (the samples' basis is ``loader.wait`` itself) this rule stays silent: each measured
 second gets one explanation. Time between steps outside ``next()`` (a batch function of the user's,
 copies, logging) is this rule's, beside a DataLoader as well as without one.
+
+How it sits with ``periodic-stall``: a checkpoint or an evaluation every N steps is also time between
+steps, and that rule names it from the step times, as a stall with its period. Its seconds are that
+rule's (:func:`stall_waits`: the function the stall spends them in), and this rule names only waits
+the stall cannot hold. Like the loop's other causes, nothing is named from a loop shorter than
+the evidence gate (gpuwidget.advice.evidence: MIN_CAUSE_STEPS steady steps, MIN_CAUSE_LOOP_S).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from gpuwidget.advice.code import _place
-from gpuwidget.advice.evidence import MIN_CAUSE_STEPS
+from gpuwidget.advice.evidence import MIN_CAUSE_STEPS, enough_evidence
 from gpuwidget.advice.finding import Finding
 from gpuwidget.advice.loader import STARVED_WAIT_FRACTION
+from gpuwidget.advice.rules import periodic_stall
+from gpuwidget.advice.rules.periodic_stall import PeriodicStall
 from gpuwidget.facts import LoopWait, MachineFacts, StackFacts, Summary, WorkloadFacts
 from gpuwidget.report import fmt_fraction, fmt_seconds
 
@@ -63,13 +71,31 @@ PREFETCH_IMPORT = "from gpuwidget.prefetch import Prefetcher"
 
 def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> Finding | None:
     stack = workload.get("stack_samples") or {}
-    if (stack.get("steps") or 0) < MIN_STEPS:
+    if (stack.get("steps") or 0) < MIN_STEPS or not enough_evidence(workload):
         return None
     loop_samples = int(stack.get("loop_samples") or 0)
-    for wait in workload.get("loop_waits") or []:
-        if (wait.get("in_loader") or 0.0) < IN_LOADER_MAX and named(wait, loop_samples):
+    waits = [wait for wait in workload.get("loop_waits") or [] if (wait.get("in_loader") or 0.0) < IN_LOADER_MAX]
+    stall = periodic_stall.find(workload)
+    stalls = stall_waits(waits, stall, loop_samples) if stall is not None else []
+    for wait in waits:
+        if not any(wait is theirs for theirs in stalls) and named(wait, loop_samples):
             return _finding(wait, stack)
     return None
+
+
+def stall_waits(waits: Sequence[LoopWait], stall: PeriodicStall, loop_samples: int) -> list[LoopWait]:
+    """The waits that are a periodic stall's own time, which periodic-stall explains (see the module docstring).
+
+    A wait can be the stall's when the stall's seconds can hold it: the lower end of its share's
+    confidence interval is at most the stalls' share of the loop. Of those, the ones whose function
+    says what the stall is (a checkpoint's, an evaluation's: periodic_stall.wait_kind) are; without
+    such a name, the largest one is: each stall is one piece of work between two steps.
+    """
+    holdable = sorted((wait for wait in waits
+                       if share_lower_bound(int(wait.get("samples") or 0), loop_samples) <= stall.fraction),
+                      key=lambda wait: int(wait.get("samples") or 0), reverse=True)
+    kinds = [wait for wait in holdable if periodic_stall.wait_kind(wait) is not None]
+    return kinds or holdable[:1]
 
 
 def named(wait: LoopWait | Mapping[str, Any], loop_samples: int) -> bool:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, cast
 
 import numpy as np
@@ -170,15 +171,21 @@ def large_stalls(slow: Sequence[int], step_times: Sequence[float], median: float
     return [i for i, extra in zip(slow, excess.tolist()) if extra >= LARGE_STALL_SHARE * typical]
 
 
+def wait_kind(wait: Mapping[str, Any]) -> str | None:
+    """"checkpoint" or "evaluation" where a wait's function (or file) says so, else None."""
+    function, file = str(wait.get("function") or "").lower(), str(wait.get("file") or "").lower()
+    if any(mark in function for mark in CHECKPOINT_MARKS) or any(
+            file.endswith(name) or f"/{name}/" in file for name in CHECKPOINT_FILES):
+        return "checkpoint"
+    return "evaluation" if any(mark in function for mark in EVALUATION_MARKS) else None
+
+
 def stall_kind(workload: WorkloadFacts, stalls: int, steps: int) -> tuple[str | None, dict[str, Any]]:
     """"checkpoint", "evaluation" or None (not measured), and the measurement that says so."""
     waits = cast(Mapping[str, Any], workload).get("loop_waits") or []
     seconds = {"checkpoint": 0.0, "evaluation": 0.0}
     for wait in waits:
-        function, file = str(wait.get("function") or "").lower(), str(wait.get("file") or "").lower()
-        kind = ("checkpoint" if any(mark in function for mark in CHECKPOINT_MARKS)
-                or any(file.endswith(name) or f"/{name}/" in file for name in CHECKPOINT_FILES) else
-                "evaluation" if any(mark in function for mark in EVALUATION_MARKS) else None)
+        kind = wait_kind(wait)
         if kind is not None:
             seconds[kind] += float(wait.get("seconds") or 0.0)
     if any(seconds.values()):
@@ -194,7 +201,33 @@ def stall_kind(workload: WorkloadFacts, stalls: int, steps: int) -> tuple[str | 
     return None, {}
 
 
-def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> Finding | None:
+@dataclass(frozen=True)
+class PeriodicStall:
+    """A periodic stall as measured over the loop's steady steps (what :func:`check` names)."""
+
+    stalls: int  # stalls counted (consecutive slow steps are one)
+    period: int  # steps
+    agreement: float  # share of the gaps between stalls agreeing with the period
+    extra_s: float  # seconds the slow steps took beyond the median step: the stalls' own time
+    loop_s: float  # seconds of the steady steps
+    median: float  # the median steady step, seconds
+    warmup_steps: int
+
+    @property
+    def fraction(self) -> float:
+        """The stalls' share of the loop's steady time."""
+        return self.extra_s / self.loop_s if self.loop_s > 0 else 0.0
+
+    @property
+    def stall_s(self) -> float:
+        """Seconds one stall took beyond the usual step."""
+        return self.extra_s / self.stalls
+
+
+def find(workload: WorkloadFacts) -> PeriodicStall | None:
+    """The periodic stall of the loop's steady steps, or None: none regular enough, costing less than
+    MIN_STALL_FRACTION of the loop, or a loop too short to name a cause (advice.evidence). Also what
+    loop-waits reads to leave a stall's seconds to this rule."""
     times, steps = loop_step_times(workload)
     if not times or not enough_evidence(workload):
         return None
@@ -208,21 +241,27 @@ def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> F
     if not candidates:
         return None
     (stalls, period, agreement), slow = max(candidates, key=lambda candidate: candidate[0][2])
-    extra = float(sum(step_times[i] - median for i in slow))
-    loop = float(sum(step_times))
-    fraction = extra / loop if loop > 0 else 0.0
-    if fraction < MIN_STALL_FRACTION:
+    stall = PeriodicStall(stalls=len(stalls), period=period, agreement=agreement,
+                          extra_s=float(sum(step_times[i] - median for i in slow)), loop_s=float(sum(step_times)),
+                          median=median, warmup_steps=split.steps)
+    return stall if stall.fraction >= MIN_STALL_FRACTION else None
+
+
+def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> Finding | None:
+    found = find(workload)
+    if found is None:
         return None
-    stall = extra / len(stalls)
-    kind, measured = stall_kind(workload, len(stalls), steps)
+    period, median, fraction, stall = found.period, found.median, found.fraction, found.stall_s
+    steps = loop_step_times(workload)[1]
+    kind, measured = stall_kind(workload, found.stalls, steps)
     every = period * CHECKPOINT_SPACING
     model = model_name(workload) or "model"
-    evidence = {"period_steps": period, "stalls": len(stalls), "stall_s": round(stall, 3),
+    evidence = {"period_steps": period, "stalls": found.stalls, "stall_s": round(stall, 3),
                 "median_step_s": round(median, 4), "stall_fraction": round(fraction, 3),
-                "period_agreement": round(agreement, 2), **measured}
-    if split.steps:
-        evidence["warmup_steps"] = split.steps
-    seen = (f"{len(stalls)} steps took {stall:.2f} s longer than the usual {1000 * median:.1f} ms, about "
+                "period_agreement": round(found.agreement, 2), **measured}
+    if found.warmup_steps:
+        evidence["warmup_steps"] = found.warmup_steps
+    seen = (f"{found.stalls} steps took {stall:.2f} s longer than the usual {1000 * median:.1f} ms, about "
             f"every {period} steps: {100 * fraction:.0f}% of the loop. That is the loop's own work, not data "
             "loading")
     if kind == "evaluation":
