@@ -98,6 +98,16 @@ def gpuwidget_kernel(env: Mapping[str, str] | None = None) -> Iterator[Any]:
         km.shutdown_kernel(now=True)
 
 
+def warmed_up(kc: Any, timeout: float = 60) -> None:
+    """Wait until the kernel's ``%load_ext gpuwidget`` warm-up (the live view's imports, on a thread
+    of its own: gpuwidget._warm_up) has ended, as it has by the time a user runs a watched cell
+    after loading the extension; a cell run at once waits for the imports instead (about a second
+    of CPU: bokeh's and jupyter_bokeh's)."""
+    reply = kc.execute_interactive("import threading as _t\n[thread.join() for thread in _t.enumerate() "
+                                   "if thread.name == 'gpuwidget-warm-up']\ndel _t", timeout=timeout)
+    assert reply["content"]["status"] == "ok"
+
+
 def cell_messages(kc: Any, code: str, timeout: float = 60, **execute: Any) -> list[tuple[float, dict]]:
     """Execute ``code`` (``execute``: more arguments for ``kc.execute``, e.g. ``silent=True``); this
     cell's iopub messages with their arrival times (s after sending it), up to its idle."""
