@@ -11,7 +11,9 @@ import pytest
 
 from support import cell_messages, gpuwidget_kernel
 
-pytestmark = pytest.mark.kernel
+# Its own kernel, and nothing judged by time (what the panel and the Measure button send): the
+# parallel pass takes it (tests/conftest.py, ``untimed``).
+pytestmark = [pytest.mark.kernel, pytest.mark.untimed]
 
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 MEASURE = "application/vnd.gpuwidget.measure+json"
