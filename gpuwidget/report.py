@@ -35,6 +35,7 @@ from gpuwidget.chart import (
     sm_active_gpus,
 )
 from gpuwidget.probes import DATA_WAIT_SPAN
+from gpuwidget.sources.gpu import NO_GPU
 from gpuwidget.trace import gpu_indices
 
 if TYPE_CHECKING:
@@ -269,7 +270,7 @@ def gpu_lines(run: Run) -> list[str]:
     # "GPU 1 stopped answering at 12.4 s; its readings end there" (the sampler dropped it).
     stalled = [str(entry.get("message")) for entry in run.sampler.get("stalled") or []]
     if not run.gpu_found:
-        message = run.machine.get("gpu_message") or "no NVIDIA GPU found"
+        message = run.machine.get("gpu_message") or NO_GPU
         return [f"{message}: host metrics only", *stalled]
     busy = run.summary.get("gpu_busy_by_gpu") or {}
     running = run.summary.get("gpu_kernel_running_by_gpu") or {}

@@ -495,7 +495,8 @@ def test_from_a_four_gpu_trace_the_throttled_ranks_gpu_and_the_gpus_no_rank_used
                         f"gpu{index}.proc_mem": 30 * gib if busy else 0.0,
                         f"gpu{index}.sm_clock_max": 1.98e9,
                         f"gpu{index}.sm_clock": 1.2e9 if index == 1 else 1.98e9,
-                        f"gpu{index}.clock_events": 0x20 if index == 1 else 0.0})  # 0x20: thermal slowdown
+                        f"gpu{index}.slowdown": 1.0 if index == 1 else 0.0,  # GPU 1 slowed down (thermal)
+                        f"gpu{index}.power_capped": 0.0})
         trace.append(tick * 0.1, row)
     summary = summarize(trace, {}, duration_s=4.0)
     assert summary["gpu_throttle_fraction_by_gpu"] == {"0": 0.0, "1": 1.0}

@@ -24,10 +24,10 @@ from gpuwidget.facts import (
     TimeBreakdown,
     TrainingFacts,
     WorkloadFacts,
+    uuid_key,
 )
 from gpuwidget.peaks import chip, peak_flops
 from gpuwidget.probes import DATA_WAIT_SPAN, STEP_SPAN
-from gpuwidget.sources.nvml import uuid_key
 from gpuwidget.trace import Trace, gpu_indices
 
 # A GPU is idle below this busy figure (SM activity where GPM has it, else utilisation); a gap must
@@ -43,14 +43,10 @@ BUSY_COLUMNS = {"sm_active": "sm_active", "kernel_running": "util"}
 # "Kernel running" this many points above "SM active" is worth a line saying why the two differ.
 BUSY_GAP_POINTS = 30.0
 
-# NVML clock-event bits (nvml.h, nvmlClocksEventReason*) that mean the GPU slowed itself down:
-# hardware slowdown (0x8), software thermal (0x20), hardware thermal (0x40), hardware power brake (0x80).
-SLOWDOWN_BITS = 0x8 | 0x20 | 0x40 | 0x80
-# Software power cap (0x4): the GPU holds its power limit. A busy H100 at its default limit sits
-# there as a matter of course; it is a slowdown only when the enforced limit is below the default.
-POWER_CAP_BIT = 0x4
-# GPU idle (0x1): clocks are low because nothing runs. Application clocks (0x2) are a setting.
-CLOCK_EVENT_IDLE = 0x1
+# A GPU source says per tick whether the GPU slowed itself down (``slowdown``: thermal, hardware
+# slowdown, power brake) and whether it held its power limit (``power_capped``), whatever the vendor
+# calls it (gpuwidget.sources.gpu). A busy H100 at its default limit sits at the cap as a matter of
+# course; the cap is a slowdown only when the enforced limit is below the default (rule gpu-throttled).
 # Clock figures are judged only on samples where the GPU was doing work.
 BUSY_UTIL_PERCENT = 50.0
 # An energy counter reading lower than the one before by more than this share of it is a reset (the
@@ -532,7 +528,7 @@ def _own_memory(trace: Trace, indices: Sequence[int], torch_devices: dict[int, C
         figures["process_gpu_mem_source"] = "torch"
     elif nvml_peak is not None:
         figures["process_gpu_mem_peak"] = nvml_peak
-        figures["process_gpu_mem_source"] = "nvml"
+        figures["process_gpu_mem_source"] = "driver"
     return figures
 
 
@@ -709,26 +705,27 @@ def _steady_mean(trace: Trace, column: str, between: tuple[float, float] | None)
 
 
 def _throttling(trace: Trace, index: int, work: str = "util") -> tuple[float, float, float | None] | None:
-    """(share of busy samples with a slowdown bit set, share with the power-cap bit set, mean SM clock
-    over its maximum on those samples), or None when the GPU was never busy.
+    """(share of busy samples that slowed down, share at the power cap, mean SM clock over its maximum
+    on busy samples), or None when the GPU was never busy.
 
-    Read from the samples still held at full resolution: a bitmask has no meaningful mean. Samples
-    with the idle bit are left out: an idle GPU's low clocks are on purpose, not throttling. Busy is
-    by ``work``: utilisation (a kernel ran: clocks then matter), SM activity where there is none (MIG).
+    Read from the samples still held at full resolution: a 0/1 flag's bucket mean is no sample's.
+    A tick without the flags (the source leaves them out while the GPU idles on purpose) is not
+    judged. Busy is by ``work``: utilisation (a kernel ran: clocks then matter), SM activity where
+    there is none (MIG).
     """
-    columns = [f"gpu{index}.{work}", f"gpu{index}.clock_events", f"gpu{index}.sm_clock", f"gpu{index}.sm_clock_max"]
+    columns = [f"gpu{index}.{work}", f"gpu{index}.slowdown", f"gpu{index}.power_capped", f"gpu{index}.sm_clock",
+               f"gpu{index}.sm_clock_max"]
     frame = trace.recent_since(-np.inf, columns)
-    util, events = frame.mean[columns[0]], frame.mean[columns[1]]
-    known = ~np.isnan(events)
-    bits = np.where(known, np.nan_to_num(events), 0).astype(np.int64)
+    util, slowed, capped = (frame.mean[column] for column in columns[:3])
+    known = ~np.isnan(slowed)
     with np.errstate(invalid="ignore"):
-        busy = (util >= BUSY_UTIL_PERCENT) & ((bits & CLOCK_EVENT_IDLE) == 0)
+        busy = util >= BUSY_UTIL_PERCENT
     if not busy.any():
         return None
     judged = busy & known
-    slowdown = float(np.mean((bits[judged] & SLOWDOWN_BITS) != 0)) if judged.any() else 0.0
-    capped = float(np.mean((bits[judged] & POWER_CAP_BIT) != 0)) if judged.any() else 0.0
+    slowdown = float(np.mean(slowed[judged] > 0)) if judged.any() else 0.0
+    at_cap = float(np.mean(np.nan_to_num(capped[judged]) > 0)) if judged.any() else 0.0
     with np.errstate(invalid="ignore", divide="ignore"):
-        ratio = frame.mean[columns[2]][busy] / frame.mean[columns[3]][busy]
+        ratio = frame.mean[columns[3]][busy] / frame.mean[columns[4]][busy]
     ratio = ratio[~np.isnan(ratio)]
-    return slowdown, capped, (float(np.mean(ratio)) if len(ratio) else None)
+    return slowdown, at_cap, (float(np.mean(ratio)) if len(ratio) else None)

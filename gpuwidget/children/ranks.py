@@ -33,8 +33,7 @@ from typing import Any, cast
 from gpuwidget.advice.rules._ranks import paired
 from gpuwidget.advice.summary import percentiles, primary_loader, summarize, time_breakdown
 from gpuwidget.children.channel import ChildRecord
-from gpuwidget.facts import RankEntry, Summary, WorkloadFacts
-from gpuwidget.sources.nvml import uuid_key
+from gpuwidget.facts import RankEntry, Summary, WorkloadFacts, uuid_key
 from gpuwidget.trace import Trace
 
 PER_STEP_LISTS = ("step_times", "wait_times", "step_ends")
