@@ -14,7 +14,8 @@ it was opened for, one tick at a time, under the same column names whatever the 
 ``sm_clock``       Hz of the compute clock (NVIDIA SM, AMD GFX); ``sm_clock_max`` Hz; ``mem_clock`` Hz
 ``slowdown``       1 when the GPU slowed itself this tick (thermal, hardware slowdown, power brake), else 0
 ``power_capped``   1 when the GPU held its power limit this tick (NVIDIA's software power cap, AMD's PPT)
-``pcie_tx``        bytes/s sent by the GPU; ``pcie_rx`` received (AMD: ``pcie_rx`` absent, ``pcie_tx`` both ways)
+``pcie_tx``        bytes/s sent by the GPU; ``pcie_rx`` received; ``pcie_total`` both ways, where the driver
+                   gives no direction (AMD)
 ``pcie_gen``       PCIe generation now; ``pcie_width`` lanes; ``pcie_gen_max``/``pcie_width_max``
 ``proc_mem``       bytes held on the device by the watched process and its children
 ``sm_active``      % of compute units (SMs) busy; ``tensor_active`` % of time a matrix (tensor) pipe was
