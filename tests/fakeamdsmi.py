@@ -294,9 +294,10 @@ class FakeAmdSmi:
     @classmethod
     def cpx(cls, partitions: int = 8) -> FakeAmdSmi:
         """One MI300X in CPX mode: amdsmi lists each compute partition (XCP) as a device of its own."""
-        gpus = [make_gpu(0, **MI300X, unsupported={"temp_edge"}, compute_partition="CPX", partition_id=slot,
-                         bdf=f"0000:05:00.{slot}", uuid=f"a8ff7551-0000-1000-80e9-ddefa2d60f{slot:02x}",
-                         vram_total_mib=196_592 // partitions)
+        gpus = [make_gpu(0, **{**MI300X, "unsupported": {"temp_edge"}, "compute_partition": "CPX",
+                               "partition_id": slot, "bdf": f"0000:05:00.{slot}",
+                               "uuid": f"a8ff7551-0000-1000-80e9-ddefa2d60f{slot:02x}",
+                               "vram_total_mib": 196_592 // partitions})
                 for slot in range(partitions)]
         return cls(gpus)
 
