@@ -352,6 +352,10 @@ class FakeAmdSmi:
     def now(self) -> float:
         return self.time
 
+    def elapsed(self) -> float:
+        """Seconds of fake time since the fake was made (wall time with ``real_time``)."""
+        return time.monotonic() - self._start if self.real_time else self.time - 1000.0
+
     def count(self, name: str, index: int | None = None) -> int:
         return self.calls[name] if index is None else self.device_calls[(name, self.gpu(index).uuid)]
 
@@ -505,7 +509,7 @@ class FakeAmdSmi:
         # The counter rises with the power drawn over the fake's time.
         watts = _at(gpu.current_socket_power, tick)
         watts = watts if isinstance(watts, (int, float)) else _at(gpu.average_socket_power, tick)
-        counter = gpu.energy_start + int(watts * (self.time - 1000.0) * 1e6 / gpu.counter_resolution)
+        counter = gpu.energy_start + int(watts * self.elapsed() * 1e6 / gpu.counter_resolution)
         return {"power": counter, "energy_accumulator": counter, "counter_resolution": gpu.counter_resolution,
                 "timestamp": int(self.time * 1e9)}
 
