@@ -595,7 +595,7 @@ def fixture_text(run: Any, limit: int = FIXTURE_MAX_BYTES) -> tuple[str, int]:
 def replay_rules(path: Path) -> tuple[list[str], Any]:
     """The rules the current advisor finds on a saved Run, from its trace and facts (summary again)."""
     from gpuwidget.advice.advisor import advise
-    from gpuwidget.advice.summary import summarize
+    from gpuwidget.figures.summary import summarize
     from gpuwidget.run import Run
 
     run = Run.load(path)
@@ -1240,7 +1240,7 @@ def fake_run(name: str, spec: FakeWorkload, gpm: bool = True) -> Any:
     the workload's figures into a Trace beside host readings, with the loader, model, CUDA and training
     facts the probes record for such a loop; then gpuwidget's own summary and advisor judge it."""
     from gpuwidget.advice.advisor import advise
-    from gpuwidget.advice.summary import summarize
+    from gpuwidget.figures.summary import summarize
     from gpuwidget.probes import DATA_WAIT_SPAN, STEP_SPAN
     from gpuwidget.run import Run
     from gpuwidget.sources.nvml import NvmlSource

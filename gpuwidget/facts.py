@@ -6,7 +6,7 @@ lookup a rule makes. ``total=False`` where a key may be absent: a figure the run
 support (no GPU, no DataLoader seen) is missing or None, never a guess. Units are in the
 comments; percentages are 0-100, fractions 0-1.
 
-Who fills what: :func:`gpuwidget.advice.summary.summarize` a :class:`Summary`,
+Who fills what: :func:`gpuwidget.figures.summary.summarize` a :class:`Summary`,
 :meth:`gpuwidget.probes.Probes.facts` a :class:`WorkloadFacts`, :meth:`gpuwidget.sources.host.HostSource.machine_facts`
 plus the GPU sources' devices a :class:`MachineFacts`. A new key goes here first, with its unit.
 
@@ -381,7 +381,7 @@ class MachineFacts(TypedDict, total=False):
 
 class TimeBreakdown(TypedDict, total=False):
     """Where the time of the process that trained went, seconds; the parts sum to the run's duration
-    (``advice.summary.time_breakdown``)."""
+    (``figures.summary.time_breakdown``)."""
 
     data_wait_s: float  # blocked in next() of any loader
     compute_s: float  # the rest of the loop's steps, each second once (nested loaders are not counted twice)
@@ -393,7 +393,7 @@ class TimeBreakdown(TypedDict, total=False):
 
 
 class Summary(TypedDict, total=False):
-    """A run's headline figures (``advice.summary.summarize``); DESIGN.md's public contract.
+    """A run's headline figures (``figures.summary.summarize``); DESIGN.md's public contract.
 
     Loop figures refer to the primary loader (the one whose batches fed the optimizer's steps; without
     optimizer steps, the one the cell iterated longest), or to the optimizer's steps when no DataLoader
@@ -411,7 +411,7 @@ class Summary(TypedDict, total=False):
     step_time_p50: float | None  # seconds
     step_time_p95: float | None
     step_time_p99: float | None
-    # The steps before the loop's steady state (gpuwidget.advice.warmup), left out of the step
+    # The steps before the loop's steady state (gpuwidget.figures.warmup), left out of the step
     # percentiles and of periodic-stall's period: how many, their seconds, what they were where
     # the facts say ("compilation", "CUDA start-up", "worker start-up"); all_warmup when the
     # run never reached a steady state (then every step is counted as warm-up).

@@ -23,7 +23,6 @@ from urllib.parse import quote
 
 import numpy as np
 
-from gpuwidget.advice.summary import gpu_scope_notes
 from gpuwidget.chart import (
     CPU_COLOR,
     SVG_DASH,
@@ -34,6 +33,7 @@ from gpuwidget.chart import (
     plot_columns,
     sm_active_gpus,
 )
+from gpuwidget.figures.summary import gpu_scope_notes
 from gpuwidget.probes import DATA_WAIT_SPAN
 from gpuwidget.sources.gpu import NO_GPU
 from gpuwidget.trace import gpu_indices

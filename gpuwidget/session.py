@@ -17,9 +17,9 @@ from contextlib import contextmanager
 from typing import Any
 
 from gpuwidget.advice.advisor import advise
-from gpuwidget.advice.summary import summarize
 from gpuwidget.clock import now
 from gpuwidget.facts import MachineFacts
+from gpuwidget.figures.summary import summarize
 from gpuwidget.kernelstatus import StatusWriter
 from gpuwidget.options import OptionError, WatchOptions, make_options
 from gpuwidget.probes import Probes

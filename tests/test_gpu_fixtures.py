@@ -23,7 +23,7 @@ from _gpu_workloads import EXPECTED, judge_rules  # noqa: E402
 from gpu_check import FIXTURE_MAX_BYTES  # noqa: E402
 
 from gpuwidget.advice.advisor import advise  # noqa: E402
-from gpuwidget.advice.summary import summarize  # noqa: E402
+from gpuwidget.figures.summary import summarize  # noqa: E402
 from gpuwidget.report import chart_svg, html_document, run_html, run_text  # noqa: E402
 from gpuwidget.run import Run  # noqa: E402
 from gpuwidget.sources.replay import ReplaySource  # noqa: E402

@@ -481,7 +481,7 @@ def test_from_a_four_gpu_trace_the_throttled_ranks_gpu_and_the_gpus_no_rank_used
     """The summary's own per-GPU figures from NVML columns (GPU 1 slowed by heat while busy, GPUs 2
     and 3 idle) and two ranks on GPUs 0 and 1, the one on GPU 1 slower: the whole advisor."""
     from gpuwidget.advice.advisor import advise
-    from gpuwidget.advice.summary import summarize
+    from gpuwidget.figures.summary import summarize
     from gpuwidget.trace import Trace
 
     gib = 2**30

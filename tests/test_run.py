@@ -9,7 +9,7 @@ import json
 import pytest
 
 from gpuwidget import Finding, Run
-from gpuwidget.advice.summary import summarize
+from gpuwidget.figures.summary import summarize
 from gpuwidget.options import make_options
 from gpuwidget.run import RunError
 from gpuwidget.trace import Trace

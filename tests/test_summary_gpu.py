@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from gpuwidget.advice.summary import gpu_scope_note, gpu_scope_notes, summarize
+from gpuwidget.figures.summary import gpu_scope_note, gpu_scope_notes, summarize
 from gpuwidget.run import Run
 from gpuwidget.trace import Trace
 

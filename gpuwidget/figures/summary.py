@@ -15,7 +15,6 @@ from typing import Any, cast
 
 import numpy as np
 
-from gpuwidget.advice.warmup import WarmupSplit, split_run, warmup_cause
 from gpuwidget.facts import (
     CudaDeviceFacts,
     LoaderFacts,
@@ -26,6 +25,7 @@ from gpuwidget.facts import (
     WorkloadFacts,
     uuid_key,
 )
+from gpuwidget.figures.warmup import WarmupSplit, split_run, warmup_cause
 from gpuwidget.peaks import chip, peak_flops
 from gpuwidget.probes import DATA_WAIT_SPAN, STEP_SPAN
 from gpuwidget.trace import Trace, gpu_indices
@@ -98,7 +98,7 @@ def optimizer_loop(training: TrainingFacts, workload: WorkloadFacts | None = Non
 
 
 def steady_step_times(training: TrainingFacts) -> list[float]:
-    """The optimizer's step times after the warm-up (advice.warmup), or all of them when the run
+    """The optimizer's step times after the warm-up (figures.warmup), or all of them when the run
     never reached a steady state."""
     times = list(training.get("step_times") or [])
     split = split_run(times, training.get("optimizer_steps"))
@@ -225,11 +225,24 @@ def percentiles(values: Sequence[float], qs: Sequence[float] = (50, 95, 99)) -> 
     return [float(v) for v in np.percentile(np.asarray(values, dtype=float), qs)]
 
 
+def paired(step_times: Sequence[float], wait_times: Sequence[float]) -> tuple[list[float], list[float]]:
+    """Steps and each one's data wait, the latest of both lists paired. A loop's waits can run one
+    ahead of its steps (the batch of a step not yet closed): that extra wait is dropped, then both
+    keep as many of their latest items as the shorter has (no waits at all: zeros)."""
+    steps, waits = list(step_times), list(wait_times)
+    if len(waits) == len(steps) + 1:
+        waits.pop()
+    if not waits:
+        return steps, [0.0] * len(steps)
+    count = min(len(steps), len(waits))
+    return steps[len(steps) - count:], waits[len(waits) - count:]
+
+
 def step_figures(step_times: Sequence[float], steps: int | None = None, workload: WorkloadFacts | None = None,
                  loader: LoaderFacts | None = None) -> Summary:
     """The step-time percentiles over the steady steps, and the warm-up before them
     (``warmup_steps``, ``warmup_s``, ``warmup_cause``; ``all_warmup`` when no steady state was
-    reached, and then the percentiles are of every step): gpuwidget.advice.warmup. ``steps``
+    reached, and then the percentiles are of every step): gpuwidget.figures.warmup. ``steps``
     is how many steps the loop took, when the times may be only the latest of them."""
     split = split_run(step_times, steps)
     p50, p95, p99 = percentiles(step_times if split.all_warmup else split.steady(step_times))
