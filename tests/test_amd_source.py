@@ -126,7 +126,9 @@ def test_torchs_rocm_build_numbers_the_devices_once_it_has_started_hip(fake_amds
         version=types.SimpleNamespace(hip="6.3.42131", cuda=None),
         cuda=types.SimpleNamespace(is_initialized=lambda: True, device_count=lambda: 2,
                                    get_device_properties=lambda i: types.SimpleNamespace(pci_bus_id=addresses[i])))
-    monkeypatch.setitem(sys.modules, "torch", torch)
+    from gpuwidget.sources.amd import devices
+
+    monkeypatch.setattr(devices, "_torch", lambda: torch)
     assert [d["driver_index"] for d in AmdSource().describe()] == [1, 0]
     torch.version.hip = None  # a CUDA build's torch.cuda says nothing about AMD devices
     assert [d["driver_index"] for d in AmdSource().describe()] == [0, 1]
@@ -247,3 +249,38 @@ def test_amd_chips_have_dense_peaks_with_their_datasheet(name, row, bf16_tflops,
     assert peak_flops(name, "bf16") == pytest.approx(bf16_tflops * 1e12)
     for dtype, tflops in (("fp8", fp8_tflops), ("tf32", tf32_tflops)):
         assert peak_flops(name, dtype) == (None if tflops is None else pytest.approx(tflops * 1e12))
+
+
+MI300X_MACHINE = {"gpus": [{"index": 0, "vendor": "amd", "name": "AMD Instinct MI300X"}], "usable_cpus": 8}
+
+
+@pytest.mark.parametrize(("machine", "tool"), [
+    (MI300X_MACHINE, "!amd-smi metric --power --clock --temperature"),
+    ({"gpus": [{"index": 0, "name": "NVIDIA H100"}], "usable_cpus": 8},  # a run saved before vendors: NVIDIA
+     "!nvidia-smi -q -d PERFORMANCE,POWER,TEMPERATURE"),
+])
+def test_a_throttled_gpu_is_sent_to_its_own_vendors_tool_and_the_code_runs(ip, machine, tool):
+    from gpuwidget.advice.rules import gpu_throttled
+
+    hot: Any = {"duration_s": 10.0, "gpu_busy_mean": 98.0, "gpu_busy_metric": "kernel_running", "gpus_judged": 1,
+                "gpu_throttle_fraction": 0.5, "gpu_power_capped_fraction": 0.0, "gpu_clock_ratio_busy": 0.7}
+    finding = gpu_throttled.check(hot, {}, machine)
+    assert finding is not None and finding.code == tool
+    assert tool[1:].split(" -")[0] in finding.suggestion
+    assert ip.run_cell(finding.code).success  # a shell escape: runs (and says so) where the tool is missing
+
+
+def test_a_run_saved_before_vendors_loads_with_the_drivers_index(tmp_path):
+    import json
+    from pathlib import Path
+
+    from gpuwidget.run import Run
+
+    saved = Path(__file__).parent / "fixtures" / "gpu-fake" / "small_batch.json"
+    assert '"nvml_index":0' in saved.read_text()  # written with the old name
+    run = Run.load(saved)
+    [gpu] = run.machine["gpus"]
+    assert gpu["driver_index"] == 0 and gpu["vendor"] == "nvidia" and "nvml_index" not in gpu
+    again = Run.load(run.save(tmp_path / "again.json"))
+    assert again.machine["gpus"] == run.machine["gpus"]
+    assert json.loads((tmp_path / "again.json").read_text())["machine"]["gpus"][0]["driver_index"] == 0

@@ -139,20 +139,22 @@ def visibility(environ: Mapping[str, str] | None = None) -> str | None:
     return ", ".join(parts) or None
 
 
-def torch_is_rocm() -> bool:
-    """True where the process's torch is the ROCm build (``torch.version.hip``): its ``torch.cuda`` is HIP."""
+def _torch() -> Any:
+    """torch where the process imported it; gpuwidget never imports it (nor starts HIP) itself."""
     import sys
 
-    torch = sys.modules.get("torch")
-    return bool(getattr(getattr(torch, "version", None), "hip", None))
+    return sys.modules.get("torch")
+
+
+def torch_is_rocm() -> bool:
+    """True where the process's torch is the ROCm build (``torch.version.hip``): its ``torch.cuda`` is HIP."""
+    return bool(getattr(getattr(_torch(), "version", None), "hip", None))
 
 
 def in_torch_order(shown: Sequence[Found]) -> list[Found]:
     """``shown`` in torch's order where torch (ROCm) has started HIP and names the same devices by PCI
     address; else as HIP numbers them (the order above)."""
-    import sys
-
-    torch = sys.modules.get("torch")
+    torch = _torch()
     try:
         if torch is None or not torch_is_rocm() or not torch.cuda.is_initialized():
             return list(shown)
