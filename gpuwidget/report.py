@@ -23,7 +23,6 @@ from urllib.parse import quote
 
 import numpy as np
 
-from gpuwidget.advice.summary import gpu_scope_notes
 from gpuwidget.chart import (
     CPU_COLOR,
     SVG_DASH,
@@ -34,7 +33,9 @@ from gpuwidget.chart import (
     plot_columns,
     sm_active_gpus,
 )
+from gpuwidget.figures.summary import gpu_scope_notes
 from gpuwidget.probes import DATA_WAIT_SPAN
+from gpuwidget.sources.gpu import NO_GPU
 from gpuwidget.trace import gpu_indices
 
 if TYPE_CHECKING:
@@ -269,7 +270,7 @@ def gpu_lines(run: Run) -> list[str]:
     # "GPU 1 stopped answering at 12.4 s; its readings end there" (the sampler dropped it).
     stalled = [str(entry.get("message")) for entry in run.sampler.get("stalled") or []]
     if not run.gpu_found:
-        message = run.machine.get("gpu_message") or "no NVIDIA GPU found"
+        message = run.machine.get("gpu_message") or NO_GPU
         return [f"{message}: host metrics only", *stalled]
     busy = run.summary.get("gpu_busy_by_gpu") or {}
     running = run.summary.get("gpu_kernel_running_by_gpu") or {}

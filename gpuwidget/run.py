@@ -12,7 +12,7 @@ from typing import Any, cast
 
 from gpuwidget.advice.finding import Finding
 from gpuwidget.export import trace_csv
-from gpuwidget.facts import MachineFacts, Summary, WorkloadFacts
+from gpuwidget.facts import MachineFacts, Summary, WorkloadFacts, saved_machine
 from gpuwidget.options import WatchOptions
 from gpuwidget.report import html_document, run_html, run_text
 from gpuwidget.runfile import RUN_FORMAT, RunFormatError, check_run, read_json, save_target, write_atomic
@@ -147,7 +147,7 @@ class Run:
                 summary=cast(Summary, dict(data.get("summary") or {})),
                 findings=[Finding.from_dict(f) for f in data.get("findings") or []],
                 workload=cast(WorkloadFacts, dict(data.get("workload") or {})),
-                machine=cast(MachineFacts, dict(data.get("machine") or {})),
+                machine=saved_machine(data.get("machine") or {}),
                 options=WatchOptions.from_dict(data.get("options") or {}),
                 error=None if error is None else RunError(error["type"], error["message"],
                                                           error.get("traceback") or ""),

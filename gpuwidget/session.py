@@ -12,20 +12,21 @@ import logging
 import signal
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, TypeVar
+from typing import Any
 
 from gpuwidget.advice.advisor import advise
-from gpuwidget.advice.summary import summarize
 from gpuwidget.clock import now
 from gpuwidget.facts import MachineFacts
+from gpuwidget.figures.summary import summarize
 from gpuwidget.kernelstatus import StatusWriter
 from gpuwidget.options import OptionError, WatchOptions, make_options
 from gpuwidget.probes import Probes
 from gpuwidget.run import Run, RunError
 from gpuwidget.sampler import Sampler
 from gpuwidget.sources.base import Source
+from gpuwidget.sources.gpu import NO_GPU, GpuSource, open_gpu_sources
 from gpuwidget.sources.host import HostSource
 from gpuwidget.trace import Trace
 
@@ -40,10 +41,9 @@ _active: Watch | None = None
 
 # A source whose read hung is closed on a thread of this name (its close can hang as well).
 CLOSER_THREAD_NAME = "gpuwidget-closer"
-# NVML starts (nvmlInit, listing the GPUs) on a thread of this name, for at most this long: it
-# answers in tens of ms, but a driver stuck on a GPU that fell off the bus may never answer, and
-# then the watch goes on with host metrics rather than hold the cell.
-STARTER_THREAD_NAME = "gpuwidget-nvml-start"
+# Each GPU vendor's driver gets this long to start (init, listing the GPUs): it answers in tens of ms,
+# but a driver stuck on a GPU that fell off the bus may never answer, and then the watch goes on with
+# host metrics rather than hold the cell (gpuwidget.sources.gpu.open_gpu_sources).
 GPU_START_DEADLINE_S = 5.0
 
 
@@ -54,75 +54,27 @@ def last_run() -> Run:
     return _last_run
 
 
-def _gpu_source(options: WatchOptions) -> tuple[Source | None, MachineFacts]:
-    """The NVML source for the chosen GPUs and the machine facts it reports.
+def _gpu_source(options: WatchOptions) -> tuple[list[GpuSource], MachineFacts]:
+    """One source per chosen GPU (any vendor: gpuwidget.sources.gpu) and the machine facts they report.
 
     A missing driver is not an error (gpuwidget works on any laptop); asking for a GPU
     that does not exist is, and is raised before anything starts, with or without a driver.
     """
-    try:
-        from gpuwidget.sources.nvml import NvmlSource
-    except Exception as exc:  # noqa: BLE001 - broken bindings mean "no GPU", not a crash
-        return _no_gpu(options, f"no NVIDIA GPU found ({exc})")
-    source = _within(GPU_START_DEADLINE_S, lambda: NvmlSource(gpus=options.gpus))
-    if source is None:
-        return _no_gpu(options, f"no NVIDIA GPU found (NVML did not answer within {GPU_START_DEADLINE_S:g} s)")
-    facts = source.describe()
-    devices = list(facts.get("devices") or [])
-    missing = facts.get("missing") or []
-    if missing:
-        source.close()
-        count = int(facts.get("visible_count") or 0)
+    opened = open_gpu_sources(options.gpus, deadline_s=GPU_START_DEADLINE_S)
+    if opened.missing:
+        count = opened.visible_count
         visible = f"GPUs 0-{count - 1}" if count > 1 else ("GPU 0" if count == 1 else "none")
-        raise OptionError(f"--gpus: there is no GPU {missing[0]} here (visible: {visible})")
-    if not facts.get("available"):
-        source.close()
-        return _no_gpu(options, facts.get("reason") or "no NVIDIA GPU found")
-    return source, {"gpus": devices, "gpu_message": None}
+        raise OptionError(f"--gpus: there is no GPU {opened.missing[0]} here (visible: {visible})")
+    if not opened.found:
+        return _no_gpu(options, opened.message or NO_GPU)
+    return list(opened.sources), {"gpus": opened.devices(), "gpu_message": None}
 
 
-def _no_gpu(options: WatchOptions, reason: str) -> tuple[None, MachineFacts]:
+def _no_gpu(options: WatchOptions, reason: str) -> tuple[list[GpuSource], MachineFacts]:
     """Host metrics only; but asking for a GPU is an error, as it is when GPUs exist."""
     if options.gpus is not None:
         raise OptionError(f"--gpus: there is no GPU {options.gpus[0]} here ({reason})")
-    return None, {"gpus": [], "gpu_message": reason}
-
-
-_Built = TypeVar("_Built", bound=Source)
-
-
-def _within(deadline_s: float, build: Callable[[], _Built]) -> _Built | None:
-    """``build()`` on a thread of its own; None if it has not returned within ``deadline_s``.
-
-    A source that arrives after the deadline is closed there and then: nobody will use it.
-    """
-    lock = threading.Lock()
-    built: list[_Built] = []
-    failed: list[BaseException] = []
-    abandoned = False
-
-    def run() -> None:
-        try:
-            source = build()
-        except BaseException as exc:  # noqa: BLE001 - raised again on the caller's thread
-            failed.append(exc)
-            return
-        with lock:
-            if not abandoned:
-                built.append(source)
-                return
-        _close_quietly(source)
-
-    thread = threading.Thread(target=run, name=STARTER_THREAD_NAME, daemon=True)
-    thread.start()
-    thread.join(deadline_s)
-    with lock:
-        if failed:
-            raise failed[0]
-        if not built:
-            abandoned = True
-            return None
-    return built[0]
+    return [], {"gpus": [], "gpu_message": reason}
 
 
 def _watch_children(trace: Trace, probes: Probes, machine: MachineFacts) -> Any:
@@ -177,14 +129,14 @@ class Watch:
                 if _active is not None:
                     raise OptionError("another watch is already running in this kernel; nested watches "
                                       "are not supported")
-                gpu_source, gpu_facts = _gpu_source(self.options)
+                gpu_sources, gpu_facts = _gpu_source(self.options)
                 _active = self
             trace = Trace()
             host = HostSource()
             machine: MachineFacts = {**host.machine_facts(), **gpu_facts}
             trace.meta.update({"label": self.label, "interval": self.options.interval})
             self.run = Run(trace=trace, machine=machine, options=self.options, label=self.label)
-            self._sources = [host] + ([gpu_source] if gpu_source is not None else [])
+            self._sources = [host, *gpu_sources]
             self._probes = Probes(trace)
             listeners: list[Any] = [self._probes.poll]
             # The server's /metrics reads this kernel's watch status from a small private file.

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from gpuwidget import Finding, Run
-from gpuwidget.advice.summary import summarize
+from gpuwidget.figures.summary import summarize
 from gpuwidget.options import make_options
 from gpuwidget.run import RunError
 from gpuwidget.trace import Trace
@@ -89,9 +89,9 @@ def test_run_without_gpu_says_so_plainly():
     trace.append(0.0, {"cpu.util": 10.0})
     trace.append(1.0, {"cpu.util": 20.0})
     run = Run(trace=trace, summary=summarize(trace), finished=True,
-              machine={"gpus": [], "gpu_message": "no NVIDIA GPU found (NVML library not found)"})
+              machine={"gpus": [], "gpu_message": "no GPU found (no NVIDIA or AMD GPU driver)"})
     text = run._repr_mimebundle_()["text/plain"]
-    assert "no NVIDIA GPU found (NVML library not found): host metrics only" in text
+    assert "no GPU found (no NVIDIA or AMD GPU driver): host metrics only" in text
     assert "kernel running" not in text and "SM active" not in text
 
 

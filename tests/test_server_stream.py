@@ -257,7 +257,7 @@ async def test_a_snapshot_window_that_is_not_a_number_of_seconds_is_refused(jp_f
     assert caught.value.code == 400
 
 
-async def test_sixteen_concurrent_first_requests_start_nvml_once(jp_fetch, fake_nvml, monitor):
+async def test_sixteen_concurrent_first_requests_open_the_gpus_once(jp_fetch, fake_nvml, monitor):
     fake = FakeNvml.gpus(2)
     real_init = fake.nvmlInitWithFlags
 
@@ -271,9 +271,11 @@ async def test_sixteen_concurrent_first_requests_start_nvml_once(jp_fetch, fake_
     fake.reset_counts()
     replies = await asyncio.gather(*(get_json(jp_fetch, "devices") for _ in range(16)))
     assert all(len(reply["devices"]) == 2 for reply in replies)
-    assert fake.count("nvmlInitWithFlags") + fake.count("nvmlInit") == 1
+    # One set of sources: the GPUs listed once, then a source per GPU (an init each, one to find them).
+    assert fake.count("nvmlDeviceGetCount") == 1
+    assert fake.count("nvmlInitWithFlags") + fake.count("nvmlInit") == 1 + 2
     monitor.close()
-    assert fake.inits == 0  # nothing leaked: the one init was shut down
+    assert fake.inits == 0  # nothing leaked: every init was shut down
 
 
 def test_the_snapshot_history_keeps_four_significant_digits_and_nulls_for_gaps():
@@ -301,7 +303,7 @@ def test_the_snapshot_history_keeps_four_significant_digits_and_nulls_for_gaps()
 
 # One GPU's columns as the NVML source writes them (8 fake GPUs write 17 each); the sidebar draws six.
 GPU_COLUMNS = ("util", "mem_used", "mem_total", "mem_util", "power", "power_limit", "temperature", "sm_clock",
-               "sm_clock_max", "energy_j", "pcie_tx", "pcie_rx", "pcie_gen", "pcie_width", "clock_events")
+               "sm_clock_max", "energy_j", "pcie_tx", "pcie_rx", "pcie_gen", "pcie_width", "slowdown")
 DRAWN = ("util", "mem_used", "power", "temperature", "pcie_tx", "pcie_rx")
 
 
@@ -426,7 +428,7 @@ async def test_a_tab_reconnecting_within_a_second_finds_the_sampler_still_runnin
 # ------------------------------------------------------------------------------- stalled sources
 
 
-async def test_a_gpu_that_stops_answering_is_named_to_the_sidebar_and_the_host_goes_on(
+async def test_a_gpu_that_stops_answering_is_named_to_the_sidebar_and_the_others_go_on(
         jp_ws_fetch, jp_fetch, fake_nvml, monitor, monkeypatch):
     from gpuwidget import sampler
 
@@ -459,6 +461,7 @@ async def test_a_gpu_that_stops_answering_is_named_to_the_sidebar_and_the_host_g
         assert stalled["at"] == pytest.approx(first["t"] - stalled["since_s"], abs=0.15)
         later = await read_until(ws, "sample", 100, lambda message: message["t"] >= first["t"] + 0.3)
         assert "cpu.util" in later["values"]  # the host source goes on
+        assert later["values"].get("gpu0.util") is not None  # and so does the GPU that still answers
         assert "gpu1.util" not in later["values"]
         assert later["stalled"][0]["since_s"] > stalled["since_s"]
         # A tab opened now is told at once, as is a snapshot.
@@ -479,7 +482,9 @@ async def test_a_gpu_that_stops_answering_is_named_to_the_sidebar_and_the_host_g
         restarted = await read_until(ws, "sample")
         assert restarted["stalled"][0]["source"] == "GPU 1"
         await read_until(ws, "sample", 100, lambda message: message["t"] >= restarted["t"] + 0.5)
-        assert monitor._sampler.sources == [monitor._sources.host] and not monitor._sampler.stats.stalled
+        gpu0 = [source for source in monitor._sources.gpus.sources if not monitor._is_hung(source)]
+        assert monitor._sampler.sources == [monitor._sources.host, *gpu0] and len(gpu0) == 1
+        assert not monitor._sampler.stats.stalled and restarted["values"].get("gpu0.util") is not None
     finally:
         ws.close()
         released.set()

@@ -23,9 +23,9 @@ import psutil
 
 from gpuwidget.advice.code import loader_code
 from gpuwidget.advice.loader import diagnose
-from gpuwidget.advice.summary import primary_loader
 from gpuwidget.clock import now
 from gpuwidget.facts import LoaderFacts, WorkloadFacts
+from gpuwidget.figures.summary import primary_loader
 from gpuwidget.measure.rng import preserved_rng
 from gpuwidget.probes.constructor import rebuild_loader
 from gpuwidget.probes.torch_data import loader_kwargs, loader_settings

@@ -51,7 +51,7 @@ from gpuwidget.trace import Trace
 # The step FLOPs are counted on (0-based): after the first steps, which pay for CUDA and cuDNN
 # start-up and torch.compile's compilation (a counted step runs eagerly through torch's dispatcher,
 # so a compiling step would be counted at its slowest), and early enough that a short cell of a
-# few steps still has a count. The warm-up split (advice.warmup) is made after the run, from all
+# few steps still has a count. The warm-up split (figures.warmup) is made after the run, from all
 # step times; FLOPs per step do not depend on the step's speed, only its work.
 FLOPS_AT_STEP = 3
 # Steps whose training inputs' first dimension is summed into samples_per_step (then no more reads).

@@ -1,6 +1,6 @@
 """The server's one shared sampler: read the GPUs and the host once, serialise once, fan out.
 
-A :class:`Monitor` runs a :class:`gpuwidget.sampler.Sampler` (NVML and psutil on its own
+A :class:`Monitor` runs a :class:`gpuwidget.sampler.Sampler` (the GPU drivers and psutil on its own
 thread, never on the event loop) while at least one subscriber is connected. After each
 tick the new row is turned into one JSON text and handed to the event loop, which writes
 that same text to every subscriber whose rate wants this tick. Every few seconds the
@@ -17,8 +17,9 @@ build, not fifty on the loop. A history a few rows old is served again, followed
 sample messages of the rows since (kept as sent to everyone): rebuilding it every tick
 took more of the server's CPU per connection than everything else gpuwidget does for one.
 
-A source whose read stops returning (a GPU falling off the bus) is dropped by the sampler's
-watchdog and stays dropped for the life of the server: later samplers, snapshots and process
+Each GPU is a source of its own (:func:`gpuwidget.sources.gpu.open_gpu_sources`). A source whose
+read stops returning (a GPU falling off the bus) is dropped by the sampler's watchdog, the other
+GPUs go on being read, and the hung one stays dropped for the life of the server: later samplers, snapshots and process
 tables never ask it again, and it is closed on a thread of its own. The sidebar learns which
 one from ``stalled`` in the hello and in every sample (and the snapshot):
 ``[{"source": "GPU 1", "since_s": 12.4, "at": <unix s>}]``, ``since_s`` counted to the message's time.
@@ -47,9 +48,10 @@ import psutil
 from gpuwidget import heap
 from gpuwidget.sampler import Sampler
 from gpuwidget.sources.base import Source
+from gpuwidget.sources.gpu import NO_GPU, GpuSources, open_gpu_sources
 from gpuwidget.sources.host import HostSource
 from gpuwidget.sources.lineage import ancestors
-from gpuwidget.sources.nvml import NvmlSource, foreign_pid_namespace
+from gpuwidget.sources.pids import foreign_pid_namespace
 from gpuwidget.trace import Trace, finite_list, finite_or_none
 
 log = logging.getLogger("gpuwidget")
@@ -69,7 +71,7 @@ STREAM_HISTORY_METRICS = ("util", "sm_active", "mem_used", "power", "temperature
 STREAM_HISTORY_POINTS = 800
 STREAM_HISTORY_RAW_ROWS = 60
 STREAM_HISTORY_DIGITS = 3
-# How often the process table is rebuilt (it costs a few NVML calls and psutil lookups).
+# How often the process table is rebuilt (it costs a few driver calls and psutil lookups).
 PROCESSES_EVERY_S = 5.0
 # Parents walked up from a GPU process to find the kernel it belongs to (workers, shells).
 PARENT_DEPTH = 8
@@ -93,22 +95,24 @@ HISTORY_CATCH_UP_ROWS = 5
 HISTORY_REUSE_S = 10.0
 
 # What /devices tells of each device (docs/server-api.md); a MIG instance carries its GPU instance id
-# and profile (dcgm-exporter's GPU_I_ID, GPU_I_PROFILE), ``gpm`` says whether SM activity is read.
-DEVICE_KEYS = ("id", "index", "nvml_index", "uuid", "name", "memory_total", "power_limit", "is_mig", "parent_uuid",
-               "pci_bus_id", "mig_mode", "gpu_instance_id", "mig_profile", "gpm")
+# and profile (dcgm-exporter's GPU_I_ID, GPU_I_PROFILE), an AMD GPU its partitions and serial number
+# (AMD's device-metrics-exporter labels), ``gpm`` says whether SM activity is read.
+DEVICE_KEYS = ("id", "index", "vendor", "driver_index", "uuid", "name", "memory_total", "power_limit", "is_mig",
+               "parent_uuid", "pci_bus_id", "mig_mode", "gpu_instance_id", "mig_profile", "compute_partition",
+               "memory_partition", "partition_id", "serial", "gpm")
 
 Send = Callable[[str], None]
 
 
 @dataclass
 class MonitorSources:
-    """The server's sources by role: the host always, the GPUs through NVML (which may find none)."""
+    """The server's sources by role: the host always, one source per GPU (there may be none)."""
 
     host: HostSource
-    gpu: NvmlSource
+    gpus: GpuSources
 
     def all(self) -> list[Source]:
-        return [self.host, self.gpu]
+        return [self.host, *self.gpus.sources]
 
 
 @dataclass
@@ -160,7 +164,7 @@ class Monitor:
         self._subscribers: dict[int, Subscriber] = {}
         self._next_id = 0
         self._lock = threading.Lock()
-        # Held while sources are built: sixteen concurrent first requests build one set (one NVML init).
+        # Held while sources are built: sixteen concurrent first requests build one set (one driver start).
         self._sources_lock = threading.Lock()
         self._sampler: Sampler | None = None
         self._sources: MonitorSources | None = None
@@ -314,19 +318,20 @@ class Monitor:
         return self._devices
 
     def devices(self) -> dict[str, Any]:
-        """Static facts (the /devices payload). Blocking the first time (NVML start-up): call it in a thread."""
+        """Static facts (the /devices payload). Blocking the first time (the drivers' start-up): call it in a thread."""
         sources = self._ensure_sources()
         with self._sources_lock:
             if self._devices is not None:
                 return self._devices
-            facts = sources.gpu.describe()
+            gpus = sources.gpus
             host_facts = sources.host.describe()
             self._devices = {
-                "gpu_found": bool(facts.get("available")),
-                "message": None if facts.get("available") else facts.get("reason") or "no NVIDIA GPU found",
+                "gpu_found": gpus.found,
+                "message": None if gpus.found else gpus.message or NO_GPU,
                 "devices": [
                     {key: device.get(key) for key in DEVICE_KEYS}
-                    for device in facts.get("devices") or [] if not device.get("lost")
+                    for source in gpus.sources if not self._is_hung(source)
+                    for device in source.describe() if not device.get("lost")
                 ],
                 "host": {"cpu_count": host_facts.get("cpu_count"), "mem_total": host_facts.get("mem_total")},
                 "interval": self.interval,
@@ -483,7 +488,10 @@ class Monitor:
     def _list_processes(self, t: float | None) -> str:
         sources = self._sources
         # A GPU source that hung holds its lock inside the read that never returned: don't wait on it.
-        listed = sources.gpu.processes() if sources is not None and not self._is_hung(sources.gpu) else {}
+        listed: dict[str, list[tuple[int, int | None]]] = {}
+        for source in sources.gpus.sources if sources is not None else []:
+            if not self._is_hung(source):
+                listed.update(source.processes())
         host_pids = foreign_pid_namespace(pid for rows in listed.values() for pid, _ in rows)
         gpus = {label: [self._describe_process(pid, memory, host_pids) for pid, memory in rows]
                 for label, rows in listed.items()}
@@ -548,7 +556,8 @@ class Monitor:
 def default_sources() -> MonitorSources:
     # The sidebar shows neither per-core CPU nor the server process itself.
     # The machine's view: every MIG instance, not the one a CUDA process would see.
-    return MonitorSources(HostSource(per_core=False, process=False), NvmlSource(pids=lambda: (), every_device=True))
+    return MonitorSources(HostSource(per_core=False, process=False),
+                          open_gpu_sources(pids=lambda: (), every_device=True))
 
 
 def _for_plot(values: np.ndarray) -> list[float | None]:

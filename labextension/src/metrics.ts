@@ -244,11 +244,12 @@ export function tickLabel(unit: Unit, value: number): string {
 }
 
 /**
- * "GPU0" for the first device, as nvidia-smi numbers it where the server says (`nvml_index`);
+ * "GPU0" for the first device, as its driver (nvidia-smi, amd-smi) numbers it where the server says
+ * (`driver_index`);
  * a MIG instance "GPU0/GI5": its GPU and its GPU instance id, as nvidia-smi and dcgm-exporter name it.
  */
 export function deviceLabel(device: IDeviceInfo): string {
-  const gpu = `GPU${device.nvml_index ?? device.index}`;
+  const gpu = `GPU${device.driver_index ?? device.index}`;
   if (
     device.is_mig &&
     device.gpu_instance_id !== null &&
@@ -350,7 +351,7 @@ export function statusSummary(
     text = 'GPU';
   } else if (!devices.gpu_found || devices.devices.length === 0) {
     text = `No GPU · CPU ${formatPercent(latest('cpu.util'))}`;
-    lines.push(devices.message ?? 'No NVIDIA GPU found.');
+    lines.push(devices.message ?? 'No GPU found.');
   } else {
     const [first, ...others] = devices.devices;
     text = `${deviceLabel(first)} ${gpuReadout(first, latest)}`;

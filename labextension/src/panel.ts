@@ -340,7 +340,7 @@ export class GpuPanel extends Widget {
       (!devices.gpu_found || devices.devices.length === 0)
     ) {
       this._notice.className = 'jp-gpuwidget-notice jp-gpuwidget-notice-info';
-      this._notice.appendChild(element('strong', '', 'No NVIDIA GPU found'));
+      this._notice.appendChild(element('strong', '', 'No GPU found'));
       const detail = noGpuDetail(devices.message);
       if (detail) {
         this._notice.appendChild(element('p', 'jp-gpuwidget-reason', detail));

@@ -59,8 +59,10 @@ export interface IDeviceInfo {
   is_mig?: boolean;
   parent_uuid?: string | null;
   pci_bus_id?: string | null;
-  /** NVML's (nvidia-smi's) number of the GPU; a MIG instance's is its GPU's. */
-  nvml_index?: number | null;
+  /** "nvidia" or "amd". */
+  vendor?: string;
+  /** The driver's (nvidia-smi's, amd-smi's) number of the GPU; a MIG instance's is its GPU's. */
+  driver_index?: number | null;
   /** A GPU in MIG mode: its instances follow it in the list. */
   mig_mode?: boolean;
   /** A MIG instance's GPU instance id and profile (dcgm-exporter's GPU_I_ID, GPU_I_PROFILE). */
@@ -78,7 +80,7 @@ export interface IHostInfo {
 /** The body of `GET /devices`, and the `devices` of the `hello` message. */
 export interface IDevicesReply {
   gpu_found: boolean;
-  /** Why no GPU is shown ("no NVIDIA GPU found (...)"), or null. */
+  /** Why no GPU is shown ("no GPU found (...)"), or null. */
   message: string | null;
   devices: IDeviceInfo[];
   host: IHostInfo;

@@ -233,7 +233,7 @@ describe('SidebarController', () => {
     await settle();
     server.greet();
     expect(model.devices?.gpu_found).toBe(false);
-    expect(model.devices?.message).toContain('no NVIDIA GPU found');
+    expect(model.devices?.message).toContain('no GPU found');
     expect(model.series.has('cpu.util')).toBe(true);
   });
 });

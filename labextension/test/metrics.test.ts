@@ -126,7 +126,7 @@ describe('statusSummary', () => {
     const series = bufferWith({ 'cpu.util': 12 });
     const summary = statusSummary(noGpuDevices(), series, { kind: 'live' }, T0);
     expect(summary.text).toBe('No GPU · CPU 12%');
-    expect(summary.title).toContain('no NVIDIA GPU found');
+    expect(summary.title).toContain('no GPU found');
   });
 
   it('invites a click before anything was read', () => {
@@ -148,7 +148,7 @@ describe('SM activity and MIG', () => {
     ...hopper,
     id: 'gpu2',
     index: 2,
-    nvml_index: 0,
+    driver_index: 0,
     uuid: 'MIG-2',
     name: 'NVIDIA H100 80GB HBM3 MIG 2g.20gb',
     memory_total: 20 * GiB,
@@ -181,7 +181,7 @@ describe('SM activity and MIG', () => {
 
   it('names a MIG instance by its GPU and instance id and draws no utilisation line for it', () => {
     expect(deviceLabel(instance)).toBe('GPU0/GI5');
-    expect(deviceLabel({ ...hopper, nvml_index: 1, index: 3 })).toBe('GPU1');
+    expect(deviceLabel({ ...hopper, driver_index: 1, index: 3 })).toBe('GPU1');
     const [activity] = gpuCharts(instance, ['utilization'], () => null);
     expect(activity.lines.map(line => line.column)).toEqual(['gpu2.sm_active']);
     const series = bufferWith({

@@ -71,16 +71,16 @@ describe('GpuPanel', () => {
     panel.dispose();
   });
 
-  it('says "No NVIDIA GPU found" with the reason, and charts only the host', () => {
+  it('says "No GPU found" with the reason, and charts only the host', () => {
     const { model, panel } = mount();
     model.handle(hello(noGpuDevices()));
     model.handle(sample(T0, { 'cpu.util': 12, 'mem.used': 2 * GiB }));
     panel.render();
     expect(text(panel, '.jp-gpuwidget-notice strong')).toEqual([
-      'No NVIDIA GPU found'
+      'No GPU found'
     ]);
     expect(text(panel, '.jp-gpuwidget-reason')).toEqual([
-      'NVML Shared Library Not Found'
+      'no NVIDIA or AMD GPU driver'
     ]);
     expect(text(panel, '.jp-gpuwidget-card-title')).toEqual(['Host · 2 CPUs']);
     expect(text(panel, '.jp-gpuwidget-chart-value')).toEqual(['12%', '2/8 GB']);

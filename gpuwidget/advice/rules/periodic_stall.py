@@ -5,7 +5,7 @@ time is spent in the loop's own code, between two ``next()`` calls, so it is nev
 charged to the DataLoader. The gain is bounded by the share of loop time the stalls take
 (if they were made asynchronous or less frequent).
 
-Only the steady steps are read: the warm-up (gpuwidget.advice.warmup) is not a stall, and
+Only the steady steps are read: the warm-up (gpuwidget.figures.warmup) is not a stall, and
 counted as one its slow first steps broke the gaps of a real period (a 0.5 s pause every 25
 steps agreed with its period only 53% of the time beside 8 warm-up steps). A period needs
 regular gaps spread over the run: consecutive slow steps are one stall, not a period of one
@@ -29,9 +29,9 @@ import numpy as np
 from gpuwidget.advice.evidence import enough_evidence
 from gpuwidget.advice.finding import Finding
 from gpuwidget.advice.rules._gpu import model_name
-from gpuwidget.advice.summary import loop_step_times
-from gpuwidget.advice.warmup import split_run
 from gpuwidget.facts import MachineFacts, Summary, WorkloadFacts
+from gpuwidget.figures.summary import loop_step_times
+from gpuwidget.figures.warmup import split_run
 
 RULE = "periodic-stall"
 # A stall is a step longer than OUTLIER_RATIO times the median step and longer than the
