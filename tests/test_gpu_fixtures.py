@@ -105,7 +105,7 @@ def test_replayed_trace_feeds_the_sidebars_hello_history_and_samples(path):
 
     run = Run.load(path)
     monitor = Monitor(interval=0.1, history_s=3600.0,
-                      sources=lambda: MonitorSources(_ReplayHost(run), _ReplayGpus(run)))  # type: ignore[arg-type]
+                      sources=lambda: MonitorSources(_ReplayHost(run), [_ReplayGpus(run)]))  # type: ignore[list-item]
     try:
         for _ in range(len(run.trace.window().t) - 1):  # the first reading takes two rows
             monitor.read_once()
