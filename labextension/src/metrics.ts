@@ -246,9 +246,12 @@ export function splitReported(
  * "35/80 GB", never uPlot's decimal steps (50e9 bytes would read "47G").
  */
 const BINARY_STEPS = [1, 2, 2.5, 4, 5, 10, 20, 25, 40, 50, 100, 200, 250, 500];
-export const BYTE_TICK_INCREMENTS: number[] = [0, 1, 2, 3, 4, 5].flatMap(
-  exponent => BINARY_STEPS.map(step => step * 1024 ** exponent)
-);
+export const BYTE_TICK_INCREMENTS: number[] = [];
+for (let exponent = 0; exponent <= 5; exponent++) {
+  for (const step of BINARY_STEPS) {
+    BYTE_TICK_INCREMENTS.push(step * 1024 ** exponent);
+  }
+}
 
 /** The tick steps an axis of `unit` takes; undefined: uPlot's own (decimal) steps. */
 export function tickIncrements(unit: Unit): number[] | undefined {
