@@ -308,25 +308,27 @@ export interface IStaleNote {
 }
 
 /**
- * What to say of a device whose readings stopped, `ageS` seconds after its last values (null:
- * it never answered). A device that stopped with another's source (one source read both) says so.
+ * What to say of a device whose readings stopped: `sinceS` seconds ago (as the sidebar's notice
+ * counts them), its last values read `ageS` seconds ago (null: it never answered). A device that
+ * stopped with another's source (one source read both) says so.
  */
 export function staleNote(
   device: IDeviceInfo,
   stale: IStaleDevice,
+  sinceS: number | null,
   ageS: number | null
 ): IStaleNote {
-  const age = ageS === null ? null : formatAge(ageS);
+  const since = sinceS === null ? '' : ` ${formatAge(sinceS)}`;
   const label = deviceLabel(device);
   const shown =
-    stale.t === null
+    stale.t === null || ageS === null
       ? 'it gave no values before.'
-      : 'its last values are shown, greyed.';
+      : `its last values (read ${formatAge(ageS)}) are shown, greyed.`;
   const stopped = stale.hung
-    ? `${label} stopped answering${age ? ` ${age}` : ''}`
-    : `${label} is no longer read: ${stale.source}, read by the same source, stopped answering${age ? ` ${age}` : ''}`;
+    ? `${label} stopped answering${since}`
+    : `${label} is no longer read: ${stale.source}, read by the same source, stopped answering${since}`;
   return {
-    short: age ? `stopped ${age}` : 'stopped answering',
+    short: sinceS === null ? 'stopped answering' : `stopped${since}`,
     full: `${stopped}; ${shown}`
   };
 }
@@ -338,9 +340,15 @@ export function staleNoteOf(
   nowS: number
 ): IStaleNote | null {
   const stale = stalled.devices[device.id];
-  return stale
-    ? staleNote(device, stale, staleAgeS(stalled, device.id, nowS))
-    : null;
+  if (!stale) {
+    return null;
+  }
+  const ageS = staleAgeS(stalled, device.id, nowS);
+  const source = stalled.sources.find(entry => entry.source === stale.source);
+  const sinceS = source
+    ? source.since_s + Math.max(0, nowS - stalled.receivedS)
+    : ageS;
+  return staleNote(device, stale, sinceS, ageS);
 }
 
 export interface IStatusSummary {

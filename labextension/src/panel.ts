@@ -19,6 +19,7 @@ import { ClusterView } from './clusterview';
 import {
   NO_VALUE,
   baseName,
+  formatAge,
   formatBytes,
   formatClock,
   noGpuDetail
@@ -59,9 +60,10 @@ export const CARDS_COLLAPSED_FROM = 4;
 /** "GPU 1 stopped answering 12 s ago" for each stalled source, as of `nowS`. */
 export function stalledLines(stalled: IStalledState, nowS: number): string[] {
   const elapsed = Math.max(0, nowS - stalled.receivedS);
+  // As a stale GPU's row counts it (metrics.ts staleNote): one figure, one rounding.
   return stalled.sources.map(
     ({ source, since_s }) =>
-      `${source} stopped answering ${Math.round(since_s + elapsed)} s ago`
+      `${source} stopped answering ${formatAge(since_s + elapsed)}`
   );
 }
 

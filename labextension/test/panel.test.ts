@@ -482,7 +482,7 @@ describe('GpuPanel stalled sources', () => {
   });
 });
 
-/** Eight GPUs, GPU 5 stale (stopped answering `ageS` seconds ago with these last values). */
+/** Eight GPUs, GPU 5 stale: stopped answering `ageS - 1` seconds ago, its last values read `ageS` ago. */
 function gpuFiveStopped(
   t: number,
   ageS: number,
@@ -497,7 +497,7 @@ function gpuFiveStopped(
     type: 'sample',
     t,
     values: live,
-    stalled: [{ source: 'GPU 5', since_s: ageS, devices: ['gpu5'] }],
+    stalled: [{ source: 'GPU 5', since_s: ageS - 1, devices: ['gpu5'] }],
     stale: {
       gpu5: {
         source: 'GPU 5',
@@ -531,10 +531,14 @@ describe('GpuPanel with one GPU that stopped answering', () => {
     expect(row('gpu5').classList.contains('jp-mod-stale')).toBe(true);
     expect(cell('gpu5', 'util').textContent).toBe('35%');
     expect(cell('gpu5', 'memory').textContent).toBe('40/80 GB');
-    expect(cell('gpu5', 'holder').textContent).toBe('stopped 12 s ago');
+    // "stopped" counts as the notice above does; the tooltip gives the values' own age.
+    expect(cell('gpu5', 'holder').textContent).toBe('stopped 11 s ago');
     expect(cell('gpu5', 'holder').title).toBe(
-      'GPU5 stopped answering 12 s ago; its last values are shown, greyed.'
+      'GPU5 stopped answering 11 s ago; its last values (read 12 s ago) are shown, greyed.'
     );
+    expect(
+      panel.node.querySelector('.jp-gpuwidget-stalled-text')!.textContent
+    ).toBe('⚠ GPU 5 stopped answering 11 s ago.');
     expect(row('gpu4').classList.contains('jp-mod-stale')).toBe(false);
     expect(cell('gpu0', 'holder').textContent).toBe('train.ipynb');
     // The card: greyed, its header gives the last values and the age, its body says why.
@@ -543,10 +547,10 @@ describe('GpuPanel with one GPU that stopped answering', () => {
     ) as HTMLElement;
     expect(card.classList.contains('jp-mod-stale')).toBe(true);
     expect(card.querySelector('.jp-gpuwidget-card-readout')!.textContent).toBe(
-      '35% · 40/80 GB · stopped 12 s ago'
+      '35% · 40/80 GB · stopped 11 s ago'
     );
     expect(card.querySelector('.jp-gpuwidget-card-stale')!.textContent).toBe(
-      '⚠ GPU5 stopped answering 12 s ago; its last values are shown, greyed.'
+      '⚠ GPU5 stopped answering 11 s ago; its last values (read 12 s ago) are shown, greyed.'
     );
 
     // The next samples: the live rows move, GPU 5 keeps its values and only ages.
@@ -557,9 +561,9 @@ describe('GpuPanel with one GPU that stopped answering', () => {
     expect(cell('gpu4', 'util').textContent).toBe('43%');
     expect(cell('gpu7', 'util').textContent).toBe('73%');
     expect(cell('gpu5', 'util').textContent).toBe('35%');
-    expect(cell('gpu5', 'holder').textContent).toBe('stopped 14 s ago');
+    expect(cell('gpu5', 'holder').textContent).toBe('stopped 13 s ago');
     expect(card.querySelector('.jp-gpuwidget-card-readout')!.textContent).toBe(
-      '35% · 40/80 GB · stopped 14 s ago'
+      '35% · 40/80 GB · stopped 13 s ago'
     );
     expect(panel.node.querySelectorAll('.jp-mod-stale').length).toBe(2); // its row and its card, no other
     panel.dispose();
@@ -584,11 +588,11 @@ describe('GpuPanel with one GPU that stopped answering', () => {
         `[data-device='${id}'] .jp-gpuwidget-overview-holder`
       ) as HTMLElement;
     expect(holder('gpu0').title).toBe(
-      'GPU0 is no longer read: GPU 1, read by the same source, stopped answering 5 s ago; its last values are shown, greyed.'
+      'GPU0 is no longer read: GPU 1, read by the same source, stopped answering 5 s ago; its last values (read 5 s ago) are shown, greyed.'
     );
-    expect(holder('gpu1').textContent).toBe('stopped answering');
+    expect(holder('gpu1').textContent).toBe('stopped 5 s ago');
     expect(holder('gpu1').title).toBe(
-      'GPU1 stopped answering; it gave no values before.'
+      'GPU1 stopped answering 5 s ago; it gave no values before.'
     );
     panel.dispose();
   });

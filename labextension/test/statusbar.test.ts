@@ -35,7 +35,7 @@ describe('GpuStatusItem', () => {
     }
     expect(item.node.classList.contains('jp-mod-stale')).toBe(false);
     expect(item.node.title.split('\n')[5]).toBe(
-      'GPU5 NVIDIA H200: kernel running (nvidia-smi) 35% · 40/80 GB (GPU5 stopped answering 12 s ago; its last values are shown, greyed.)'
+      'GPU5 NVIDIA H200: kernel running (nvidia-smi) 35% · 40/80 GB (GPU5 stopped answering 12 s ago; its last values (read 12 s ago) are shown, greyed.)'
     );
     expect(item.node.getAttribute('aria-label')).toContain(
       'GPU5 stopped answering 12 s ago'
