@@ -428,8 +428,6 @@ async def test_a_tab_reconnecting_within_a_second_finds_the_sampler_still_runnin
 
 async def test_a_gpu_that_stops_answering_goes_stale_with_its_last_values_and_the_others_go_on(
         jp_ws_fetch, jp_fetch, fake_nvml, monitor, monkeypatch):
-    import pynvml
-
     from gpuwidget import sampler
 
     monkeypatch.setattr(sampler, "SOURCE_DEADLINE_S", 0.3)
@@ -438,15 +436,16 @@ async def test_a_gpu_that_stops_answering_goes_stale_with_its_last_values_and_th
     fake = FakeNvml.gpus(3)
     fake.real_time = True
     fake.set(1, util=64, memory_used=35 * 2**30)
-    fake_nvml(fake)
-    lost, query, released, hang = fake.gpu(1), pynvml.nvmlDeviceGetMemoryInfo, threading.Event(), threading.Event()
+    lost, query, released, hang = fake.gpu(1), fake.nvmlDeviceGetMemoryInfo, threading.Event(), threading.Event()
 
     def memory_info(gpu, *args):  # GPU 1 falls off the bus once the test says so
         if gpu is lost and hang.is_set():
             released.wait(30)
         return query(gpu, *args)
 
-    monkeypatch.setattr(pynvml, "nvmlDeviceGetMemoryInfo", memory_info)
+    # On the fake itself, not on pynvml: the fake's uninstall then takes it away with the rest.
+    fake.nvmlDeviceGetMemoryInfo = memory_info  # type: ignore[method-assign]
+    fake_nvml(fake)
     ws = await jp_ws_fetch("gpuwidget", "api", "stream")
     try:
         hello = await read_until(ws, "hello")
@@ -503,6 +502,11 @@ async def test_a_gpu_that_stops_answering_goes_stale_with_its_last_values_and_th
     finally:
         ws.close()
         released.set()
+    # The hung source is closed on a thread of its own once its read returns: let that happen now,
+    # not during a later test (its NVML shutdown would end that test's fake driver).
+    [hung] = monitor._hung
+    monitor.close()
+    assert await wait_until(lambda: hung.closed and not hung._lock.locked(), 10)
 
 
 class _Gpus:

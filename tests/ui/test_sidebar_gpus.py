@@ -380,7 +380,8 @@ def test_a_gpu_that_stops_answering_goes_stale_and_the_other_seven_and_the_statu
     assert cell(page, HUNG_GPU, MEMORY_CELL) == f"{MEMORY_GIB[HUNG_GPU]:.0f}/80 GB"
     assert re.fullmatch(r"\d+ W", cell(page, HUNG_GPU, POWER_CELL))
     assert re.fullmatch(r"stopped \d+ s ago", cell(page, HUNG_GPU, HOLDER_CELL))
-    assert re.fullmatch(rf"GPU{HUNG_GPU} stopped answering \d+ s ago; its last values \(read \d+ s ago\) are shown, greyed\.",
+    assert re.fullmatch(rf"GPU{HUNG_GPU} stopped answering \d+ s ago; "
+                        r"its last values \(read \d+ s ago\) are shown, greyed\.",
                         hung.locator(HOLDER_CELL).get_attribute("title"))
     grey = hung.locator(MEMORY_CELL).evaluate("node => getComputedStyle(node).color")
     assert grey != row(page, 3).locator(MEMORY_CELL).evaluate("node => getComputedStyle(node).color")
