@@ -650,8 +650,9 @@ def machine_gpus() -> list[NvmlSource]:
     """One source per GPU of the machine's view (every MIG instance, not the one a CUDA process would
     see), so the sampler's watchdog drops only a GPU that hangs; one source saying why when none is found."""
     first = NvmlSource(gpus=[0], pids=lambda: (), every_device=True)
-    others = range(1, first.visible_count) if first.available else range(0)
-    return [first, *(NvmlSource(gpus=[index], pids=lambda: (), every_device=True) for index in others)]
+    # How many there are is known from the first (lost or not); without a driver or a GPU it says why.
+    return [first, *(NvmlSource(gpus=[index], pids=lambda: (), every_device=True)
+                     for index in range(1, first.visible_count))]
 
 
 def _for_plot(values: np.ndarray) -> list[float | None]:
