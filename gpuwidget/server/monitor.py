@@ -23,7 +23,8 @@ tables never ask it again, and it is closed on a thread of its own. The sidebar 
 one from ``stalled`` in the hello and in every sample (and the snapshot):
 ``[{"source": "GPU 1", "since_s": 12.4, "at": <unix s>, "devices": ["gpu1"]}]``, ``since_s`` counted
 to the message's time, and which devices' readings stopped with it from ``stale``: each one's last
-values and their age (``{"gpu1": {"source": "GPU 1", "t": <unix s>, "age_s": 14.4, "values": {...}}}``).
+values and their age (``{"gpu1": {"source": "GPU 1", "hung": true, "t": <unix s>, "age_s": 14.4,
+"values": {...}}}``).
 The GPUs are read through one source each, so only the hung GPU stops (the others miss the
 watchdog's few seconds); ``"hung": true`` marks it. A source that reads several GPUs takes all of them
 with it: the one it names (``busy_with``, or every one when it names none) is the hung one, the
@@ -282,6 +283,9 @@ class Monitor:
                 threading.Thread(target=source.close, daemon=True, name="gpuwidget-monitor-close").start()
             else:
                 source.close()
+        # Sources opened after this start afresh: nothing of theirs has stopped answering.
+        self._hung, self._stalled, self._stale, self._covered = [], {}, {}, {}
+        self._last_values.clear()
 
     # ------------------------------------------------------------- sources that stopped answering
 
