@@ -48,7 +48,8 @@ class FakeServer implements IGpuApi {
       devices: this.reply,
       latest: { t: this.snapshotT, values: { 'gpu0.util': 50 } },
       processes: null,
-      stalled: []
+      stalled: [],
+      stale: {}
     };
   }
 
