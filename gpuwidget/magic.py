@@ -17,7 +17,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, magics_class
 
 from gpuwidget.options import OptionError, parse_line
-from gpuwidget.session import Watch
+from gpuwidget.session import Watch, cell_key, running_cell_id
 
 
 @magics_class
@@ -56,7 +56,7 @@ class GpuWatchMagics(Magics):
             raise UsageError(f"%%gpuwatch: {exc}") from None
         code, last_expr = self._compile(line, cell)
         session = Watch(options, label=_label(self.shell), namespace=self.shell.user_ns,  # type: ignore[union-attr]
-                        source=cell)
+                        source=cell_key(running_cell_id()))
         try:
             session.start()
         except OptionError as exc:

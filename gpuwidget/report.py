@@ -56,11 +56,33 @@ def _unknown(value: float | None) -> bool:
 
 
 def fmt_percent(value: float | None) -> str:
-    return "n/a" if _unknown(value) else f"{value:.0f}%"
+    """A percentage given as 0-100: "41%". Every percentage a user reads goes through this or
+    :func:`fmt_fraction`, so one figure never shows as two roundings."""
+    return "n/a" if value is None or _unknown(value) else f"{value:.0f}%"
 
 
 def fmt_fraction(value: float | None) -> str:
-    return "n/a" if value is None or _unknown(value) else f"{100 * value:.0f}%"
+    """A share given as 0-1, as a percentage: 0.406 -> "41%"."""
+    return "n/a" if value is None or _unknown(value) else fmt_percent(100 * value)
+
+
+def fmt_count(count: int, noun: str, plural: str | None = None) -> str:
+    """A count with its noun agreeing: "1 worker", "0 workers", "4 cores"."""
+    return f"{count} {noun if count == 1 else plural or noun + 's'}"
+
+
+def fmt_speedup(value: float | None) -> str:
+    """A speed-up factor: "1.68x"."""
+    return "n/a" if value is None or _unknown(value) else f"{value:.2f}x"
+
+
+def fmt_gain(expected: float, bound: float | None = None, remained: str = "no waiting") -> str:
+    """The gain of a change, the one way the headline, the findings and Measure say it: "up to 1.68x
+    faster", or with the bound if no waiting remained where it is larger: "about 1.12x faster (at most
+    1.23x if no waiting remained)"."""
+    if bound is not None and not _unknown(bound) and round(bound, 2) > round(expected, 2):
+        return f"about {fmt_speedup(expected)} faster (at most {fmt_speedup(bound)} if {remained} remained)"
+    return f"up to {fmt_speedup(expected)} faster"
 
 
 def fmt_seconds(value: float | None) -> str:
@@ -161,8 +183,8 @@ def headline(run: Run) -> list[tuple[str, str]]:
         items.append(("GPU energy", f"{per}{fmt_energy(s['energy_j'])} total"))
     if s.get("steps") is not None:
         items.append(("steps", f"{s['steps']:,}"))
-    if s.get("data_wait_fraction") is not None:
-        items.append(("waiting for data", fmt_fraction(s["data_wait_fraction"])))
+    if (waited := wait_share(run)) is not None:
+        items.append(("waiting for data", fmt_fraction(waited)))
     if run.gpu_found:
         items += busy_items(s)
         items.append(("peak GPU memory", fmt_fraction(s.get("peak_gpu_mem_fraction"))))
@@ -186,16 +208,30 @@ def process_cpu_item(s: Mapping[str, Any]) -> tuple[str, str]:
     return ("training process" if count == 1 else f"{count} training processes", value)
 
 
+# How a finding whose cause lies in the machine (Finding.machine_level) is marked, wherever it shows.
+MACHINE_LABEL = "the machine, not your code"
+# The headline when every finding has nothing to gain (Finding.nothing_to_gain).
+NOTHING_TO_GAIN_CAUSE = "nothing found that would make this loop faster (each finding below gains under 1%)"
+
+
+def cause_line(finding: Finding) -> str:
+    """A finding's cause and gain in one line, as the headline shows it and its card repeats it:
+    "Building batches saturates the CPU (train_loader) → up to 1.68x faster"."""
+    gain = gain_text(finding)
+    line = finding.title + (f" \u2192 {gain}" if gain else "")
+    return line + (f" ({MACHINE_LABEL})" if finding.machine_level else "")
+
+
 def main_cause(run: Run) -> str:
-    """The panel's one-line answer: the top finding, or why there is none."""
+    """The panel's one-line answer: the first finding's cause and gain (advice.advisor.rank puts the
+    largest gain first), or why there is none. A cause with nothing to gain is no answer."""
     if not run.finished:
         return "running"
     if not run.options.advice:
         return "advice off (--no-advice)"
     if run.findings:
         top = run.findings[0]
-        gain = f" (up to {top.expected_speedup:.2f}x faster)" if top.expected_speedup else ""
-        return f"{top.title}{gain}"
+        return NOTHING_TO_GAIN_CAUSE if top.nothing_to_gain else cause_line(top)
     if run.summary.get("steps") is None:
         return "no training loop seen (no DataLoader was iterated and no optimizer stepped)"
     return "no cause of idle time found"
@@ -211,16 +247,45 @@ BREAKDOWN: tuple[tuple[Literal["data_wait_s", "compute_s", "before_loop_s", "aft
 OPTIONAL_PARTS = frozenset({"before_loop_s", "after_loop_s"})
 
 
-def breakdown(run: Run) -> list[tuple[str, float, float, str]]:
-    """(label, seconds, share, colour) of the cell's time, or [] without loop figures."""
+# The parts of the loop itself: their shares are of the loop, as the summary's data_wait_fraction is.
+LOOP_PARTS = frozenset({"data_wait_s", "compute_s"})
+
+
+def breakdown(run: Run) -> list[tuple[str, float, float | None, str]]:
+    """(label, seconds, share, colour) of the cell's time, or [] without loop figures.
+
+    The share of waiting for data and of computing is of the loop (their sum), the figure the
+    headline's "waiting for data" and the loader's findings speak of; the parts outside the loop
+    (before the first step, after the last, between steps) have seconds and no share (None).
+    """
     parts = run.summary.get("time_breakdown")
     if not parts:
         return []
     shown = [(key, label, color) for key, label, color in BREAKDOWN if key in parts or key not in OPTIONAL_PARTS]
-    total = sum(parts.get(key) or 0.0 for key, _, _ in shown)
-    if total <= 0:
+    if sum(parts.get(key) or 0.0 for key, _, _ in shown) <= 0:
         return []
-    return [(label, parts.get(key) or 0.0, (parts.get(key) or 0.0) / total, color) for key, label, color in shown]
+    loop = sum(parts.get(key) or 0.0 for key in LOOP_PARTS)
+    return [(label, parts.get(key) or 0.0,
+             ((parts.get(key) or 0.0) / loop if loop > 0 else None) if key in LOOP_PARTS else None, color)
+            for key, label, color in shown]
+
+
+def wait_share(run: Run) -> float | None:
+    """The loop's share of time waiting for data, the one figure the headline and the breakdown show:
+    the breakdown's (every loader's waits over the loop's time) where it has one, else the summary's."""
+    parts = run.summary.get("time_breakdown") or {}
+    loop = sum(parts.get(key) or 0.0 for key in LOOP_PARTS)
+    if loop > 0:
+        return (parts.get("data_wait_s") or 0.0) / loop
+    return run.summary.get("data_wait_fraction")
+
+
+def breakdown_part(label: str, seconds: float, share: float | None) -> str:
+    """One part of the breakdown as text: "waiting for data 2.0 s (41% of the loop)"; "computing 3.0 s
+    (59%)"; "before the first step 122 ms"."""
+    if share is None:
+        return f"{label} {fmt_seconds(seconds)}"
+    return f"{label} {fmt_seconds(seconds)} ({fmt_fraction(share)}{' of the loop' if label == BREAKDOWN[0][1] else ''})"
 
 
 def breakdown_owner(run: Run) -> str | None:
@@ -294,15 +359,16 @@ def gpu_lines(run: Run) -> list[str]:
 
 
 def finding_text(finding: Finding) -> str:
-    lines = [f"[{finding.severity}] {finding.title} ({finding.rule})"]
+    lines = [f"[{finding.severity}] {finding.title} ({finding.rule})"
+             + (f" [{MACHINE_LABEL}]" if finding.machine_level else "")]
     if finding.evidence:
         lines.append("  evidence: " + ", ".join(f"{k}={_short(v)}" for k, v in finding.evidence.items()))
     if finding.suggestion:
         lines.append("  " + finding.suggestion)
     if finding.code:
         lines += ["  change:"] + ["    " + line for line in finding.code.splitlines()]
-    if finding.expected_speedup is not None:
-        lines.append(f"  expected gain: {_gain(finding)}")
+    if (gain := gain_text(finding)) is not None:
+        lines.append(f"  expected gain: {gain}")
     return "\n".join(lines)
 
 
@@ -319,13 +385,14 @@ def comparison_line(run: Run) -> str | None:
     return line
 
 
-def _gain(finding: Finding) -> str:
-    """The gain of the finding's change, with the bound if no waiting remained where it differs."""
+def gain_text(finding: Finding) -> str | None:
+    """The finding's gain as every surface says it (:func:`fmt_gain`), with the bound if no waiting
+    remained where its evidence has a larger one; None where the measurement gives none."""
+    if finding.expected_speedup is None:
+        return None
     upper = finding.evidence.get("upper_bound_speedup")
-    if isinstance(upper, (int, float)) and upper > (finding.expected_speedup or 0) + 0.005:
-        remained = "no waiting or warm-up" if finding.evidence.get("warmup_steps") else "no waiting"
-        return f"about {finding.expected_speedup:.2f}x (at most {upper:.2f}x if {remained} remained)"
-    return f"up to {finding.expected_speedup:.2f}x"
+    remained = "no waiting or warm-up" if finding.evidence.get("warmup_steps") else "no waiting"
+    return fmt_gain(finding.expected_speedup, upper if isinstance(upper, (int, float)) else None, remained)
 
 
 RANK_COLUMNS = ("rank", "pid", "GPU", "steps", "samples/s", "data wait", "step p50", "step p95")
@@ -353,7 +420,7 @@ def run_text(run: Run) -> str:
     if parts:
         owner = breakdown_owner(run)
         lines.append(f"  time{f' ({owner})' if owner else ''}: "
-                     + " · ".join(f"{label} {fmt_seconds(sec)} ({100 * share:.0f}%)" for label, sec, share, _ in parts))
+                     + " · ".join(breakdown_part(label, sec, share) for label, sec, share, _ in parts))
     if warmup := warmup_line(run):
         lines.append("  " + warmup)
     lines += ["  " + line for line in gpu_lines(run)]
@@ -473,8 +540,11 @@ def finding_html(finding: Finding, standalone: bool = True) -> str:
         f"<span class='gpuwidget-rule' style='font-family:monospace;font-size:11px;{_MUTED}'>"
         f"{html.escape(finding.rule)}</span>",
     ]
-    if finding.expected_speedup is not None:
-        parts.append(f" <span style='white-space:nowrap'>\u2192 {html.escape(_gain(finding))}</span>")
+    if (gain := gain_text(finding)) is not None:
+        parts.append(f" <span class='gpuwidget-gain' style='white-space:nowrap'>\u2192 {html.escape(gain)}</span>")
+    if finding.machine_level:
+        parts.append(f" <span class='gpuwidget-machine' style='font-size:11px;white-space:nowrap;{_BORDER};"
+                     f"border-radius:3px;padding:0 4px;margin-left:4px'>{html.escape(MACHINE_LABEL)}</span>")
     parts.append("</div>")
     if finding.suggestion:
         parts.append(f"<div style='margin:4px 0'>{html.escape(finding.suggestion)}</div>")
@@ -545,12 +615,14 @@ def breakdown_html(run: Run) -> str:
     parts = breakdown(run)
     if not parts:
         return ""
+    # The bar is the whole cell, each part as wide as its seconds; the legend's shares are the loop's.
+    total = sum(sec for _, sec, _, _ in parts)
     bar = "".join(
-        f"<div title='{html.escape(label)}: {fmt_seconds(sec)}' style='width:{100 * share:.2f}%;background:{color}'>"
-        "</div>" for label, sec, share, color in parts if share > 0)
+        f"<div title='{html.escape(label)}: {fmt_seconds(sec)}' style='width:{100 * sec / total:.2f}%;"
+        f"background:{color}'></div>" for label, sec, _, color in parts if sec > 0)
     legend = "".join(
         f"<span style='margin-right:14px;white-space:nowrap'><span style='color:{color}' aria-hidden='true'>"
-        f"&#9632;</span> {html.escape(label)} {fmt_seconds(sec)} ({100 * share:.0f}%)</span>"
+        f"&#9632;</span> {html.escape(breakdown_part(label, sec, share))}</span>"
         for label, sec, share, color in parts)
     return ("<div class='gpuwidget-breakdown' style='margin:2px 0 8px 0'>"
             "<div aria-hidden='true' style='display:flex;height:10px;max-width:640px;border-radius:3px;"

@@ -23,6 +23,7 @@ from gpuwidget.facts import MachineFacts
 from gpuwidget.kernelstatus import StatusWriter
 from gpuwidget.options import OptionError, WatchOptions, make_options
 from gpuwidget.probes import Probes
+from gpuwidget.probes.origin import notebook_cell
 from gpuwidget.run import Run, RunError
 from gpuwidget.sampler import Sampler
 from gpuwidget.sources.base import Source
@@ -32,7 +33,8 @@ from gpuwidget.trace import Trace
 log = logging.getLogger("gpuwidget")
 
 _last_run: Run | None = None
-# The last run of each watched source (cell text, or the `with` statement's place), oldest first.
+# The last run of each watched cell (cell_key: the notebook cell's id, or the `with` statement's place
+# in a file), oldest first: "since the previous run of this cell" compares only runs of one cell.
 _runs_by_source: dict[str, Run] = {}
 RUNS_BY_SOURCE = 32
 _active_lock = threading.Lock()
@@ -153,7 +155,7 @@ class Watch:
                  namespace: Any = None, source: str | None = None) -> None:
         self.options = options
         self.label = label
-        # What identifies "the same cell" run again (its code), for before -> after.
+        # What identifies "the same cell" run again (cell_key), for before -> after; None: compared with nothing.
         self.source = source
         # Where the user's names live (to call their loader `train_loader` in suggestions):
         # a mapping, or a callable returning one when the run ends.
@@ -455,14 +457,52 @@ def _in_ipython() -> bool:
     return get_ipython() is not None
 
 
+def running_cell_id() -> str | None:
+    """The id of the notebook cell IPython is running (``ExecutionInfo.cell_id``: the front-end's
+    ``cellId``, which JupyterLab and Notebook 7 send), or None (a console, nbclient, a script)."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return None
+    info = getattr(get_ipython(), "_gpuwidget_cell_info", None)  # magic.record_cell_info keeps it
+    cell_id = getattr(info, "cell_id", None)
+    return cell_id if isinstance(cell_id, str) and cell_id else None
+
+
+def cell_key(cell_id: str | None, place: str = "") -> str | None:
+    """What makes two watched runs runs of the same cell: the cell's id, with the ``with`` statement's
+    place inside it for ``watch()``. None without an id: identical text in two cells (or typed twice in
+    a console) is no sign of the same cell, so such a run is compared with nothing."""
+    return None if cell_id is None else f"cell {cell_id}" + (f" at {place}" if place else "")
+
+
+def loader_identity(run: Run) -> tuple[Any, ...] | None:
+    """The loop's data as the user knows it: its loader's and dataset's names, the dataset's class and
+    length (a rebuilt loader with other settings over the same data is the same); None without a loader."""
+    from gpuwidget.advice.summary import primary_loader
+
+    loader = primary_loader(run.workload)
+    if loader is None:
+        return None
+    settings = loader.get("settings") or {}
+    return (loader.get("name"), loader.get("dataset_name"), settings.get("dataset_type"), settings.get("dataset_len"))
+
+
+def comparable(before: Run, after: Run) -> bool:
+    """Two runs of one cell may be compared: they trained on the same data (:func:`loader_identity`)."""
+    return loader_identity(before) == loader_identity(after)
+
+
 def _remember(source: str | None, run: Run) -> None:
-    """Link ``run`` to the last finished run of the same source, and keep it as that source's last."""
+    """Link ``run`` to the last finished run of the same cell (:func:`cell_key`) where it trained on the
+    same data (:func:`comparable`), and keep it as that cell's last."""
     if source is None or not run.finished:
         return
     previous = _runs_by_source.pop(source, None)
     if previous is not None:
         previous.previous = None  # one step back only: a long session keeps no chain of runs
-        run.previous = previous
+        if comparable(previous, run):
+            run.previous = previous
     _runs_by_source[source] = run
     while len(_runs_by_source) > RUNS_BY_SOURCE:
         _runs_by_source.pop(next(iter(_runs_by_source)))
@@ -478,8 +518,12 @@ def watch(*, label: str = "", display: bool | None = None, **options: Any) -> It
     Bad options raise ``ValueError`` before anything starts.
     """
     caller = sys._getframe(2)  # the `with` statement's frame (1 is contextlib's __enter__)
-    # The same `with` statement run again is the same cell: its code object and line.
-    source = f"{caller.f_code.co_filename}:{caller.f_code.co_firstlineno}:{caller.f_lineno}"
+    # The same `with` statement run again is the same cell: its line in a file, or in a notebook
+    # cell (whose file IPython names after its text, the same for two cells of the same text) that
+    # line in the cell of the same id.
+    code = caller.f_code
+    place = f"{code.co_filename}:{code.co_firstlineno}:{caller.f_lineno}"
+    source = cell_key(running_cell_id(), place) if notebook_cell(code.co_filename) is not None else place
     session = Watch(make_options(**options), label=label, display=display,
                     namespace=lambda: {**caller.f_globals, **caller.f_locals}, source=source)
     run = session.start()

@@ -33,11 +33,11 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from gpuwidget.advice.code import _place
 from gpuwidget.advice.evidence import MIN_CAUSE_STEPS
 from gpuwidget.advice.finding import Finding
 from gpuwidget.advice.loader import STARVED_WAIT_FRACTION
 from gpuwidget.facts import LoopWait, MachineFacts, StackFacts, Summary, WorkloadFacts
+from gpuwidget.probes.origin import place as origin_place
 from gpuwidget.report import fmt_fraction, fmt_seconds
 
 RULE = "loop-waits"
@@ -91,7 +91,7 @@ def share_lower_bound(hits: int, total: int, z: float = CONFIDENCE_Z) -> float:
 
 def _finding(wait: LoopWait, stack: StackFacts) -> Finding:
     share = float(wait["share"])
-    place = _place(wait)
+    place = origin_place(wait)
     function = wait.get("function") or "<module>"
     own_line = function == "<module>"
     name = None if own_line else wait.get("name")
