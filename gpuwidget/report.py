@@ -258,7 +258,7 @@ def breakdown(run: Run) -> list[tuple[str, float, float | None, str]]:
     headline's "waiting for data" and the loader's findings speak of; the parts outside the loop
     (before the first step, after the last, between steps) have seconds and no share (None).
     """
-    parts = run.summary.get("time_breakdown")
+    parts = cast(Mapping[str, float], run.summary.get("time_breakdown") or {})
     if not parts:
         return []
     shown = [(key, label, color) for key, label, color in BREAKDOWN if key in parts or key not in OPTIONAL_PARTS]
@@ -273,7 +273,7 @@ def breakdown(run: Run) -> list[tuple[str, float, float | None, str]]:
 def wait_share(run: Run) -> float | None:
     """The loop's share of time waiting for data, the one figure the headline and the breakdown show:
     the breakdown's (every loader's waits over the loop's time) where it has one, else the summary's."""
-    parts = run.summary.get("time_breakdown") or {}
+    parts = cast(Mapping[str, float], run.summary.get("time_breakdown") or {})
     loop = sum(parts.get(key) or 0.0 for key in LOOP_PARTS)
     if loop > 0:
         return (parts.get("data_wait_s") or 0.0) / loop
@@ -504,6 +504,12 @@ _STYLE = (
 )
 
 
+def scoped_css(kind: str) -> tuple[str, str]:
+    """The panel's stylesheet and the attribute that scopes it, for an output of its own (Measure's
+    result, a finding shown alone): ``(style, "data-gpuwidget='kind'")``."""
+    return _PANEL_CSS, f"data-gpuwidget='{html.escape(kind)}'"
+
+
 def severity_badge(severity: str) -> str:
     """The severity as an icon and a word (colour alone would not tell it apart)."""
     color = SEVERITY_COLOR.get(severity, "#808080")
@@ -514,7 +520,8 @@ def severity_badge(severity: str) -> str:
 
 
 def code_html(code: str, label: str = "Change") -> str:
-    """A code block with a copy button above it (never over the code) and a live 'Copied' note."""
+    """A code block with a copy button above it (never over the code) and a live 'Copied' note: the
+    panel's findings and Measure's result share it (the button shows under :func:`scoped_css`)."""
     return (
         "<div class='gpuwidget-change' style='margin:6px 0 2px 0'>"
         "<div style='display:flex;align-items:center;flex-wrap:wrap;margin-bottom:3px'>"
@@ -523,8 +530,9 @@ def code_html(code: str, label: str = "Change") -> str:
         f"aria-label='Copy the code of this change' onclick=\"{html.escape(_COPY_JS)}\">Copy</button>"
         "<span class='gpuwidget-copied' role='status' aria-live='polite' "
         "style='font-size:12px;margin-left:8px'></span></div>"
+        # Lines as written: a long one scrolls rather than wrapping inside a name or a string.
         f"<pre class='gpuwidget-code' style='{_CODE_BACKGROUND};padding:6px 8px;margin:0;"
-        "border-radius:4px;white-space:pre-wrap;word-break:normal;overflow-wrap:anywhere;overflow-x:auto'>"
+        "border-radius:4px;white-space:pre;overflow-x:auto'>"
         f"<code style='background:transparent;color:inherit;padding:0'>{html.escape(code)}</code></pre></div>")
 
 
@@ -734,21 +742,39 @@ def _tick_label(value: float, end: float) -> str:
 # ----------------------------------------------------------------- result tables
 
 
+def _numeric(cells: Sequence[str]) -> bool:
+    """A column of figures (``41.2``, ``1.52x``, ``12%``, ``310 MB``, ``0.21 s``): aligned right, as
+    figures are read down a column; words and settings stay left."""
+    shown = [cell for cell in cells if cell and cell not in ("-", "n/a", "failed")]
+    return bool(shown) and all(cell[:1].isdigit() for cell in shown)
+
+
 def text_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
-    """Left-aligned columns as wide as their widest cell."""
-    widths = [max(len(str(row[i])) for row in [headers, *rows]) for i in range(len(headers))]
-    return ["  ".join(str(cell).ljust(width) for cell, width in zip(row, widths)).rstrip()
+    """Columns as wide as their widest cell: figures right-aligned, words left."""
+    columns = range(len(headers))
+    widths = [max(len(str(row[i])) for row in [headers, *rows]) for i in columns]
+    right = [_numeric([str(row[i]) for row in rows]) for i in columns]
+    return ["  ".join(str(cell).rjust(width) if align else str(cell).ljust(width)
+                      for cell, width, align in zip(row, widths, right)).rstrip()
             for row in [headers, *rows]]
 
 
-def html_table(headers: Sequence[str], rows: Sequence[Sequence[str]], bold: Sequence[bool] = ()) -> str:
-    """An HTML table; rows whose ``bold`` flag is set are emphasised."""
-    head = "".join(f"<th style='text-align:left;padding:2px 10px'>{html.escape(h)}</th>" for h in headers)
+def html_table(headers: Sequence[str], rows: Sequence[Sequence[str]], bold: Sequence[bool] = (),
+               caption: str = "") -> str:
+    """An HTML table; rows whose ``bold`` flag is set are emphasised. Figures are right-aligned (with
+    their header), words left; no cell wraps (a setting is one unit)."""
+    right = [_numeric([str(row[i]) for row in rows]) for i in range(len(headers))]
+    cell = "padding:2px 10px;white-space:nowrap;text-align:{}"
+    head = "".join(f"<th scope='col' style='{cell.format('right' if r else 'left')};{_RULE_BELOW}'>"
+                   f"{html.escape(h)}</th>" for h, r in zip(headers, right))
     body = "".join(
         "<tr" + (" style='font-weight:600'" if i < len(bold) and bold[i] else "") + ">"
-        + "".join(f"<td style='padding:2px 10px'>{html.escape(str(cell))}</td>" for cell in row) + "</tr>"
+        + "".join(f"<td style='{cell.format('right' if r else 'left')}'>{html.escape(str(value))}</td>"
+                  for value, r in zip(row, right)) + "</tr>"
         for i, row in enumerate(rows))
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+    title = f"<caption style='text-align:left;{_MUTED}'>{html.escape(caption)}</caption>" if caption else ""
+    return (f"<table style='border-collapse:collapse;font-size:12px;margin:4px 0'>{title}"
+            f"<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")
 
 
 def _polyline(t: np.ndarray, values: np.ndarray, x: Any, y: Any) -> str:
