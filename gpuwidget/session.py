@@ -171,6 +171,7 @@ class Watch:
         self._objects: dict[str, Any] = {}
         self._started = 0.0
         self._status: StatusWriter | None = None
+        self._outputs: Any = None  # ui.outputs.CellOutputs: what the cell itself sends, while the live view shows
 
     def start(self) -> Run:
         global _active
@@ -198,6 +199,7 @@ class Watch:
                 self._show_live(trace, machine)
                 if self._live is not None:
                     listeners.append(self._live.on_tick)
+                    self._record_outputs()
             self._sampler = Sampler(self._sources, trace, self.options.interval, listeners)
             self._started = now()
             trace.start_clock = self._started
@@ -218,6 +220,18 @@ class Watch:
         except Exception as exc:  # noqa: BLE001 - no live view is better than a broken cell
             log.warning("gpuwidget: live view unavailable: %s", exc)
             self._live = None
+
+    def _record_outputs(self) -> None:
+        try:
+            from IPython import get_ipython
+
+            from gpuwidget.ui.outputs import CellOutputs
+
+            outputs = CellOutputs(get_ipython())
+            self._outputs = outputs if outputs.install() else None
+        except Exception as exc:  # noqa: BLE001 - the panel then goes below an emptied live view
+            log.warning("gpuwidget: the cell's outputs are not recorded: %s", exc)
+            self._outputs = None
 
     def finish(self, error: BaseException | None = None) -> Run:
         """Stop everything, summarise, record and show the run. Never raises."""
@@ -303,7 +317,7 @@ class Watch:
         try:
             with _interrupts_held() as held:  # a Ctrl-C now is honoured once every step has run
                 for step in (self._remove_probes, self._close_children, self._stop_sampler, self._close_sources,
-                             self._close_live):
+                             self._stop_recording, self._close_live):
                     try:
                         step()
                     except Exception as exc:  # noqa: BLE001 - the user's cell has ended; nothing may raise into it
@@ -336,6 +350,10 @@ class Watch:
             else:
                 _close_quietly(source)
 
+    def _stop_recording(self) -> None:
+        if self._outputs is not None:
+            self._outputs.remove()
+
     def _close_live(self) -> None:
         if self._live is not None:
             self._live.close()
@@ -357,14 +375,17 @@ class Watch:
         try:
             # What the cell printed goes out first: the panel comes after it, as output does.
             _flush_streams()
-            if self._handle is not None:
-                # The live view's output is emptied (no widget without saved state stays in the
-                # notebook to show an error) and the panel shown below what the cell printed.
-                self._handle.update({"text/plain": ""}, raw=True)
-            if _in_ipython():
-                from IPython.display import display
+            from gpuwidget.ui.outputs import end_live_view
 
-                display(run)
+            # The live view's output becomes the panel (no widget without saved state stays in the
+            # notebook to show an error, and no emptied output either), after what the cell printed.
+            if self._outputs is None or not end_live_view(self._outputs, self._handle, run._repr_mimebundle_()):
+                if self._handle is not None:
+                    self._handle.update({"text/plain": ""}, raw=True)
+                if _in_ipython():
+                    from IPython.display import display
+
+                    display(run)
             self._offer_measurement(run)
         except Exception as exc:  # noqa: BLE001
             log.warning("gpuwidget: could not show the run: %s", exc)
