@@ -498,15 +498,16 @@ def cell_key(cell_id: str | None, place: str = "") -> str | None:
 
 
 def loader_identity(run: Run) -> tuple[Any, ...] | None:
-    """The loop's data as the user knows it: its loader's and dataset's names, the dataset's class and
-    length (a rebuilt loader with other settings over the same data is the same); None without a loader."""
+    """The loop's data: its dataset's name, class and length. A loader rebuilt with other settings over
+    the same data (the change a finding suggests, under the same name or another) is the same; a loader
+    over another dataset is not. None without a loader."""
     from gpuwidget.advice.summary import primary_loader
 
     loader = primary_loader(run.workload)
     if loader is None:
         return None
     settings = loader.get("settings") or {}
-    return (loader.get("name"), loader.get("dataset_name"), settings.get("dataset_type"), settings.get("dataset_len"))
+    return (loader.get("dataset_name"), settings.get("dataset_type"), settings.get("dataset_len"))
 
 
 def comparable(before: Run, after: Run) -> bool:

@@ -184,7 +184,8 @@ def test_contention_needs_a_tenth_of_the_time_lost_waiting_for_a_core():
     at = cpu_contention.check(busy_host(loop_delay=10.0, others=60.0), facts(wait_delay=0.02), MACHINE)
     assert at is not None and at.evidence["run_delay_fraction"] == 0.1 and at.severity == "warn"
     assert at.evidence["speedup_without_contention"] == pytest.approx(1 / 0.9, rel=0.01)
-    assert at.expected_speedup is None  # not a change to the code: the loader's findings rank first
+    # Its bound is its gain, as for any finding (it ranks by it), and it is marked as the machine's.
+    assert at.expected_speedup == at.evidence["speedup_without_contention"] and at.machine_level
     assert cpu_contention.check(busy_host(loop_delay=9.9, others=60.0), facts(wait_delay=0.02), MACHINE) is None
     assert cpu_contention.check(busy_host(loop_delay=40.0), facts(), MACHINE).severity == "critical"
 
@@ -211,7 +212,7 @@ def test_contention_is_named_for_a_loop_that_is_not_starved_when_its_thread_wait
     found = cpu_contention.check(busy_host(loop_delay=20.0), fed, MACHINE)
     assert found is not None and found.severity == "warn" and found.evidence["loop_run_delay_fraction"] == 0.2
     assert found.evidence["speedup_without_contention"] == pytest.approx(1.25)
-    assert "at most 1.25x faster" in found.suggestion and found.expected_speedup is None
+    assert "at most 1.25x faster" in found.suggestion and found.expected_speedup == 1.25
     assert cpu_contention.check(busy_host(loop_delay=9.9), fed, MACHINE) is None
     # Others holding most of the cores is worth saying only to a starved loop (told to add workers).
     assert cpu_contention.check(busy_host(loop_delay=3.0, others=200.0), fed, MACHINE) is None
