@@ -533,7 +533,9 @@ def code_html(code: str, label: str = "Change") -> str:
         # Lines as written: a long one scrolls rather than wrapping inside a name or a string.
         f"<pre class='gpuwidget-code' style='{_CODE_BACKGROUND};padding:6px 8px;margin:0;"
         "border-radius:4px;white-space:pre;overflow-x:auto'>"
-        f"<code style='background:transparent;color:inherit;padding:0'>{html.escape(code)}</code></pre></div>")
+        # The code element too: JupyterLab's own stylesheet breaks a code element's text anywhere.
+        f"<code style='background:transparent;color:inherit;padding:0;white-space:pre;word-break:normal;"
+        f"overflow-wrap:normal'>{html.escape(code)}</code></pre></div>")
 
 
 def finding_html(finding: Finding, standalone: bool = True) -> str:
@@ -545,7 +547,7 @@ def finding_html(finding: Finding, standalone: bool = True) -> str:
         f"data-severity='{html.escape(finding.severity)}' role='group' aria-label='{html.escape(finding.title)}' "
         f"style='border-left:4px solid {color};padding:4px 10px;margin:8px 0'>",
         f"<div>{severity_badge(finding.severity)}<b>{html.escape(finding.title)}</b> "
-        f"<span class='gpuwidget-rule' style='font-family:monospace;font-size:11px;{_MUTED}'>"
+        f"<span class='gpuwidget-rule' style='font-family:monospace;font-size:11px;white-space:nowrap;{_MUTED}'>"
         f"{html.escape(finding.rule)}</span>",
     ]
     if (gain := gain_text(finding)) is not None:
@@ -628,8 +630,9 @@ def breakdown_html(run: Run) -> str:
     bar = "".join(
         f"<div title='{html.escape(label)}: {fmt_seconds(sec)}' style='width:{100 * sec / total:.2f}%;"
         f"background:{color}'></div>" for label, sec, _, color in parts if sec > 0)
-    legend = "".join(
-        f"<span style='margin-right:14px;white-space:nowrap'><span style='color:{color}' aria-hidden='true'>"
+    # Spaces between the parts: the legend wraps between them (each part itself stays on one line).
+    legend = " ".join(
+        f"<span style='margin-right:10px;white-space:nowrap'><span style='color:{color}' aria-hidden='true'>"
         f"&#9632;</span> {html.escape(breakdown_part(label, sec, share))}</span>"
         for label, sec, share, color in parts)
     return ("<div class='gpuwidget-breakdown' style='margin:2px 0 8px 0'>"
@@ -713,8 +716,8 @@ def chart_html(run: Run) -> str:
     t, series = found
     described = "; ".join(f"{name} mean {fmt_percent(_mean(values))}" for name, _, _, values in series)
     alt = f"Utilisation over the run (0 to {fmt_seconds(float(t[-1] - t[0]))}): {described}"
-    legend = "".join(
-        f"<span style='margin-right:14px;white-space:nowrap'><span style='color:{color}' aria-hidden='true'>"
+    legend = " ".join(
+        f"<span style='margin-right:10px;white-space:nowrap'><span style='color:{color}' aria-hidden='true'>"
         f"{'&#9476;' if dash else '&#9473;'}</span> {html.escape(name)}</span>" for name, color, dash, _ in series)
     if any(True for _ in run.trace.spans(DATA_WAIT_SPAN)):
         legend += (f"<span style='white-space:nowrap'><span style='color:{WAIT_COLOR}' aria-hidden='true'>&#9632;"

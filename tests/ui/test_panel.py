@@ -158,7 +158,7 @@ def test_panel_after_output_copyable_themed_small_and_reopens_clean(lab, wide_pa
 
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     page.evaluate("() => window.getSelection().removeAllRanges()")
-    page.set_viewport_size({"width": 1150, "height": 1700})  # the whole panel in one picture
+    page.set_viewport_size({"width": 1150, "height": 2400})  # the whole panel in one picture, under the toolbar
     panel.scroll_into_view_if_needed()
     # One story: the headline is the first finding's cause and gain, as its card says them.
     cause = panel.locator(".gpuwidget-cause").inner_text().strip()
