@@ -65,8 +65,8 @@ class Run:
     finished: bool = False
     # Set by --tune or the panel's Measure button: the tuner's result (not saved).
     tuning: Any = None
-    # The last run of the same cell (the same source) in this kernel, for before -> after
-    # (not saved; it holds no previous run of its own).
+    # The last run of the same cell (its cell id: session.cell_key) on the same data in this kernel, for
+    # before -> after (not saved; it holds no previous run of its own).
     previous: Run | None = None
 
     # ------------------------------------------------------------- conveniences

@@ -23,6 +23,7 @@ from gpuwidget.figures.summary import summarize
 from gpuwidget.kernelstatus import StatusWriter
 from gpuwidget.options import OptionError, WatchOptions, make_options
 from gpuwidget.probes import Probes
+from gpuwidget.probes.origin import notebook_cell
 from gpuwidget.run import Run, RunError
 from gpuwidget.sampler import Sampler
 from gpuwidget.sources.base import Source
@@ -33,7 +34,8 @@ from gpuwidget.trace import Trace
 log = logging.getLogger("gpuwidget")
 
 _last_run: Run | None = None
-# The last run of each watched source (cell text, or the `with` statement's place), oldest first.
+# The last run of each watched cell (cell_key: the notebook cell's id, or the `with` statement's place
+# in a file), oldest first: "since the previous run of this cell" compares only runs of one cell.
 _runs_by_source: dict[str, Run] = {}
 RUNS_BY_SOURCE = 32
 _active_lock = threading.Lock()
@@ -105,7 +107,7 @@ class Watch:
                  namespace: Any = None, source: str | None = None) -> None:
         self.options = options
         self.label = label
-        # What identifies "the same cell" run again (its code), for before -> after.
+        # What identifies "the same cell" run again (cell_key), for before -> after; None: compared with nothing.
         self.source = source
         # Where the user's names live (to call their loader `train_loader` in suggestions):
         # a mapping, or a callable returning one when the run ends.
@@ -121,6 +123,7 @@ class Watch:
         self._objects: dict[str, Any] = {}
         self._started = 0.0
         self._status: StatusWriter | None = None
+        self._outputs: Any = None  # ui.outputs.CellOutputs: what the cell itself sends, while the live view shows
 
     def start(self) -> Run:
         global _active
@@ -148,6 +151,7 @@ class Watch:
                 self._show_live(trace, machine)
                 if self._live is not None:
                     listeners.append(self._live.on_tick)
+                    self._record_outputs()
             self._sampler = Sampler(self._sources, trace, self.options.interval, listeners)
             self._started = now()
             trace.start_clock = self._started
@@ -168,6 +172,18 @@ class Watch:
         except Exception as exc:  # noqa: BLE001 - no live view is better than a broken cell
             log.warning("gpuwidget: live view unavailable: %s", exc)
             self._live = None
+
+    def _record_outputs(self) -> None:
+        try:
+            from IPython import get_ipython
+
+            from gpuwidget.ui.outputs import CellOutputs
+
+            outputs = CellOutputs(get_ipython())
+            self._outputs = outputs if outputs.install() else None
+        except Exception as exc:  # noqa: BLE001 - the panel then goes below an emptied live view
+            log.warning("gpuwidget: the cell's outputs are not recorded: %s", exc)
+            self._outputs = None
 
     def finish(self, error: BaseException | None = None) -> Run:
         """Stop everything, summarise, record and show the run. Never raises."""
@@ -253,7 +269,7 @@ class Watch:
         try:
             with _interrupts_held() as held:  # a Ctrl-C now is honoured once every step has run
                 for step in (self._remove_probes, self._close_children, self._stop_sampler, self._close_sources,
-                             self._close_live):
+                             self._stop_recording, self._close_live):
                     try:
                         step()
                     except Exception as exc:  # noqa: BLE001 - the user's cell has ended; nothing may raise into it
@@ -286,6 +302,10 @@ class Watch:
             else:
                 _close_quietly(source)
 
+    def _stop_recording(self) -> None:
+        if self._outputs is not None:
+            self._outputs.remove()
+
     def _close_live(self) -> None:
         if self._live is not None:
             self._live.close()
@@ -307,14 +327,17 @@ class Watch:
         try:
             # What the cell printed goes out first: the panel comes after it, as output does.
             _flush_streams()
-            if self._handle is not None:
-                # The live view's output is emptied (no widget without saved state stays in the
-                # notebook to show an error) and the panel shown below what the cell printed.
-                self._handle.update({"text/plain": ""}, raw=True)
-            if _in_ipython():
-                from IPython.display import display
+            from gpuwidget.ui.outputs import end_live_view
 
-                display(run)
+            # The live view's output becomes the panel (no widget without saved state stays in the
+            # notebook to show an error, and no emptied output either), after what the cell printed.
+            if self._outputs is None or not end_live_view(self._outputs, self._handle, run._repr_mimebundle_()):
+                if self._handle is not None:
+                    self._handle.update({"text/plain": ""}, raw=True)
+                if _in_ipython():
+                    from IPython.display import display
+
+                    display(run)
             self._offer_measurement(run)
         except Exception as exc:  # noqa: BLE001
             log.warning("gpuwidget: could not show the run: %s", exc)
@@ -407,14 +430,53 @@ def _in_ipython() -> bool:
     return get_ipython() is not None
 
 
+def running_cell_id() -> str | None:
+    """The id of the notebook cell IPython is running (``ExecutionInfo.cell_id``: the front-end's
+    ``cellId``, which JupyterLab and Notebook 7 send), or None (a console, nbclient, a script)."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return None
+    info = getattr(get_ipython(), "_gpuwidget_cell_info", None)  # magic.record_cell_info keeps it
+    cell_id = getattr(info, "cell_id", None)
+    return cell_id if isinstance(cell_id, str) and cell_id else None
+
+
+def cell_key(cell_id: str | None, place: str = "") -> str | None:
+    """What makes two watched runs runs of the same cell: the cell's id, with the ``with`` statement's
+    place inside it for ``watch()``. None without an id: identical text in two cells (or typed twice in
+    a console) is no sign of the same cell, so such a run is compared with nothing."""
+    return None if cell_id is None else f"cell {cell_id}" + (f" at {place}" if place else "")
+
+
+def loader_identity(run: Run) -> tuple[Any, ...] | None:
+    """The loop's data: its dataset's name, class and length. A loader rebuilt with other settings over
+    the same data (the change a finding suggests, under the same name or another) is the same; a loader
+    over another dataset is not. None without a loader."""
+    from gpuwidget.figures.summary import primary_loader
+
+    loader = primary_loader(run.workload)
+    if loader is None:
+        return None
+    settings = loader.get("settings") or {}
+    return (loader.get("dataset_name"), settings.get("dataset_type"), settings.get("dataset_len"))
+
+
+def comparable(before: Run, after: Run) -> bool:
+    """Two runs of one cell may be compared: they trained on the same data (:func:`loader_identity`)."""
+    return loader_identity(before) == loader_identity(after)
+
+
 def _remember(source: str | None, run: Run) -> None:
-    """Link ``run`` to the last finished run of the same source, and keep it as that source's last."""
+    """Link ``run`` to the last finished run of the same cell (:func:`cell_key`) where it trained on the
+    same data (:func:`comparable`), and keep it as that cell's last."""
     if source is None or not run.finished:
         return
     previous = _runs_by_source.pop(source, None)
     if previous is not None:
         previous.previous = None  # one step back only: a long session keeps no chain of runs
-        run.previous = previous
+        if comparable(previous, run):
+            run.previous = previous
     _runs_by_source[source] = run
     while len(_runs_by_source) > RUNS_BY_SOURCE:
         _runs_by_source.pop(next(iter(_runs_by_source)))
@@ -430,8 +492,12 @@ def watch(*, label: str = "", display: bool | None = None, **options: Any) -> It
     Bad options raise ``ValueError`` before anything starts.
     """
     caller = sys._getframe(2)  # the `with` statement's frame (1 is contextlib's __enter__)
-    # The same `with` statement run again is the same cell: its code object and line.
-    source = f"{caller.f_code.co_filename}:{caller.f_code.co_firstlineno}:{caller.f_lineno}"
+    # The same `with` statement run again is the same cell: its line in a file, or in a notebook
+    # cell (whose file IPython names after its text, the same for two cells of the same text) that
+    # line in the cell of the same id.
+    code = caller.f_code
+    place = f"{code.co_filename}:{code.co_firstlineno}:{caller.f_lineno}"
+    source = cell_key(running_cell_id(), place) if notebook_cell(code.co_filename) is not None else place
     session = Watch(make_options(**options), label=label, display=display,
                     namespace=lambda: {**caller.f_globals, **caller.f_locals}, source=source)
     run = session.start()

@@ -10,6 +10,12 @@ from gpuwidget.report import finding_html, finding_text
 
 Severity = Literal["info", "warn", "critical"]
 SEVERITIES: tuple[Severity, ...] = ("info", "warn", "critical")
+# Causes that lie in the machine, not in the user's code: other processes holding the cores, a GPU
+# slowed by heat or a lowered power limit. They rank by their gain like any other, and say whose they are.
+MACHINE_RULES = frozenset({"cpu-contention", "gpu-throttled"})
+# A gain under this shows as 1.00x: nothing to gain that the measurement can tell (the loop's timers
+# are good to a few ms over the second a cause needs, advice.evidence.MIN_CAUSE_LOOP_S: half a percent).
+NOTHING_TO_GAIN = 1.005
 
 
 @dataclass(frozen=True)
@@ -37,6 +43,16 @@ class Finding:
             raise ValueError(f"severity must be one of {SEVERITIES}, not {self.severity!r}")
         if self.expected_speedup is not None and not self.expected_speedup >= 1.0:
             raise ValueError(f"expected_speedup is a bound >= 1.0, not {self.expected_speedup!r}")
+
+    @property
+    def machine_level(self) -> bool:
+        """The cause is the machine's (its cores, its GPU's clocks), not a change to the user's code."""
+        return self.rule in MACHINE_RULES
+
+    @property
+    def nothing_to_gain(self) -> bool:
+        """Its change gains nothing the measurement can tell (``expected_speedup`` under 1.005)."""
+        return self.expected_speedup is not None and self.expected_speedup < NOTHING_TO_GAIN
 
     def to_dict(self) -> dict[str, Any]:
         return {

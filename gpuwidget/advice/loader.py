@@ -128,6 +128,14 @@ class LoaderDiagnosis:
         return self.loader.get("name") or "the DataLoader"
 
     @property
+    def waited(self) -> str:
+        """The loop's share of time waiting for data in words: "41% of the time", or where a warm-up was
+        left out (figures.warmup), "29% of the time after its warm-up", as that figure is not the headline's."""
+        from gpuwidget.report import fmt_fraction
+
+        return f"{fmt_fraction(self.wait_fraction)} of the time" + (" after its warm-up" if self.warmup_steps else "")
+
+    @property
     def time_lost_to_contention(self) -> float | None:
         """The larger share of wall time the loop's thread or the batch builders were ready to
         run but waited for a core; None without run-delay counters."""

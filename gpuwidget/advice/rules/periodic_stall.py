@@ -32,6 +32,8 @@ from gpuwidget.advice.rules._gpu import model_name
 from gpuwidget.facts import MachineFacts, Summary, WorkloadFacts
 from gpuwidget.figures.summary import loop_step_times
 from gpuwidget.figures.warmup import split_run
+from gpuwidget.probes.origin import place
+from gpuwidget.report import fmt_fraction, fmt_seconds
 
 RULE = "periodic-stall"
 # A stall is a step longer than OUTLIER_RATIO times the median step and longer than the
@@ -170,15 +172,30 @@ def large_stalls(slow: Sequence[int], step_times: Sequence[float], median: float
     return [i for i, extra in zip(slow, excess.tolist()) if extra >= LARGE_STALL_SHARE * typical]
 
 
+def _kind_of(wait: Mapping[str, Any]) -> str | None:
+    """"checkpoint" or "evaluation" by a loop wait's function and file (its stack samples), or None."""
+    function, file = str(wait.get("function") or "").lower(), str(wait.get("file") or "").lower()
+    return ("checkpoint" if any(mark in function for mark in CHECKPOINT_MARKS)
+            or any(file.endswith(name) or f"/{name}/" in file for name in CHECKPOINT_FILES) else
+            "evaluation" if any(mark in function for mark in EVALUATION_MARKS) else None)
+
+
+def stall_site(workload: WorkloadFacts, kind: str | None) -> str | None:
+    """Where the stall's time went, in the user's terms (probes.origin.place): the loop wait of that
+    kind with the most seconds, or None where the stack samples name none."""
+    waits = [wait for wait in cast(Mapping[str, Any], workload).get("loop_waits") or []
+             if kind is not None and _kind_of(wait) == kind and wait.get("file")]
+    if not waits:
+        return None
+    return place(max(waits, key=lambda wait: float(wait.get("seconds") or 0.0)))
+
+
 def stall_kind(workload: WorkloadFacts, stalls: int, steps: int) -> tuple[str | None, dict[str, Any]]:
     """"checkpoint", "evaluation" or None (not measured), and the measurement that says so."""
     waits = cast(Mapping[str, Any], workload).get("loop_waits") or []
     seconds = {"checkpoint": 0.0, "evaluation": 0.0}
     for wait in waits:
-        function, file = str(wait.get("function") or "").lower(), str(wait.get("file") or "").lower()
-        kind = ("checkpoint" if any(mark in function for mark in CHECKPOINT_MARKS)
-                or any(file.endswith(name) or f"/{name}/" in file for name in CHECKPOINT_FILES) else
-                "evaluation" if any(mark in function for mark in EVALUATION_MARKS) else None)
+        kind = _kind_of(wait)
         if kind is not None:
             seconds[kind] += float(wait.get("seconds") or 0.0)
     if any(seconds.values()):
@@ -222,9 +239,10 @@ def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> F
                 "period_agreement": round(agreement, 2), **measured}
     if split.steps:
         evidence["warmup_steps"] = split.steps
-    seen = (f"{len(stalls)} steps took {stall:.2f} s longer than the usual {1000 * median:.1f} ms, about "
-            f"every {period} steps: {100 * fraction:.0f}% of the loop. That is the loop's own work, not data "
-            "loading")
+    site = stall_site(workload, kind)
+    seen = (f"{len(stalls)} steps took {fmt_seconds(stall)} longer than the usual {fmt_seconds(median)}, about "
+            f"every {period} steps: {fmt_fraction(fraction)} of the loop. That is the loop's own work, not data "
+            "loading" + (f" ({site})" if site else ""))
     if kind == "evaluation":
         what = ("most of it evaluation or sampling (the model ran between training steps). Evaluate less "
                 "often, on fewer batches or shorter samples, in eval mode under torch.inference_mode().")
@@ -240,7 +258,7 @@ def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> F
     return Finding(
         rule=RULE,
         severity="warn" if fraction < 0.25 else "critical",
-        title=f"Every {period} steps the loop stalls for {stall:.2f} s",
+        title=f"Every {period} steps the loop stalls for {fmt_seconds(stall)}",
         evidence=evidence,
         suggestion=f"{seen}: {what}",
         change={"every_n_steps": every, "off_training_thread": kind != "evaluation", "stall": kind or "unknown"},
