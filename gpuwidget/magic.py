@@ -42,7 +42,8 @@ class GpuWatchMagics(Magics):
                          none, or auto (default: static in VS Code and Colab, else bokeh)
           --no-live      no live plot while the cell runs (same as --view none)
           --no-advice    summary figures only, no findings
-          --tune         after the cell, measure DataLoader settings on its loader (at most 20 s)
+          --tune         after the cell, measure its loader's settings (at most 20 s) and every
+                         finding's change in its own training step (15 s each, then together)
           --save PATH    also write the run to PATH (.json, .html or .csv)
           --quiet        show nothing; the run is still recorded
           --price P      what one GPU-hour costs (any currency): the report shows the cell's cost

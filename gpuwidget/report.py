@@ -370,7 +370,15 @@ def finding_text(finding: Finding) -> str:
         lines += ["  change:"] + ["    " + line for line in finding.code.splitlines()]
     if (gain := gain_text(finding)) is not None:
         lines.append(f"  expected gain: {gain}")
+    if (measured := measured_line(finding)) is not None:
+        lines.append(f"  {measured}")
     return "\n".join(lines)
+
+
+def measured_line(finding: Finding) -> str | None:
+    """What measuring the finding's change gave (Finding.measure, --tune), beside its bound; None unmeasured."""
+    measured = getattr(finding, "measured", None)
+    return None if measured is None else str(measured.headline())
 
 
 def comparison_line(run: Run) -> str | None:
@@ -557,6 +565,10 @@ def finding_html(finding: Finding, standalone: bool = True) -> str:
         parts.append(f" <span class='gpuwidget-machine' style='font-size:11px;white-space:nowrap;{_BORDER};"
                      f"border-radius:3px;padding:0 4px;margin-left:4px'>{html.escape(MACHINE_LABEL)}</span>")
     parts.append("</div>")
+    if (measured := measured_line(finding)) is not None:
+        verdict = html.escape(str(getattr(finding.measured, "verdict", "")))
+        parts.append(f"<div class='gpuwidget-measured' data-verdict='{verdict}' style='margin:4px 0;font-weight:600'>"
+                     f"{html.escape(measured)}</div>")
     if finding.suggestion:
         parts.append(f"<div style='margin:4px 0'>{html.escape(finding.suggestion)}</div>")
     if finding.evidence:

@@ -68,6 +68,11 @@ class Run:
     # The last run of the same cell (its cell id: session.cell_key) on the same data in this kernel, for
     # before -> after (not saved; it holds no previous run of its own).
     previous: Run | None = None
+    # What Run.measure runs on (gpuwidget.measure.subjects: weak references to the cell's model,
+    # optimizer and loaders, one copied batch); not saved: a loaded run has nothing to measure.
+    subjects: Any = None
+    # Set by --tune or the panel's Measure button: every finding's change measured (not saved).
+    measured: Any = None
 
     # ------------------------------------------------------------- conveniences
 
@@ -83,6 +88,39 @@ class Run:
             "data_wait_fraction": [before.get("data_wait_fraction"), self.summary.get("data_wait_fraction")],
             "speedup": rate_after / rate_before,
         }
+
+    def measure(self, change: Mapping[str, Any], budget_s: float = 30.0, step: Any = None,
+                progress: Any = None) -> Any:
+        """Try ``change`` in this cell's own training step and measure it against the step as it is.
+
+        ``change`` is a dict of the keys in gpuwidget.measure.changes (``autocast``, ``tf32``, ``compile``,
+        ``channels_last``, ``fused_optimizer``, ``batch_size``, and the loader's ``num_workers``,
+        ``pin_memory``, ``persistent_workers``, ``prefetch_factor``); several keys are measured together.
+        ``step(model, batch) -> loss`` overrides the loss gpuwidget finds (gpuwidget.measure.loss);
+        ``progress(line, elapsed_s)`` is told as it goes. Returns a
+        :class:`~gpuwidget.measure.measurement.Measurement` (``speedup``, ``ci``, ``verdict``,
+        ``peak_memory_ratio``, ``numerics``, ``notes``) within about ``budget_s`` seconds. The model and
+        optimizer are copies; RNG, ``torch.backends`` switches and compile caches are put back.
+        ``ValueError`` for an unknown key or a bad value, before anything runs;
+        :class:`~gpuwidget.measure.sides.MeasureError` when this run has nothing to measure.
+        Ctrl-C stops it and returns what was measured so far.
+        """
+        from gpuwidget.measure.ab import measure_change
+        from gpuwidget.measure.changes import check_change
+        from gpuwidget.measure.sides import MeasureError
+
+        check_change(change)
+        if self.subjects is None:
+            raise MeasureError("this run's model and loaders are not in this process (a loaded or still running "
+                               "run): run the watched cell again and measure its run")
+        return measure_change(self.subjects, change, budget_s, step=step, progress=progress)
+
+    def adopt_findings(self) -> None:
+        """Let each finding reach this run (Finding.measure), without the run keeping anything new alive."""
+        import weakref
+
+        for finding in self.findings:
+            object.__setattr__(finding, "_run", weakref.ref(self))
 
     @property
     def ranks(self) -> list[dict[str, Any]]:

@@ -199,8 +199,10 @@ class Watch:
             run.finished = True
             run.trace.meta["duration_s"] = duration
             if self._probes is not None:
-                run.workload = self._probes.facts(self._user_namespace())
+                namespace = self._user_namespace()
+                run.workload = self._probes.facts(namespace)
                 self._objects = self._probes.objects()
+                run.subjects = _subjects(self._objects, namespace, run.workload)
             if self._children is not None:
                 run.workload = self._children.workload(run.workload)
             run.summary = summarize(run.trace, run.workload, duration_s=duration, machine=run.machine,
@@ -209,6 +211,7 @@ class Watch:
                 run.summary = self._children.summary(run.summary, run.workload)
             if self.options.advice:
                 run.findings = advise(run.summary, run.workload, run.machine)
+                run.adopt_findings()
             if self._sampler is not None:
                 stats = self._sampler.stats
                 run.sampler = {"ticks": stats.ticks, "missed_ticks": stats.missed_ticks,
@@ -232,27 +235,32 @@ class Watch:
         return run
 
     def _tune(self, run: Run) -> None:
-        """--tune: measure DataLoader settings on the cell's busiest loader, right after the run."""
-        loaders = self._objects.get("loaders") or []
-        if not loaders:
+        """--tune: right after the run, the tuner on the cell's loader and every finding's change measured
+        in the cell's own step, then the best set together (gpuwidget.measure.plan)."""
+        from gpuwidget.measure.plan import plan_budget
+
+        budget = plan_budget(run)
+        if not budget:
             if self.display and _in_ipython():
-                _show_text("gpuwidget --tune: no DataLoader was iterated in this cell, nothing to tune.")
+                _show_text("gpuwidget --tune: no DataLoader fed this cell and no finding has a change a training "
+                           "step can try: nothing to measure.")
             return
         try:
-            from gpuwidget.measure.tuner import DEFAULT_BUDGET_S, tune_for_run
+            from gpuwidget.measure.plan import measure_findings
             from gpuwidget.ui.progress import tuning_progress
 
-            with tuning_progress(DEFAULT_BUDGET_S, self.display and _in_notebook()) as progress:
-                run.tuning = tune_for_run(run, loaders[0], DEFAULT_BUDGET_S, progress)
+            with tuning_progress(budget, self.display and _in_notebook()) as bar:
+                run.measured = measure_findings(run, budget, progress=getattr(bar, "line", None), tuner_progress=bar)
+            run.tuning = run.measured.tuning
         except Exception as exc:  # noqa: BLE001 - the run itself is recorded and shown already
             log.warning("gpuwidget --tune: %s", exc)
             if self.display and _in_ipython():
-                _show_text(f"gpuwidget --tune: could not measure the loader: {exc}")
+                _show_text(f"gpuwidget --tune: could not measure: {exc}")
             return
         if self.display and _in_ipython():
             from IPython.display import display
 
-            display(run.tuning)
+            display(run.measured)
 
     def _user_namespace(self) -> Any:
         namespace = self.namespace() if callable(self.namespace) else self.namespace
@@ -343,16 +351,30 @@ class Watch:
             log.warning("gpuwidget: could not show the run: %s", exc)
 
     def _offer_measurement(self, run: Run) -> None:
-        """Under a loader finding, a button that measures its settings (clicks run after the cell)."""
+        """Under findings whose change a step can try, a button that measures them all (clicks run after
+        the cell): a loader finding's settings on the cell's loader, the others in its training step."""
         loaders = self._objects.get("loaders") or []
-        wants_workers = any("num_workers" in f.change for f in run.findings)
-        if self.options.tune or not loaders or not wants_workers or not _in_notebook():
+        wants_workers = bool(loaders) and any("num_workers" in f.change for f in run.findings)
+        trainable = run.subjects is not None and run.subjects.batch is not None and any(
+            f.trial_changes() for f in run.findings)
+        if self.options.tune or not (wants_workers or trainable) or not _in_notebook():
             return
         from IPython.display import display
 
         from gpuwidget.ui.actions import measure_button
 
-        display(measure_button(run, loaders[0]))
+        display(measure_button(run, loaders[0] if loaders else None))
+
+
+def _subjects(objects: dict[str, Any], namespace: Any, workload: Any) -> Any:
+    """What Run.measure will run on (gpuwidget.measure.subjects); None if it cannot be kept."""
+    try:
+        from gpuwidget.measure.subjects import Subjects
+
+        return Subjects.from_watch(objects, namespace, workload.get("training"))
+    except Exception as exc:  # noqa: BLE001 - the run is recorded without it; measure says why
+        log.warning("gpuwidget: nothing kept to measure changes on: %s", exc)
+        return None
 
 
 @contextmanager

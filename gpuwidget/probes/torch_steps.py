@@ -45,6 +45,7 @@ from typing import Any
 from gpuwidget.clock import now
 from gpuwidget.facts import TrainingFacts
 from gpuwidget.probes import BETWEEN_STEPS_SPAN, TRAIN_STEP_SPAN
+from gpuwidget.probes.batch_capture import CapturedBatch, capture_batch
 from gpuwidget.probes.torch_data import STEP_HISTORY, first_dim
 from gpuwidget.trace import Trace
 
@@ -114,6 +115,9 @@ class StepProbe:
         self.step_ends: deque[float] = deque(maxlen=STEP_HISTORY)
         self.between_total = 0.0
         self._counted_step_s: float | None = None
+        # For measuring a change later (gpuwidget.measure): one training forward's inputs, copied once.
+        self.captured: CapturedBatch | None = None
+        self._capture_tried = False
 
     # ---------------------------------------------------------------- hooks
 
@@ -192,12 +196,28 @@ class StepProbe:
             self._events.append((_FORWARD, now()))
             if self.steps >= FLOPS_AT_STEP and self._counter_ready and not self._flops_settled:
                 self._start_counting()
+            if not self._capture_tried:
+                self._capture(module, args, kwargs)
         elif self._counter is not None:
             self._counted_forwards += 1
             if self._counted_forwards > MAX_COUNTED_FORWARDS:
                 self._stop_counting(completed=False)
         if self._sampling:
             self._step_samples += first_dim(args) or first_dim(kwargs)
+
+    # ---------------------------------------------------------------- what a measurement reuses
+
+    def _capture(self, module: Any, args: Any, kwargs: Any) -> None:
+        """Once per watch, at the first training forward the hook sees: copy the batch (probes.batch_capture)."""
+        self._capture_tried = True
+        try:
+            self.captured = capture_batch(module, args, kwargs)
+        except Exception:  # noqa: BLE001 - a probe never breaks the user's step; nothing to measure later
+            self.captured = None
+
+    def optimizer(self) -> Any:
+        """The optimizer whose steps are counted (the trained model's), or None."""
+        return self._optimizer
 
     # ---------------------------------------------------------------- the trained model
 

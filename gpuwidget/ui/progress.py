@@ -34,8 +34,12 @@ class TuningProgress:
             f"at most {fmt_seconds(estimate_s)}"
 
     def __call__(self, trial: Trial, elapsed_s: float) -> None:
+        self.line(trial_line(trial), elapsed_s)
+
+    def line(self, text: str, elapsed_s: float) -> None:
+        """A measurement's progress (gpuwidget.measure.plan): what it is doing, seconds since it began."""
         self._bar.value = min(elapsed_s, self._bar.max)
-        self._label.value = trial_line(trial)
+        self._label.value = text
 
     def close(self) -> None:
         for widget in (self._bar, self._label, self._box):
@@ -72,7 +76,10 @@ class DisplayProgress:
                              f"{html.escape(text)}</div>"}
 
     def __call__(self, trial: Trial, elapsed_s: float) -> None:
-        self._handle.update(self._bundle(elapsed_s, trial_line(trial)), raw=True)
+        self.line(trial_line(trial), elapsed_s)
+
+    def line(self, text: str, elapsed_s: float) -> None:
+        self._handle.update(self._bundle(elapsed_s, text), raw=True)
 
     def close(self) -> None:
         self._handle.update({"text/plain": ""}, raw=True)
