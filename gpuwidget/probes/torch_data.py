@@ -167,7 +167,7 @@ class LoaderStats:
         else:
             step_starts = np.concatenate(([self.pending_start], starts[:-1]))
             step_ends, step_at = starts, at
-            compute = starts - np.concatenate(([self.last_end], ends[:-1]))
+            compute = starts - np.concatenate(([float(self.last_end or 0.0)], ends[:-1]))
         self.step_times.extend((step_ends - step_starts).tolist())
         self.compute_total = sum(compute.tolist(), self.compute_total)  # one by one, as the steps came
         wait = ends - starts
