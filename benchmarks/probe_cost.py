@@ -11,7 +11,9 @@ hooks taken out of torch's hook dicts) and put in again after, in alternating bl
 time per step (no sampler thread runs here: it is the loop's thread), each arm's lower decile of
 its blocks (on a shared host other tasks only ever add time) and the median difference.
 
-Also, per step, what the sampler thread does with what the probes queued: making the spans and
+Also the DataLoader probe alone: ``next()`` of the fast loop's loader (batch 8 of 256 floats) with and
+without its wrapper, epochs of 512 calls alternating, thread CPU time, lower decile; and per step,
+what the sampler thread does with what the probes queued: making the spans and
 putting them into the Trace (``DataLoaderProbe.flush`` and ``StepProbe.flush``), timed after each
 watched block.
 
@@ -105,10 +107,58 @@ def step_cost(loop: str, blocks: int, steps: int) -> dict[str, Any]:
             "spans": {kind: s.count for kind, s in spans.items() if s is not None}}
 
 
+def next_cost(epochs: int) -> dict[str, Any]:
+    """The DataLoader probe's wrapper alone, per next(), and its flush per step (thread CPU ns)."""
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+    from torch.utils.data.dataloader import _BaseDataLoaderIter
+
+    from gpuwidget.clock import now
+    from gpuwidget.probes import Probes
+    from gpuwidget.trace import Trace
+
+    torch.set_num_threads(1)
+    loader = DataLoader(TensorDataset(torch.randn(4096, 256), torch.randint(0, 10, (4096,))), batch_size=8)
+
+    def epoch() -> float:
+        started, count = time.thread_time_ns(), 0
+        for _ in loader:
+            count += 1
+        return (time.thread_time_ns() - started) / count
+
+    trace = Trace()
+    trace.start_clock = now()
+    probes = Probes(trace)
+    probes.poll()
+    wrapper, original = probes._data._wrappers["next"], probes._data._originals["next"]
+    bare: list[float] = []
+    probed: list[float] = []
+    flush: list[float] = []
+    try:
+        for _ in range(epochs):
+            _BaseDataLoaderIter.__next__ = original
+            bare.append(epoch())
+            _BaseDataLoaderIter.__next__ = wrapper
+            probed.append(epoch())
+            started = time.thread_time_ns()
+            probes._data.flush()
+            flush.append((time.thread_time_ns() - started) / len(loader))
+    finally:
+        _BaseDataLoaderIter.__next__ = wrapper
+        probes.uninstall()
+    low = max(0, epochs // 10)
+    bare.sort()
+    probed.sort()
+    return {"next_ns": bare[low], "probe_ns": probed[low] - bare[low], "flush_ns": median(flush), "epochs": epochs}
+
+
 def main() -> None:
     args = parse_args(__doc__.splitlines()[0], [("--loop", {"choices": LOOPS, "action": "append"})])
     info = print_header("gpuwidget probe cost per training step")
     blocks, steps = (10, 300) if args.quick else (60, 1500)
+    alone = next_cost(10 if args.quick else 40)
+    print(f"DataLoader probe alone: {alone['probe_ns']:.0f} ns per next() ({alone['next_ns']:.0f} ns bare), "
+          f"flush {alone['flush_ns']:.0f} ns per step on the sampler thread")
     results = [step_cost(loop, blocks, steps) for loop in (args.loop or LOOPS)]
     print()
     print("per step, process CPU ns (no sampler thread: the loop's own); lower decile of alternating blocks")
@@ -119,7 +169,8 @@ def main() -> None:
     verdicts = [verdict(f"probes per step on the loop's thread, {r['loop']} loop", r["probe_ns"] / 1e3,
                         TARGET_US_PER_STEP, higher_is_better=False, shown=f"{r['probe_ns'] / 1e3:.2f} us",
                         target_shown=f"{TARGET_US_PER_STEP} us") for r in results]
-    write_json(args.json, {"benchmark": "probe_cost", "machine": info, "quick": args.quick, "results": results,
+    write_json(args.json, {"benchmark": "probe_cost", "machine": info, "quick": args.quick, "next": alone,
+                           "results": results,
                            "verdicts": verdicts})
 
 
