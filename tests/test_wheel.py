@@ -93,7 +93,7 @@ def _build_wheel(outdir: Path) -> Path:
         pytest.fail(f"no built lab extension at {BUILT_LABEXT.parent.parent}: run `make install` (or `jlpm build`)")
     env = {**os.environ, "HATCH_JUPYTER_BUILDER_SKIP_NPM": "1"}
     proc = subprocess.run([sys.executable, "-m", "build", "--wheel", "--outdir", str(outdir), str(ROOT)],
-                          capture_output=True, text=True, timeout=600, env=env, cwd=outdir)
+                          capture_output=True, text=True, timeout=600, env=env, cwd=outdir.parent)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (wheel,) = outdir.glob("*.whl")
     return wheel
