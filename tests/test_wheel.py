@@ -66,10 +66,10 @@ class UserVenv:
     work: Path
     wheel: Path
 
-    def run(self, *args: str | Path, timeout: float = 180, check: bool = True) -> subprocess.CompletedProcess[str]:
-        """A command of this venv, as its user runs it (their home, their PATH, not in this tree)."""
-        command = [str(self.bin / str(args[0])) if not Path(args[0]).is_absolute() else str(args[0]),
-                   *map(str, args[1:])]
+    def run(self, name: str, *args: str | Path, timeout: float = 180, check: bool = True
+            ) -> subprocess.CompletedProcess[str]:
+        """The venv's command ``name``, as its user runs it (their home, their PATH, not in this tree)."""
+        command = [str(self.bin / name), *map(str, args)]
         proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=self.work,
                               env=self.env, stdin=subprocess.DEVNULL)
         if check and proc.returncode != 0:
@@ -130,7 +130,8 @@ def user_venv(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureR
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300, cwd=base)
     bin_dir = venv / "bin"
     env = _user_env(bin_dir, home)
-    wheelhouse = Path(request.config.cache.mkdir("wheel-test")) / "wheelhouse"
+    cache = getattr(request.config, "cache", None)  # None under -p no:cacheprovider: download each time
+    wheelhouse = (Path(cache.mkdir("wheel-test")) if cache is not None else base) / "wheelhouse"
     wheelhouse.mkdir(exist_ok=True)
     _pip_install(bin_dir / "python", env, wheel, wheelhouse, work)
     purelib = "import sysconfig; print(sysconfig.get_path('purelib'))"
