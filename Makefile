@@ -15,7 +15,11 @@ VBIN := $(CURDIR)/$(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 LABEXT := gpuwidget/labextension/package.json
-LABEXT_LINK := $(VENV)/share/jupyter/labextensions/gpuwidget
+# The lab extension's folder is named after its npm package (package.json "name").
+LABEXT_LINK := $(VENV)/share/jupyter/labextensions/jupyterlab-gpuwidget
+# What an install from before the rename left: the distribution "gpuwidget" and its link.
+OLD_DIST := gpuwidget
+OLD_LABEXT_LINK := $(VENV)/share/jupyter/labextensions/gpuwidget
 TS_SOURCES := $(wildcard labextension/src/*.ts labextension/src/*.tsx labextension/style/* labextension/schema/*)
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 NOTEBOOK_DIR := $(if $(wildcard notebooks),notebooks/,.)
@@ -38,7 +42,10 @@ $(STAMP): pyproject.toml package.json yarn.lock gpuwidget/children/_boot.py gpuw
 	@# never imported by the tests; Python compiles (and caches) the ones imported, when imported.
 	$(VPY) -m pip install --no-compile "$(TORCH_SPEC)"
 	@# a link left by `jupyter-builder develop` would make pip write through it into the source tree
-	if [ -L $(LABEXT_LINK) ]; then rm $(LABEXT_LINK); fi
+	for link in $(LABEXT_LINK) $(OLD_LABEXT_LINK); do if [ -L $$link ]; then rm $$link; fi; done
+	@# the distribution was called "gpuwidget" before (a name PyPI gives another project): an old
+	@# install's files would stay beside the new one's, its lab extension loaded twice
+	if $(VPY) -m pip show -q $(OLD_DIST) 2>/dev/null; then $(VPY) -m pip uninstall -y $(OLD_DIST); fi
 	PATH="$(VBIN):$$PATH" $(VPY) -m pip install --no-compile -e ".[test,dev]" "$(TORCH_SPEC)"
 	PATH="$(VBIN):$$PATH" $(VENV)/bin/jupyter-builder develop --overwrite . || { \
 	  echo "make: linking the lab extension failed; gpuwidget/__init__.py must re-export" >&2; \

@@ -23,9 +23,9 @@ from gpuwidget import session
 
 from support import sampler_threads
 
-# The fake NVML (fixture ``fake_nvml``) for every test module.
+# The fake NVML and amdsmi (fixtures ``fake_nvml``, ``fake_amdsmi``) for every test module.
 # pytest-jupyter's server fixtures (jp_fetch, jp_ws_fetch, ...) for tests/test_server.py.
-pytest_plugins = ["fakenvml", "pytest_jupyter.jupyter_server"]
+pytest_plugins = ["fakenvml", "fakeamdsmi", "pytest_jupyter.jupyter_server"]
 
 # pynvml's own functions: a test that patches one must put it back (tests/fakenvml.py does).
 PYNVML_FUNCTIONS = {name: getattr(pynvml, name) for name in dir(pynvml) if name.startswith("nvml")}

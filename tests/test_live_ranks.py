@@ -24,7 +24,7 @@ from gpuwidget.ui.static import HEIGHT, StaticView
 from support import cell_messages, gpuwidget_kernel
 
 SVG = "{http://www.w3.org/2000/svg}"
-NO_GPU = {"gpus": [], "gpu_message": "no NVIDIA GPU found"}
+NO_GPU = {"gpus": [], "gpu_message": "no GPU found"}
 OWN = None  # the watch's own process: its spans carry no pid
 # Made-up children's pids start above any real one (pid_max is at most 2**22), so none is ever this process's.
 CHILD = 2**22

@@ -14,7 +14,7 @@ from torch.optim import optimizer as optim_module
 from torch.utils.data import DataLoader, TensorDataset
 
 import gpuwidget
-from gpuwidget.advice.summary import primary_loader
+from gpuwidget.figures.summary import primary_loader
 from gpuwidget.probes import BETWEEN_STEPS_SPAN, TRAIN_STEP_SPAN
 from gpuwidget.probes.torch_steps import FLOPS_AT_STEP
 from gpuwidget.report import main_cause

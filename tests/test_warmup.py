@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from gpuwidget.advice.summary import step_figures
-from gpuwidget.advice.warmup import (
+from gpuwidget.figures.summary import step_figures
+from gpuwidget.figures.warmup import (
     MIN_STEADY_STEPS,
     WARMUP_FACTOR,
     WARMUP_MIN_S,
