@@ -8,15 +8,19 @@ import traceback
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from gpuwidget.advice.finding import Finding
 from gpuwidget.export import trace_csv
-from gpuwidget.facts import MachineFacts, Summary, WorkloadFacts, saved_machine
+from gpuwidget.facts import MachineFacts, RankEntry, Summary, WorkloadFacts, saved_machine
 from gpuwidget.options import WatchOptions
 from gpuwidget.report import html_document, run_html, run_text
 from gpuwidget.runfile import RUN_FORMAT, RunFormatError, check_run, read_json, save_target, write_atomic
 from gpuwidget.trace import Trace, finite_or_none
+
+if TYPE_CHECKING:
+    from gpuwidget.measure.changes import TrialChange
+    from gpuwidget.measure.measurement import Measurement
 
 __all__ = ["RUN_FORMAT", "Run", "RunError", "RunFormatError"]
 
@@ -89,8 +93,8 @@ class Run:
             "speedup": rate_after / rate_before,
         }
 
-    def measure(self, change: Mapping[str, Any], budget_s: float = 30.0, step: Any = None,
-                progress: Any = None) -> Any:
+    def measure(self, change: TrialChange, budget_s: float = 30.0, step: Any = None,
+                progress: Any = None) -> Measurement:
         """Try ``change`` in this cell's own training step and measure it against the step as it is.
 
         ``change`` is a dict of the keys in gpuwidget.measure.changes (``autocast``, ``tf32``, ``compile``,
@@ -123,13 +127,13 @@ class Run:
             object.__setattr__(finding, "_run", weakref.ref(self))
 
     @property
-    def ranks(self) -> list[dict[str, Any]]:
+    def ranks(self) -> list[RankEntry]:
         """One entry per training process (the watch's own when it trained, then the children it
         started): ``rank``, ``pid``, ``gpu``, ``steps``, ``samples_per_s``, ``data_wait_fraction``,
         ``step_time_p50_s``, ``step_time_p95_s``; ``workload["ranks"]`` has each one's facts too."""
         from gpuwidget.children.ranks import public
 
-        return public(cast(Mapping[str, Any], self.workload).get("ranks") or [])
+        return public(self.workload.get("ranks") or [])
 
     @property
     def gpu_found(self) -> bool:

@@ -308,7 +308,8 @@ def summarize(trace: Trace, workload: WorkloadFacts | None = None,
         # Where the cell's time went (in the process that trained): blocked on data, the loop's
         # own work, before its first step, and the rest (evaluation outside a DataLoader, the end).
         loaders = (workload or {}).get("loaders") or []
-        pid = ((workload or {}).get("trained_in") or {}).get("pid")
+        trained_in = (workload or {}).get("trained_in")
+        pid = trained_in.get("pid") if trained_in else None
         summary["time_breakdown"] = time_breakdown(
             duration, trace, pid, loop_s=sum(item.get("loop_time_s") or 0.0 for item in loaders),
             wait_s=sum(item.get("wait_total_s") or 0.0 for item in loaders))
