@@ -10,8 +10,7 @@ the optimizer's counted step (:func:`training_figures`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any, cast
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -161,7 +160,7 @@ def loop_step_times(workload: WorkloadFacts | None) -> tuple[list[float], int]:
     loader = primary_loader(workload)
     if loader is not None and loader.get("steps"):
         return list(loader.get("step_times") or []), int(loader["steps"])
-    training = cast(Mapping[str, Any], workload or {}).get("training") or {}
+    training = (workload or {}).get("training") or {}
     times = list(training.get("step_times") or [])
     return times, int(training.get("optimizer_steps") or len(times))
 

@@ -14,6 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from gpuwidget.facts import TrainingFacts
+
 if TYPE_CHECKING:
     from gpuwidget.probes import WatchedObjects
 
@@ -49,7 +51,7 @@ class Subjects:
 
     @classmethod
     def from_watch(cls, objects: WatchedObjects, namespace: Mapping[str, Any] | None,
-                   training: Mapping[str, Any] | None) -> Subjects:
+                   training: TrainingFacts | None) -> Subjects:
         """From ``Probes.objects()``, the user's namespace and the run's training facts."""
         training = training or {}
         share = training.get("autocast_share") or 0.0
