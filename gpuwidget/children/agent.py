@@ -30,8 +30,9 @@ import threading
 from collections.abc import Mapping
 from typing import Any, cast
 
-from gpuwidget.children.protocol import ENV_VAR, FLUSH_INTERVAL_S, encode, open_kind
+from gpuwidget.children.protocol import ENV_VAR, FLUSH_INTERVAL_S, Identity, Progress, encode, open_kind
 from gpuwidget.clock import now
+from gpuwidget.facts import MainThreadFigures
 from gpuwidget.probes import Probes
 from gpuwidget.sources.schedstat import read_schedstat, schedstat_path
 from gpuwidget.trace import Trace
@@ -105,7 +106,7 @@ def physical_gpu(cuda_index: int, visible: str | None) -> int | None:
     return None
 
 
-def update_identity(ident: dict[str, Any]) -> dict[str, Any]:
+def update_identity(ident: Identity) -> Identity:
     """Fill in rank, world size and GPU as torch.distributed and CUDA know them now (else the launcher's env).
 
     Known values are kept: after ``destroy_process_group`` the rank is still the one it had.
@@ -117,7 +118,7 @@ def update_identity(ident: dict[str, Any]) -> dict[str, Any]:
             ident["rank"], ident["world_size"], ident["distributed"] = dist.get_rank(), dist.get_world_size(), True
     for key, name in (("rank", "RANK"), ("world_size", "WORLD_SIZE"), ("local_rank", "LOCAL_RANK")):
         if ident.get(key) is None:
-            ident[key] = _int(env.get(name))
+            ident[key] = _int(env.get(name))  # type: ignore[literal-required]
     torch = sys.modules.get("torch")
     with contextlib.suppress(Exception):
         if torch is not None and torch.cuda.is_initialized():
@@ -153,7 +154,7 @@ class ChildAgent:
         self.pid = os.getpid()
         self.buffer = SpanBuffer()
         self.probes = Probes(cast(Trace, self.buffer))
-        self.identity: dict[str, Any] = {"pid": self.pid, "ppid": os.getppid(), "rank": None, "local_rank": None,
+        self.identity: Identity = {"pid": self.pid, "ppid": os.getppid(), "rank": None, "local_rank": None,
                                          "world_size": None, "gpu": None, "distributed": False,
                                          "argv": [str(arg)[:200] for arg in sys.argv[:8]]}
         self._send_lock = threading.Lock()
@@ -247,17 +248,17 @@ class ChildAgent:
 
     # ----------------------------------------------------------------- data
 
-    def identify(self) -> dict[str, Any]:
+    def identify(self) -> Identity:
         return update_identity(self.identity)
 
-    def progress(self) -> dict[str, Any]:
+    def progress(self) -> Progress:
         figures = self.probes.progress()
         if figures is None:
             return {}
         steps, samples, wait_s, loop_s = figures
         return {"steps": steps, "samples": samples, "wait_s": wait_s, "loop_s": loop_s}
 
-    def trains(self, progress: Mapping[str, Any]) -> bool:
+    def trains(self, progress: Progress) -> bool:
         """Worth reporting: it iterated a DataLoader, or it is a rank of a process group."""
         return bool(progress.get("steps")) or bool(self.identity.get("distributed"))
 
@@ -285,7 +286,7 @@ class ChildAgent:
                    "workload": self.probes.facts(namespace), "host": self.host(),
                    "cpu": cpu_seconds(live_children=True)})
 
-    def host(self) -> dict[str, Any]:
+    def host(self) -> MainThreadFigures:
         """The process's main thread over the agent's life: share of wall time on a core and waiting for one."""
         start, end = self._schedstat, read_schedstat(schedstat_path(self.pid))
         wall = now() - self._started
@@ -294,7 +295,7 @@ class ChildAgent:
         return {"cpu_fraction": (end[0] - start[0]) / wall, "run_delay_fraction": (end[1] - start[1]) / wall,
                 "cpu_count": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()}
 
-    def send(self, message: dict[str, Any]) -> None:
+    def send(self, message: Mapping[str, object]) -> None:
         data = encode(message)
         with self._send_lock:
             if self._retired:

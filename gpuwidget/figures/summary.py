@@ -10,8 +10,7 @@ the optimizer's counted step (:func:`training_figures`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any, cast
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -161,7 +160,7 @@ def loop_step_times(workload: WorkloadFacts | None) -> tuple[list[float], int]:
     loader = primary_loader(workload)
     if loader is not None and loader.get("steps"):
         return list(loader.get("step_times") or []), int(loader["steps"])
-    training = cast(Mapping[str, Any], workload or {}).get("training") or {}
+    training = (workload or {}).get("training") or {}
     times = list(training.get("step_times") or [])
     return times, int(training.get("optimizer_steps") or len(times))
 
@@ -308,7 +307,8 @@ def summarize(trace: Trace, workload: WorkloadFacts | None = None,
         # Where the cell's time went (in the process that trained): blocked on data, the loop's
         # own work, before its first step, and the rest (evaluation outside a DataLoader, the end).
         loaders = (workload or {}).get("loaders") or []
-        pid = ((workload or {}).get("trained_in") or {}).get("pid")
+        trained_in = (workload or {}).get("trained_in")
+        pid = trained_in.get("pid") if trained_in else None
         summary["time_breakdown"] = time_breakdown(
             duration, trace, pid, loop_s=sum(item.get("loop_time_s") or 0.0 for item in loaders),
             wait_s=sum(item.get("wait_total_s") or 0.0 for item in loaders))

@@ -39,13 +39,13 @@ import threading
 import weakref
 from array import array
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, cast
 
 import numpy as np
 
 from gpuwidget.clock import now
-from gpuwidget.facts import LoaderFacts, LoaderSettings
+from gpuwidget.facts import LoaderChange, LoaderFacts, LoaderSettings
 from gpuwidget.probes import DATA_WAIT_SPAN, STEP_SPAN
 from gpuwidget.probes import origin as origins
 from gpuwidget.probes.constructor import constructor_facts
@@ -87,8 +87,8 @@ class LoaderStats:
         self.pending_start: float | None = None  # start of the step whose next() returned last
         self.step_times: deque[float] = deque(maxlen=STEP_HISTORY)
         self.wait_times: deque[float] = deque(maxlen=STEP_HISTORY)
-        self.built: dict[str, Any] | None = None  # origin.stack_origin where the loader was built
-        self.iterated: dict[str, Any] | None = None  # ... and where it was first iterated
+        self.built: origins.Origin | None = None  # origin.stack_origin where the loader was built
+        self.iterated: origins.Origin | None = None  # ... and where it was first iterated
         self.last_batch_samples = 0
         self.exhausted = False  # the current iterator has raised StopIteration
 
@@ -99,7 +99,8 @@ class LoaderStats:
     @property
     def fetches_ahead(self) -> bool:
         """accelerate drives this loader (its own, or the HF Trainer's): one batch ahead of the loop."""
-        return any("accelerate" in ((origin or {}).get("inner") or []) for origin in (self.built, self.iterated))
+        return any("accelerate" in ((origin or origins.NO_ORIGIN).get("inner") or [])
+                   for origin in (self.built, self.iterated))
 
     @property
     def loader(self) -> Any:
@@ -128,7 +129,7 @@ class LoaderStats:
             "step_times": list(self.step_times),
             "wait_times": list(self.wait_times),
             "owner": self.owner,
-            "built_at": (self.built or {}).get("site"),
+            "built_at": (self.built or origins.NO_ORIGIN).get("site"),
             "steps_fed": self.steps_fed,
             "user_names": origins.user_names(loader, names, self.built) if loader is not None else {},
         }
@@ -232,9 +233,9 @@ class DataLoaderProbe:
         self._by_iterator: weakref.WeakKeyDictionary[Any, LoaderStats] = weakref.WeakKeyDictionary()
         self._by_loader: dict[int, LoaderStats] = {}
         self.stats: list[LoaderStats] = []
-        self._originals: dict[str, Any] = {}
+        self._originals: dict[str, Callable[..., Any]] = {}  # DataLoader's own methods, to put back
         # loader -> where it was built (loaders built while the watch runs).
-        self._built: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
+        self._built: weakref.WeakKeyDictionary[Any, origins.Origin] = weakref.WeakKeyDictionary()
         # RECORD doubles per next(), appended by the loop's thread, made into figures and spans by flush().
         self._records = array("d")
         self._flush_lock = threading.Lock()  # the sampler thread's ticks, and uninstall on the cell's
@@ -511,7 +512,7 @@ def _plain_sampler(sampler: Any) -> bool:
             and getattr(sampler, "generator", None) is None)
 
 
-def loader_kwargs(loader: Any, change: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def loader_kwargs(loader: Any, change: LoaderChange | None = None) -> dict[str, Any]:
     """Keyword arguments that rebuild ``loader`` (same dataset, sampling and collation),
     with ``change`` applied and made valid (no ``prefetch_factor`` or ``persistent_workers``
     without workers, as torch requires)."""

@@ -40,7 +40,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from gpuwidget.advice.evidence import MIN_CAUSE_STEPS, enough_evidence
-from gpuwidget.advice.finding import Finding
+from gpuwidget.advice.finding import Finding, FindingChange
 from gpuwidget.advice.loader import STARVED_WAIT_FRACTION
 from gpuwidget.advice.rules import periodic_stall
 from gpuwidget.advice.rules.periodic_stall import PeriodicStall
@@ -137,7 +137,7 @@ def _finding(wait: LoopWait, stack: StackFacts) -> Finding:
                       "before the loop (they must fit in the GPU's memory), and the line copies nothing.")
         code = (f"# {tensors} are the same tensors at every step: move them to the device once, before the loop\n"
                 f"# (the copy {place} then returns them as they are).\n{copy['once']}")
-        change: dict[str, Any] = {"move_to_device_once": list(copy.get("tensors") or [])}
+        change: FindingChange = {"move_to_device_once": list(copy.get("tensors") or [])}
         gain = removal_bound
     elif copy.get("tensors"):
         title = f"The loop waits for copies to the device {place} {fmt_fraction(share)} of the time"

@@ -193,7 +193,7 @@ def stall_site(workload: WorkloadFacts, kind: str | None) -> str | None:
     return place(max(waits, key=lambda wait: float(wait.get("seconds") or 0.0)))
 
 
-def stall_kind(workload: WorkloadFacts, stalls: int, steps: int) -> tuple[str | None, dict[str, Any]]:
+def stall_kind(workload: WorkloadFacts, stalls: int, steps: int) -> tuple[str | None, dict[str, float]]:
     """"checkpoint", "evaluation" or None (not measured), and the measurement that says so."""
     waits = cast(Mapping[str, Any], workload).get("loop_waits") or []
     seconds = {"checkpoint": 0.0, "evaluation": 0.0}
