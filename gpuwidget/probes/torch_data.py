@@ -20,9 +20,10 @@ save a checkpoint is never mistaken for a starved loader. A *step* runs from the
 one ``next()`` to the start of the following one.
 
 The wrapper is on the loop's critical path, so per step it only reads the clock twice and
-appends one record of four numbers (the loader, start, end, samples) to a flat array of doubles:
-no object is kept per step, and the few attributes it touches are the loader's call count and
-the last loader to return. The sampler thread makes everything else of those records at each
+extends a flat list by one record of four numbers (the loader, start, end, samples): one C call,
+so a flush sees whole records, and about a tenth of what appending them to an ``array('d')``
+cost (each item there goes through an argument parser). The few attributes it touches are the
+loader's call count and the last loader to return. The sampler thread makes everything else of those records at each
 tick, with numpy, a tick's steps at once (:meth:`DataLoaderProbe.flush`): the step and wait
 spans, step and wait times, epochs, totals. The looping thread's CPU time and run delay behind
 ``wait_cpu_ratio`` and ``wait_delay_ratio`` are read on one step in :data:`CPU_SAMPLE_EVERY`
@@ -37,7 +38,6 @@ import contextlib
 import sys
 import threading
 import weakref
-from array import array
 from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any, cast
@@ -90,7 +90,12 @@ class LoaderStats:
         self.built: origins.Origin | None = None  # origin.stack_origin where the loader was built
         self.iterated: origins.Origin | None = None  # ... and where it was first iterated
         self.last_batch_samples = 0
-        self.exhausted = False  # the current iterator has raised StopIteration
+        self.stopped_at = -1  # `calls` when an iterator last raised StopIteration
+
+    @property
+    def exhausted(self) -> bool:
+        """The current iterator has raised StopIteration (no batch came since)."""
+        return self.stopped_at == self.calls
 
     @property
     def owner(self) -> str | None:
@@ -236,8 +241,8 @@ class DataLoaderProbe:
         self._originals: dict[str, Callable[..., Any]] = {}  # DataLoader's own methods, to put back
         # loader -> where it was built (loaders built while the watch runs).
         self._built: weakref.WeakKeyDictionary[Any, origins.Origin] = weakref.WeakKeyDictionary()
-        # RECORD doubles per next(), appended by the loop's thread, made into figures and spans by flush().
-        self._records = array("d")
+        # RECORD numbers per next(), put in by the loop's thread, made into figures and spans by flush().
+        self._records: list[float] = []
         self._flush_lock = threading.Lock()  # the sampler thread's ticks, and uninstall on the cell's
         # The loader whose next() returned last: an optimizer step that follows is fed by it.
         self.last: LoaderStats | None = None
@@ -255,10 +260,10 @@ class DataLoaderProbe:
         original_next = _BaseDataLoaderIter.__next__
         self._originals = {"init": original_init, "iter": original_iter, "next": original_next}
         probe = self
-        record = self._records.extend  # one C call per record: the sampler thread sees whole records
+        push = self._records.extend  # one C call per record (a tuple): the sampler thread sees whole records
         clock = now
         counters = thread_counters
-        samples_of = batch_samples
+        every = CPU_SAMPLE_EVERY
         cached_ref: Any = _DEAD  # the iterator of the last next(), and its loader's stats
         cached_stats: Any = None
 
@@ -280,8 +285,8 @@ class DataLoaderProbe:
             try:
                 batch = original_next(iterator)
             except StopIteration:
-                stats.exhausted = True
-                record((stats.slot, started, _STOPPED, 0.0))
+                stats.stopped_at = stats.calls
+                push((stats.slot, started, _STOPPED, 0))
                 raise
             ended = clock()
             cpu_ended, delay_ended = counters()
@@ -291,12 +296,13 @@ class DataLoaderProbe:
                 stats.wait_delay_total = (None if delay_ended is None or delay_started is None
                                           else stats.wait_delay_total + delay_ended - delay_started)
             stats.calls += 1
-            stats.exhausted = False
             probe.last = stats
-            record((stats.slot, started, ended, samples_of(batch)))
+            push((stats.slot, started, ended, batch_samples(batch)))
             return batch
 
         def __next__(iterator: Any) -> Any:
+            # The steady state, line by line as measured (benchmarks/probe_cost.py): the cached loader,
+            # one modulo, two clock reads, the batch's first dimension read inline, one list extend.
             nonlocal cached_ref, cached_stats
             if cached_ref() is iterator:
                 stats = cached_stats
@@ -306,21 +312,29 @@ class DataLoaderProbe:
                     stats = probe._register(iterator, None)
                 cached_ref, cached_stats = _weak(iterator) or _DEAD, stats
             calls = stats.calls
-            if calls % CPU_SAMPLE_EVERY == 1:  # never call 0: warm-up, worker start
+            if calls % every == 1:  # never call 0: warm-up, worker start
                 return sampled(iterator, stats)
             started = clock()
             try:
                 batch = original_next(iterator)
             except StopIteration:
-                stats.exhausted = True
-                record((stats.slot, started, _STOPPED, 0.0))
+                stats.stopped_at = calls
+                push((stats.slot, started, _STOPPED, 0))
                 raise
             ended = clock()
             stats.calls = calls + 1
-            if stats.exhausted:
-                stats.exhausted = False
             probe.last = stats
-            record((stats.slot, started, ended, samples_of(batch)))
+            kind = type(batch)
+            if kind is tuple or kind is list:  # batch_samples' usual case, without its call or getattr's
+                try:
+                    shape = batch[0].shape
+                except (AttributeError, IndexError):
+                    samples = batch_samples(batch)
+                else:
+                    samples = shape[0] if shape else 1
+            else:
+                samples = batch_samples(batch)
+            push((stats.slot, started, ended, samples))
             return batch
 
         __init__.__wrapped__ = original_init  # type: ignore[attr-defined]
@@ -356,8 +370,8 @@ class DataLoaderProbe:
             if not count:
                 return
             chunk = records[:count]
-            del records[:count]  # records appended meanwhile stay, whole, for the next flush
-            rows = np.frombuffer(chunk, dtype=np.float64).reshape(-1, RECORD)
+            del records[:count]  # records put in meanwhile stay, whole, for the next flush
+            rows = np.array(chunk, dtype=np.float64).reshape(-1, RECORD)
             origin = self.trace.start_clock
             steps, waits = _Spans(), _Spans()
             slots = rows[:, 0]
