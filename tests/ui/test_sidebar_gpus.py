@@ -326,14 +326,14 @@ def test_eight_gpus_at_a_glance_folded_cards_and_the_keyboard(gpu_lab, page):
 def test_the_settings_list_every_gpu_chart_by_name(gpu_lab, page):
     open_lab(page, gpu_lab)
     page.evaluate("window.jupyterapp.commands.execute('settingeditor:open', {query: 'GPU sidebar'})")
-    title = page.locator("[id='jp-SettingsEditor-gpuwidget:plugin_metrics-title']")
+    title = page.locator("[id='jp-SettingsEditor-jupyterlab-gpuwidget:plugin_metrics-title']")
     wait_for(lambda: title.count() and title.is_visible(), 30, "the settings editor shows no title for the charts",
              page)
     assert title.inner_text().strip() == "GPU charts"
     field = title.locator("xpath=..")
     assert "Remove a row to hide its chart" in field.inner_text()
     # One titled row per chart, all five on screen (the bare multi-select showed four and scrolled PCIe away).
-    selects = page.locator("select[id^='jp-SettingsEditor-gpuwidget:plugin_metrics_']")
+    selects = page.locator("select[id^='jp-SettingsEditor-jupyterlab-gpuwidget:plugin_metrics_']")
     assert selects.count() == 5
     chosen = [select.evaluate("node => node.options[node.selectedIndex].text") for select in selects.all()]
     assert chosen == ["Utilization", "Memory", "Power", "Temperature", "PCIe"]
