@@ -351,10 +351,11 @@ def test_static_view_in_a_kernel_shows_each_spawned_gloo_rank_while_the_cell_run
     steps = [int(next(line for line in data["text/plain"].splitlines() if line.startswith("rank 1")).split()[2])
              for data in with_ranks]
     assert steps == sorted(steps) and steps[-1] > 0
-    # After the cell the panel follows with its own per-process table.
-    (panel,) = [m for m in messages if m["msg_type"] == "display_data"
-                and "gpuwidget-run" in m["content"]["data"].get("text/html", "")]
-    assert "gpuwidget-ranks" in panel["content"]["data"]["text/html"]
+    # After the cell the panel takes the chart's place, with its own per-process table.
+    last_update = [m["content"]["data"] for m in messages if m["msg_type"] == "update_display_data"
+                   and m["content"]["transient"]["display_id"] == display_id][-1]
+    assert "gpuwidget-run" in last_update.get("text/html", "")
+    assert "gpuwidget-ranks" in last_update["text/html"]
 
 
 def test_a_failing_strip_leaves_the_chart_drawing(caplog, monkeypatch):
