@@ -8,8 +8,9 @@ import random
 
 import pytest
 
+from gpuwidget.measure.ab import DECIDE_BLOCKS, TARGET_HALF_WIDTH
 from gpuwidget.measure.changes import check_change, finding_changes
-from gpuwidget.measure.stats import NEGLIGIBLE, Interval, median_interval, verdict
+from gpuwidget.measure.stats import NEGLIGIBLE, Interval, may_stop, median_interval, verdict
 
 
 def test_six_blocks_are_the_fewest_with_a_95_percent_interval():
@@ -104,3 +105,31 @@ def test_each_rules_change_maps_to_the_keys_that_try_it():
     assert finding_changes("data-parallel", {"launcher": "torchrun", "nproc_per_node": 2}) == []
     assert finding_changes("memory-pressure", {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}) == []
     assert finding_changes("cpu-contention", {}) == []
+
+
+def simulated_verdict(rng: random.Random, true_ratio: float, noise: float, budget_blocks: int) -> str:
+    """The verdict of one simulated measurement: a block's ratio is ``true_ratio`` times log-normal noise,
+    looked at after every block as Run.measure does, stopped early where may_stop says, else at the budget."""
+    ratios: list[float] = []
+    while len(ratios) < budget_blocks:
+        ratios.append(true_ratio * math.exp(rng.gauss(0.0, noise)))
+        if may_stop(ratios, DECIDE_BLOCKS, TARGET_HALF_WIDTH):
+            break
+    return verdict(median_interval(ratios))
+
+
+@pytest.mark.parametrize("noise", [0.02, 0.05, 0.10])
+def test_a_change_that_does_nothing_is_called_faster_or_slower_at_most_one_time_in_twenty(noise):
+    rng = random.Random(11)
+    trials = 2000
+    wrong = sum(simulated_verdict(rng, 1.0, noise, budget_blocks=40) != "no difference" for _ in range(trials))
+    assert wrong / trials <= 0.05 + 0.012  # binomial slack for 2000 trials
+
+
+def test_a_real_gain_still_stops_early_and_is_called_faster():
+    rng = random.Random(12)
+    ratios: list[float] = []
+    while not may_stop(ratios, DECIDE_BLOCKS, TARGET_HALF_WIDTH):
+        ratios.append(1.3 * math.exp(rng.gauss(0.0, 0.03)))
+    assert DECIDE_BLOCKS <= len(ratios) <= 12
+    assert verdict(median_interval(ratios)) == "faster"

@@ -392,8 +392,7 @@ def _blocks(a: Side, b: Side, sizes: list[int], step_times: list[float], started
         if interval is not None:
             _tell(progress, f"{len(done.ratios)} blocks: {interval.median:.2f}x [{interval.low:.2f}, "
                             f"{interval.high:.2f}], {verdict}", started)
-        if (interval is not None and len(done.ratios) >= DECIDE_BLOCKS and interval.half_width <= TARGET_HALF_WIDTH
-                and (verdict != "no difference" or interval.half_width <= stats.NEGLIGIBLE)):
+        if stats.may_stop(done.ratios, DECIDE_BLOCKS, TARGET_HALF_WIDTH):
             break
     spent = now() - started
     if spent > budget_s * 1.05:

@@ -16,6 +16,11 @@ The verdict reads the interval only (and only a 95% one: fewer blocks decide not
 when all of it is above 1 and it reaches past a
 negligible gain (:data:`NEGLIGIBLE`), ``"slower"`` likewise below, else ``"no difference"``: an
 interval that straddles 1 (not decided) or lies within ±2% (decided as too small to matter).
+
+A measurement looks at its interval after every block and may stop before its budget (:func:`may_stop`).
+Stopping at the first 95% interval that decides would say "faster" of a change that does nothing far more
+often than one time in twenty (11% of simulated A/A measurements with 5% noise per block): an early stop
+reads a 99% interval instead, which keeps that under 5% (tests/test_measure_stats.py simulates it).
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ CONFIDENCE = 0.95
 # Speed-ups within this share of 1 are "no difference" even when the interval excludes 1: a 1% change
 # is within what a copy's memory layout or a neighbour's load moves a measurement by.
 NEGLIGIBLE = 0.02
+# The interval an early stop reads (may_stop): wider, for the many looks taken before the budget ends.
+INTERIM_CONFIDENCE = 0.99
 
 
 @dataclass(frozen=True)
@@ -68,15 +75,27 @@ def median_interval(ratios: Sequence[float], confidence: float = CONFIDENCE) -> 
     return Interval(median, values[k - 1], values[n - k], coverage, n)
 
 
-def verdict(interval: Interval | None) -> str:
-    """``faster``, ``slower`` or ``no difference``, from the interval alone (the module docstring)."""
-    if interval is None or interval.coverage < CONFIDENCE:
+def verdict(interval: Interval | None, confidence: float = CONFIDENCE) -> str:
+    """``faster``, ``slower`` or ``no difference``, from the interval alone (the module docstring); an
+    interval whose coverage is under ``confidence`` decides nothing."""
+    if interval is None or interval.coverage < confidence:
         return "no difference"  # fewer than six blocks: no 95% interval, nothing decided
     if interval.low > 1.0 and interval.high > 1.0 + NEGLIGIBLE:
         return "faster"
     if interval.high < 1.0 and interval.low < 1.0 - NEGLIGIBLE:
         return "slower"
     return "no difference"
+
+
+def may_stop(ratios: Sequence[float], min_blocks: int, target_half_width: float) -> bool:
+    """Whether a measurement may end before its budget, after ``ratios``: from ``min_blocks`` on, when the
+    99% interval is within ``target_half_width`` and decides, or is within a negligible width around 1."""
+    if len(ratios) < min_blocks:
+        return False
+    interval = median_interval(ratios, INTERIM_CONFIDENCE)
+    if interval is None or interval.coverage < INTERIM_CONFIDENCE or interval.half_width > target_half_width:
+        return False
+    return verdict(interval, INTERIM_CONFIDENCE) != "no difference" or interval.half_width <= NEGLIGIBLE
 
 
 def block_ratio(unchanged: Sequence[tuple[float, float]], changed: Sequence[tuple[float, float]]) -> float:
