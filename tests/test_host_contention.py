@@ -108,7 +108,7 @@ def test_a_fed_loop_beside_two_busy_processes_gets_contention_with_its_bound(two
 
 
 def test_cpu_heavy_loader_is_cpu_work_not_storage():
-    run = watched(workloads.cpu_heavy_transform(items=320))
+    run = watched(workloads.cpu_heavy_transform(items=640))  # 40 batches, 1.6 s: past the evidence gate
     d = diagnose(run.summary, run.workload, run.machine)
     assert d is not None and d.cause == "cpu", d
     assert "io-bound" not in rules(run)

@@ -172,7 +172,7 @@ from torch.utils.data import DataLoader
 from frameworks import SlowItems
 
 torch.manual_seed(0)
-loader = DataLoader(SlowItems(n=96, latency=0.003), batch_size=4, shuffle=True)
+loader = DataLoader(SlowItems(n=160, latency=0.003), batch_size=4, shuffle=True)
 model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
 optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
 """
