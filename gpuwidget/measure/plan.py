@@ -68,6 +68,10 @@ class MeasurePlan:
     def summary(self) -> str:
         chosen = self.chosen
         spent = f"{len(self.items)} change(s) in {fmt_seconds(self.elapsed_s)} of a {fmt_seconds(self.budget_s)} budget"
+        if chosen is None and self.items and all(item.measurement is None for item in self.items):
+            # Nothing was measured: saying "none was faster" would claim a measurement that never ran.
+            reason = next((item.error for item in self.items if item.error), "no change could be tried")
+            return f"Measured none of {len(self.items)} change(s): {reason}."
         if chosen is None:
             return f"Measured {spent}: none was faster in this step; keep the step as it is."
         change, measured = chosen
