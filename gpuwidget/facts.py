@@ -193,8 +193,9 @@ class HostCopy(TypedDict, total=False):
 
 
 class LoopWait(CodeSite, total=False):
-    """A function the loop waited in between steps (``probes.stack``): stack samples of the watched
-    thread inside ``train.between`` spans (without optimizer steps: inside ``loader.wait``)."""
+    """A function the loop waited in (``probes.stack``): stack samples of the watched thread inside
+    ``train.between`` spans or, inside ``train.step``, in a function of the user's outside torch's
+    work (without optimizer steps: inside ``loader.wait``)."""
 
     share: float  # of the loop's samples (0-1): the share of the loop's time spent waiting there
     seconds: float  # share x the loop's time (the loop spans' total)

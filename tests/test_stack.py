@@ -16,6 +16,7 @@ import threading
 import time
 import weakref
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -47,8 +48,15 @@ def parked_here(started: threading.Event, release: threading.Event) -> None:
     release.wait()  # the line a sample of the parked thread names
 
 
-def calls_parked(started: threading.Event, release: threading.Event) -> None:
-    parked_here(started, release)  # the outermost frame of the user's on the parked thread
+def calls_parked(started: threading.Event, release: threading.Event, via: Any = None) -> None:
+    (via or parked_here)(started, release)  # the outermost frame of the user's on the parked thread
+
+
+class ParksInForward(torch.nn.Module):
+    """A module whose forward parks: the thread is inside torch's work (a module call) while it waits."""
+
+    def forward(self, started: threading.Event, release: threading.Event) -> None:
+        parked_here(started, release)
 
 
 PARKED_LINE = parked_here.__code__.co_firstlineno + 2
@@ -56,10 +64,12 @@ CALLER_LINE = calls_parked.__code__.co_firstlineno + 1
 
 
 @contextlib.contextmanager
-def parked_thread() -> Iterator[threading.Thread]:
-    """A thread waiting in ``parked_here`` (called from ``calls_parked``) until the block ends."""
+def parked_thread(in_forward: bool = False) -> Iterator[threading.Thread]:
+    """A thread waiting in ``parked_here`` (called from ``calls_parked``; ``in_forward``: through a
+    module's forward, torch's work) until the block ends."""
     started, release = threading.Event(), threading.Event()
-    thread = threading.Thread(target=calls_parked, args=(started, release), name="parked")
+    via = ParksInForward() if in_forward else None
+    thread = threading.Thread(target=calls_parked, args=(started, release, via), name="parked")
     thread.start()
     started.wait(5)
     try:
@@ -82,11 +92,11 @@ def sample_between(sampler: StackSampler, trace: Trace, kinds: tuple[str, ...]) 
 
 def test_a_sample_inside_train_between_names_the_function_the_thread_waits_in():
     trace = Trace()
-    with parked_thread() as thread:
+    with parked_thread(in_forward=True) as thread:
         sampler = StackSampler(trace, thread.ident)
         for _ in range(3):
             sample_between(sampler, trace, (TRAIN_STEP_SPAN, BETWEEN_STEPS_SPAN))
-        for _ in range(2):  # computing: in a step, not between steps
+        for _ in range(2):  # computing: in a step, in torch's work (the model's forward), not between steps
             sample_between(sampler, trace, (TRAIN_STEP_SPAN,))
         sampler.tick()  # after the last step: not in the loop
         waits, stack = sampler.facts({"parked_here": parked_here})
@@ -195,12 +205,64 @@ def test_without_optimizer_steps_samples_are_attributed_to_the_loaders_waits():
 
 def test_optimizer_steps_are_the_basis_wherever_they_exist_beside_a_dataloader():
     trace = Trace()
-    with parked_thread() as thread:
+    with parked_thread(in_forward=True) as thread:
         sampler = StackSampler(trace, thread.ident)
         sample_between(sampler, trace, (STEP_SPAN, DATA_WAIT_SPAN, TRAIN_STEP_SPAN))  # computing, by the optimizer
         sample_between(sampler, trace, (STEP_SPAN, TRAIN_STEP_SPAN, BETWEEN_STEPS_SPAN))
         waits, stack = sampler.facts()
     assert stack["basis"] == BETWEEN_STEPS_SPAN and waits[0]["share"] == 0.5 and waits[0]["in_loader"] == 0.0
+
+
+def test_a_wait_inside_the_step_outside_torchs_work_is_a_wait_as_nanogpts_fetch_after_forward_is():
+    # nanoGPT fetches the next batch between a micro-step's forward and its backward: inside train.step.
+    trace = Trace()
+    with parked_thread() as thread:
+        sampler = StackSampler(trace, thread.ident)
+        for _ in range(3):
+            sample_between(sampler, trace, (TRAIN_STEP_SPAN,))
+        waits, stack = sampler.facts({"parked_here": parked_here})
+    assert stack["basis"] == BETWEEN_STEPS_SPAN and stack["loop_samples"] == 3
+    [wait] = waits
+    assert (wait["function"], wait["samples"], wait["share"]) == ("parked_here", 3, 1.0)
+
+
+def test_inside_the_step_the_loops_own_line_and_torchs_work_are_the_step_not_waits():
+    trace = Trace()
+    with parked_thread(in_forward=True) as thread:  # in a module's forward
+        sampler = StackSampler(trace, thread.ident)
+        sample_between(sampler, trace, (TRAIN_STEP_SPAN,))
+        in_forward, _ = sampler.facts()
+    started, release = threading.Event(), threading.Event()
+    own_line = threading.Thread(target=parked_here, args=(started, release))  # the only frame of the user's
+    own_line.start()
+    started.wait(5)
+    try:
+        sampler = StackSampler(trace, own_line.ident)
+        sample_between(sampler, trace, (TRAIN_STEP_SPAN,))
+        loop_line, stack = sampler.facts()
+    finally:
+        release.set()
+        own_line.join(5)
+    assert in_forward == [] and loop_line == [] and stack["loop_samples"] == 1
+
+
+def test_a_step_sample_read_late_between_steps_is_not_a_wait_inside_the_step(monkeypatch):
+    # Due while the step computed, read once the loop released the GIL in the next step's fetch: where
+    # the stack was read is not where the thread was when the sample was due.
+    trace = Trace()
+    with parked_thread() as thread:
+        sampler = StackSampler(trace, thread.ident)
+        due = now()
+        monkeypatch.setattr(stack_module, "tick_due", lambda: due)
+        step_start = due - trace.start_clock - 0.01
+        time.sleep(0.003)
+        sampler.tick()  # read 3 ms after it was due
+        read_at = trace.now()
+        trace.add_span(TRAIN_STEP_SPAN, step_start, due - trace.start_clock + 0.001)  # ended 1 ms after due
+        trace.add_span(BETWEEN_STEPS_SPAN, due - trace.start_clock + 0.001, read_at + 0.001)
+        trace.add_span(TRAIN_STEP_SPAN, due - trace.start_clock + 0.001, read_at + 0.002)
+        waits, stack = sampler.facts()
+    assert stack["loop_samples"] == 1 and waits == []
 
 
 def test_samples_of_a_loop_that_never_had_steps_stay_bounded_and_report_nothing():

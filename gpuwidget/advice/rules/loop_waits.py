@@ -1,10 +1,11 @@
-"""loop-waits: the training loop waits in one function of the user's between optimizer steps.
+"""loop-waits: the training loop waits in one function of the user's, outside the model's work.
 
 The evidence is a statistical profile (``probes.stack``): the watched thread's stack, sampled at
 each sampler tick, inside ``train.between`` spans (an optimizer step's end to the trained model's
-next forward: where the loop fetches its next batch, logs, evaluates), as a share of the samples
-inside the loop's steps. The function is named where the user wrote it ("get_batch() (cell In [7],
-line 26)"), with the change that fits what it does:
+next forward: where the loop fetches its next batch, logs, evaluates) and, inside the step, in a
+function the loop called outside torch's work (nanoGPT fetches its next batch between a forward and
+its backward), as a share of the samples inside the loop's steps. The function is named where the
+user wrote it ("get_batch() (cell In [7], line 26)"), with the change that fits what it does:
 
 * its line copies the same host tensors to the device at every step (``X.to(device)`` of a tensor
   the loop never reassigns): move them once, before the loop (the copies go entirely: at most
@@ -97,7 +98,8 @@ def _finding(wait: LoopWait, stack: StackFacts) -> Finding:
     name = None if own_line else wait.get("name")
     copy = wait.get("copy") or {}
     source = wait.get("source")
-    measured = (f"Between optimizer steps the loop spent {fmt_fraction(share)} of its time "
+    measured = (f"Outside the model's forward, backward and optimizer step the loop spent {fmt_fraction(share)} "
+                f"of its time "
                 f"({fmt_seconds(wait.get('seconds'))} of {fmt_seconds(stack.get('loop_s'))}) "
                 f"{place}" + (f": `{source}`" if source else "")
                 + f" ({wait.get('samples')} of {stack.get('loop_samples')} stack samples).")
@@ -124,7 +126,7 @@ def _finding(wait: LoopWait, stack: StackFacts) -> Finding:
         change = {"pin_memory": True, "non_blocking": True} if rewritten else {"prefetch": name}
         gain = overlap_bound
     elif name:
-        title = f"The loop waits {place} {fmt_fraction(share)} of the time, between steps"
+        title = f"The loop waits {place} {fmt_fraction(share)} of the time, outside the model's work"
         suggestion = (f"{measured} Fetch the next batch while the step computes: Prefetcher runs {function}() "
                       "one call ahead on a background thread and returns the same batches in the same order. "
                       "It gains where the function waits (storage, network, sleeping, torch's C code); Python "
@@ -134,10 +136,10 @@ def _finding(wait: LoopWait, stack: StackFacts) -> Finding:
         gain = overlap_bound
     else:
         where = "the loop's own line" if own_line else f"{function}(), which no name of yours holds,"
-        title = f"The loop waits {place} {fmt_fraction(share)} of the time, between steps"
+        title = f"The loop waits {place} {fmt_fraction(share)} of the time, outside the model's work"
         suggestion = (f"{measured} That is {where}: do it less often, or off the loop's thread, or ahead of "
                       "the step that needs it.")
-        code = (f"# The loop waits {place} between optimizer steps, {fmt_fraction(share)} of its time"
+        code = (f"# The loop waits {place} outside the model's work, {fmt_fraction(share)} of its time"
                 + (f":\n#     {source}" if source else ".")
                 + "\n# Do it less often (every N steps), on a background thread, or before the loop.")
         change = {}
