@@ -12,7 +12,8 @@ run's duration), its CPU seconds, ``loaders`` (without the per-step lists), ``mo
 ``finished`` (False: it was killed or crashed, and its figures are those it last sent).
 
 When the watch's own process did not train (a launcher, ``subprocess.run``, ``gpuwatch``)
-the workload's loaders, model and CUDA facts are the busiest child's (the one with the most
+the workload's loaders, model, CUDA facts, training steps and stack samples (``loop_waits``) are
+the busiest child's (the one with the most
 time in its loop), so the rules judge that process as they would judge the notebook's own
 loop, and "this process" is the training processes: ``process_cpu_mean`` their CPU summed
 (all their threads, over the run), ``workers_cpu_mean`` their loader workers' (over each one's
@@ -38,6 +39,8 @@ from gpuwidget.sources.nvml import uuid_key
 from gpuwidget.trace import Trace
 
 PER_STEP_LISTS = ("step_times", "wait_times", "step_ends")
+# A child's stack-sampler facts (probes.stack), carried to the workload of a run whose own process did not train.
+STACK_KEYS = ("loop_waits", "stack_samples")
 PUBLIC_KEYS = ("rank", "pid", "gpu", "steps", "samples_per_s", "data_wait_fraction",
                "step_time_p50_s", "step_time_p95_s")
 # Steps kept one by one per rank for the rank rules: enough for medians and a significance test
@@ -116,7 +119,9 @@ def child_entry(record: ChildRecord, machine: Mapping[str, Any] | None = None) -
             "loaders": list(workload.get("loaders") or []), "model": workload.get("model"),
             "training": workload.get("training"),
             "cuda": workload.get("cuda"), "host": dict(record.host), "cpu": dict(record.cpu),
-            "finished": record.finished, "argv": ident.get("argv")}
+            "finished": record.finished, "argv": ident.get("argv"),
+            # the process's stack samples: the workload's when it is the busiest (merge), then dropped
+            STACK_KEYS[0]: workload.get(STACK_KEYS[0]) or [], STACK_KEYS[1]: workload.get(STACK_KEYS[1]) or {}}
 
 
 def own_entry(workload: WorkloadFacts, identity: Mapping[str, Any], summary_host: Mapping[str, Any]) -> dict[str, Any]:
@@ -154,8 +159,12 @@ def merge(workload: WorkloadFacts, records: Iterable[ChildRecord], identity: Map
         merged["model"] = busiest["model"]
         merged["cuda"] = busiest["cuda"]
         merged["training"] = busiest.get("training")
+        for key in STACK_KEYS:
+            merged[key] = busiest[key]
         merged["trained_in"] = {"pid": busiest["pid"], "rank": busiest["rank"]}
-    for entry in entries:  # the entry has the percentiles: the per-step lists would only repeat them per rank
+    for entry in entries:
+        for key in STACK_KEYS:
+            entry.pop(key, None)  # the entry has the percentiles: the per-step lists would only repeat them per rank
         entry["loaders"] = [{key: value for key, value in loader.items() if key not in PER_STEP_LISTS}
                             for loader in entry["loaders"]]
         if entry.get("training"):  # a copy: the workload's own training facts keep their step times
