@@ -26,7 +26,7 @@ from gpuwidget.facts import (
     WorkloadFacts,
 )
 from gpuwidget.peaks import chip, peak_flops
-from gpuwidget.probes import DATA_WAIT_SPAN, STEP_SPAN
+from gpuwidget.probes import DATA_WAIT_SPAN, STEP_SPAN, TRAIN_STEP_SPAN
 from gpuwidget.sources.nvml import uuid_key
 from gpuwidget.trace import Trace, gpu_indices
 
@@ -186,20 +186,26 @@ def covered(intervals: Sequence[tuple[float, float]], lo: float, hi: float) -> f
     return total
 
 
-def process_steps(trace: Trace, pid: int | None) -> tuple[list[tuple[float, float]], float, bool]:
-    """One process's kept step spans (``pid`` None: the watch's own, which carry no pid): the closed
-    ones, the seconds of all of them (an open one too: a loop left early, an iterator left
+def process_steps(trace: Trace, pid: int | None,
+                  kind: str = STEP_SPAN) -> tuple[list[tuple[float, float]], float, bool]:
+    """One process's kept step spans of ``kind`` (``pid`` None: the watch's own, which carry no pid): the
+    closed ones, the seconds of all of them (an open one too: a loop left early, an iterator left
     unfinished), and whether the trace still holds every step span it was given."""
-    every = trace.spans(STEP_SPAN)
-    stats = trace.span_stats(STEP_SPAN)
+    every = trace.spans(kind)
+    stats = trace.span_stats(kind)
     complete = stats is None or stats.count == len(every)
     spans = [span for span in every if span.attrs.get("pid") == pid]
     closed = [(span.start, span.end) for span in spans if not span.attrs.get("open")]
     return closed, sum(span.duration for span in spans), complete
 
 
-def time_breakdown(duration: float, trace: Trace, pid: int | None, loop_s: float, wait_s: float) -> TimeBreakdown:
+def time_breakdown(duration: float, trace: Trace, pid: int | None, loop_s: float, wait_s: float,
+                   kind: str = STEP_SPAN) -> TimeBreakdown:
     """Where one process's time went, in parts that sum to ``duration``.
+
+    The steps are the DataLoader's (``step`` spans) or, for a loop no DataLoader fed (``step_source``
+    "optimizer"), the optimizer's (``kind`` ``train.step``; ``loop_s`` their total, ``wait_s`` 0: no
+    data wait is measured there).
 
     ``loop_s`` and ``wait_s`` are the process's loaders' exact totals (every loader summed). The
     loop's seconds are the time its steps cover, each second once: a loader iterated inside
@@ -211,7 +217,7 @@ def time_breakdown(duration: float, trace: Trace, pid: int | None, loop_s: float
     tear-down, a process group's end); "other" is then the gaps between steps (evaluation outside
     a DataLoader, between epochs).
     """
-    closed, kept_s, complete = process_steps(trace, pid)
+    closed, kept_s, complete = process_steps(trace, pid, kind)
     loop = min(duration, covered(closed, 0.0, duration) + max(0.0, loop_s - kept_s))
     wait = min(loop, max(0.0, wait_s))
     parts: TimeBreakdown = {"data_wait_s": wait, "compute_s": loop - wait, "other_s": duration - loop}
@@ -305,6 +311,9 @@ def summarize(trace: Trace, workload: WorkloadFacts | None = None,
             wait_s=sum(item.get("wait_total_s") or 0.0 for item in loaders))
     elif steps := optimizer_loop(training, workload):  # no DataLoader fed the loop: the optimizer's steps
         summary.update(steps)
+        pid = ((workload or {}).get("trained_in") or {}).get("pid")
+        summary["time_breakdown"] = time_breakdown(duration, trace, pid, loop_s=steps.get("loop_time_s") or 0.0,
+                                                   wait_s=0.0, kind=TRAIN_STEP_SPAN)
     else:
         summary.update({"steps": None, "samples": None, "samples_per_s": None, "data_wait_fraction": None})
     summary.update(training_figures(workload, machine))

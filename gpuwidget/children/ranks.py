@@ -35,6 +35,7 @@ from gpuwidget.advice.rules._ranks import paired
 from gpuwidget.advice.summary import percentiles, primary_loader, summarize, time_breakdown
 from gpuwidget.children.channel import ChildRecord
 from gpuwidget.facts import RankEntry, Summary, WorkloadFacts
+from gpuwidget.probes import STEP_SPAN, TRAIN_STEP_SPAN
 from gpuwidget.sources.nvml import uuid_key
 from gpuwidget.trace import Trace
 
@@ -74,7 +75,8 @@ def loop_figures(workload: Mapping[str, Any] | None) -> dict[str, Any]:
     else:
         loader = primary_loader(facts) or {}
         steps, waits = per_step(loader.get("step_times") or [], loader.get("wait_times") or [])
-    return {"steps": summary["steps"], "samples_per_s": summary.get("samples_per_s"),
+    return {"steps": summary["steps"], "step_source": summary.get("step_source"),
+            "samples_per_s": summary.get("samples_per_s"),
             "data_wait_fraction": summary.get("data_wait_fraction"),
             "step_time_p50_s": summary.get("step_time_p50"), "step_time_p95_s": summary.get("step_time_p95"),
             "loop_time_s": summary.get("loop_time_s") or 0.0, "step_times": steps, "wait_times": waits}
@@ -195,8 +197,9 @@ def job_summary(summary: Summary, workload: WorkloadFacts, trace: Trace | None =
                                                                  ("cpu_fraction", cpu)) if value is not None}
         if trace is not None and duration > 0:
             loop_s, wait_s = loop_totals(entry)
+            kind = TRAIN_STEP_SPAN if entry.get("step_source") == "optimizer" else STEP_SPAN
             entry["time_breakdown"] = time_breakdown(duration, trace, None if own else entry.get("pid"),
-                                                     loop_s=loop_s, wait_s=wait_s)
+                                                     loop_s=loop_s, wait_s=wait_s, kind=kind)
     entries = [entry for entry in listed if entry.get("steps")]
     summary["training_processes"] = len(entries)
     trained_in = cast(Mapping[str, Any], workload).get("trained_in")
