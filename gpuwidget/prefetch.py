@@ -186,7 +186,7 @@ def _step(a: _Call, b: _Call) -> tuple[dict[int, int], dict[str, int]] | None:
     if len(a.args) != len(b.args) or a.kwargs.keys() != b.kwargs.keys():
         return None
     moved: tuple[dict[int, int], dict[str, int]] = ({}, {})
-    pairs = [(0, index, x, b.args[index]) for index, x in enumerate(a.args)]
+    pairs: list[tuple[int, Any, Any, Any]] = [(0, index, x, b.args[index]) for index, x in enumerate(a.args)]
     pairs += [(1, key, x, b.kwargs[key]) for key, x in a.kwargs.items()]
     for where, key, x, y in pairs:
         if _same(x, y):
