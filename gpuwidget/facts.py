@@ -237,6 +237,7 @@ class RankEntry(TypedDict, total=False):
     world_size: int | None
     loop_time_s: float  # seconds in its training loop
     step_source: str | None  # "dataloader" or "optimizer": which steps its figures count (the summary's)
+    loop_waits: list[LoopWait]  # its stack samples' top wait (probes.stack), where it sampled any
     # Its steps one by one, the latest ranks.SERIES_STEPS: seconds per step, and of each the
     # seconds blocked on data (same length, same order)
     step_times: list[float]

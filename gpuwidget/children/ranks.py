@@ -164,9 +164,10 @@ def merge(workload: WorkloadFacts, records: Iterable[ChildRecord], identity: Map
         for key in STACK_KEYS:
             merged[key] = busiest[key]
         merged["trained_in"] = {"pid": busiest["pid"], "rank": busiest["rank"]}
-    for entry in entries:
-        for key in STACK_KEYS:
-            entry.pop(key, None)  # the entry has the percentiles: the per-step lists would only repeat them per rank
+    for entry in entries:  # each keeps its top wait (the rank rules name it), the workload has the rest
+        entry["loop_waits"] = list(entry.get("loop_waits") or [])[:1]
+        entry.pop("stack_samples", None)
+        # the entry has the percentiles: the per-step lists would only repeat them per rank
         entry["loaders"] = [{key: value for key, value in loader.items() if key not in PER_STEP_LISTS}
                             for loader in entry["loaders"]]
         if entry.get("training"):  # a copy: the workload's own training facts keep their step times

@@ -24,7 +24,9 @@ while the loop waits (workers, CPU, sleeping) and change the loader's settings, 
 thread around a loader. So a function whose samples fall mostly inside ``loader.wait`` spans
 (``in_loader`` at least :data:`IN_LOADER_MAX`) is never named here, whatever its share, and without
 optimizer steps (the samples' basis is ``loader.wait`` itself) this rule stays silent: each measured
-second gets one explanation. Time between steps outside ``next()`` (a batch function of the user's,
+second gets one explanation. So is a wait that periodic stalls hold (``periodic_stall.explains``: an
+evaluation or a checkpoint every N steps): periodic-stall names it, with the advice for its kind.
+Time between steps outside ``next()`` (a batch function of the user's,
 copies, logging) is this rule's, beside a DataLoader as well as without one.
 """
 
@@ -38,6 +40,7 @@ from gpuwidget.advice.code import _place
 from gpuwidget.advice.evidence import MIN_CAUSE_STEPS
 from gpuwidget.advice.finding import Finding
 from gpuwidget.advice.loader import STARVED_WAIT_FRACTION
+from gpuwidget.advice.rules import periodic_stall
 from gpuwidget.facts import LoopWait, MachineFacts, StackFacts, Summary, WorkloadFacts
 from gpuwidget.report import fmt_fraction, fmt_seconds
 
@@ -67,7 +70,10 @@ def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> F
     if (stack.get("steps") or 0) < MIN_STEPS:
         return None
     loop_samples = int(stack.get("loop_samples") or 0)
+    stall = periodic_stall.check(summary, workload, machine)
     for wait in workload.get("loop_waits") or []:
+        if stall is not None and periodic_stall.explains(wait, stall):
+            continue  # a periodic evaluation or checkpoint: periodic-stall's seconds and advice
         if (wait.get("in_loader") or 0.0) < IN_LOADER_MAX and named(wait, loop_samples):
             return _finding(wait, stack)
     return None

@@ -57,6 +57,9 @@ LARGE_STALL_SHARE = 0.25
 MIN_STALL_FRACTION = 0.05
 # Suggest doing the periodic work this many times less often.
 CHECKPOINT_SPACING = 5
+# A loop wait (probes.stack) fits in the stalls when its seconds are at most this many times theirs: the
+# samples are statistical (a few hundred samples: +-10%), the stalls' extra time is over the median step.
+STALL_HOLDS = 1.25
 
 # What a stall's stack samples (loop_waits) say it is: a function whose name holds one of these
 # (lower case), or a file of a serialisation library. Names, not paths: a path holds the user's
@@ -170,15 +173,32 @@ def large_stalls(slow: Sequence[int], step_times: Sequence[float], median: float
     return [i for i, extra in zip(slow, excess.tolist()) if extra >= LARGE_STALL_SHARE * typical]
 
 
+def wait_kind(wait: Mapping[str, Any]) -> str | None:
+    """"checkpoint" or "evaluation" where a loop wait's function or file says so, else None."""
+    function, file = str(wait.get("function") or "").lower(), str(wait.get("file") or "").lower()
+    if any(mark in function for mark in CHECKPOINT_MARKS) or any(
+            file.endswith(name) or f"/{name}/" in file for name in CHECKPOINT_FILES):
+        return "checkpoint"
+    return "evaluation" if any(mark in function for mark in EVALUATION_MARKS) else None
+
+
+def explains(wait: Mapping[str, Any], finding: Finding) -> bool:
+    """The stalls of ``finding`` hold this loop wait (``loop-waits`` then leaves its seconds to them: one
+    explanation per measured second): its seconds fit in the stalls' extra time, and it is the kind of
+    work the stalls were measured to be (any, where their kind was not measured)."""
+    stalls_s = float(finding.evidence["stall_s"]) * int(finding.evidence["stalls"])
+    if float(wait.get("seconds") or 0.0) > STALL_HOLDS * stalls_s:
+        return False
+    kind = finding.change.get("stall")
+    return kind == "unknown" or wait_kind(wait) == kind
+
+
 def stall_kind(workload: WorkloadFacts, stalls: int, steps: int) -> tuple[str | None, dict[str, Any]]:
     """"checkpoint", "evaluation" or None (not measured), and the measurement that says so."""
     waits = cast(Mapping[str, Any], workload).get("loop_waits") or []
     seconds = {"checkpoint": 0.0, "evaluation": 0.0}
     for wait in waits:
-        function, file = str(wait.get("function") or "").lower(), str(wait.get("file") or "").lower()
-        kind = ("checkpoint" if any(mark in function for mark in CHECKPOINT_MARKS)
-                or any(file.endswith(name) or f"/{name}/" in file for name in CHECKPOINT_FILES) else
-                "evaluation" if any(mark in function for mark in EVALUATION_MARKS) else None)
+        kind = wait_kind(wait)
         if kind is not None:
             seconds[kind] += float(wait.get("seconds") or 0.0)
     if any(seconds.values()):

@@ -15,6 +15,14 @@ where that was measured, step by step or by DDP itself, never from a difference 
   average *and* in its latest sample, both describing typical steps of every rank
   (``_ranks.ddp_timings``), while every other rank's all-reduce ran at least that long
   past its backward (they were measured waiting for it);
+- its own time per step outside the collective: its median step less its data wait and less the
+  all-reduce DDP measured after its backward (the time it waited for the others), compared the same
+  way, and confirmed by its stack samples (``loop_waits``: a wait outside the model's work taking
+  more of its steps than the others' do, by a part of that extra time). This is where a rank's work
+  outside the forward and backward shows (a slower node's Python, a fetch of its own, logging on one
+  rank): the others wait for it in the all-reduce. DDP times a step or a few, and which rank reaches
+  the all-reduce last varies from step to step on a symmetric job, so DDP's figures alone are no
+  evidence of it;
 - ranks that do not synchronise (independent processes: no DDP model, and median step times apart
   by more than ``LOCKSTEP_TOLERANCE``) waited for nobody: their step times compare as they are, with the same
   tests, and the rank must also score under ``RELATIVE_SCORE`` against the others.
@@ -29,6 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpuwidget.advice.code import _place
 from gpuwidget.advice.finding import Finding
 from gpuwidget.advice.loader import CONTENTION_DELAY_FRACTION
 from gpuwidget.advice.rules._ranks import (
@@ -58,6 +67,8 @@ CRITICAL_BOUND = 1.5
 # A measured cause is named when it accounts for at least this share of the straggler's extra time
 # (the rest is noise of a shared machine or unmeasured work); the suggestion says how much it explains.
 CAUSE_SHARE = 1 / 3
+# What was measured, where it is the rank's own time outside the collective (the others' wait, DDP's figures).
+OWN_TIME = "own time outside the all-reduce (DDP)"
 
 
 @dataclass
@@ -85,7 +96,9 @@ def find(workload: WorkloadFacts) -> tuple[Straggler, list[dict[str, Any]]] | No
     entries = [rank for rank, _ in timed]
     steps = [median(series[0]) for _, series in timed]
     if synchronous(entries) or max(steps) <= min(steps) * (1 + LOCKSTEP_TOLERANCE):
-        found = _by_data_wait([series[1] for _, series in timed], max(steps)) or _by_ddp_compute(entries, max(steps))
+        waits = [series[1] for _, series in timed]
+        found = (_by_data_wait(waits, max(steps)) or _by_ddp_compute(entries, max(steps))
+                 or _by_own_time(entries, steps, [median(wait) for wait in waits], max(steps)))
     else:
         found = _by_step_time([series[0] for _, series in timed], steps)
     return (found, entries) if found is not None else None
@@ -125,6 +138,38 @@ def _by_ddp_compute(entries: list[dict[str, Any]], job_step: float) -> Straggler
                      {"ddp_compute_ms_by_sample": {which: round(mine[which].compute_s * 1e3, 2)
                                                    for which in ("average", "latest")},
                       "others_waited_ms": round(waited * 1e3, 2)})
+
+
+def _by_own_time(entries: list[dict[str, Any]], steps: list[float], waits: list[float],
+                 job_step: float) -> Straggler | None:
+    """The rank whose own time per step outside the collective (step less data wait less the all-reduce
+    DDP measured after its backward) exceeds every other rank's, in DDP's average and latest sample."""
+    timings = [{timing.which: timing for timing in ddp_timings(entry)} for entry in entries]
+    if any(set(timing) != {"average", "latest"} for timing in timings):
+        return None
+    own = [{which: steps[i] - waits[i] - timings[i][which].exposed_s for which in ("average", "latest")}
+           for i in range(len(entries))]
+    index = max(range(len(own)), key=lambda i: own[i]["average"])
+    others = [i for i in range(len(own)) if i != index]
+    extra = min(own[index][which] - max(own[i][which] for i in others) for which in ("average", "latest"))
+    if extra < max(MIN_EXTRA_S, MIN_EXTRA_SHARE * job_step, NOISE_MULTIPLE * step_jitter_s(entries)):
+        return None
+    waited = min(timing.exposed_s for i in others for timing in timings[i].values())
+    if waited < extra:
+        return None  # the others were not measured waiting that long for it
+    stalled = [stalled_s(entry) for entry in entries]
+    if stalled[index] - max(stalled[i] for i in others) < max(MIN_EXTRA_S, CAUSE_SHARE * extra):
+        return None  # its own stack samples do not show it doing more outside the model's work
+    return Straggler(index, extra, job_step, OWN_TIME, own[index]["average"],
+                     median(own[i]["average"] for i in others),
+                     {"own_ms_by_sample": {which: round(own[index][which] * 1e3, 2) for which in ("average", "latest")},
+                      "others_waited_ms": round(waited * 1e3, 2)})
+
+
+def stalled_s(rank: dict[str, Any]) -> float:
+    """Seconds per step a rank's stack samples put in its top wait outside the model's work (0: none)."""
+    wait = next(iter(rank.get("loop_waits") or []), None)
+    return float(wait.get("share") or 0.0) * float(rank.get("step_time_p50_s") or 0.0) if wait else 0.0
 
 
 def _by_step_time(series: list[list[float]], steps: list[float]) -> Straggler | None:
@@ -169,6 +214,7 @@ def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> F
     }
     what = {"data wait": "it waits {mine} per step for data",
             "forward and backward (DDP)": "its forward and backward take {mine} per step",
+            OWN_TIME: "it spends {mine} per step outside the all-reduce",
             "step time": "its steps take {mine}"}[straggler.measured]
     measured = what.format(mine=f"{straggler.mine_s * 1e3:.1f} ms")
     waiting = (f"the other {len(timed) - 1} rank(s) wait about {extra * 1e3:.1f} ms per step for it in the "
@@ -201,6 +247,16 @@ def _cause(rank: dict[str, Any], wait: float, others_wait: float, extra: float, 
                 f"on the others ({(wait - others_wait) * 1e3:.1f} of its {extra * 1e3:.1f} ms extra): give its loader "
                 f"more workers (num_workers={workers} now) or check that its shard "
                 "is not larger or slower to read than the others' (storage, sample sizes).")
+    stalled = next(iter(rank.get("loop_waits") or []), None)
+    if stalled is not None and extra > 0 and stalled_s(rank) >= CAUSE_SHARE * extra:
+        place = _place(stalled)
+        seconds = stalled_s(rank)
+        measured_wait = {key: stalled.get(key) for key in ("function", "file", "line", "share")}
+        return (f"it waits {place}", {"loop_wait": measured_wait, "loop_wait_ms": round(seconds * 1e3, 2)},
+                f"Its stack samples put {seconds * 1e3:.1f} ms of each step {place}"
+                + (f" (`{stalled['source']}`)" if stalled.get("source") else "")
+                + ", outside the model's work: that is what the others wait for. Make that rank do less there, "
+                "or do it on every rank alike, off the step (a background thread, every N steps).")
     gpu = rank.get("gpu")
     throttled = (summary.get("gpu_throttle_fraction_by_gpu") or {}).get(str(gpu)) if gpu is not None else None
     if throttled is not None and throttled >= THROTTLED_SHARE:
