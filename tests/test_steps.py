@@ -349,3 +349,20 @@ def test_a_get_batch_script_under_gpuwatch_counts_the_training_processs_steps(tm
     assert run.workload["training"]["optimizer_steps"] == 30 and run.workload["trained_in"]
     assert "no training loop seen" not in result.stdout
     assert len(run.trace.spans(TRAIN_STEP_SPAN)) == 30
+
+
+def test_a_batch_taken_to_read_its_size_each_epoch_is_no_step_of_the_loop():
+    """PyTorch's DDP tutorial reads ``len(next(iter(loader))[0])`` at each epoch's start: 3 epochs of
+    20 steps take 63 batches and train on 60."""
+    loader = DataLoader(TensorDataset(torch.randn(80, 16), torch.randint(0, 4, (80,))), batch_size=4)
+    model = Student()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gpuwidget.watch(quiet=True, interval=0.1) as run:
+        for _epoch in range(3):
+            assert len(next(iter(loader))[0]) == 4
+            for x, y in loader:
+                nn.functional.cross_entropy(model(x), y).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+    assert run.workload["loaders"][0]["steps"] == 63 and run.workload["loaders"][0]["steps_fed"] == 60
+    assert run.summary["steps"] == 60 and run.summary["optimizer_steps"] == 60

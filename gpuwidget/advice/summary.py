@@ -65,6 +65,10 @@ ENERGY_MIN_COVERAGE = 0.5
 # sanity check, feeds none; half leaves room for a loop whose epochs alternate with an evaluation
 # on another loader that happens to end right before a step.
 FED_SHARE = 0.5
+# A loop takes one batch per optimizer step when at least this share of its batches fed one: the rest
+# were taken and not trained on (a batch read for its size at each epoch's start is 1 in 32 of a small
+# epoch); gradient accumulation over 2 batches or more feeds at most half of them.
+ONE_BATCH_PER_STEP = 0.9
 
 
 def primary_loader(workload: WorkloadFacts | None) -> LoaderFacts | None:
@@ -82,6 +86,17 @@ def primary_loader(workload: WorkloadFacts | None) -> LoaderFacts | None:
         fed = max(loaders, key=lambda loader: (loader.get("steps_fed") or 0, loader.get("loop_time_s") or 0.0))
         return fed if (fed.get("steps_fed") or 0) >= FED_SHARE * steps else None
     return max(loaders, key=lambda loader: loader.get("loop_time_s") or 0.0, default=None)
+
+
+def loop_steps(loader: LoaderFacts, training: TrainingFacts) -> int:
+    """The loop's steps: its loader's batches, or, where nearly every batch fed an optimizer step
+    (:data:`ONE_BATCH_PER_STEP`), the steps they fed: a batch only looked at (``next(iter(loader))``
+    for its size, as PyTorch's DDP tutorial does each epoch) is no step of the loop. With gradient
+    accumulation the steps stay the batches (``optimizer_steps`` counts the updates)."""
+    batches, fed = int(loader.get("steps") or 0), int(loader.get("steps_fed") or 0)
+    if training.get("optimizer_steps") and fed < batches and fed >= ONE_BATCH_PER_STEP * batches:
+        return fed
+    return batches
 
 
 def optimizer_loop(training: TrainingFacts, workload: WorkloadFacts | None = None) -> Summary:
@@ -295,10 +310,10 @@ def summarize(trace: Trace, workload: WorkloadFacts | None = None,
     if loader is not None and loop_time > 0:
         summary["step_source"] = "dataloader"
         summary["loader"] = loader.get("name")
-        summary["steps"] = loader["steps"]
+        summary["steps"] = batches = loop_steps(loader, training)
         summary["samples"] = loader["samples"] or None
         summary["samples_per_s"] = loader["samples"] / loop_time if loader["samples"] else None
-        summary["steps_per_s"] = loader["steps"] / loop_time
+        summary["steps_per_s"] = batches / loop_time
         summary["loop_time_s"] = loop_time
         summary["data_wait_fraction"] = loader["wait_total_s"] / loop_time
         summary.update(step_figures(loader.get("step_times") or [], loader["steps"], workload, loader))

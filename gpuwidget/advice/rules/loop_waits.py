@@ -25,7 +25,8 @@ thread around a loader. So a function whose samples fall mostly inside ``loader.
 (``in_loader`` at least :data:`IN_LOADER_MAX`) is never named here, whatever its share, and without
 optimizer steps (the samples' basis is ``loader.wait`` itself) this rule stays silent: each measured
 second gets one explanation. So is a wait that periodic stalls hold (``periodic_stall.explains``: an
-evaluation or a checkpoint every N steps): periodic-stall names it, with the advice for its kind.
+evaluation or a checkpoint every N steps): periodic-stall names it, with the advice for its kind; and
+the wait of a straggling rank that the others wait for (rank-straggler names it, with the rank).
 Time between steps outside ``next()`` (a batch function of the user's,
 copies, logging) is this rule's, beside a DataLoader as well as without one.
 """
@@ -40,7 +41,7 @@ from gpuwidget.advice.code import _place
 from gpuwidget.advice.evidence import MIN_CAUSE_STEPS
 from gpuwidget.advice.finding import Finding
 from gpuwidget.advice.loader import STARVED_WAIT_FRACTION
-from gpuwidget.advice.rules import periodic_stall
+from gpuwidget.advice.rules import periodic_stall, rank_straggler
 from gpuwidget.facts import LoopWait, MachineFacts, StackFacts, Summary, WorkloadFacts
 from gpuwidget.report import fmt_fraction, fmt_seconds
 
@@ -71,12 +72,21 @@ def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> F
         return None
     loop_samples = int(stack.get("loop_samples") or 0)
     stall = periodic_stall.check(summary, workload, machine)
+    straggler = rank_straggler.find(workload)
+    straggling = straggler[1][straggler[0].index].get("loop_waits") if straggler is not None else None
     for wait in workload.get("loop_waits") or []:
         if stall is not None and periodic_stall.explains(wait, stall):
             continue  # a periodic evaluation or checkpoint: periodic-stall's seconds and advice
+        if straggling and same_site(wait, straggling[0]):
+            continue  # what a straggling rank does that the others wait for: rank-straggler's
         if (wait.get("in_loader") or 0.0) < IN_LOADER_MAX and named(wait, loop_samples):
             return _finding(wait, stack)
     return None
+
+
+def same_site(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    """Two loop waits name the same function and line."""
+    return all(a.get(key) == b.get(key) for key in ("function", "file", "line"))
 
 
 def named(wait: LoopWait | Mapping[str, Any], loop_samples: int) -> bool:

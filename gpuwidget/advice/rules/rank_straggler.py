@@ -147,7 +147,8 @@ def _by_own_time(entries: list[dict[str, Any]], steps: list[float], waits: list[
     timings = [{timing.which: timing for timing in ddp_timings(entry)} for entry in entries]
     if any(set(timing) != {"average", "latest"} for timing in timings):
         return None
-    own = [{which: steps[i] - waits[i] - timings[i][which].exposed_s for which in ("average", "latest")}
+    # DDP's figures are of a few sampled steps, the median of all of them: the difference can be under 0.
+    own = [{which: max(0.0, steps[i] - waits[i] - timings[i][which].exposed_s) for which in ("average", "latest")}
            for i in range(len(entries))]
     index = max(range(len(own)), key=lambda i: own[i]["average"])
     others = [i for i in range(len(own)) if i != index]
