@@ -333,9 +333,19 @@ def _duplicates_warning(loader: LoaderFacts | Mapping[str, Any], change: Mapping
             f"#     ... DataLoader(..., num_workers={workers})")
 
 
-def cache_code(loader: LoaderFacts | Mapping[str, Any]) -> str:
+def cache_code(loader: LoaderFacts | Mapping[str, Any], builder: Mapping[str, Any] | None = None) -> str:
     """What to cache for a CPU-bound loader, in prose (comments): only the deterministic part
-    of a sample (decoding, resizing), never the random augmentation applied after it."""
+    of a sample (decoding, resizing), never the random augmentation applied after it.
+
+    ``builder``: the loop wait (probes.stack) inside the loader's ``next()`` where its batches were
+    measured being built. Where that is not the dataset's ``__getitem__`` (a ``collate_fn`` that
+    tokenizes, a sampler), the code names it instead: that is where the CPU went."""
+    if builder is not None and not str(builder.get("function") or "").endswith("__getitem__"):
+        share = float(builder.get("share") or 0.0)
+        return "\n".join([
+            f"# The batches are built {_place(builder)}: {100 * share:.0f}% of the loop's time (stack samples),",
+            "# on the CPUs that are already busy. Do that work once, ahead of training (tokenize or decode the",
+            "# whole dataset once and keep the result, as datasets' map() does), or make it cheaper."])
     settings = loader.get("settings") or {}
     dataset = settings.get("dataset_type") or "the dataset"
     where = settings.get("dataset_code") or {}
