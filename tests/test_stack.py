@@ -246,6 +246,42 @@ def test_inside_the_step_the_loops_own_line_and_torchs_work_are_the_step_not_wai
     assert in_forward == [] and loop_line == [] and stack["loop_samples"] == 1
 
 
+def loop_like(events: list[tuple[threading.Event, threading.Event]]) -> None:
+    """A training loop's shape: a call into torch's work (a module's forward), a helper it calls
+    (a fetch), then a line of its own (a progress bar, ``loss.item()``), each parked in turn."""
+    ParksInForward()(*events[0])
+    parked_here(*events[1])
+    events[2][0].set()
+    events[2][1].wait()  # the loop's own line
+
+
+def runs_loop_like(events: list[tuple[threading.Event, threading.Event]]) -> None:
+    loop_like(events)  # as %run or a script's main() calls the loop: a frame of the user's above it
+
+
+def test_inside_the_step_a_line_of_the_loop_that_calls_torchs_work_is_the_step_not_a_wait():
+    trace = Trace()
+    events = [(threading.Event(), threading.Event()) for _ in range(3)]
+    thread = threading.Thread(target=runs_loop_like, args=(events,))
+    thread.start()
+    try:
+        sampler = StackSampler(trace, thread.ident)
+        for started, release in events:
+            started.wait(5)
+            for _ in range(2):
+                sample_between(sampler, trace, (TRAIN_STEP_SPAN,))
+            release.set()
+        waits, stack = sampler.facts()
+    finally:
+        for _, release in events:
+            release.set()
+        thread.join(5)
+    assert stack["loop_samples"] == 6
+    # In the forward: torch's work. In parked_here: a wait. On loop_like's own line: the loop's code
+    # (it called into torch's work), so the step's own, although a frame of the user's is above it.
+    assert [(wait["function"], wait["samples"]) for wait in waits] == [("parked_here", 2)]
+
+
 def test_a_step_sample_read_late_between_steps_is_not_a_wait_inside_the_step(monkeypatch):
     # Due while the step computed, read once the loop released the GIL in the next step's fetch: where
     # the stack was read is not where the thread was when the sample was due.

@@ -23,8 +23,10 @@ A loop can also wait inside its step: nanoGPT's ``train.py`` fetches the next ba
 micro-step's forward and its backward. With optimizer steps, a sample inside ``train.step`` is a
 wait too when the thread was outside torch's work (no frame of torch's own code on its stack but
 the DataLoader's: not in the model's forward, backward, optimizer step or loss) and in a function the
-loop's own line called (the innermost frame of the user's is not the outermost: a line of the loop
-itself, ``loss.item()`` on a GPU, is the step's own).
+loop's own code called: a line of the loop itself (``loss.item()`` on a GPU, a progress bar) is the
+step's own. The loop's code is the one that calls into torch's work most often in the samples inside
+the steps (the outermost frame of the user's just outside a frame of torch's: the line calling
+``model(x)``, ``loss.backward()``, ``optimizer.step()``).
 
 Cost: one sample walks the watched thread's frames once (a cached verdict per code object) and
 places the few pending samples in the new spans by bisection; reading the new spans from the Trace
@@ -142,6 +144,7 @@ class _Basis:
         #  user's, when it was read, read inside a wait span]
         self.pending: deque[list[Any]] = deque(maxlen=MAX_PENDING)
         self.loop_spans = 0
+        self.callers: Counter[CodeType] = Counter()  # the user's code calling into torch's work, in the steps
         self._held: list[Any] = []  # the loop spans of the last call, deciding samples at the next
         self.loop_samples = 0
         self.waits: Counter[Location | None] = Counter()
@@ -168,16 +171,21 @@ class _Basis:
             self.loop_spans += len(loop)
             self._held = loop
 
+    def loop_code(self) -> CodeType | None:
+        """The loop's own code: the user's code seen calling into torch's work most often in the steps."""
+        return self.callers.most_common(1)[0][0] if self.callers else None
+
     def flush(self) -> None:
         """Decide the samples the loop spans read last decide."""
         held, self._held = self._held, []
         if held:
             self._decide(held)
 
-    def add(self, t: float, location: Location | None, off_step: bool = False, read: float | None = None) -> None:
+    def add(self, t: float, location: Location | None, off_step: bool = False, read: float | None = None,
+            caller: CodeType | None = None) -> None:
         # off_step counts only with optimizer steps (the loader basis's steps are next() to next()).
         self.pending.append([t, location, False, False, off_step and self.inside_kind is not None,
-                             t if read is None else read, False])
+                             t if read is None else read, False, caller])
 
     def _mark(self, spans: list[Any], slot: int, at: int = 0) -> None:
         """Mark ``slot`` of the pending samples whose time ``at`` (0: due, 5: read) falls in ``spans``."""
@@ -193,14 +201,16 @@ class _Basis:
         last_end = spans[-1][1]
         pending = self.pending
         while pending and pending[0][0] <= last_end:
-            t, location, waiting, inside, off_step, read, read_waiting = pending.popleft()
+            t, location, waiting, inside, off_step, read, read_waiting, caller = pending.popleft()
             span = _containing(spans, t)
             if span is None:
                 continue
             self.loop_samples += 1
+            if caller is not None:
+                self.callers[caller] += 1
             # A wait inside the step only where the stack was read inside the same step and not between
             # steps: a read late for the GIL shows where the loop released it next, maybe the next fetch.
-            if off_step and (read_waiting or read > span[1]):
+            if off_step and (read_waiting or read > span[1] or location[0] is self.loop_code()):
                 off_step = False
             if waiting or off_step:
                 if location not in self.waits and len(self.waits) >= MAX_LOCATIONS:
@@ -318,7 +328,8 @@ class StackSampler:
         outer: FrameType | None = None
         cache = self._user
         depth = 0
-        working = False
+        working = below_torch = False
+        caller: CodeType | None = None
         while frame is not None and depth < MAX_DEPTH:
             code = frame.f_code
             known = cache.get(id(code))
@@ -328,7 +339,10 @@ class StackSampler:
                 if inner is None:
                     inner = frame
                 outer = frame
-            working = working or known[2]
+                if below_torch:  # the user's frame calling into torch's work (through any library)
+                    caller, below_torch = code, False
+            elif known[2]:
+                working = below_torch = True
             frame = frame.f_back
             depth += 1
         location: Location | None = None
@@ -338,7 +352,7 @@ class StackSampler:
         self.recent.append((t, location))
         # Outside torch's work, in a function the loop called: a wait inside the step (module docstring).
         off_step = not working and location is not None and location[0] is not location[2]
-        self.optimizer.add(t, location, off_step, read)
+        self.optimizer.add(t, location, off_step, read, caller)
         self.loader.add(t, location)
 
     # ----------------------------------------------------------------- facts, after the watch
