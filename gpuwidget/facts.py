@@ -201,6 +201,7 @@ class LoopWait(CodeSite, total=False):
     seconds: float  # share x the loop's time (the loop spans' total)
     samples: int  # stack samples there
     in_loader: float  # share of those samples inside a DataLoader's next() (0-1)
+    in_model: float  # share of those samples inside torch's work (a model's forward between steps: 0-1)
     source: str | None  # the line's text, stripped
     called_from: CodeSite  # the outermost frame of the user's code: the cell's (or script's) line
     name: str | None  # the user's name for the function, an assignment target ("get_batch", "batcher.next")

@@ -149,6 +149,7 @@ class _Basis:
         self.loop_samples = 0
         self.waits: Counter[Location | None] = Counter()
         self.inside: Counter[Location | None] = Counter()
+        self.working: Counter[Location | None] = Counter()  # of the waits, those inside torch's work
 
     def take(self, new: Mapping[str, list[Any]]) -> None:
         """Mark the pending samples with the spans recorded since the last call (``new``, by kind);
@@ -182,10 +183,10 @@ class _Basis:
             self._decide(held)
 
     def add(self, t: float, location: Location | None, off_step: bool = False, read: float | None = None,
-            caller: CodeType | None = None) -> None:
+            caller: CodeType | None = None, working: bool = False) -> None:
         # off_step counts only with optimizer steps (the loader basis's steps are next() to next()).
         self.pending.append([t, location, False, False, off_step and self.inside_kind is not None,
-                             t if read is None else read, False, caller])
+                             t if read is None else read, False, caller, working])
 
     def _mark(self, spans: list[Any], slot: int, at: int = 0) -> None:
         """Mark ``slot`` of the pending samples whose time ``at`` (0: due, 5: read) falls in ``spans``."""
@@ -201,7 +202,7 @@ class _Basis:
         last_end = spans[-1][1]
         pending = self.pending
         while pending and pending[0][0] <= last_end:
-            t, location, waiting, inside, off_step, read, read_waiting, caller = pending.popleft()
+            t, location, waiting, inside, off_step, read, read_waiting, caller, working = pending.popleft()
             span = _containing(spans, t)
             if span is None:
                 continue
@@ -218,6 +219,8 @@ class _Basis:
                 self.waits[location] += 1
                 if inside:
                     self.inside[location] += 1
+                if working:
+                    self.working[location] += 1
 
 
 _ATTRS = operator.itemgetter(2)
@@ -352,7 +355,7 @@ class StackSampler:
         self.recent.append((t, location))
         # Outside torch's work, in a function the loop called: a wait inside the step (module docstring).
         off_step = not working and location is not None and location[0] is not location[2]
-        self.optimizer.add(t, location, off_step, read, caller)
+        self.optimizer.add(t, location, off_step, read, caller, working)
         self.loader.add(t, location)
 
     # ----------------------------------------------------------------- facts, after the watch
@@ -374,26 +377,29 @@ class StackSampler:
                              "dropped": self.dropped}
         if not basis.loop_samples:
             return [], stack
-        by_code: dict[CodeType, list[Any]] = {}  # code -> [samples, inside, Counter(line), Counter(outer)]
+        # code -> [samples, inside, Counter(line), Counter(outer), in torch's work]
+        by_code: dict[CodeType, list[Any]] = {}
         for location, count in basis.waits.items():
             if location is None:
                 continue
             code, line, outer_code, outer_line = location
-            entry = by_code.setdefault(code, [0, 0, Counter(), Counter()])
+            entry = by_code.setdefault(code, [0, 0, Counter(), Counter(), 0])
             entry[0] += count
             entry[1] += basis.inside.get(location, 0)
+            entry[4] += basis.working.get(location, 0)
             entry[2][line] += count
             entry[3][(outer_code, outer_line)] += count
         ranked = sorted(by_code.items(), key=lambda item: item[1][0], reverse=True)[:LOOP_WAITS]
         names = namespace or {}
         waits: list[LoopWait] = []
-        for code, (count, inside, lines, outers) in ranked:
+        for code, (count, inside, lines, outers, working) in ranked:
             line = lines.most_common(1)[0][0]
             outer_code, outer_line = outers.most_common(1)[0][0]
             share = count / basis.loop_samples
             wait: LoopWait = {**code_site(code, line), "share": share, "seconds": share * loop_s,
                               # Without optimizer steps the waits are a DataLoader's next() itself.
                               "samples": count, "in_loader": inside / count if basis.inside_kind else 1.0,
+                              "in_model": working / count,
                               "source": _line_text(code.co_filename, line),
                               "called_from": code_site(outer_code, outer_line),
                               "name": user_name(code, names), "generator": bool(code.co_flags & CO_GENERATOR),
