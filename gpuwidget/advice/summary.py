@@ -90,12 +90,15 @@ def primary_loader(workload: WorkloadFacts | None) -> LoaderFacts | None:
 
 def loop_steps(loader: LoaderFacts, training: TrainingFacts) -> int:
     """The loop's steps: its loader's batches, or, where nearly every batch fed an optimizer step
-    (:data:`ONE_BATCH_PER_STEP`), the steps they fed: a batch only looked at (``next(iter(loader))``
-    for its size, as PyTorch's DDP tutorial does each epoch) is no step of the loop. With gradient
-    accumulation the steps stay the batches (``optimizer_steps`` counts the updates)."""
+    (:data:`ONE_BATCH_PER_STEP`: one batch per step), the optimizer's steps: a batch only looked at
+    (``next(iter(loader))`` for its size, as PyTorch's DDP tutorial does each epoch) is no step of the
+    loop. (Not the batches that fed a step: accelerate's loader reads one batch ahead, so the last
+    batch of each epoch is seen to feed none.) With gradient accumulation the steps stay the batches
+    (``optimizer_steps`` counts the updates)."""
     batches, fed = int(loader.get("steps") or 0), int(loader.get("steps_fed") or 0)
-    if training.get("optimizer_steps") and fed < batches and fed >= ONE_BATCH_PER_STEP * batches:
-        return fed
+    optimizer_steps = int(training.get("optimizer_steps") or 0)
+    if optimizer_steps and fed >= ONE_BATCH_PER_STEP * batches:
+        return min(batches, optimizer_steps)
     return batches
 
 
