@@ -391,6 +391,7 @@ class StackSampler:
             entry[3][(outer_code, outer_line)] += count
         ranked = sorted(by_code.items(), key=lambda item: item[1][0], reverse=True)[:LOOP_WAITS]
         names = namespace or {}
+        loop_code = basis.loop_code() if basis is self.optimizer else None
         waits: list[LoopWait] = []
         for code, (count, inside, lines, outers, working) in ranked:
             line = lines.most_common(1)[0][0]
@@ -399,7 +400,7 @@ class StackSampler:
             wait: LoopWait = {**code_site(code, line), "share": share, "seconds": share * loop_s,
                               # Without optimizer steps the waits are a DataLoader's next() itself.
                               "samples": count, "in_loader": inside / count if basis.inside_kind else 1.0,
-                              "in_model": working / count,
+                              "in_model": working / count, "in_loop": code is loop_code,
                               "source": _line_text(code.co_filename, line),
                               "called_from": code_site(outer_code, outer_line),
                               "name": user_name(code, names), "generator": bool(code.co_flags & CO_GENERATOR),

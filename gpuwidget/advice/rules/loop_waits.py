@@ -110,7 +110,7 @@ def _finding(wait: LoopWait, stack: StackFacts) -> Finding:
     share = float(wait["share"])
     place = _place(wait)
     function = wait.get("function") or "<module>"
-    own_line = function == "<module>"
+    own_line = function == "<module>" or bool(wait.get("in_loop"))  # a line of the loop itself
     name = None if own_line else wait.get("name")
     copy = wait.get("copy") or {}
     source = wait.get("source")
