@@ -4,6 +4,8 @@ loop-waits (the real scripts' Lightning sampling callback, nanoGPT's evaluation,
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from gpuwidget.advice.finding import Finding
@@ -35,3 +37,42 @@ def test_a_wait_is_the_stalls_when_it_fits_in_their_seconds_and_is_their_kind():
     assert not explains({**evaluation, "seconds": 0.5}, stall("checkpoint"))
     assert explains({"function": "get_batch", "seconds": 0.5}, stall("unknown"))  # kind not measured
     assert not explains({"function": "get_batch", "seconds": 0.5}, stall("evaluation"))
+
+
+def straggling_job(with_stack: bool) -> list[dict[str, Any]]:
+    """Two DDP ranks stepping together every 12 ms: rank 0 waits 9 ms of each in the all-reduce, rank 1
+    1 ms; rank 1's stack samples (when ``with_stack``) put 70% of its steps in a sleep of its loop."""
+    from test_rules_ranks import ddp_rank
+
+    ranks = [ddp_rank(0, 12.0, 9.0), ddp_rank(1, 12.0, 1.0)]
+    if with_stack:
+        ranks[1]["loop_waits"] = [{"function": "Trainer._run_epoch", "file": "multigpu_torchrun.py", "line": 81,
+                                   "cell": None, "share": 0.7, "source": "time.sleep(self.delay)"}]
+    return ranks
+
+
+def test_a_ranks_own_time_outside_the_all_reduce_is_a_straggler_where_its_stack_samples_confirm_it():
+    from gpuwidget.advice.rules import loop_waits, rank_straggler
+
+    ranks = straggling_job(with_stack=True)
+    found = rank_straggler.check({}, {"ranks": ranks}, {})  # type: ignore[arg-type, typeddict-item]
+    assert found is not None and found.evidence["straggler"] == 1
+    assert found.evidence["measured"] == rank_straggler.OWN_TIME
+    assert found.evidence["extra_ms"] == pytest.approx(8.0, abs=0.3)
+    assert found.evidence["others_waited_ms"] == pytest.approx(9.0)
+    assert found.change["cause"] == "it waits in Trainer._run_epoch() (multigpu_torchrun.py, line 81)"
+    assert found.expected_speedup == pytest.approx(12.0 / 4.0, rel=0.05)  # the job's step less the measured extra
+    exec(found.code, {})
+    # The same wait in the workload (the busiest child's) is not named again by loop-waits.
+    workload = {"ranks": ranks, "loop_waits": [{**ranks[1]["loop_waits"][0], "seconds": 1.0, "samples": 50,
+                                                "in_loader": 0.0}],
+                "stack_samples": {"steps": 100, "loop_samples": 70, "loop_s": 1.2, "basis": "train.between"}}
+    assert loop_waits.check({}, workload, {}) is None  # type: ignore[arg-type]
+
+
+def test_ddp_figures_alone_name_no_straggler_on_own_time():
+    # Which rank reaches the all-reduce last varies from step to step on a symmetric job: DDP's sampled
+    # figures can show this difference by chance, and without the stack's evidence it is not a straggler.
+    from gpuwidget.advice.rules import rank_straggler
+
+    assert rank_straggler.check({}, {"ranks": straggling_job(with_stack=False)}, {}) is None  # type: ignore[arg-type]

@@ -145,14 +145,17 @@ def _by_own_time(entries: list[dict[str, Any]], steps: list[float], waits: list[
     """The rank whose own time per step outside the collective (step less data wait less the all-reduce
     DDP measured after its backward) exceeds every other rank's, in DDP's average and latest sample."""
     timings = [{timing.which: timing for timing in ddp_timings(entry)} for entry in entries]
-    if any(set(timing) != {"average", "latest"} for timing in timings):
+    # DDP's figures that describe a typical step on every rank (the stack samples confirm them below,
+    # so one of the two will do: a preempted sampled step drops the other).
+    shown = [which for which in ("average", "latest") if all(which in timing for timing in timings)]
+    if not shown:
         return None
     # DDP's figures are of a few sampled steps, the median of all of them: the difference can be under 0.
-    own = [{which: max(0.0, steps[i] - waits[i] - timings[i][which].exposed_s) for which in ("average", "latest")}
+    own = [{which: max(0.0, steps[i] - waits[i] - timings[i][which].exposed_s) for which in shown}
            for i in range(len(entries))]
-    index = max(range(len(own)), key=lambda i: own[i]["average"])
+    index = max(range(len(own)), key=lambda i: own[i][shown[0]])
     others = [i for i in range(len(own)) if i != index]
-    extra = min(own[index][which] - max(own[i][which] for i in others) for which in ("average", "latest"))
+    extra = min(own[index][which] - max(own[i][which] for i in others) for which in shown)
     if extra < max(MIN_EXTRA_S, MIN_EXTRA_SHARE * job_step, NOISE_MULTIPLE * step_jitter_s(entries)):
         return None
     waited = min(timing.exposed_s for i in others for timing in timings[i].values())
@@ -161,9 +164,9 @@ def _by_own_time(entries: list[dict[str, Any]], steps: list[float], waits: list[
     stalled = [stalled_s(entry) for entry in entries]
     if stalled[index] - max(stalled[i] for i in others) < max(MIN_EXTRA_S, CAUSE_SHARE * extra):
         return None  # its own stack samples do not show it doing more outside the model's work
-    return Straggler(index, extra, job_step, OWN_TIME, own[index]["average"],
-                     median(own[i]["average"] for i in others),
-                     {"own_ms_by_sample": {which: round(own[index][which] * 1e3, 2) for which in ("average", "latest")},
+    return Straggler(index, extra, job_step, OWN_TIME, own[index][shown[0]],
+                     median(own[i][shown[0]] for i in others),
+                     {"own_ms_by_sample": {which: round(own[index][which] * 1e3, 2) for which in shown},
                       "others_waited_ms": round(waited * 1e3, 2)})
 
 
