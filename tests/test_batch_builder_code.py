@@ -25,3 +25,6 @@ def test_without_a_measured_builder_or_in_getitem_the_dataset_is_named():
         code = cache_code(LOADER, builder)
         assert code.startswith("# Each sample is rebuilt every epoch in TextBlocks.__getitem__ (train.py, line 40).")
     assert batch_builder({"loop_waits": [{**COLLATE, "in_loader": 0.49}]}) is None  # type: ignore[typeddict-item]
+    # The loop's own line calling next() (its samples in the loader's own code) builds nothing itself.
+    loop_line = {**COLLATE, "function": "main", "in_loop": True}
+    assert batch_builder({"loop_waits": [loop_line, COLLATE]}) is COLLATE  # type: ignore[typeddict-item]

@@ -21,7 +21,7 @@ def batch_builder(workload: WorkloadFacts) -> LoopWait | None:
     """The function the stack samples found the loop in while it waited inside the loader's ``next()``
     (the share loop-waits leaves to the DataLoader rules): where the main process built its batches."""
     return next((wait for wait in workload.get("loop_waits") or []
-                 if float(wait.get("in_loader") or 0.0) >= IN_LOADER_MAX), None)
+                 if float(wait.get("in_loader") or 0.0) >= IN_LOADER_MAX and not wait.get("in_loop")), None)
 
 
 def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> Finding | None:

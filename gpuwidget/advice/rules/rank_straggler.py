@@ -144,21 +144,21 @@ def _by_own_time(entries: list[dict[str, Any]], steps: list[float], waits: list[
                  job_step: float) -> Straggler | None:
     """The rank whose own time per step outside the collective (step less data wait less the all-reduce
     DDP measured after its backward) exceeds every other rank's, in DDP's average and latest sample."""
-    timings = [{timing.which: timing for timing in ddp_timings(entry)} for entry in entries]
-    # DDP's figures that describe a typical step on every rank (the stack samples confirm them below,
-    # so one of the two will do: a preempted sampled step drops the other).
+    # Every one of DDP's figures: a rank that waits for a straggler spends its whole step in the
+    # all-reduce, and its sampled steps then read as longer than typical; the stack samples confirm below.
+    timings = [{timing.which: timing for timing in ddp_timings(entry, typical_only=False)} for entry in entries]
     shown = [which for which in ("average", "latest") if all(which in timing for timing in timings)]
     if not shown:
         return None
     # DDP's figures are of a few sampled steps, the median of all of them: the difference can be under 0.
-    own = [{which: max(0.0, steps[i] - waits[i] - timings[i][which].exposed_s) for which in shown}
+    own = [{which: max(0.0, steps[i] - waits[i] - min(steps[i], timings[i][which].exposed_s)) for which in shown}
            for i in range(len(entries))]
     index = max(range(len(own)), key=lambda i: own[i][shown[0]])
     others = [i for i in range(len(own)) if i != index]
     extra = min(own[index][which] - max(own[i][which] for i in others) for which in shown)
     if extra < max(MIN_EXTRA_S, MIN_EXTRA_SHARE * job_step, NOISE_MULTIPLE * step_jitter_s(entries)):
         return None
-    waited = min(timing.exposed_s for i in others for timing in timings[i].values())
+    waited = min(min(steps[i], timing.exposed_s) for i in others for timing in timings[i].values())
     if waited < extra:
         return None  # the others were not measured waiting that long for it
     stalled = [stalled_s(entry) for entry in entries]
