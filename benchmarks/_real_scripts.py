@@ -14,6 +14,7 @@ one after the other) beside the gain the finding expected.
 
 from __future__ import annotations
 
+import os
 import runpy
 import sys
 import tempfile
@@ -136,14 +137,28 @@ def ddp(tmp: Path) -> list[dict[str, Any]]:
 
 
 def _warmup_loop(first_steps_s: float, first_steps: int, pause_every: int) -> Any:
-    """In-process: an in-memory TensorDataset loop (1.5 ms a step), its first steps slower (a compilation),
-    a 0.3 s pause every ``pause_every`` steps (0: none)."""
+    """In-process: an in-memory TensorDataset loop (1.5 ms a step), its first steps slower inside the
+    model's forward (a compilation), a 0.3 s checkpoint pause every ``pause_every`` steps (0: none)."""
     import torch
     from torch.utils.data import DataLoader, TensorDataset
 
     torch.set_num_threads(1)
+    class Compiling(torch.nn.Module):
+        """Its first training forwards take longer, inside the forward, as torch.compile's compilation does."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+            self.compiling = first_steps
+
+        def forward(self, x: Any) -> Any:
+            if self.compiling > 0 and self.training:
+                self.compiling -= 1
+                time.sleep(first_steps_s)
+            return self.net(x)
+
     loader = DataLoader(TensorDataset(torch.randn(1200, 32), torch.randint(0, 4, (1200,))), batch_size=8)
-    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    model = Compiling()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     with gpuwidget.watch(display=False, interval=0.05) as run:
         for step, (x, y) in enumerate(loader):
@@ -151,10 +166,9 @@ def _warmup_loop(first_steps_s: float, first_steps: int, pause_every: int) -> An
             optimizer.step()
             optimizer.zero_grad()
             burn_cpu(0.0015)
-            if step < first_steps:
-                time.sleep(first_steps_s)
             if pause_every and step % pause_every == pause_every - 1:
-                time.sleep(0.3)
+                torch.save(model.state_dict(), os.devnull)
+                time.sleep(0.3)  # the checkpoint's write to a slow volume
     return run
 
 
