@@ -367,10 +367,14 @@ class Summary(TypedDict, total=False):
     loader: str | None  # the primary loader's name
     steps: int | None
     samples: int | None
-    samples_per_s: float | None
+    samples_per_s: float | None  # over the steady steps (the warm-up's left out: advice.summary.steady_headline)
     steps_per_s: float
     loop_time_s: float  # seconds inside the primary loader's loop
-    data_wait_fraction: float | None  # share of loop_time_s blocked in next()
+    data_wait_fraction: float | None  # share of the steady steps' time blocked in next()
+    # The same three over every step, the warm-up's included, where a warm-up was split off.
+    samples_per_s_with_warmup: float
+    steps_per_s_with_warmup: float
+    data_wait_fraction_with_warmup: float
     step_time_p50: float | None  # seconds
     step_time_p95: float | None
     step_time_p99: float | None
