@@ -541,3 +541,22 @@ def test_the_step_probes_real_spans_attribute_a_slow_batch_function():
     assert run.workload["stack_samples"]["basis"] == "train.between"
     assert run.workload["loop_waits"][0]["function"] == "next_batch"
     assert any(f.rule == "loop-waits" for f in run.findings)
+
+
+class Tokenizer:
+    def __call__(self, text: str) -> str:
+        return "".join(ch for ch in text)
+
+
+def test_a_generator_expression_is_named_by_the_function_around_it_a_nested_function_by_its_own():
+    from gpuwidget.probes.stack import code_site
+
+    codes = Tokenizer.__call__.__code__.co_consts
+    genexpr = next(const for const in codes if isinstance(const, type(parked_here.__code__)))
+
+    def collate_fn(batch: list[Any]) -> list[Any]:
+        return batch
+
+    assert code_site(genexpr, 1)["function"] == "Tokenizer.__call__.<genexpr>"
+    assert code_site(collate_fn.__code__, 1)["function"] == "collate_fn"
+    assert code_site(parked_here.__code__, 1)["function"] == "parked_here"

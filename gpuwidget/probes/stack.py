@@ -414,8 +414,13 @@ class StackSampler:
 
 def code_site(code: CodeType, line: int) -> CodeSite:
     """``code`` at ``line`` as the user knows it: the function's name, the file relative to the
-    working directory (a cell keeps IPython's file) and the cell's number where it is a cell."""
-    function = getattr(code, "co_qualname", code.co_name).rsplit("<locals>.", 1)[-1]
+    working directory (a cell keeps IPython's file) and the cell's number where it is a cell. A
+    function defined inside another goes by its own name (``collate_fn``); a generator expression or
+    a lambda by the function around it (``ByteTokenizer.__call__.<genexpr>``)."""
+    scopes = getattr(code, "co_qualname", code.co_name).split("<locals>.")
+    function = scopes[-1]
+    if function.startswith("<") and len(scopes) > 1:
+        function = scopes[-2].rstrip(".") + "." + function
     file = code.co_filename
     cell = notebook_cell(file)
     return {"function": function, "file": file if cell is not None else display_path(file), "line": line,
