@@ -201,6 +201,7 @@ class _Basis:
     def _decide(self, spans: list[Any]) -> None:
         last_end = spans[-1][1]
         pending = self.pending
+        loop_code = self.loop_code()  # once per call: the samples it decides come from a few ticks
         while pending and pending[0][0] <= last_end:
             t, location, waiting, inside, off_step, read, read_waiting, caller, working = pending.popleft()
             span = _containing(spans, t)
@@ -211,7 +212,7 @@ class _Basis:
                 self.callers[caller] += 1
             # A wait inside the step only where the stack was read inside the same step and not between
             # steps: a read late for the GIL shows where the loop released it next, maybe the next fetch.
-            if off_step and (read_waiting or read > span[1] or location[0] is self.loop_code()):
+            if off_step and (read_waiting or read > span[1] or location[0] is loop_code):
                 off_step = False
             if waiting or off_step:
                 if location not in self.waits and len(self.waits) >= MAX_LOCATIONS:
