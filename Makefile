@@ -1,6 +1,7 @@
 # gpuwidget developer entry points. Everything sets itself up on a fresh machine:
 #   make lab     JupyterLab on 127.0.0.1 with gpuwidget installed (editable), notebooks/ as root
-#   make test    the whole test suite (installs Debian's chromium first when root and missing)
+#   make test    the whole test suite: jest, then pytest's parallel and serial passes (installs
+#                Debian's chromium and prometheus first when root and missing)
 #   make bench   every benchmarks/*.py, one after the other
 #   make lint    ruff, mypy and the TypeScript lint (`jlpm lint`: prettier, eslint, tsc)
 #   make clean   build outputs (keeps .venv and node_modules); `make distclean` removes those too
@@ -14,7 +15,11 @@ VBIN := $(CURDIR)/$(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 LABEXT := gpuwidget/labextension/package.json
-LABEXT_LINK := $(VENV)/share/jupyter/labextensions/gpuwidget
+# The lab extension's folder is named after its npm package (package.json "name").
+LABEXT_LINK := $(VENV)/share/jupyter/labextensions/jupyterlab-gpuwidget
+# What an install from before the rename left: the distribution "gpuwidget" and its link.
+OLD_DIST := gpuwidget
+OLD_LABEXT_LINK := $(VENV)/share/jupyter/labextensions/gpuwidget
 TS_SOURCES := $(wildcard labextension/src/*.ts labextension/src/*.tsx labextension/style/* labextension/schema/*)
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 NOTEBOOK_DIR := $(if $(wildcard notebooks),notebooks/,.)
@@ -33,10 +38,15 @@ install: $(STAMP) $(LABEXT)
 $(STAMP): pyproject.toml package.json yarn.lock gpuwidget/children/_boot.py gpuwidget/children/gpuwidget_children.pth
 	test -x $(VPY) || $(PYTHON) -m venv $(VENV)
 	$(VPY) -m pip install --upgrade pip
-	$(VPY) -m pip install "$(TORCH_SPEC)"
+	@# --no-compile: byte-compiling all 14,000 modules of the venv is 38 s of CPU here, most of them
+	@# never imported by the tests; Python compiles (and caches) the ones imported, when imported.
+	$(VPY) -m pip install --no-compile "$(TORCH_SPEC)"
 	@# a link left by `jupyter-builder develop` would make pip write through it into the source tree
-	if [ -L $(LABEXT_LINK) ]; then rm $(LABEXT_LINK); fi
-	PATH="$(VBIN):$$PATH" $(VPY) -m pip install -e ".[test,dev]" "$(TORCH_SPEC)"
+	for link in $(LABEXT_LINK) $(OLD_LABEXT_LINK); do if [ -L $$link ]; then rm $$link; fi; done
+	@# the distribution was called "gpuwidget" before (a name PyPI gives another project): an old
+	@# install's files would stay beside the new one's, its lab extension loaded twice
+	if $(VPY) -m pip show -q $(OLD_DIST) 2>/dev/null; then $(VPY) -m pip uninstall -y $(OLD_DIST); fi
+	PATH="$(VBIN):$$PATH" $(VPY) -m pip install --no-compile -e ".[test,dev]" "$(TORCH_SPEC)"
 	PATH="$(VBIN):$$PATH" $(VENV)/bin/jupyter-builder develop --overwrite . || { \
 	  echo "make: linking the lab extension failed; gpuwidget/__init__.py must re-export" >&2; \
 	  echo "      _jupyter_labextension_paths (from gpuwidget._labext)." >&2; exit 1; }
@@ -53,9 +63,14 @@ $(LABEXT): $(TS_SOURCES) tsconfig.json package.json yarn.lock | $(STAMP)
 lab: install
 	$(VENV)/bin/jupyter lab --ip=127.0.0.1 --no-browser $(ROOT_FLAG) $(NOTEBOOK_DIR)
 
+# The Python suite in two passes (tests/conftest.py says which tests are `serial`): first the tests
+# that neither judge time nor load the machine, on every core (pytest-xdist); then the serial ones
+# one at a time, so nothing running beside a timed test changes what it measures.
+PYTEST_WORKERS ?= auto
 test: install chromium prometheus
 	PATH="$(VBIN):$$PATH" jlpm test
-	$(VPY) -m pytest
+	$(VPY) -m pytest -m "not serial" -n $(PYTEST_WORKERS)
+	$(VPY) -m pytest -m serial
 
 # Browser tests use Debian's chromium (Playwright's own browser download cannot work here).
 chromium:

@@ -57,7 +57,7 @@ for _path in (ROOT, ROOT / "benchmarks"):
 import _gpu_workloads  # noqa: E402
 from _gpu_workloads import EXPECTED, judge_rules  # noqa: E402
 
-from gpuwidget.sources.nvml import uuid_key  # noqa: E402
+from gpuwidget.facts import uuid_key  # noqa: E402
 
 MIB = 2.0**20
 GIB = 2.0**30
@@ -432,12 +432,12 @@ def check_gpm(report: Report, device: Mapping[str, Any], hopper: bool, bf16: Seq
         mine = median_of(bf16, f"{label}.{metric}")
         if isinstance(dmon, str):
             report.fail(name, f"nvidia-smi dmon --gpm-metrics {DMON_GPM_IDS}: {dmon}")
-        elif device["nvml_index"] not in dmon:
-            report.fail(name, f"nvidia-smi dmon gave no row for GPU {device['nvml_index']}")
+        elif device["driver_index"] not in dmon:
+            report.fail(name, f"nvidia-smi dmon gave no row for GPU {device['driver_index']}")
         elif mine is None:
             report.fail(name, f"absent: no {label}.{metric}")
         else:
-            theirs = dmon[device["nvml_index"]][slot]
+            theirs = dmon[device["driver_index"]][slot]
             report.add(name, abs(mine - theirs) <= DMON_TOLERANCE,
                        f"gpuwidget {mine:.1f} vs dmon {theirs:.1f} (allowed {DMON_TOLERANCE:g} points)")
 
@@ -595,7 +595,7 @@ def fixture_text(run: Any, limit: int = FIXTURE_MAX_BYTES) -> tuple[str, int]:
 def replay_rules(path: Path) -> tuple[list[str], Any]:
     """The rules the current advisor finds on a saved Run, from its trace and facts (summary again)."""
     from gpuwidget.advice.advisor import advise
-    from gpuwidget.advice.summary import summarize
+    from gpuwidget.figures.summary import summarize
     from gpuwidget.run import Run
 
     run = Run.load(path)
@@ -738,10 +738,9 @@ class RealMachine:  # pragma: no cover - needs an NVIDIA GPU
         self.name = props.name
         self.hopper = (props.major, props.minor) >= (9, 0)
         self.source = NvmlSource()
-        described = self.source.describe()
-        self.devices = list(described.get("devices") or [])
+        self.devices = list(self.source.describe())
         if not self.devices:
-            raise RuntimeError(f"gpuwidget's NVML source found no GPU: {described.get('reason')}")
+            raise RuntimeError(f"gpuwidget's NVML source found no GPU: {self.source.unavailable_reason}")
         self.foreign_namespace = bool(self.source.foreign_pid_namespace)
         self.fields = [*AUX_FIELDS, *(item.smi for item in FIELDS)]
         self.unknown_fields: list[str] = []
@@ -1063,7 +1062,7 @@ class FakeMachine:
         self._patch.__enter__()
         self.fake.processes(0, compute=[(os.getpid(), FAKE_CONTEXT_BYTES)])
         self.source = NvmlSource()
-        self.devices = list(self.source.describe()["devices"])
+        self.devices = list(self.source.describe())
         self.foreign_namespace = False
         self.unknown_fields: list[str] = []
         self.fields = [*AUX_FIELDS, *(item.smi for item in FIELDS)]
@@ -1241,7 +1240,7 @@ def fake_run(name: str, spec: FakeWorkload, gpm: bool = True) -> Any:
     the workload's figures into a Trace beside host readings, with the loader, model, CUDA and training
     facts the probes record for such a loop; then gpuwidget's own summary and advisor judge it."""
     from gpuwidget.advice.advisor import advise
-    from gpuwidget.advice.summary import summarize
+    from gpuwidget.figures.summary import summarize
     from gpuwidget.probes import DATA_WAIT_SPAN, STEP_SPAN
     from gpuwidget.run import Run
     from gpuwidget.sources.nvml import NvmlSource
@@ -1266,7 +1265,7 @@ def fake_run(name: str, spec: FakeWorkload, gpm: bool = True) -> Any:
                 values.update({"cpu.util": spec.process_cpu / 16 + 2.0, "proc.cpu": spec.process_cpu})
                 trace.append(tick * fake.tick_s, values)
                 fake.step()
-            machine: Any = {"gpus": source.describe()["devices"], "usable_cpus": 16, "cpu_count": 16,
+            machine: Any = {"gpus": source.describe(), "usable_cpus": 16, "cpu_count": 16,
                             "mem_total": 2 * 2**40, "gpu_message": None, "pid": os.getpid()}
         finally:
             source.close()

@@ -39,7 +39,7 @@ setup_paths(fake_nvml=True)
 
 TARGET_US_PER_GPU = 200.0
 GPU_METRICS = ("util", "mem_util", "mem_used", "mem_total", "power", "power_limit", "temperature",
-               "sm_clock", "sm_clock_max", "clock_events", "pcie_tx", "pcie_rx", "proc_mem",
+               "sm_clock", "sm_clock_max", "slowdown", "power_capped", "pcie_tx", "pcie_rx", "proc_mem",
                "sm_active", "tensor_active", "sm_occupancy", "dram_active")
 HOST_COLUMNS = ("cpu.util", "cpu.iowait", *(f"cpu.core{i}.util" for i in range(16)), "proc.cpu",
                 "proc.workers_cpu", "proc.workers", "proc.rss", "mem.used", "mem.total", "disk.read",

@@ -30,7 +30,7 @@ setup_paths()
 TARGET_MB = 64.0
 RATE_HZ = 10
 GPU_METRICS = ("util", "mem_util", "mem_used", "mem_total", "power", "power_limit", "temperature",
-               "sm_clock", "sm_clock_max", "clock_events", "pcie_tx", "pcie_rx", "proc_mem",
+               "sm_clock", "sm_clock_max", "slowdown", "power_capped", "pcie_tx", "pcie_rx", "proc_mem",
                "sm_active", "tensor_active", "sm_occupancy", "dram_active")
 SPIKE_COLUMN = "gpu3.power"
 SPIKE_VALUE = 1234.5  # W: far above any normal reading (<= 700), exact in float32
@@ -51,7 +51,8 @@ def realistic_rows(count: int, seed: int = 0) -> list[dict[str, float]]:
                 g + "mem_used": rng.uniform(20, 70) * gib, g + "mem_total": 80.0 * gib,
                 g + "power": rng.uniform(150, 650), g + "power_limit": 700.0,
                 g + "temperature": rng.uniform(40, 80), g + "sm_clock": rng.choice((1755e6, 1980e6)),
-                g + "sm_clock_max": 1980e6, g + "clock_events": rng.choice((0.0, 1.0, 4.0)),
+                g + "sm_clock_max": 1980e6, g + "slowdown": rng.choice((0.0, 1.0)),
+                g + "power_capped": rng.choice((0.0, 1.0)),
                 g + "pcie_tx": rng.uniform(0, 2e9), g + "pcie_rx": rng.uniform(0, 8e9),
                 g + "proc_mem": rng.uniform(18, 68) * gib, g + "sm_active": util * 0.8,
                 g + "tensor_active": util * 0.4, g + "sm_occupancy": util * 0.3,

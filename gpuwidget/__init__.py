@@ -18,7 +18,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from gpuwidget._labext import _jupyter_labextension_paths
+from gpuwidget._labext import DISTRIBUTION_NAME, _jupyter_labextension_paths
 from gpuwidget.advice.finding import Finding
 from gpuwidget.run import Run
 from gpuwidget.session import last_run, watch
@@ -34,7 +34,7 @@ except ImportError:  # a source tree never built: the installed metadata, if the
     from importlib.metadata import PackageNotFoundError, version
 
     try:
-        __version__ = version("gpuwidget")
+        __version__ = version(DISTRIBUTION_NAME)
     except PackageNotFoundError:
         __version__ = "0+unknown"
 

@@ -6,9 +6,9 @@ lookup a rule makes. ``total=False`` where a key may be absent: a figure the run
 support (no GPU, no DataLoader seen) is missing or None, never a guess. Units are in the
 comments; percentages are 0-100, fractions 0-1.
 
-Who fills what: :func:`gpuwidget.advice.summary.summarize` a :class:`Summary`,
+Who fills what: :func:`gpuwidget.figures.summary.summarize` a :class:`Summary`,
 :meth:`gpuwidget.probes.Probes.facts` a :class:`WorkloadFacts`, :meth:`gpuwidget.sources.host.HostSource.machine_facts`
-plus the NVML source's device list a :class:`MachineFacts`. A new key goes here first, with its unit.
+plus the GPU sources' devices a :class:`MachineFacts`. A new key goes here first, with its unit.
 
 Per-GPU maps (``gpu_busy_by_gpu``...) are keyed by the CUDA index as a string ("0"), as JSON
 writes them, so a live run and one read back with ``Run.load`` hold the same keys.
@@ -16,7 +16,8 @@ writes them, so a live run and one read back with ``Run.load`` hold the same key
 
 from __future__ import annotations
 
-from typing import Any, TypedDict
+from collections.abc import Mapping
+from typing import Any, TypedDict, cast
 
 # --------------------------------------------------------------------------- workload
 
@@ -164,7 +165,7 @@ class CudaDeviceFacts(TypedDict, total=False):
     total_memory: int  # bytes
     peak_allocated: int  # bytes, torch.cuda.max_memory_allocated
     peak_reserved: int  # bytes, torch.cuda.max_memory_reserved
-    uuid: str  # the device's UUID as torch gives it (no "GPU-" prefix), to match NVML's device
+    uuid: str  # the device's UUID as torch gives it (no "GPU-" prefix), to match the driver's device
 
 
 class CudaFacts(TypedDict, total=False):
@@ -301,33 +302,74 @@ class WorkloadFacts(TypedDict, total=False):
 
 
 class GpuFacts(TypedDict, total=False):
-    """One selected GPU's static facts (``sources.nvml`` device ``describe()``)."""
+    """One GPU's static facts, whatever its vendor: what a GPU source's ``describe()`` gives for each
+    device it reads (:class:`gpuwidget.sources.gpu.GpuSource`), kept in ``Run.machine["gpus"]``.
+
+    Fields a vendor does not have are absent or None (an AMD GPU has no CUDA ``capability``; an NVIDIA
+    GPU no ``compute_partition``). A GPU's slices (an NVIDIA MIG instance, an AMD compute partition)
+    are devices of their own, ``is_mig`` for both, named after their GPU by ``parent_uuid``.
+    """
 
     id: str  # the column prefix: "gpu0"
-    index: int  # CUDA index (after CUDA_VISIBLE_DEVICES)
-    nvml_index: int  # the driver's (nvidia-smi's) number
+    index: int  # the framework's index (torch.cuda numbering: after CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES)
+    vendor: str  # "nvidia" or "amd"
+    driver_index: int  # the driver's own number (nvidia-smi's, amd-smi's), as exporters label GPUs
     uuid: str
     name: str
     memory_total: int | None  # bytes
     power_limit: float | None  # watts
-    sm_clock_max: float | None  # MHz
-    is_mig: bool
+    sm_clock_max: float | None  # Hz (the SM clock on NVIDIA, the GFX clock on AMD)
+    is_mig: bool  # a slice of a GPU: an NVIDIA MIG instance or an AMD compute partition (XCP)
     parent_uuid: str | None
     pci_bus_id: str | None
-    gpm: bool  # GPM metrics (SM activity, occupancy, tensor activity) readable: the busy figure is sm_active
+    # SM activity is measured (NVIDIA GPM, Hopper and newer): the busy figure is sm_active
+    gpm: bool
     mig_mode: bool  # a GPU in MIG mode (its instances are the CUDA devices; listed in the server's view)
     gpu_instance_id: int | None  # a MIG instance's GPU instance id (dcgm-exporter's GPU_I_ID)
     mig_profile: str | None  # a MIG instance's profile, "3g.40gb" (dcgm-exporter's GPU_I_PROFILE)
-    capability: list[int] | None  # CUDA compute capability [major, minor]
+    compute_partition: str | None  # an AMD GPU's compute partition mode: "SPX", "DPX", "CPX"...
+    memory_partition: str | None  # an AMD GPU's memory partition mode: "NPS1", "NPS4"...
+    partition_id: int | None  # an AMD compute partition's number on its GPU (the exporter's gpu_partition_id)
+    serial: str | None  # the board's serial number (AMD's exporter labels series with it)
+    capability: list[int] | None  # CUDA compute capability [major, minor]; None on AMD
+    arch: str | None  # the chip's instruction set on AMD ("gfx942"); None on NVIDIA
     power_limit_default: float | None  # watts, the board's default power limit
     pcie_gen_max: int | None  # PCIe generation the GPU and its slot allow
     pcie_width_max: int | None  # PCIe lanes the GPU and its slot allow
-    foreign_pid_namespace: bool  # NVML reports pids of another PID namespace (a container)
+    foreign_pid_namespace: bool  # the driver reports pids of another PID namespace (a container)
     lost: str | None  # why the GPU stopped answering, None while it answers
 
 
+# Keys GpuFacts had under an earlier name, for runs saved before (Run.load): old -> new.
+GPU_FACT_RENAMES = {"nvml_index": "driver_index"}
+
+
+def saved_machine(machine: Mapping[str, Any]) -> MachineFacts:
+    """A saved run's machine facts with each GPU's keys as GpuFacts names them now (GPU_FACT_RENAMES);
+    a run saved before vendors were told apart read NVIDIA GPUs only."""
+    facts = cast(MachineFacts, dict(machine))
+    gpus = []
+    for gpu in machine.get("gpus") or []:
+        renamed = {GPU_FACT_RENAMES.get(key, key): value for key, value in gpu.items()}
+        if "driver_index" in renamed and "vendor" not in renamed:
+            renamed["vendor"] = "nvidia"
+        gpus.append(cast(GpuFacts, renamed))
+    if "gpus" in machine:
+        facts["gpus"] = gpus
+    return facts
+
+
+def uuid_key(uuid: str) -> str:
+    """A GPU's UUID as its driver ("GPU-58c6...", "MIG-...") and torch ("58c6...") spell it, made comparable."""
+    text = uuid.strip().lower()
+    for prefix in ("gpu-", "mig-"):
+        if text.startswith(prefix):
+            return text[len(prefix):]
+    return text
+
+
 class MachineFacts(TypedDict, total=False):
-    """The host and GPUs a run is judged against (``HostSource.machine_facts`` + the NVML source)."""
+    """The host and GPUs a run is judged against (``HostSource.machine_facts`` + the GPU sources' devices)."""
 
     cpu_count: int | None  # logical CPUs of the host
     usable_cpus: int  # CPUs this process may keep busy: affinity within the cgroup's limits (sources.cgroup)
@@ -344,7 +386,7 @@ class MachineFacts(TypedDict, total=False):
 
 class TimeBreakdown(TypedDict, total=False):
     """Where the time of the process that trained went, seconds; the parts sum to the run's duration
-    (``advice.summary.time_breakdown``)."""
+    (``figures.summary.time_breakdown``)."""
 
     data_wait_s: float  # blocked in next() of any loader
     compute_s: float  # the rest of the loop's steps, each second once (nested loaders are not counted twice)
@@ -356,7 +398,7 @@ class TimeBreakdown(TypedDict, total=False):
 
 
 class Summary(TypedDict, total=False):
-    """A run's headline figures (``advice.summary.summarize``); DESIGN.md's public contract.
+    """A run's headline figures (``figures.summary.summarize``); DESIGN.md's public contract.
 
     Loop figures refer to the primary loader (the one whose batches fed the optimizer's steps; without
     optimizer steps, the one the cell iterated longest), or to the optimizer's steps when no DataLoader
@@ -367,7 +409,7 @@ class Summary(TypedDict, total=False):
     loader: str | None  # the primary loader's name
     steps: int | None
     samples: int | None
-    samples_per_s: float | None  # over the steady steps (the warm-up's left out: advice.summary.steady_headline)
+    samples_per_s: float | None  # over the steady steps (the warm-up's left out: figures.summary.steady_headline)
     steps_per_s: float
     loop_time_s: float  # seconds inside the primary loader's loop
     data_wait_fraction: float | None  # share of the steady steps' time blocked in next()
@@ -378,7 +420,7 @@ class Summary(TypedDict, total=False):
     step_time_p50: float | None  # seconds
     step_time_p95: float | None
     step_time_p99: float | None
-    # The steps before the loop's steady state (gpuwidget.advice.warmup), left out of the step
+    # The steps before the loop's steady state (gpuwidget.figures.warmup), left out of the step
     # percentiles and of periodic-stall's period: how many, their seconds, what they were where
     # the facts say ("compilation", "CUDA start-up", "worker start-up"); all_warmup when the
     # run never reached a steady state (then every step is counted as warm-up).
@@ -399,11 +441,11 @@ class Summary(TypedDict, total=False):
     psi_io_some_mean: float  # host PSI: some task waited on I/O, percent of wall time
     psi_cgroup_cpu_some_mean: float  # this cgroup's cpu.pressure "some", percent of wall time
     # The busy figure users read, percent, mean over the GPUs judged (gpu_busy_basis): GPM's SM activity
-    # where every judged GPU has it (Hopper and newer, MIG instances included), else NVML's utilisation.
+    # where every judged GPU has it (Hopper and newer, MIG instances included), else the driver's utilisation.
     gpu_busy_mean: float
-    gpu_busy_metric: str  # "sm_active" (GPM) | "kernel_running" (NVML utilisation) : what gpu_busy_mean is
-    gpu_kernel_running_mean: float  # NVML utilisation ("kernel running (nvidia-smi)"), percent, judged GPUs
-    gpu_kernel_running_by_gpu: dict[str, float]  # the same per CUDA index ("0"), where NVML reports it
+    gpu_busy_metric: str  # "sm_active" (GPM) | "kernel_running" (the driver's utilisation) : what gpu_busy_mean is
+    gpu_kernel_running_mean: float  # the driver's utilisation ("kernel running"), percent, judged GPUs
+    gpu_kernel_running_by_gpu: dict[str, float]  # the same per CUDA index ("0"), where the driver reports it
     gpu_busy_missing: str  # why no busy figure exists, in words (a MIG instance without GPM)
     gpus_judged: int  # how many GPUs the GPU figures (and the cost) are over
     gpu_busy_basis: str  # "used": the GPUs this workload used; "visible": no sign of use, every GPU
@@ -419,7 +461,7 @@ class Summary(TypedDict, total=False):
     gpu_pcie_link_by_gpu: dict[str, dict[str, int]]  # pcie_gen, pcie_width (best seen), *_max, per GPU
     gpus_pcie_degraded: list[int]  # GPUs whose link stayed below its generation or width
     gpu_pid_namespace_foreign: bool  # the driver's pids are not this process's namespace (a container)
-    process_gpu_mem_source: str  # "nvml" (per-process list) or "torch" (memory_reserved)
+    process_gpu_mem_source: str  # "driver" (its per-process list) or "torch" (memory_reserved)
     gpu_busy_by_gpu: dict[str, float]  # the busy figure (gpu_busy_metric's where the GPU has it), per CUDA index
     gpu_idle_gaps: int  # gaps of at least summary.IDLE_GAP_S with the busy figure under summary.IDLE_UTIL_PERCENT
     gpu_longest_idle_s: float
@@ -433,8 +475,8 @@ class Summary(TypedDict, total=False):
     # Set when only child processes trained (gpuwidget.children.ranks): process_cpu_mean and
     # workers_cpu_mean are then theirs, summed over this many processes, not the watch's own.
     process_cpu_processes: int
-    # NVML's energy counter (Volta and newer), over the watched cell, the GPUs judged summed; absent
-    # where any of them can't report it. Per sample and per step where the loader counted them.
+    # the driver's energy counter (NVIDIA Volta and newer, AMD Instinct), over the watched cell, the GPUs
+    # judged summed; absent where any of them can't report it. Per sample and per step where the loader counted them.
     energy_j: float
     energy_per_sample_j: float
     energy_per_step_j: float

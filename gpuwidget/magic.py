@@ -17,7 +17,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, magics_class
 
 from gpuwidget.options import OptionError, parse_line
-from gpuwidget.session import Watch
+from gpuwidget.session import Watch, cell_key, running_cell_id
 
 
 @magics_class
@@ -42,7 +42,8 @@ class GpuWatchMagics(Magics):
                          none, or auto (default: static in VS Code and Colab, else bokeh)
           --no-live      no live plot while the cell runs (same as --view none)
           --no-advice    summary figures only, no findings
-          --tune         after the cell, measure DataLoader settings on its loader (about 20 s)
+          --tune         after the cell, measure its loader's settings (at most 20 s) and every
+                         finding's change in its own training step (15 s each, then together)
           --save PATH    also write the run to PATH (.json, .html or .csv)
           --quiet        show nothing; the run is still recorded
           --price P      what one GPU-hour costs (any currency): the report shows the cell's cost
@@ -56,7 +57,7 @@ class GpuWatchMagics(Magics):
             raise UsageError(f"%%gpuwatch: {exc}") from None
         code, last_expr = self._compile(line, cell)
         session = Watch(options, label=_label(self.shell), namespace=self.shell.user_ns,  # type: ignore[union-attr]
-                        source=cell)
+                        source=cell_key(running_cell_id()))
         try:
             session.start()
         except OptionError as exc:

@@ -1,4 +1,4 @@
-"""The dense peak FLOP/s of NVIDIA chips per math dtype, for model FLOPs utilisation (MFU).
+"""The dense peak FLOP/s of NVIDIA and AMD chips per math dtype, for model FLOPs utilisation (MFU).
 
 MFU is achieved FLOP/s over the chip's peak *for the dtype the matmuls ran in*: a bf16 model on
 an H100 is judged against 989 TFLOP/s, an fp32 one without TF32 against 67. Every figure is the
@@ -8,9 +8,13 @@ datasheet it comes from. GeForce cards' tensor peaks are those with FP32 accumul
 PyTorch's matmuls use; the cards run FP16 accumulation twice as fast), from NVIDIA's architecture
 whitepapers.
 
-A chip is matched by the name NVML and torch give it (``NVIDIA H100 80GB HBM3``, ``Tesla T4``,
-``NVIDIA A100-SXM4-40GB``); one the table lacks, or a dtype a chip has no peak for, gives None:
-no MFU is better than one against the wrong peak.
+AMD Instinct rows are the dense matrix-core peaks of AMD's datasheets (the sparsity figures, twice as
+high, are left out the same way). An MI250X is two graphics compute dies (GCDs), each a device of its
+own to HIP and torch: its row is one GCD's, half the module's datasheet figure.
+
+A chip is matched by the name its driver and torch give it (``NVIDIA H100 80GB HBM3``, ``Tesla T4``,
+``NVIDIA A100-SXM4-40GB``, ``AMD Instinct MI300X``); one the table lacks, or a dtype a chip has no peak
+for, gives None: no MFU is better than one against the wrong peak.
 """
 
 from __future__ import annotations
@@ -40,6 +44,16 @@ def _tflops(**values: float) -> dict[str, float]:
 
 # Most specific first: "H100 NVL" and "H100 PCIe" before the SXM part's plain "H100".
 CHIPS: tuple[ChipPeaks, ...] = (
+    # AMD Instinct (CDNA 3, CDNA 2). MI325X and MI300X share their compute die and clocks.
+    ChipPeaks("MI325X", r"\bMI325X\b", _tflops(fp8=2614.9, bf16=1307.4, fp16=1307.4, tf32=653.7, fp32=163.4),
+              "AMD Instinct MI325X accelerator datasheet (peak FP8 5,229.8 / FP16 2,614.9 / TF32 1,307.4 TFLOPS "
+              "shown with sparsity; FP32 matrix 163.4)"),
+    ChipPeaks("MI300X", r"\bMI300X\b", _tflops(fp8=2614.9, bf16=1307.4, fp16=1307.4, tf32=653.7, fp32=163.4),
+              "AMD Instinct MI300X accelerator datasheet (peak FP8 5,229.8 / FP16 2,614.9 / TF32 1,307.4 TFLOPS "
+              "shown with sparsity; FP32 matrix 163.4)"),
+    ChipPeaks("MI250X (one GCD)", r"\bMI250X\b", _tflops(bf16=191.5, fp16=191.5, fp32=47.85),
+              "AMD Instinct MI250X accelerator datasheet (FP16/BF16 383, FP32 matrix 95.7 TFLOPS per module of "
+              "two GCDs; no TF32), halved per GCD"),
     ChipPeaks("H200 NVL", r"\bH200\b.*\bNVL\b", _tflops(fp8=1670.5, bf16=835.5, fp16=835.5, tf32=417.5, fp32=60),
               "NVIDIA H200 Tensor Core GPU datasheet (H200 NVL column; 3,341/1,671/835 TFLOPS shown with sparsity)"),
     ChipPeaks("H200 SXM", r"\bH200\b", _tflops(fp8=1978.9, bf16=989.4, fp16=989.4, tf32=494.7, fp32=67),

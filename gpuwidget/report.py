@@ -23,7 +23,6 @@ from urllib.parse import quote
 
 import numpy as np
 
-from gpuwidget.advice.summary import gpu_scope_notes
 from gpuwidget.chart import (
     CPU_COLOR,
     SVG_DASH,
@@ -34,7 +33,9 @@ from gpuwidget.chart import (
     plot_columns,
     sm_active_gpus,
 )
+from gpuwidget.figures.summary import gpu_scope_notes
 from gpuwidget.probes import DATA_WAIT_SPAN
+from gpuwidget.sources.gpu import NO_GPU
 from gpuwidget.trace import gpu_indices
 
 if TYPE_CHECKING:
@@ -56,11 +57,33 @@ def _unknown(value: float | None) -> bool:
 
 
 def fmt_percent(value: float | None) -> str:
-    return "n/a" if _unknown(value) else f"{value:.0f}%"
+    """A percentage given as 0-100: "41%". Every percentage a user reads goes through this or
+    :func:`fmt_fraction`, so one figure never shows as two roundings."""
+    return "n/a" if value is None or _unknown(value) else f"{value:.0f}%"
 
 
 def fmt_fraction(value: float | None) -> str:
-    return "n/a" if value is None or _unknown(value) else f"{100 * value:.0f}%"
+    """A share given as 0-1, as a percentage: 0.406 -> "41%"."""
+    return "n/a" if value is None or _unknown(value) else fmt_percent(100 * value)
+
+
+def fmt_count(count: int, noun: str, plural: str | None = None) -> str:
+    """A count with its noun agreeing: "1 worker", "0 workers", "4 cores"."""
+    return f"{count} {noun if count == 1 else plural or noun + 's'}"
+
+
+def fmt_speedup(value: float | None) -> str:
+    """A speed-up factor: "1.68x"."""
+    return "n/a" if value is None or _unknown(value) else f"{value:.2f}x"
+
+
+def fmt_gain(expected: float, bound: float | None = None, remained: str = "no waiting") -> str:
+    """The gain of a change, the one way the headline, the findings and Measure say it: "up to 1.68x
+    faster", or with the bound if no waiting remained where it is larger: "about 1.12x faster (at most
+    1.23x if no waiting remained)"."""
+    if bound is not None and not _unknown(bound) and round(bound, 2) > round(expected, 2):
+        return f"about {fmt_speedup(expected)} faster (at most {fmt_speedup(bound)} if {remained} remained)"
+    return f"up to {fmt_speedup(expected)} faster"
 
 
 def fmt_seconds(value: float | None) -> str:
@@ -161,8 +184,8 @@ def headline(run: Run) -> list[tuple[str, str]]:
         items.append(("GPU energy", f"{per}{fmt_energy(s['energy_j'])} total"))
     if s.get("steps") is not None:
         items.append(("steps", f"{s['steps']:,}"))
-    if s.get("data_wait_fraction") is not None:
-        items.append(("waiting for data", fmt_fraction(s["data_wait_fraction"])))
+    if (waited := wait_share(run)) is not None:
+        items.append(("waiting for data", fmt_fraction(waited)))
     if run.gpu_found:
         items += busy_items(s)
         items.append(("peak GPU memory", fmt_fraction(s.get("peak_gpu_mem_fraction"))))
@@ -186,16 +209,30 @@ def process_cpu_item(s: Mapping[str, Any]) -> tuple[str, str]:
     return ("training process" if count == 1 else f"{count} training processes", value)
 
 
+# How a finding whose cause lies in the machine (Finding.machine_level) is marked, wherever it shows.
+MACHINE_LABEL = "the machine, not your code"
+# The headline when every finding has nothing to gain (Finding.nothing_to_gain).
+NOTHING_TO_GAIN_CAUSE = "nothing found that would make this loop faster (each finding below gains under 1%)"
+
+
+def cause_line(finding: Finding) -> str:
+    """A finding's cause and gain in one line, as the headline shows it and its card repeats it:
+    "Building batches saturates the CPU (train_loader) → up to 1.68x faster"."""
+    gain = gain_text(finding)
+    line = finding.title + (f" \u2192 {gain}" if gain else "")
+    return line + (f" ({MACHINE_LABEL})" if finding.machine_level else "")
+
+
 def main_cause(run: Run) -> str:
-    """The panel's one-line answer: the top finding, or why there is none."""
+    """The panel's one-line answer: the first finding's cause and gain (advice.advisor.rank puts the
+    largest gain first), or why there is none. A cause with nothing to gain is no answer."""
     if not run.finished:
         return "running"
     if not run.options.advice:
         return "advice off (--no-advice)"
     if run.findings:
         top = run.findings[0]
-        gain = f" (up to {top.expected_speedup:.2f}x faster)" if top.expected_speedup else ""
-        return f"{top.title}{gain}"
+        return NOTHING_TO_GAIN_CAUSE if top.nothing_to_gain else cause_line(top)
     if run.summary.get("steps") is None:
         return "no training loop seen (no DataLoader was iterated and no optimizer stepped)"
     return "no cause of idle time found"
@@ -211,16 +248,45 @@ BREAKDOWN: tuple[tuple[Literal["data_wait_s", "compute_s", "before_loop_s", "aft
 OPTIONAL_PARTS = frozenset({"before_loop_s", "after_loop_s"})
 
 
-def breakdown(run: Run) -> list[tuple[str, float, float, str]]:
-    """(label, seconds, share, colour) of the cell's time, or [] without loop figures."""
-    parts = run.summary.get("time_breakdown")
+# The parts of the loop itself: their shares are of the loop, as the summary's data_wait_fraction is.
+LOOP_PARTS = frozenset({"data_wait_s", "compute_s"})
+
+
+def breakdown(run: Run) -> list[tuple[str, float, float | None, str]]:
+    """(label, seconds, share, colour) of the cell's time, or [] without loop figures.
+
+    The share of waiting for data and of computing is of the loop (their sum), the figure the
+    headline's "waiting for data" and the loader's findings speak of; the parts outside the loop
+    (before the first step, after the last, between steps) have seconds and no share (None).
+    """
+    parts = cast(Mapping[str, float], run.summary.get("time_breakdown") or {})
     if not parts:
         return []
     shown = [(key, label, color) for key, label, color in BREAKDOWN if key in parts or key not in OPTIONAL_PARTS]
-    total = sum(parts.get(key) or 0.0 for key, _, _ in shown)
-    if total <= 0:
+    if sum(parts.get(key) or 0.0 for key, _, _ in shown) <= 0:
         return []
-    return [(label, parts.get(key) or 0.0, (parts.get(key) or 0.0) / total, color) for key, label, color in shown]
+    loop = sum(parts.get(key) or 0.0 for key in LOOP_PARTS)
+    return [(label, parts.get(key) or 0.0,
+             ((parts.get(key) or 0.0) / loop if loop > 0 else None) if key in LOOP_PARTS else None, color)
+            for key, label, color in shown]
+
+
+def wait_share(run: Run) -> float | None:
+    """The loop's share of time waiting for data, the one figure the headline and the breakdown show:
+    the breakdown's (every loader's waits over the loop's time) where it has one, else the summary's."""
+    parts = cast(Mapping[str, float], run.summary.get("time_breakdown") or {})
+    loop = sum(parts.get(key) or 0.0 for key in LOOP_PARTS)
+    if loop > 0:
+        return (parts.get("data_wait_s") or 0.0) / loop
+    return run.summary.get("data_wait_fraction")
+
+
+def breakdown_part(label: str, seconds: float, share: float | None) -> str:
+    """One part of the breakdown as text: "waiting for data 2.0 s (41% of the loop)"; "computing 3.0 s
+    (59%)"; "before the first step 122 ms"."""
+    if share is None:
+        return f"{label} {fmt_seconds(seconds)}"
+    return f"{label} {fmt_seconds(seconds)} ({fmt_fraction(share)}{' of the loop' if label == BREAKDOWN[0][1] else ''})"
 
 
 def breakdown_owner(run: Run) -> str | None:
@@ -269,7 +335,7 @@ def gpu_lines(run: Run) -> list[str]:
     # "GPU 1 stopped answering at 12.4 s; its readings end there" (the sampler dropped it).
     stalled = [str(entry.get("message")) for entry in run.sampler.get("stalled") or []]
     if not run.gpu_found:
-        message = run.machine.get("gpu_message") or "no NVIDIA GPU found"
+        message = run.machine.get("gpu_message") or NO_GPU
         return [f"{message}: host metrics only", *stalled]
     busy = run.summary.get("gpu_busy_by_gpu") or {}
     running = run.summary.get("gpu_kernel_running_by_gpu") or {}
@@ -294,16 +360,25 @@ def gpu_lines(run: Run) -> list[str]:
 
 
 def finding_text(finding: Finding) -> str:
-    lines = [f"[{finding.severity}] {finding.title} ({finding.rule})"]
+    lines = [f"[{finding.severity}] {finding.title} ({finding.rule})"
+             + (f" [{MACHINE_LABEL}]" if finding.machine_level else "")]
     if finding.evidence:
         lines.append("  evidence: " + ", ".join(f"{k}={_short(v)}" for k, v in finding.evidence.items()))
     if finding.suggestion:
         lines.append("  " + finding.suggestion)
     if finding.code:
         lines += ["  change:"] + ["    " + line for line in finding.code.splitlines()]
-    if finding.expected_speedup is not None:
-        lines.append(f"  expected gain: {_gain(finding)}")
+    if (gain := gain_text(finding)) is not None:
+        lines.append(f"  expected gain: {gain}")
+    if (measured := measured_line(finding)) is not None:
+        lines.append(f"  {measured}")
     return "\n".join(lines)
+
+
+def measured_line(finding: Finding) -> str | None:
+    """What measuring the finding's change gave (Finding.measure, --tune), beside its bound; None unmeasured."""
+    measured = getattr(finding, "measured", None)
+    return None if measured is None else str(measured.headline())
 
 
 def comparison_line(run: Run) -> str | None:
@@ -319,13 +394,14 @@ def comparison_line(run: Run) -> str | None:
     return line
 
 
-def _gain(finding: Finding) -> str:
-    """The gain of the finding's change, with the bound if no waiting remained where it differs."""
+def gain_text(finding: Finding) -> str | None:
+    """The finding's gain as every surface says it (:func:`fmt_gain`), with the bound if no waiting
+    remained where its evidence has a larger one; None where the measurement gives none."""
+    if finding.expected_speedup is None:
+        return None
     upper = finding.evidence.get("upper_bound_speedup")
-    if isinstance(upper, (int, float)) and upper > (finding.expected_speedup or 0) + 0.005:
-        remained = "no waiting or warm-up" if finding.evidence.get("warmup_steps") else "no waiting"
-        return f"about {finding.expected_speedup:.2f}x (at most {upper:.2f}x if {remained} remained)"
-    return f"up to {finding.expected_speedup:.2f}x"
+    remained = "no waiting or warm-up" if finding.evidence.get("warmup_steps") else "no waiting"
+    return fmt_gain(finding.expected_speedup, upper if isinstance(upper, (int, float)) else None, remained)
 
 
 RANK_COLUMNS = ("rank", "pid", "GPU", "steps", "samples/s", "data wait", "step p50", "step p95")
@@ -353,7 +429,7 @@ def run_text(run: Run) -> str:
     if parts:
         owner = breakdown_owner(run)
         lines.append(f"  time{f' ({owner})' if owner else ''}: "
-                     + " · ".join(f"{label} {fmt_seconds(sec)} ({100 * share:.0f}%)" for label, sec, share, _ in parts))
+                     + " · ".join(breakdown_part(label, sec, share) for label, sec, share, _ in parts))
     if warmup := warmup_line(run):
         lines.append("  " + warmup)
     lines += ["  " + line for line in gpu_lines(run)]
@@ -437,6 +513,12 @@ _STYLE = (
 )
 
 
+def scoped_css(kind: str) -> tuple[str, str]:
+    """The panel's stylesheet and the attribute that scopes it, for an output of its own (Measure's
+    result, a finding shown alone): ``(style, "data-gpuwidget='kind'")``."""
+    return _PANEL_CSS, f"data-gpuwidget='{html.escape(kind)}'"
+
+
 def severity_badge(severity: str) -> str:
     """The severity as an icon and a word (colour alone would not tell it apart)."""
     color = SEVERITY_COLOR.get(severity, "#808080")
@@ -447,7 +529,8 @@ def severity_badge(severity: str) -> str:
 
 
 def code_html(code: str, label: str = "Change") -> str:
-    """A code block with a copy button above it (never over the code) and a live 'Copied' note."""
+    """A code block with a copy button above it (never over the code) and a live 'Copied' note: the
+    panel's findings and Measure's result share it (the button shows under :func:`scoped_css`)."""
     return (
         "<div class='gpuwidget-change' style='margin:6px 0 2px 0'>"
         "<div style='display:flex;align-items:center;flex-wrap:wrap;margin-bottom:3px'>"
@@ -456,9 +539,12 @@ def code_html(code: str, label: str = "Change") -> str:
         f"aria-label='Copy the code of this change' onclick=\"{html.escape(_COPY_JS)}\">Copy</button>"
         "<span class='gpuwidget-copied' role='status' aria-live='polite' "
         "style='font-size:12px;margin-left:8px'></span></div>"
+        # Lines as written: a long one scrolls rather than wrapping inside a name or a string.
         f"<pre class='gpuwidget-code' style='{_CODE_BACKGROUND};padding:6px 8px;margin:0;"
-        "border-radius:4px;white-space:pre-wrap;word-break:normal;overflow-wrap:anywhere;overflow-x:auto'>"
-        f"<code style='background:transparent;color:inherit;padding:0'>{html.escape(code)}</code></pre></div>")
+        "border-radius:4px;white-space:pre;overflow-x:auto'>"
+        # The code element too: JupyterLab's own stylesheet breaks a code element's text anywhere.
+        f"<code style='background:transparent;color:inherit;padding:0;white-space:pre;word-break:normal;"
+        f"overflow-wrap:normal'>{html.escape(code)}</code></pre></div>")
 
 
 def finding_html(finding: Finding, standalone: bool = True) -> str:
@@ -470,12 +556,19 @@ def finding_html(finding: Finding, standalone: bool = True) -> str:
         f"data-severity='{html.escape(finding.severity)}' role='group' aria-label='{html.escape(finding.title)}' "
         f"style='border-left:4px solid {color};padding:4px 10px;margin:8px 0'>",
         f"<div>{severity_badge(finding.severity)}<b>{html.escape(finding.title)}</b> "
-        f"<span class='gpuwidget-rule' style='font-family:monospace;font-size:11px;{_MUTED}'>"
+        f"<span class='gpuwidget-rule' style='font-family:monospace;font-size:11px;white-space:nowrap;{_MUTED}'>"
         f"{html.escape(finding.rule)}</span>",
     ]
-    if finding.expected_speedup is not None:
-        parts.append(f" <span style='white-space:nowrap'>\u2192 {html.escape(_gain(finding))}</span>")
+    if (gain := gain_text(finding)) is not None:
+        parts.append(f" <span class='gpuwidget-gain' style='white-space:nowrap'>\u2192 {html.escape(gain)}</span>")
+    if finding.machine_level:
+        parts.append(f" <span class='gpuwidget-machine' style='font-size:11px;white-space:nowrap;{_BORDER};"
+                     f"border-radius:3px;padding:0 4px;margin-left:4px'>{html.escape(MACHINE_LABEL)}</span>")
     parts.append("</div>")
+    if (measured := measured_line(finding)) is not None:
+        verdict = html.escape(str(getattr(finding.measured, "verdict", "")))
+        parts.append(f"<div class='gpuwidget-measured' data-verdict='{verdict}' style='margin:4px 0;font-weight:600'>"
+                     f"{html.escape(measured)}</div>")
     if finding.suggestion:
         parts.append(f"<div style='margin:4px 0'>{html.escape(finding.suggestion)}</div>")
     if finding.evidence:
@@ -545,12 +638,15 @@ def breakdown_html(run: Run) -> str:
     parts = breakdown(run)
     if not parts:
         return ""
+    # The bar is the whole cell, each part as wide as its seconds; the legend's shares are the loop's.
+    total = sum(sec for _, sec, _, _ in parts)
     bar = "".join(
-        f"<div title='{html.escape(label)}: {fmt_seconds(sec)}' style='width:{100 * share:.2f}%;background:{color}'>"
-        "</div>" for label, sec, share, color in parts if share > 0)
-    legend = "".join(
-        f"<span style='margin-right:14px;white-space:nowrap'><span style='color:{color}' aria-hidden='true'>"
-        f"&#9632;</span> {html.escape(label)} {fmt_seconds(sec)} ({100 * share:.0f}%)</span>"
+        f"<div title='{html.escape(label)}: {fmt_seconds(sec)}' style='width:{100 * sec / total:.2f}%;"
+        f"background:{color}'></div>" for label, sec, _, color in parts if sec > 0)
+    # Spaces between the parts: the legend wraps between them (each part itself stays on one line).
+    legend = " ".join(
+        f"<span style='margin-right:10px;white-space:nowrap'><span style='color:{color}' aria-hidden='true'>"
+        f"&#9632;</span> {html.escape(breakdown_part(label, sec, share))}</span>"
         for label, sec, share, color in parts)
     return ("<div class='gpuwidget-breakdown' style='margin:2px 0 8px 0'>"
             "<div aria-hidden='true' style='display:flex;height:10px;max-width:640px;border-radius:3px;"
@@ -633,8 +729,8 @@ def chart_html(run: Run) -> str:
     t, series = found
     described = "; ".join(f"{name} mean {fmt_percent(_mean(values))}" for name, _, _, values in series)
     alt = f"Utilisation over the run (0 to {fmt_seconds(float(t[-1] - t[0]))}): {described}"
-    legend = "".join(
-        f"<span style='margin-right:14px;white-space:nowrap'><span style='color:{color}' aria-hidden='true'>"
+    legend = " ".join(
+        f"<span style='margin-right:10px;white-space:nowrap'><span style='color:{color}' aria-hidden='true'>"
         f"{'&#9476;' if dash else '&#9473;'}</span> {html.escape(name)}</span>" for name, color, dash, _ in series)
     if any(True for _ in run.trace.spans(DATA_WAIT_SPAN)):
         legend += (f"<span style='white-space:nowrap'><span style='color:{WAIT_COLOR}' aria-hidden='true'>&#9632;"
@@ -662,21 +758,39 @@ def _tick_label(value: float, end: float) -> str:
 # ----------------------------------------------------------------- result tables
 
 
+def _numeric(cells: Sequence[str]) -> bool:
+    """A column of figures (``41.2``, ``1.52x``, ``12%``, ``310 MB``, ``0.21 s``): aligned right, as
+    figures are read down a column; words and settings stay left."""
+    shown = [cell for cell in cells if cell and cell not in ("-", "n/a", "failed")]
+    return bool(shown) and all(cell[:1].isdigit() for cell in shown)
+
+
 def text_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
-    """Left-aligned columns as wide as their widest cell."""
-    widths = [max(len(str(row[i])) for row in [headers, *rows]) for i in range(len(headers))]
-    return ["  ".join(str(cell).ljust(width) for cell, width in zip(row, widths)).rstrip()
+    """Columns as wide as their widest cell: figures right-aligned, words left."""
+    columns = range(len(headers))
+    widths = [max(len(str(row[i])) for row in [headers, *rows]) for i in columns]
+    right = [_numeric([str(row[i]) for row in rows]) for i in columns]
+    return ["  ".join(str(cell).rjust(width) if align else str(cell).ljust(width)
+                      for cell, width, align in zip(row, widths, right)).rstrip()
             for row in [headers, *rows]]
 
 
-def html_table(headers: Sequence[str], rows: Sequence[Sequence[str]], bold: Sequence[bool] = ()) -> str:
-    """An HTML table; rows whose ``bold`` flag is set are emphasised."""
-    head = "".join(f"<th style='text-align:left;padding:2px 10px'>{html.escape(h)}</th>" for h in headers)
+def html_table(headers: Sequence[str], rows: Sequence[Sequence[str]], bold: Sequence[bool] = (),
+               caption: str = "") -> str:
+    """An HTML table; rows whose ``bold`` flag is set are emphasised. Figures are right-aligned (with
+    their header), words left; no cell wraps (a setting is one unit)."""
+    right = [_numeric([str(row[i]) for row in rows]) for i in range(len(headers))]
+    cell = "padding:2px 10px;white-space:nowrap;text-align:{}"
+    head = "".join(f"<th scope='col' style='{cell.format('right' if r else 'left')};{_RULE_BELOW}'>"
+                   f"{html.escape(h)}</th>" for h, r in zip(headers, right))
     body = "".join(
         "<tr" + (" style='font-weight:600'" if i < len(bold) and bold[i] else "") + ">"
-        + "".join(f"<td style='padding:2px 10px'>{html.escape(str(cell))}</td>" for cell in row) + "</tr>"
+        + "".join(f"<td style='{cell.format('right' if r else 'left')}'>{html.escape(str(value))}</td>"
+                  for value, r in zip(row, right)) + "</tr>"
         for i, row in enumerate(rows))
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+    title = f"<caption style='text-align:left;{_MUTED}'>{html.escape(caption)}</caption>" if caption else ""
+    return (f"<table style='border-collapse:collapse;font-size:12px;margin:4px 0'>{title}"
+            f"<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")
 
 
 def _polyline(t: np.ndarray, values: np.ndarray, x: Any, y: Any) -> str:

@@ -12,7 +12,7 @@ from typing import Any, cast
 
 from gpuwidget.advice.finding import Finding
 from gpuwidget.export import trace_csv
-from gpuwidget.facts import MachineFacts, Summary, WorkloadFacts
+from gpuwidget.facts import MachineFacts, Summary, WorkloadFacts, saved_machine
 from gpuwidget.options import WatchOptions
 from gpuwidget.report import html_document, run_html, run_text
 from gpuwidget.runfile import RUN_FORMAT, RunFormatError, check_run, read_json, save_target, write_atomic
@@ -65,9 +65,14 @@ class Run:
     finished: bool = False
     # Set by --tune or the panel's Measure button: the tuner's result (not saved).
     tuning: Any = None
-    # The last run of the same cell (the same source) in this kernel, for before -> after
-    # (not saved; it holds no previous run of its own).
+    # The last run of the same cell (its cell id: session.cell_key) on the same data in this kernel, for
+    # before -> after (not saved; it holds no previous run of its own).
     previous: Run | None = None
+    # What Run.measure runs on (gpuwidget.measure.subjects: weak references to the cell's model,
+    # optimizer and loaders, one copied batch); not saved: a loaded run has nothing to measure.
+    subjects: Any = None
+    # Set by --tune or the panel's Measure button: every finding's change measured (not saved).
+    measured: Any = None
 
     # ------------------------------------------------------------- conveniences
 
@@ -83,6 +88,39 @@ class Run:
             "data_wait_fraction": [before.get("data_wait_fraction"), self.summary.get("data_wait_fraction")],
             "speedup": rate_after / rate_before,
         }
+
+    def measure(self, change: Mapping[str, Any], budget_s: float = 30.0, step: Any = None,
+                progress: Any = None) -> Any:
+        """Try ``change`` in this cell's own training step and measure it against the step as it is.
+
+        ``change`` is a dict of the keys in gpuwidget.measure.changes (``autocast``, ``tf32``, ``compile``,
+        ``channels_last``, ``fused_optimizer``, ``batch_size``, and the loader's ``num_workers``,
+        ``pin_memory``, ``persistent_workers``, ``prefetch_factor``); several keys are measured together.
+        ``step(model, batch) -> loss`` overrides the loss gpuwidget finds (gpuwidget.measure.loss);
+        ``progress(line, elapsed_s)`` is told as it goes. Returns a
+        :class:`~gpuwidget.measure.measurement.Measurement` (``speedup``, ``ci``, ``verdict``,
+        ``peak_memory_ratio``, ``numerics``, ``notes``) within about ``budget_s`` seconds. The model and
+        optimizer are copies; RNG, ``torch.backends`` switches and compile caches are put back.
+        ``ValueError`` for an unknown key or a bad value, before anything runs;
+        :class:`~gpuwidget.measure.sides.MeasureError` when this run has nothing to measure.
+        Ctrl-C stops it and returns what was measured so far.
+        """
+        from gpuwidget.measure.ab import measure_change
+        from gpuwidget.measure.changes import check_change
+        from gpuwidget.measure.sides import MeasureError
+
+        check_change(change)
+        if self.subjects is None:
+            raise MeasureError("this run's model and loaders are not in this process (a loaded or still running "
+                               "run): run the watched cell again and measure its run")
+        return measure_change(self.subjects, change, budget_s, step=step, progress=progress)
+
+    def adopt_findings(self) -> None:
+        """Let each finding reach this run (Finding.measure), without the run keeping anything new alive."""
+        import weakref
+
+        for finding in self.findings:
+            object.__setattr__(finding, "_run", weakref.ref(self))
 
     @property
     def ranks(self) -> list[dict[str, Any]]:
@@ -147,7 +185,7 @@ class Run:
                 summary=cast(Summary, dict(data.get("summary") or {})),
                 findings=[Finding.from_dict(f) for f in data.get("findings") or []],
                 workload=cast(WorkloadFacts, dict(data.get("workload") or {})),
-                machine=cast(MachineFacts, dict(data.get("machine") or {})),
+                machine=saved_machine(data.get("machine") or {}),
                 options=WatchOptions.from_dict(data.get("options") or {}),
                 error=None if error is None else RunError(error["type"], error["message"],
                                                           error.get("traceback") or ""),

@@ -12,27 +12,30 @@ import logging
 import signal
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, TypeVar
+from typing import Any
 
 from gpuwidget.advice.advisor import advise
-from gpuwidget.advice.summary import summarize
 from gpuwidget.clock import now
 from gpuwidget.facts import MachineFacts
+from gpuwidget.figures.summary import summarize
 from gpuwidget.kernelstatus import StatusWriter
 from gpuwidget.options import OptionError, WatchOptions, make_options
 from gpuwidget.probes import Probes
+from gpuwidget.probes.origin import notebook_cell
 from gpuwidget.run import Run, RunError
 from gpuwidget.sampler import Sampler
 from gpuwidget.sources.base import Source
+from gpuwidget.sources.gpu import NO_GPU, GpuSource, open_gpu_sources
 from gpuwidget.sources.host import HostSource
 from gpuwidget.trace import Trace
 
 log = logging.getLogger("gpuwidget")
 
 _last_run: Run | None = None
-# The last run of each watched source (cell text, or the `with` statement's place), oldest first.
+# The last run of each watched cell (cell_key: the notebook cell's id, or the `with` statement's place
+# in a file), oldest first: "since the previous run of this cell" compares only runs of one cell.
 _runs_by_source: dict[str, Run] = {}
 RUNS_BY_SOURCE = 32
 _active_lock = threading.Lock()
@@ -40,10 +43,9 @@ _active: Watch | None = None
 
 # A source whose read hung is closed on a thread of this name (its close can hang as well).
 CLOSER_THREAD_NAME = "gpuwidget-closer"
-# NVML starts (nvmlInit, listing the GPUs) on a thread of this name, for at most this long: it
-# answers in tens of ms, but a driver stuck on a GPU that fell off the bus may never answer, and
-# then the watch goes on with host metrics rather than hold the cell.
-STARTER_THREAD_NAME = "gpuwidget-nvml-start"
+# Each GPU vendor's driver gets this long to start (init, listing the GPUs): it answers in tens of ms,
+# but a driver stuck on a GPU that fell off the bus may never answer, and then the watch goes on with
+# host metrics rather than hold the cell (gpuwidget.sources.gpu.open_gpu_sources).
 GPU_START_DEADLINE_S = 5.0
 
 
@@ -54,75 +56,27 @@ def last_run() -> Run:
     return _last_run
 
 
-def _gpu_source(options: WatchOptions) -> tuple[Source | None, MachineFacts]:
-    """The NVML source for the chosen GPUs and the machine facts it reports.
+def _gpu_source(options: WatchOptions) -> tuple[list[GpuSource], MachineFacts]:
+    """One source per chosen GPU (any vendor: gpuwidget.sources.gpu) and the machine facts they report.
 
     A missing driver is not an error (gpuwidget works on any laptop); asking for a GPU
     that does not exist is, and is raised before anything starts, with or without a driver.
     """
-    try:
-        from gpuwidget.sources.nvml import NvmlSource
-    except Exception as exc:  # noqa: BLE001 - broken bindings mean "no GPU", not a crash
-        return _no_gpu(options, f"no NVIDIA GPU found ({exc})")
-    source = _within(GPU_START_DEADLINE_S, lambda: NvmlSource(gpus=options.gpus))
-    if source is None:
-        return _no_gpu(options, f"no NVIDIA GPU found (NVML did not answer within {GPU_START_DEADLINE_S:g} s)")
-    facts = source.describe()
-    devices = list(facts.get("devices") or [])
-    missing = facts.get("missing") or []
-    if missing:
-        source.close()
-        count = int(facts.get("visible_count") or 0)
+    opened = open_gpu_sources(options.gpus, deadline_s=GPU_START_DEADLINE_S)
+    if opened.missing:
+        count = opened.visible_count
         visible = f"GPUs 0-{count - 1}" if count > 1 else ("GPU 0" if count == 1 else "none")
-        raise OptionError(f"--gpus: there is no GPU {missing[0]} here (visible: {visible})")
-    if not facts.get("available"):
-        source.close()
-        return _no_gpu(options, facts.get("reason") or "no NVIDIA GPU found")
-    return source, {"gpus": devices, "gpu_message": None}
+        raise OptionError(f"--gpus: there is no GPU {opened.missing[0]} here (visible: {visible})")
+    if not opened.found:
+        return _no_gpu(options, opened.message or NO_GPU)
+    return list(opened.sources), {"gpus": opened.devices(), "gpu_message": None}
 
 
-def _no_gpu(options: WatchOptions, reason: str) -> tuple[None, MachineFacts]:
+def _no_gpu(options: WatchOptions, reason: str) -> tuple[list[GpuSource], MachineFacts]:
     """Host metrics only; but asking for a GPU is an error, as it is when GPUs exist."""
     if options.gpus is not None:
         raise OptionError(f"--gpus: there is no GPU {options.gpus[0]} here ({reason})")
-    return None, {"gpus": [], "gpu_message": reason}
-
-
-_Built = TypeVar("_Built", bound=Source)
-
-
-def _within(deadline_s: float, build: Callable[[], _Built]) -> _Built | None:
-    """``build()`` on a thread of its own; None if it has not returned within ``deadline_s``.
-
-    A source that arrives after the deadline is closed there and then: nobody will use it.
-    """
-    lock = threading.Lock()
-    built: list[_Built] = []
-    failed: list[BaseException] = []
-    abandoned = False
-
-    def run() -> None:
-        try:
-            source = build()
-        except BaseException as exc:  # noqa: BLE001 - raised again on the caller's thread
-            failed.append(exc)
-            return
-        with lock:
-            if not abandoned:
-                built.append(source)
-                return
-        _close_quietly(source)
-
-    thread = threading.Thread(target=run, name=STARTER_THREAD_NAME, daemon=True)
-    thread.start()
-    thread.join(deadline_s)
-    with lock:
-        if failed:
-            raise failed[0]
-        if not built:
-            abandoned = True
-            return None
-    return built[0]
+    return [], {"gpus": [], "gpu_message": reason}
 
 
 def _watch_children(trace: Trace, probes: Probes, machine: MachineFacts) -> Any:
@@ -153,7 +107,7 @@ class Watch:
                  namespace: Any = None, source: str | None = None) -> None:
         self.options = options
         self.label = label
-        # What identifies "the same cell" run again (its code), for before -> after.
+        # What identifies "the same cell" run again (cell_key), for before -> after; None: compared with nothing.
         self.source = source
         # Where the user's names live (to call their loader `train_loader` in suggestions):
         # a mapping, or a callable returning one when the run ends.
@@ -169,6 +123,7 @@ class Watch:
         self._objects: dict[str, Any] = {}
         self._started = 0.0
         self._status: StatusWriter | None = None
+        self._outputs: Any = None  # ui.outputs.CellOutputs: what the cell itself sends, while the live view shows
 
     def start(self) -> Run:
         global _active
@@ -177,14 +132,14 @@ class Watch:
                 if _active is not None:
                     raise OptionError("another watch is already running in this kernel; nested watches "
                                       "are not supported")
-                gpu_source, gpu_facts = _gpu_source(self.options)
+                gpu_sources, gpu_facts = _gpu_source(self.options)
                 _active = self
             trace = Trace()
             host = HostSource()
             machine: MachineFacts = {**host.machine_facts(), **gpu_facts}
             trace.meta.update({"label": self.label, "interval": self.options.interval})
             self.run = Run(trace=trace, machine=machine, options=self.options, label=self.label)
-            self._sources = [host] + ([gpu_source] if gpu_source is not None else [])
+            self._sources = [host, *gpu_sources]
             self._probes = Probes(trace)
             listeners: list[Any] = [self._probes.poll]
             # The server's /metrics reads this kernel's watch status from a small private file.
@@ -196,6 +151,7 @@ class Watch:
                 self._show_live(trace, machine)
                 if self._live is not None:
                     listeners.append(self._live.on_tick)
+                    self._record_outputs()
             self._sampler = Sampler(self._sources, trace, self.options.interval, listeners)
             self._started = now()
             trace.start_clock = self._started
@@ -217,6 +173,18 @@ class Watch:
             log.warning("gpuwidget: live view unavailable: %s", exc)
             self._live = None
 
+    def _record_outputs(self) -> None:
+        try:
+            from IPython import get_ipython
+
+            from gpuwidget.ui.outputs import CellOutputs
+
+            outputs = CellOutputs(get_ipython())
+            self._outputs = outputs if outputs.install() else None
+        except Exception as exc:  # noqa: BLE001 - the panel then goes below an emptied live view
+            log.warning("gpuwidget: the cell's outputs are not recorded: %s", exc)
+            self._outputs = None
+
     def finish(self, error: BaseException | None = None) -> Run:
         """Stop everything, summarise, record and show the run. Never raises."""
         global _last_run
@@ -231,8 +199,10 @@ class Watch:
             run.finished = True
             run.trace.meta["duration_s"] = duration
             if self._probes is not None:
-                run.workload = self._probes.facts(self._user_namespace())
+                namespace = self._user_namespace()
+                run.workload = self._probes.facts(namespace)
                 self._objects = self._probes.objects()
+                run.subjects = _subjects(self._objects, namespace, run.workload)
             if self._children is not None:
                 run.workload = self._children.workload(run.workload)
             run.summary = summarize(run.trace, run.workload, duration_s=duration, machine=run.machine,
@@ -241,6 +211,7 @@ class Watch:
                 run.summary = self._children.summary(run.summary, run.workload)
             if self.options.advice:
                 run.findings = advise(run.summary, run.workload, run.machine)
+                run.adopt_findings()
             if self._sampler is not None:
                 stats = self._sampler.stats
                 run.sampler = {"ticks": stats.ticks, "missed_ticks": stats.missed_ticks,
@@ -264,27 +235,32 @@ class Watch:
         return run
 
     def _tune(self, run: Run) -> None:
-        """--tune: measure DataLoader settings on the cell's busiest loader, right after the run."""
-        loaders = self._objects.get("loaders") or []
-        if not loaders:
+        """--tune: right after the run, the tuner on the cell's loader and every finding's change measured
+        in the cell's own step, then the best set together (gpuwidget.measure.plan)."""
+        from gpuwidget.measure.plan import plan_budget
+
+        budget = plan_budget(run)
+        if not budget:
             if self.display and _in_ipython():
-                _show_text("gpuwidget --tune: no DataLoader was iterated in this cell, nothing to tune.")
+                _show_text("gpuwidget --tune: no DataLoader fed this cell and no finding has a change a training "
+                           "step can try: nothing to measure.")
             return
         try:
-            from gpuwidget.measure.tuner import DEFAULT_BUDGET_S, tune_for_run
+            from gpuwidget.measure.plan import measure_findings
             from gpuwidget.ui.progress import tuning_progress
 
-            with tuning_progress(DEFAULT_BUDGET_S, self.display and _in_notebook()) as progress:
-                run.tuning = tune_for_run(run, loaders[0], DEFAULT_BUDGET_S, progress)
+            with tuning_progress(budget, self.display and _in_notebook()) as bar:
+                run.measured = measure_findings(run, budget, progress=getattr(bar, "line", None), tuner_progress=bar)
+            run.tuning = run.measured.tuning
         except Exception as exc:  # noqa: BLE001 - the run itself is recorded and shown already
             log.warning("gpuwidget --tune: %s", exc)
             if self.display and _in_ipython():
-                _show_text(f"gpuwidget --tune: could not measure the loader: {exc}")
+                _show_text(f"gpuwidget --tune: could not measure: {exc}")
             return
         if self.display and _in_ipython():
             from IPython.display import display
 
-            display(run.tuning)
+            display(run.measured)
 
     def _user_namespace(self) -> Any:
         namespace = self.namespace() if callable(self.namespace) else self.namespace
@@ -301,7 +277,7 @@ class Watch:
         try:
             with _interrupts_held() as held:  # a Ctrl-C now is honoured once every step has run
                 for step in (self._remove_probes, self._close_children, self._stop_sampler, self._close_sources,
-                             self._close_live):
+                             self._stop_recording, self._close_live):
                     try:
                         step()
                     except Exception as exc:  # noqa: BLE001 - the user's cell has ended; nothing may raise into it
@@ -334,6 +310,10 @@ class Watch:
             else:
                 _close_quietly(source)
 
+    def _stop_recording(self) -> None:
+        if self._outputs is not None:
+            self._outputs.remove()
+
     def _close_live(self) -> None:
         if self._live is not None:
             self._live.close()
@@ -355,29 +335,46 @@ class Watch:
         try:
             # What the cell printed goes out first: the panel comes after it, as output does.
             _flush_streams()
-            if self._handle is not None:
-                # The live view's output is emptied (no widget without saved state stays in the
-                # notebook to show an error) and the panel shown below what the cell printed.
-                self._handle.update({"text/plain": ""}, raw=True)
-            if _in_ipython():
-                from IPython.display import display
+            from gpuwidget.ui.outputs import end_live_view
 
-                display(run)
+            # The live view's output becomes the panel (no widget without saved state stays in the
+            # notebook to show an error, and no emptied output either), after what the cell printed.
+            if self._outputs is None or not end_live_view(self._outputs, self._handle, run._repr_mimebundle_()):
+                if self._handle is not None:
+                    self._handle.update({"text/plain": ""}, raw=True)
+                if _in_ipython():
+                    from IPython.display import display
+
+                    display(run)
             self._offer_measurement(run)
         except Exception as exc:  # noqa: BLE001
             log.warning("gpuwidget: could not show the run: %s", exc)
 
     def _offer_measurement(self, run: Run) -> None:
-        """Under a loader finding, a button that measures its settings (clicks run after the cell)."""
+        """Under findings whose change a step can try, a button that measures them all (clicks run after
+        the cell): a loader finding's settings on the cell's loader, the others in its training step."""
         loaders = self._objects.get("loaders") or []
-        wants_workers = any("num_workers" in f.change for f in run.findings)
-        if self.options.tune or not loaders or not wants_workers or not _in_notebook():
+        wants_workers = bool(loaders) and any("num_workers" in f.change for f in run.findings)
+        trainable = run.subjects is not None and run.subjects.batch is not None and any(
+            f.trial_changes() for f in run.findings)
+        if self.options.tune or not (wants_workers or trainable) or not _in_notebook():
             return
         from IPython.display import display
 
         from gpuwidget.ui.actions import measure_button
 
-        display(measure_button(run, loaders[0]))
+        display(measure_button(run, loaders[0] if loaders else None))
+
+
+def _subjects(objects: dict[str, Any], namespace: Any, workload: Any) -> Any:
+    """What Run.measure will run on (gpuwidget.measure.subjects); None if it cannot be kept."""
+    try:
+        from gpuwidget.measure.subjects import Subjects
+
+        return Subjects.from_watch(objects, namespace, workload.get("training"))
+    except Exception as exc:  # noqa: BLE001 - the run is recorded without it; measure says why
+        log.warning("gpuwidget: nothing kept to measure changes on: %s", exc)
+        return None
 
 
 @contextmanager
@@ -455,14 +452,53 @@ def _in_ipython() -> bool:
     return get_ipython() is not None
 
 
+def running_cell_id() -> str | None:
+    """The id of the notebook cell IPython is running (``ExecutionInfo.cell_id``: the front-end's
+    ``cellId``, which JupyterLab and Notebook 7 send), or None (a console, nbclient, a script)."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return None
+    info = getattr(get_ipython(), "_gpuwidget_cell_info", None)  # magic.record_cell_info keeps it
+    cell_id = getattr(info, "cell_id", None)
+    return cell_id if isinstance(cell_id, str) and cell_id else None
+
+
+def cell_key(cell_id: str | None, place: str = "") -> str | None:
+    """What makes two watched runs runs of the same cell: the cell's id, with the ``with`` statement's
+    place inside it for ``watch()``. None without an id: identical text in two cells (or typed twice in
+    a console) is no sign of the same cell, so such a run is compared with nothing."""
+    return None if cell_id is None else f"cell {cell_id}" + (f" at {place}" if place else "")
+
+
+def loader_identity(run: Run) -> tuple[Any, ...] | None:
+    """The loop's data: its dataset's name, class and length. A loader rebuilt with other settings over
+    the same data (the change a finding suggests, under the same name or another) is the same; a loader
+    over another dataset is not. None without a loader."""
+    from gpuwidget.figures.summary import primary_loader
+
+    loader = primary_loader(run.workload)
+    if loader is None:
+        return None
+    settings = loader.get("settings") or {}
+    return (loader.get("dataset_name"), settings.get("dataset_type"), settings.get("dataset_len"))
+
+
+def comparable(before: Run, after: Run) -> bool:
+    """Two runs of one cell may be compared: they trained on the same data (:func:`loader_identity`)."""
+    return loader_identity(before) == loader_identity(after)
+
+
 def _remember(source: str | None, run: Run) -> None:
-    """Link ``run`` to the last finished run of the same source, and keep it as that source's last."""
+    """Link ``run`` to the last finished run of the same cell (:func:`cell_key`) where it trained on the
+    same data (:func:`comparable`), and keep it as that cell's last."""
     if source is None or not run.finished:
         return
     previous = _runs_by_source.pop(source, None)
     if previous is not None:
         previous.previous = None  # one step back only: a long session keeps no chain of runs
-        run.previous = previous
+        if comparable(previous, run):
+            run.previous = previous
     _runs_by_source[source] = run
     while len(_runs_by_source) > RUNS_BY_SOURCE:
         _runs_by_source.pop(next(iter(_runs_by_source)))
@@ -478,8 +514,12 @@ def watch(*, label: str = "", display: bool | None = None, **options: Any) -> It
     Bad options raise ``ValueError`` before anything starts.
     """
     caller = sys._getframe(2)  # the `with` statement's frame (1 is contextlib's __enter__)
-    # The same `with` statement run again is the same cell: its code object and line.
-    source = f"{caller.f_code.co_filename}:{caller.f_code.co_firstlineno}:{caller.f_lineno}"
+    # The same `with` statement run again is the same cell: its line in a file, or in a notebook
+    # cell (whose file IPython names after its text, the same for two cells of the same text) that
+    # line in the cell of the same id.
+    code = caller.f_code
+    place = f"{code.co_filename}:{code.co_firstlineno}:{caller.f_lineno}"
+    source = cell_key(running_cell_id(), place) if notebook_cell(code.co_filename) is not None else place
     session = Watch(make_options(**options), label=label, display=display,
                     namespace=lambda: {**caller.f_globals, **caller.f_locals}, source=source)
     run = session.start()

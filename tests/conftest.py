@@ -1,29 +1,78 @@
-"""Shared fixtures: an in-process IPython shell with gpuwidget loaded, and leak checks."""
+"""Shared fixtures: an in-process IPython shell with gpuwidget loaded, leak checks, and which tests run alone.
+
+``make test`` runs the suite in two passes: the tests not marked ``serial`` on every core
+(pytest-xdist), then the ``serial`` ones one at a time. A test is ``serial`` when it judges
+time or speed, or loads the machine itself (kernels, servers, browsers, process trees), so
+that another test running beside it cannot change what it measures: marked so in its module
+(``pytestmark = pytest.mark.serial``) or on itself, or because it carries one of
+:data:`SERIAL_MARKERS` or uses one of :data:`SERIAL_FIXTURES` (see ``pytest_collection_modifyitems``).
+"""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
+import pynvml
 import pytest
 
 from gpuwidget import session
 
 from support import sampler_threads
 
-# The fake NVML (fixture ``fake_nvml``) for every test module.
+# The fake NVML and amdsmi (fixtures ``fake_nvml``, ``fake_amdsmi``) for every test module.
 # pytest-jupyter's server fixtures (jp_fetch, jp_ws_fetch, ...) for tests/test_server.py.
-pytest_plugins = ["fakenvml", "pytest_jupyter.jupyter_server"]
+pytest_plugins = ["fakenvml", "fakeamdsmi", "pytest_jupyter.jupyter_server"]
+
+# pynvml's own functions: a test that patches one must put it back (tests/fakenvml.py does).
+PYNVML_FUNCTIONS = {name: getattr(pynvml, name) for name in dir(pynvml) if name.startswith("nvml")}
+# Environment variables a test must leave as it found them: all it found (but pytest's own), and
+# those gpuwidget or the fake driver set (libraries set some of their own on first import: theirs).
+PYTEST_VARIABLE = "PYTEST_CURRENT_TEST"
+OURS = ("GPUWIDGET", "CUDA_VISIBLE_DEVICES")
+
+
+# Tests with these markers or fixtures run in the serial pass without saying so: real kernels,
+# notebooks, browsers and long process trees load the machine; training loops timed on one
+# torch thread, and watched cells in the in-process shell (a real sampler), measure time.
+SERIAL_MARKERS = ("browser", "notebooks", "kernel", "slow")
+SERIAL_FIXTURES = ("one_torch_thread", "ip")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        fixtures = getattr(item, "fixturenames", ())
+        if any(item.get_closest_marker(name) for name in SERIAL_MARKERS) or any(
+                name in fixtures for name in SERIAL_FIXTURES):
+            item.add_marker(pytest.mark.serial)
 
 
 @pytest.fixture(autouse=True)
 def nothing_left_behind() -> Iterator[None]:
-    """Every test must end with no sampler thread and no active watch."""
+    """Every test starts with no run in the session's history and must end with no sampler thread,
+    no active watch, pynvml's own functions and the environment it started with (autouse, so set up
+    before and torn down after every other fixture of the test: what is left here was leaked)."""
+    session._last_run = None
+    session._runs_by_source.clear()
+    environ = {key: value for key, value in os.environ.items() if key != PYTEST_VARIABLE}
     yield
     leftover = sampler_threads()
     for thread in leftover:
         thread.join(2.0)
+    patched = sorted(name for name, function in PYNVML_FUNCTIONS.items() if getattr(pynvml, name) is not function)
+    for name in patched:  # put back, so one leak fails one test, not every GPU test after it
+        setattr(pynvml, name, PYNVML_FUNCTIONS[name])
+    changed = sorted(key for key in {*environ, *(key for key in os.environ if key.startswith(OURS))}
+                     if environ.get(key) != os.environ.get(key))
+    for key in changed:
+        if key in environ:
+            os.environ[key] = environ[key]
+        else:
+            del os.environ[key]
     assert not [t for t in leftover if t.is_alive()], "a sampler thread outlived its watch"
     assert session._active is None, "a watch is still marked active"
+    assert not patched, f"pynvml functions left patched: {patched}"
+    assert not changed, f"environment variables left changed: {changed}"
 
 
 @pytest.fixture(scope="session")

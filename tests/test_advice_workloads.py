@@ -53,7 +53,9 @@ def test_starved_loader_is_named_with_a_worker_change_in_the_users_names():
     run = watched(workload)
     assert "dataloader-starved" in rules(run)
     finding = next(f for f in run.findings if f.rule == "dataloader-starved")
-    assert run.findings[0] is finding  # the largest gain comes first
+    # The largest gain of the code's own comes first (other processes' hold on the cores, on a shared
+    # host, is the machine's and may rank above it: cpu-contention).
+    assert [f for f in run.findings if not f.machine_level][0] is finding
     assert finding.change["num_workers"] >= 1
     assert finding.code.splitlines()[-1].startswith(
         "train_loader = DataLoader(train_ds, batch_size=16, shuffle=True, num_workers=")
@@ -117,7 +119,7 @@ def test_a_pause_every_25_steps_after_a_slow_start_is_a_periodic_stall_not_a_sta
     assert stall.evidence["period_steps"] == 25 and stall.evidence["stalls"] == 6
     assert stall.evidence["stall_s"] == pytest.approx(0.5, abs=0.1)
     assert 8 <= run.summary["warmup_steps"] <= 10 and run.summary["warmup_s"] >= 8 * 0.05
-    assert stall is run.findings[0]
+    assert stall is [f for f in run.findings if not f.machine_level][0]
 
 
 def test_exception_mid_loop_is_recorded_with_partial_figures_and_torch_restored():
@@ -207,15 +209,3 @@ def test_the_same_cell_run_again_shows_the_measured_before_and_after():
     assert compared["samples_per_s"] == [before.summary["samples_per_s"], after.summary["samples_per_s"]]
     assert compared["speedup"] > 1.5 and compared["data_wait_fraction"][1] < compared["data_wait_fraction"][0]
     assert "Since the previous run of this cell:" in run_text(after)
-
-
-def test_magic_links_a_cell_to_its_previous_run_by_its_source(ip):
-    workload = workloads.healthy(items=256)
-    ip.user_ns.update(net_loader=workload.loader, train=workload.train)
-    cell = "%%gpuwatch --quiet\ntrain(net_loader)\n"
-    ip.run_cell(cell)
-    first = gpuwidget.last_run()
-    ip.run_cell("%%gpuwatch --quiet\ntrain(net_loader)  # another cell\n")
-    assert gpuwidget.last_run().previous is None
-    ip.run_cell(cell)
-    assert gpuwidget.last_run().previous is first

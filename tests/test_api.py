@@ -10,6 +10,7 @@ from importlib import metadata
 import pytest
 
 import gpuwidget
+from gpuwidget._labext import DISTRIBUTION_NAME
 from gpuwidget.measure import batch_probe, tuner
 
 
@@ -32,7 +33,7 @@ def test_importing_gpuwidget_loads_no_measuring_code_until_asked():
 
 def test_version_is_the_installed_packages():
     try:
-        installed = metadata.version("gpuwidget")
+        installed = metadata.version(DISTRIBUTION_NAME)
     except metadata.PackageNotFoundError:  # pragma: no cover - only outside an install
-        pytest.skip("gpuwidget is not installed in this environment")
+        pytest.skip(f"{DISTRIBUTION_NAME} is not installed in this environment")
     assert gpuwidget.__version__ == installed

@@ -19,6 +19,9 @@ from gpuwidget import Run
 from gpuwidget.cli import main, split_command, status_text
 from gpuwidget.options import OptionError
 
+# Times real commands and signals under gpuwatch: alone, in make test's serial pass (tests/conftest.py).
+pytestmark = pytest.mark.serial
+
 ROOT = Path(__file__).resolve().parents[1]
 GPUWATCH = [sys.executable, "-m", "gpuwidget.cli"]
 

@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 
 import gpuwidget
 from gpuwidget.advice.code import loader_code
-from gpuwidget.advice.summary import primary_loader
+from gpuwidget.figures.summary import primary_loader
 
 import frameworks
 

@@ -10,8 +10,8 @@ from IPython.core.error import UsageError
 from traitlets import TraitError
 
 import gpuwidget
-from gpuwidget.advice.summary import summarize
 from gpuwidget.cli import main
+from gpuwidget.figures.summary import summarize
 from gpuwidget.options import PRICE_ENV, OptionError, make_options, parse_args, parse_line
 from gpuwidget.run import Run
 from gpuwidget.trace import Trace

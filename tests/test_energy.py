@@ -8,7 +8,7 @@ import time
 import pytest
 
 import gpuwidget
-from gpuwidget.advice.summary import summarize
+from gpuwidget.figures.summary import summarize
 from gpuwidget.report import fmt_energy
 from gpuwidget.run import Run
 from gpuwidget.sources.nvml import NvmlSource

@@ -18,6 +18,7 @@ from test_run import gpu_run
 
 import gpuwidget
 from gpuwidget import runfile, sampler, session
+from gpuwidget.clock import now as clock_now
 from gpuwidget.probes import Probes
 from gpuwidget.run import Run, RunFormatError
 from gpuwidget.sampler import Sampler
@@ -25,6 +26,9 @@ from gpuwidget.sources.host import HostSource
 from gpuwidget.trace import Trace
 
 from fakenvml import FakeNvml
+
+# Judges deadlines of hung sources, stops and Ctrl-C: alone, in make test's serial pass (tests/conftest.py).
+pytestmark = pytest.mark.serial
 
 MB = 1024**2
 
@@ -90,13 +94,25 @@ class StuckGpuSource(CountingSource):
         super().__init__()
         self.released = released
         self.busy_with: str | None = None
+        self.hung_at: float | None = None  # when the read that never returns began (gpuwidget.clock)
 
     def read(self) -> dict[str, float]:
         self.busy_with = "GPU 1"
         if self.reads >= 2:
+            self.hung_at = clock_now()
             self.released.wait(60)
         self.busy_with = None
         return {"gpu1.util": float(super().read()["fake.reads"])}
+
+
+def wait_until(condition: Callable[[], Any], timeout: float = 30.0) -> bool:
+    """Whether ``condition()`` came true within ``timeout`` s (polled; it ends as soon as it does)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 # ----------------------------------------------------------------- a hung source
@@ -173,7 +189,7 @@ def test_nvml_that_never_starts_leaves_host_metrics_after_a_bounded_wait(ip, fak
     run = gpuwidget.last_run()
     assert not run.gpu_found
     assert "NVML did not answer within 0.3 s" in run._repr_mimebundle_()["text/plain"]
-    with pytest.raises(UsageError, match=r"--gpus: there is no GPU 1 here \(no NVIDIA GPU found \(NVML did not answer"):
+    with pytest.raises(UsageError, match=r"--gpus: there is no GPU 1 here \(no GPU found \(NVML did not answer"):
         ip.run_cell_magic("gpuwatch", "--gpus 1 --quiet", "pass\n")
     assert threading.main_thread() not in stuck.threads
 
@@ -183,22 +199,24 @@ def test_source_that_stops_answering_is_dropped_by_name_and_the_others_go_on(han
     monkeypatch.setattr(sampler, "WATCHDOG_PERIOD_S", 0.05)
     monkeypatch.setattr(sampler, "WATCHDOG_LATE_S", 0.1)
     released = hang().released
-    host, gpu = CountingSource(), StuckGpuSource(released)
-    running = Sampler([gpu, host], Trace(), interval=0.02).start()
+    host, gpu, trace = CountingSource(), StuckGpuSource(released), Trace()
+    running = Sampler([gpu, host], trace, interval=0.02).start()
     try:
-        deadline = time.monotonic() + 5
-        while not running.stats.stalled and time.monotonic() < deadline:
-            time.sleep(0.02)
+        # Waited for, not slept: a busy host delays the watchdog's and the sampler's turns.
+        assert wait_until(lambda: running.stats.stalled), "the hung source was never dropped"
         before = host.reads
-        time.sleep(0.3)
-        assert host.reads >= before + 5, "the other sources stopped with the hung one"
+        assert wait_until(lambda: host.reads >= before + 5), "the other sources stopped with the hung one"
     finally:
         started = time.perf_counter()
         running.stop()
         assert time.perf_counter() - started < sampler.STOP_DEADLINE_S + 0.3
     [stalled] = running.stats.stalled
     assert stalled["source"] == "GPU 1"
-    assert stalled["message"].startswith("GPU 1 stopped answering at 0.0 s")
+    # When its third read began (about 0.04 s in; later where a busy host delays the ticks).
+    assert gpu.hung_at is not None and 0.0 < stalled["at_s"] <= gpu.hung_at - trace.start_clock
+    # The read's start, not the watchdog's drop (a deadline later) nor an earlier tick's.
+    assert gpu.hung_at - trace.start_clock - stalled["at_s"] < sampler.SOURCE_DEADLINE_S
+    assert stalled["message"].startswith(f"GPU 1 stopped answering at {stalled['at_s']:.1f} s; its readings end")
     assert running.hung_sources == [gpu]
     assert gpu.reads == 2  # once dropped, never asked again
 
@@ -212,7 +230,7 @@ def test_stop_takes_the_last_reading_on_the_sampler_thread(monkeypatch):
             return super().read()
 
     running = Sampler([Recording()], Trace(), interval=5.0).start()
-    time.sleep(0.05)
+    assert wait_until(lambda: readers)  # the first tick, however long the thread takes to start
     running.stop()
     assert len(readers) == 2  # the first tick, and the last one on the way out
     assert threading.current_thread() not in readers
@@ -504,7 +522,7 @@ def test_non_finite_values_in_a_file_render_as_not_available(tmp_path):
 @pytest.mark.parametrize("scenario", [FakeNvml.library_missing, FakeNvml.driver_not_loaded])
 def test_asking_for_a_gpu_without_a_driver_is_an_error_as_with_gpus(ip, fake_nvml, scenario):
     fake_nvml(scenario())
-    with pytest.raises(UsageError, match=r"--gpus: there is no GPU 5 here \(no NVIDIA GPU found"):
+    with pytest.raises(UsageError, match=r"--gpus: there is no GPU 5 here \(no GPU found"):
         ip.run_cell_magic("gpuwatch", "--gpus 5 --quiet", "cell_ran = 1\n")
     assert "cell_ran" not in ip.user_ns
     assert session._active is None
@@ -592,13 +610,16 @@ def test_cpu_memory_search_stops_short_of_the_memory_available(one_torch_thread,
     available = 96 * MB  # as if the machine had this much left
     monkeypatch.setattr(batch_probe, "available_bytes", lambda: available)
     model = torch.nn.Sequential(torch.nn.Linear(256, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 10))
+    # The memory bound must stop it, not the budget: a long one (it stops in seconds here, but each
+    # trial times at least MIN_TIMED_S of real steps, which a busy host makes take longer).
     with peak_resident() as probe_memory:
-        result = gpuwidget.probe_batch_size(model, torch.randn(8, 256), max_batch=1 << 20, budget_s=30,
+        result = gpuwidget.probe_batch_size(model, torch.randn(8, 256), max_batch=1 << 20, budget_s=240,
                                             search_memory=True)
     ran = max(t.batch_size for t in result.trials if t.samples_per_s is not None)
     assert 256 <= ran < 1 << 20, "the search never grew, or was stopped by max_batch"
     assert result.largest_fitting == ran
     assert any("host memory available" in note for note in result.notes)
+    assert not any("budget" in note for note in result.notes)
     assert probe_memory.peak - probe_memory.before < available
 
 
@@ -627,7 +648,9 @@ def _workers() -> set[int]:
     return {p.pid for p in psutil.Process().children(recursive=True)}
 
 
-def _workers_end(before: set[int], timeout: float = 10.0) -> bool:
+def _workers_end(before: set[int], timeout: float = 60.0) -> bool:
+    """Whether the workers started since ``before`` ended within ``timeout`` s: it returns as soon as they
+    do (about 1 s here); a loaded host stretches their shutdown, a Run that holds them never ends it."""
     deadline = time.monotonic() + timeout
     while _workers() - before and time.monotonic() < deadline:
         gc.collect()

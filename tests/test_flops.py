@@ -15,7 +15,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import gpuwidget
 from gpuwidget import Run
-from gpuwidget.advice.summary import steady_step_times, summarize
+from gpuwidget.figures.summary import steady_step_times, summarize
 from gpuwidget.probes.torch_steps import FLOPS_AT_STEP, DtypeFlopCounter
 from gpuwidget.report import fmt_flops, headline, run_html, run_text
 from gpuwidget.trace import Trace

@@ -23,7 +23,7 @@ from _gpu_workloads import EXPECTED, judge_rules  # noqa: E402
 from gpu_check import FIXTURE_MAX_BYTES  # noqa: E402
 
 from gpuwidget.advice.advisor import advise  # noqa: E402
-from gpuwidget.advice.summary import summarize  # noqa: E402
+from gpuwidget.figures.summary import summarize  # noqa: E402
 from gpuwidget.report import chart_svg, html_document, run_html, run_text  # noqa: E402
 from gpuwidget.run import Run  # noqa: E402
 from gpuwidget.sources.replay import ReplaySource  # noqa: E402
@@ -78,14 +78,16 @@ def test_replayed_run_renders_its_findings_in_the_panels_text_and_html(path):
 
 
 class _ReplayGpus(ReplaySource):
-    """The fixture's GPU columns as the sidebar's NVML source: its devices, no process table."""
+    """The fixture's GPU columns as the sidebar's GPU source: its devices, no process table."""
 
     def __init__(self, run: Run) -> None:
         super().__init__(run.trace, columns=[c for c in run.trace.columns if c.startswith("gpu")])
         self._gpus = run.machine["gpus"]
 
-    def describe(self) -> dict[str, Any]:
-        return {"available": True, "devices": self._gpus}
+    def describe(self) -> list[Any]:  # type: ignore[override]
+        return list(self._gpus)
+
+    busy_with = None
 
     def processes(self) -> dict[str, list[tuple[int, int | None]]]:
         return {}
@@ -102,10 +104,11 @@ class _ReplayHost(ReplaySource):
 @pytest.mark.parametrize("path", fixtures())
 def test_replayed_trace_feeds_the_sidebars_hello_history_and_samples(path):
     from gpuwidget.server.monitor import Monitor, MonitorSources
+    from gpuwidget.sources.gpu import GpuSources
 
     run = Run.load(path)
     monitor = Monitor(interval=0.1, history_s=3600.0,
-                      sources=lambda: MonitorSources(_ReplayHost(run), _ReplayGpus(run)))  # type: ignore[arg-type]
+                      sources=lambda: MonitorSources(_ReplayHost(run), GpuSources([_ReplayGpus(run)])))
     try:
         for _ in range(len(run.trace.window().t) - 1):  # the first reading takes two rows
             monitor.read_once()

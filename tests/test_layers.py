@@ -67,3 +67,73 @@ def test_the_layer_check_sees_a_function_local_import(tmp_path):
     module.write_text("def render(run):\n    from gpuwidget.ui.live import LiveView\n    return LiveView\n")
     assert "gpuwidget.ui.live" in _imported_modules(module)
     assert len(_model_modules()) > 20  # the walk found the package's modules, not an empty folder
+
+
+# ------------------------------------------------------------------------------- the GPU seam and the floors
+
+# Where each vendor's bindings may be imported: its driver module, the one door to the driver.
+DRIVER_DOORS = {"pynvml": "sources/nvml/driver.py", "amdsmi": "sources/amd/driver.py"}
+VENDOR_PACKAGES = ("gpuwidget.sources.nvml", "gpuwidget.sources.amd")
+
+
+def _relative(path: Path) -> str:
+    return path.relative_to(PACKAGE).as_posix()
+
+
+def _package_modules() -> list[Path]:
+    return sorted(PACKAGE.rglob("*.py"))
+
+
+def _forbidden(path: Path, forbidden: tuple[str, ...]) -> list[str]:
+    """The modules ``path`` imports that are, or are inside, one of ``forbidden``."""
+    return sorted(name for name in _imported_modules(path)
+                  if any(name == f or name.startswith(f + ".") for f in forbidden))
+
+
+def _offenders(paths: list[Path], forbidden: tuple[str, ...]) -> dict[str, list[str]]:
+    found = {_relative(path): _forbidden(path, forbidden) for path in paths}
+    return {path: names for path, names in found.items() if names}
+
+
+def test_only_each_vendors_driver_module_imports_its_bindings():
+    for library, door in DRIVER_DOORS.items():
+        importers = [path for path in _package_modules() if _offenders([path], (library,))]
+        assert [_relative(path) for path in importers] == [door]
+
+
+def test_nothing_above_the_sources_names_a_vendors_source():
+    """Above ``sources/`` a GPU is a GpuSource from open_gpu_sources(): no module imports NVML's or amdsmi's."""
+    above = [path for path in _package_modules() if _relative(path).split("/")[0] != "sources"]
+    assert _offenders(above, VENDOR_PACKAGES) == {}
+
+
+def test_the_child_channel_and_the_figures_do_not_reach_up_into_the_advisor():
+    """children/ summarises a child's loop with figures/ (the floor below both), never with advice/."""
+    for floor, forbidden in (("children", ("gpuwidget.advice",)),
+                             ("figures", ("gpuwidget.advice", "gpuwidget.children", *VENDOR_PACKAGES))):
+        paths = [path for path in _package_modules() if _relative(path).split("/")[0] == floor]
+        assert paths, floor
+        assert _offenders(paths, forbidden) == {}, floor
+
+
+def test_importing_a_finding_loads_no_gpu_source():
+    """Finding -> report -> the figures: none of it starts a vendor's source or its bindings."""
+    import subprocess
+    import sys
+
+    code = ("import sys, gpuwidget.advice.finding\n"
+            "print(sorted(m for m in sys.modules if m.startswith(('gpuwidget.sources.nvml', 'gpuwidget.sources.amd'))"
+            " or m in ('pynvml', 'amdsmi')))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                            cwd=PACKAGE.parent, check=True)
+    assert result.stdout.strip() == "[]"
+
+
+def test_the_seam_checks_catch_a_planted_import(tmp_path):
+    (tmp_path / "sneaky.py").write_text("def devices():\n    from gpuwidget.sources.nvml import NvmlSource\n"
+                                        "    import amdsmi\n    from gpuwidget.advice.summary import summarize\n")
+    [path] = tmp_path.glob("*.py")
+    assert _forbidden(path, VENDOR_PACKAGES) == ["gpuwidget.sources.nvml", "gpuwidget.sources.nvml.NvmlSource"]
+    assert _forbidden(path, ("amdsmi",)) == ["amdsmi"]
+    assert _forbidden(path, ("gpuwidget.advice",)) == ["gpuwidget.advice.summary", "gpuwidget.advice.summary.summarize"]
+    assert _forbidden(path, ("gpuwidget.advisor",)) == []  # a name that merely starts alike is not inside

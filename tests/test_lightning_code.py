@@ -13,7 +13,7 @@ import torch
 
 import gpuwidget
 from gpuwidget.advice.code import loader_code
-from gpuwidget.advice.summary import primary_loader
+from gpuwidget.figures.summary import primary_loader
 
 import frameworks
 

@@ -24,8 +24,10 @@ from gpuwidget.ui.static import HEIGHT, StaticView
 from support import cell_messages, gpuwidget_kernel
 
 SVG = "{http://www.w3.org/2000/svg}"
-NO_GPU = {"gpus": [], "gpu_message": "no NVIDIA GPU found"}
+NO_GPU = {"gpus": [], "gpu_message": "no GPU found"}
 OWN = None  # the watch's own process: its spans carry no pid
+# Made-up children's pids start above any real one (pid_max is at most 2**22), so none is ever this process's.
+CHILD = 2**22
 
 
 def feed(trace: Trace, pid: int | None, rank: int | None, step_s: float, wait_fraction: float, count: int,
@@ -53,12 +55,12 @@ def recent_trace(seconds: float = 10.0) -> Trace:
 
 def test_rows_give_each_rank_its_steps_data_wait_and_median_step_over_the_last_seconds():
     trace = Trace(start_clock=0.0)
-    feed(trace, 5001, 0, step_s=0.040, wait_fraction=0.10, count=150)
-    feed(trace, 5002, 1, step_s=0.050, wait_fraction=0.25, count=120)  # not slow enough to be a straggler
+    feed(trace, CHILD + 5001, 0, step_s=0.040, wait_fraction=0.10, count=150)
+    feed(trace, CHILD + 5002, 1, step_s=0.050, wait_fraction=0.25, count=120)  # not slow enough to be a straggler
     strip = RankStrip(trace)
     rows = strip.update(now=9.0)
-    assert [(row.label, row.pid, row.rank, row.steps) for row in rows] == [("rank 0", 5001, 0, 150),
-                                                                         ("rank 1", 5002, 1, 120)]
+    assert [(row.label, row.pid, row.rank, row.steps) for row in rows] == [("rank 0", CHILD + 5001, 0, 150),
+                                                                         ("rank 1", CHILD + 5002, 1, 120)]
     assert [row.data_wait_fraction for row in rows] == pytest.approx([0.10, 0.25])
     assert [row.step_time_p50_s for row in rows] == pytest.approx([0.040, 0.050])
     assert text_lines(strip, rows) == [
@@ -69,23 +71,35 @@ def test_rows_give_each_rank_its_steps_data_wait_and_median_step_over_the_last_s
     ]
 
 
-def test_one_process_gets_no_strip_and_a_second_one_brings_it():
+@pytest.mark.parametrize("offset", [-1, 1], ids=["child-pid-below-this-one", "child-pid-above-this-one"])
+def test_one_process_gets_no_strip_and_a_second_one_brings_it(offset):
     trace = Trace(start_clock=0.0)
     feed(trace, OWN, None, step_s=0.05, wait_fraction=0.1, count=40)
     strip = RankStrip(trace)
     assert strip.update(now=5.0) == []
-    feed(trace, 7001, None, step_s=0.05, wait_fraction=0.1, count=10)
+    child = os.getpid() + offset
+    feed(trace, child, None, step_s=0.05, wait_fraction=0.1, count=10)
     rows = strip.update(now=5.0)
-    # The watch's own process (here beside a child that has no rank) and the child, by pid.
-    assert [row.label for row in rows] == ["pid 7001", f"pid {os.getpid()} (this process)"]
-    assert [row.steps for row in rows] == [10, 40]
+    # The watch's own process (here beside a child that has no rank) first, whatever the pids, then the child.
+    assert [row.label for row in rows] == [f"pid {os.getpid()} (this process)", f"pid {child}"]
+    assert [row.steps for row in rows] == [40, 10]
+
+
+def test_children_without_a_rank_follow_the_watchs_own_process_by_pid():
+    trace = Trace(start_clock=0.0)
+    own = os.getpid()
+    for pid in (own + 7, own - 1, own + 2):
+        feed(trace, pid, None, step_s=0.05, wait_fraction=0.1, count=10)
+    feed(trace, OWN, None, step_s=0.05, wait_fraction=0.1, count=20)
+    rows = RankStrip(trace).update(now=3.0)
+    assert [row.pid for row in rows] == [own, own - 1, own + 2, own + 7]
 
 
 def test_the_window_forgets_older_steps_and_says_when_a_rank_went_quiet():
     trace = Trace(start_clock=0.0)
-    end = feed(trace, 5001, 0, step_s=0.2, wait_fraction=0.5, count=100, start=0.0)  # 0-20 s: slow
-    feed(trace, 5001, 0, step_s=0.02, wait_fraction=0.05, count=200, start=end)  # 20-24 s: fast
-    feed(trace, 5002, 1, step_s=0.1, wait_fraction=0.1, count=100, start=0.0)  # stopped at 10 s
+    end = feed(trace, CHILD + 5001, 0, step_s=0.2, wait_fraction=0.5, count=100, start=0.0)  # 0-20 s: slow
+    feed(trace, CHILD + 5001, 0, step_s=0.02, wait_fraction=0.05, count=200, start=end)  # 20-24 s: fast
+    feed(trace, CHILD + 5002, 1, step_s=0.1, wait_fraction=0.1, count=100, start=0.0)  # stopped at 10 s
     strip = RankStrip(trace)
     fast, quiet = strip.update(now=25.05)
     assert fast.steps == 300 and fast.step_time_p50_s == pytest.approx(0.02)
@@ -101,7 +115,8 @@ def test_the_rank_slower_than_the_others_is_named_in_words(ranks):
     trace = Trace(start_clock=0.0)
     for rank in range(ranks):
         slow = rank == ranks - 1
-        feed(trace, 6000 + rank, rank, step_s=0.1 if slow else 0.05, wait_fraction=0.05, count=60 if slow else 120)
+        feed(trace, CHILD + 6000 + rank, rank, step_s=0.1 if slow else 0.05, wait_fraction=0.05,
+             count=60 if slow else 120)
     rows = RankStrip(trace).update(now=8.0)
     assert [row.straggler for row in rows] == [False] * (ranks - 1) + [True]
     # Its own loader waits no longer than the others': no cause measured, the mark alone.
@@ -110,9 +125,9 @@ def test_the_rank_slower_than_the_others_is_named_in_words(ranks):
 
 def test_in_lockstep_the_rank_waiting_on_its_own_loader_is_the_straggler():
     trace = Trace(start_clock=0.0)
-    feed(trace, 6000, 0, step_s=0.05, wait_fraction=0.05, count=120)
-    feed(trace, 6001, 1, step_s=0.05, wait_fraction=0.6, count=120)
-    feed(trace, 6002, 2, step_s=0.05, wait_fraction=0.05, count=120)
+    feed(trace, CHILD + 6000, 0, step_s=0.05, wait_fraction=0.05, count=120)
+    feed(trace, CHILD + 6001, 1, step_s=0.05, wait_fraction=0.6, count=120)
+    feed(trace, CHILD + 6002, 2, step_s=0.05, wait_fraction=0.05, count=120)
     rows = RankStrip(trace).update(now=8.0)
     assert [row.note for row in rows] == ["", "◀ slowest (its data loader)", ""]
 
@@ -120,17 +135,17 @@ def test_in_lockstep_the_rank_waiting_on_its_own_loader_is_the_straggler():
 def test_equal_ranks_have_no_straggler():
     trace = Trace(start_clock=0.0)
     for rank in range(4):
-        feed(trace, 6000 + rank, rank, step_s=0.05, wait_fraction=0.1, count=120)
+        feed(trace, CHILD + 6000 + rank, rank, step_s=0.05, wait_fraction=0.1, count=120)
     assert not any(row.straggler or row.note for row in RankStrip(trace).update(now=8.0))
 
 
 def test_a_child_keeps_its_row_when_its_rank_becomes_known_and_updates_take_in_only_new_spans():
     trace = Trace(start_clock=0.0)
     feed(trace, OWN, None, step_s=0.05, wait_fraction=0.1, count=20)
-    end = feed(trace, 7001, None, step_s=0.05, wait_fraction=0.1, count=10)  # before init_process_group
+    end = feed(trace, CHILD + 7001, None, step_s=0.05, wait_fraction=0.1, count=10)  # before init_process_group
     strip = RankStrip(trace)
-    assert [row.label for row in strip.update(now=3.0)] == ["pid 7001", f"pid {os.getpid()} (this process)"]
-    feed(trace, 7001, 1, step_s=0.05, wait_fraction=0.1, count=30, start=end)
+    assert [row.label for row in strip.update(now=3.0)] == [f"pid {os.getpid()} (this process)", f"pid {CHILD + 7001}"]
+    feed(trace, CHILD + 7001, 1, step_s=0.05, wait_fraction=0.1, count=30, start=end)
     rows = strip.update(now=3.0)
     assert [(row.label, row.steps) for row in rows] == [("rank 1", 40), (f"pid {os.getpid()} (this process)", 20)]
     assert strip.update(now=3.0) == rows  # nothing new: the same rows, no span counted twice
@@ -155,7 +170,8 @@ def test_more_processes_than_rows_still_show_the_straggler():
     count = MAX_ROWS + 4
     for rank in range(count):
         slow = rank == count - 1
-        feed(trace, 6000 + rank, rank, step_s=0.1 if slow else 0.05, wait_fraction=0.05, count=60 if slow else 120)
+        feed(trace, CHILD + 6000 + rank, rank, step_s=0.1 if slow else 0.05, wait_fraction=0.05,
+             count=60 if slow else 120)
     strip = RankStrip(trace)
     rows = strip.update(now=8.0)
     assert len(rows) == MAX_ROWS and strip.processes == count
@@ -175,7 +191,7 @@ def test_an_update_with_8_ranks_of_10000_steps_stays_cheap():
         while sent + 0.3 <= t:
             for rank in range(8):
                 first, last = round(sent / step_s), round((sent + 0.3) / step_s)
-                feed(trace, 9000 + rank, rank, step_s, 0.6 if rank == 3 else 0.05, last - first,
+                feed(trace, CHILD + 9000 + rank, rank, step_s, 0.6 if rank == 3 else 0.05, last - first,
                      start=first * step_s, batch=last - first)
             sent += 0.3
         started = time.thread_time()
@@ -205,9 +221,9 @@ def test_static_view_is_unchanged_for_a_single_process():
 
 def test_static_view_draws_the_ranks_under_the_chart_and_in_its_text():
     trace = recent_trace()
-    feed(trace, 6000, 0, step_s=0.05, wait_fraction=0.05, count=150)
-    feed(trace, 6001, 1, step_s=0.05, wait_fraction=0.6, count=150)
-    feed(trace, 6002, 2, step_s=0.05, wait_fraction=0.05, count=150)
+    feed(trace, CHILD + 6000, 0, step_s=0.05, wait_fraction=0.05, count=150)
+    feed(trace, CHILD + 6001, 1, step_s=0.05, wait_fraction=0.6, count=150)
+    feed(trace, CHILD + 6002, 2, step_s=0.05, wait_fraction=0.05, count=150)
     view = StaticView(trace, NO_GPU, label="In [2]")
     bundle = view.bundle()
     lines = bundle["text/plain"].splitlines()
@@ -271,7 +287,7 @@ def test_bokeh_view_shows_the_rank_table_under_the_plot_once_a_second_process_tr
         view.push()
         # One process: the table takes no room and the plot is as before.
         assert view.ranks.layout.display == "none" and view.ranks.value == "" and view.rank_rows == []
-        feed(trace, 6001, 1, step_s=0.1, wait_fraction=0.05, count=60)
+        feed(trace, CHILD + 6001, 1, step_s=0.1, wait_fraction=0.05, count=60)
         feed(trace, OWN, None, step_s=0.05, wait_fraction=0.05, count=60, start=end)
         view.push()
         assert view.ranks.layout.display is None
@@ -349,8 +365,8 @@ def test_a_failing_strip_leaves_the_chart_drawing(caplog, monkeypatch):
 
     monkeypatch.setattr(rank_straggler, "check", broken)
     trace = recent_trace()
-    feed(trace, 6000, 0, step_s=0.05, wait_fraction=0.05, count=100)
-    feed(trace, 6001, 1, step_s=0.05, wait_fraction=0.05, count=100)
+    feed(trace, CHILD + 6000, 0, step_s=0.05, wait_fraction=0.05, count=100)
+    feed(trace, CHILD + 6001, 1, step_s=0.05, wait_fraction=0.05, count=100)
     view = StaticView(trace, NO_GPU)
     for _ in range(2):
         bundle = view.bundle()

@@ -73,7 +73,7 @@ def test_no_driver_means_host_metrics_and_a_plain_message(ip, fake_nvml):
     ip.run_cell("%%gpuwatch --quiet --interval 0.02\nimport time\ntime.sleep(0.1)\n")
     run = gpuwidget.last_run()
     assert run.machine["gpus"] == []
-    assert "no NVIDIA GPU found" in run.machine["gpu_message"]
+    assert run.machine["gpu_message"] == "no GPU found (no NVIDIA or AMD GPU driver)"
     assert not any(c.startswith("gpu") for c in run.trace.columns)
     assert "gpu_busy_mean" not in run.summary
     assert run.trace.stats("cpu.util").count >= 2

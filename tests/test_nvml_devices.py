@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from gpuwidget.sources.nvml.devices import DeviceInfo, _cuda_order, _cuda_visible, _Found, _torch_order, uuid_key
+from gpuwidget.facts import uuid_key
+from gpuwidget.sources.nvml.devices import DeviceInfo, _cuda_order, _cuda_visible, _Found, _torch_order
 
 
 def gpu(index: int, name: str = "NVIDIA H100 80GB HBM3", capability: tuple[int, int] = (9, 0),

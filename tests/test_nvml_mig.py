@@ -75,13 +75,13 @@ def test_the_machine_view_lists_every_instance_after_its_gpu_with_its_instance_i
     fake = fake_nvml(FakeNvml.mig(extra_gpus=1, hopper=True))
     source = NvmlSource(pids=lambda: (), every_device=True)
     try:
-        listed = source.describe()["devices"]
+        listed = source.describe()
         first, second = fake.gpu(0).instances
         assert [d["uuid"] for d in listed] == [fake.gpu(0).uuid, first.uuid, second.uuid, fake.gpu(1).uuid]
         assert [(d["is_mig"], d["gpu_instance_id"], d["mig_profile"]) for d in listed] == [
             (False, None, None), (True, 1, "3g.40gb"), (True, 5, "2g.20gb"), (False, None, None)]
         assert listed[0]["mig_mode"] and not listed[3]["mig_mode"]
-        assert all(d["nvml_index"] == 0 for d in listed[:3]) and listed[3]["nvml_index"] == 1
+        assert all(d["driver_index"] == 0 for d in listed[:3]) and listed[3]["driver_index"] == 1
         fake.set(second.uuid, sm_active=12.0)
         reading = ticks(source, fake, 3)[-1]
         # Each instance: its own memory and its own SM activity; the GPU: its power and temperature.
@@ -98,7 +98,7 @@ def test_a_cuda_process_still_sees_one_instance(fake_nvml):
     fake = fake_nvml(FakeNvml.mig(extra_gpus=1, hopper=True))
     source = NvmlSource()
     try:
-        assert [d["uuid"] for d in source.describe()["devices"]] == [fake.gpu(0).instances[0].uuid]
+        assert [d["uuid"] for d in source.describe()] == [fake.gpu(0).instances[0].uuid]
     finally:
         source.close()
     assert [d.gpu_instance_id for d in list_devices() if d.is_mig] == [1, 5]
@@ -111,7 +111,7 @@ def test_torchs_device_uuid_names_the_instance_this_process_uses(fake_nvml, monk
     monkeypatch.setattr(nvml_devices, "_torch_uuids", lambda: [second.uuid[len("MIG-"):]])
     source = NvmlSource()
     try:
-        (device,) = source.describe()["devices"]
+        (device,) = source.describe()
         assert device["uuid"] == second.uuid and source.cuda_order == "torch"
         assert ticks(source, fake, 2)[-1]["gpu0.mem_total"] == 20 * GIB
     finally:

@@ -56,7 +56,7 @@ def test_one_gpu_reports_every_metric_in_si_units(fake_nvml):
     assert reading["gpu0.temperature"] == 61.0
     assert reading["gpu0.sm_clock"] == 1755e6  # Hz from MHz
     assert reading["gpu0.sm_clock_max"] == 1980e6
-    assert reading["gpu0.clock_events"] == 0.0
+    assert (reading["gpu0.slowdown"], reading["gpu0.power_capped"]) == (0.0, 0.0)
     assert reading["gpu0.pcie_tx"] == 2048 * 1024  # bytes/s from KiB/s
     assert reading["gpu0.pcie_rx"] == 4096 * 1024
     assert reading["gpu0.proc_mem"] == 0.0
@@ -67,15 +67,19 @@ def test_one_gpu_reports_every_metric_in_si_units(fake_nvml):
 
 def test_values_follow_the_gpu_from_tick_to_tick(fake_nvml):
     fake = fake_nvml(
-        FakeNvml.single(power_mw=[100_000, 200_000, 300_000], util=[0, 50, 100], clock_events=[0, 0, 0x8])
+        FakeNvml.single(power_mw=[100_000, 200_000, 300_000], util=[0, 50, 100, 100, 100],
+                        clock_events=[0, 0, 0x8, 0x4, 0x1])
     )
     source = NvmlSource()
 
-    readings = ticks(source, fake, 3)
+    readings = ticks(source, fake, 5)
 
-    assert [r["gpu0.power"] for r in readings] == [100.0, 200.0, 300.0]
-    assert [r["gpu0.util"] for r in readings] == [0.0, 50.0, 100.0]
-    assert [r["gpu0.clock_events"] for r in readings] == [0.0, 0.0, 8.0]
+    assert [r["gpu0.power"] for r in readings[:3]] == [100.0, 200.0, 300.0]
+    assert [r["gpu0.util"] for r in readings[:3]] == [0.0, 50.0, 100.0]
+    # NVML's clock-event bits as the vendor-neutral flags: hardware slowdown (0x8), then the software
+    # power cap (0x4); while the GPU idles (0x1) its low clocks are on purpose: neither flag.
+    assert [r.get("gpu0.slowdown") for r in readings] == [0.0, 0.0, 1.0, 0.0, None]
+    assert [r.get("gpu0.power_capped") for r in readings] == [0.0, 0.0, 0.0, 1.0, None]
 
 
 def test_util_is_the_mean_of_the_drivers_samples_since_the_last_tick(fake_nvml):
@@ -136,7 +140,7 @@ def test_gpus_argument_selects_cuda_devices(fake_nvml):
     source = NvmlSource(gpus=[1])
 
     assert gpu_ids(source.read()) == {"gpu1"}
-    assert [d["index"] for d in source.describe()["devices"]] == [1]
+    assert [d["index"] for d in source.describe()] == [1]
 
 
 def test_a_requested_gpu_that_is_not_visible_is_an_error_not_a_crash(fake_nvml):
@@ -144,8 +148,8 @@ def test_a_requested_gpu_that_is_not_visible_is_an_error_not_a_crash(fake_nvml):
     source = NvmlSource(gpus=[1, 5])
 
     assert gpu_ids(source.read()) == {"gpu1"}
-    assert source.missing == [5] and source.describe()["missing"] == [5]
-    assert source.describe()["visible_count"] == 2
+    assert source.missing == [5]
+    assert source.visible_count == 2
     assert any("GPU 5 requested" in error.message for error in source.errors)
 
 
@@ -155,23 +159,23 @@ def test_asking_only_for_gpus_that_are_not_visible_makes_the_source_unavailable(
 
     assert not source.available
     assert source.unavailable_reason == "GPU 3 is not visible to CUDA (2 visible)"
-    assert source.describe()["missing"] == [3]
+    assert source.missing == [3] and source.describe() == []
     assert source.read() == {}
 
 
 def test_cuda_visible_devices_by_index_renumbers_like_cuda(fake_nvml, monkeypatch):
     fake = fake_nvml(FakeNvml.gpus(4))
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,0")
-    devices = NvmlSource().describe()["devices"]
+    devices = NvmlSource().describe()
 
-    assert [(d["id"], d["nvml_index"]) for d in devices] == [("gpu0", 2), ("gpu1", 0)]
+    assert [(d["id"], d["driver_index"]) for d in devices] == [("gpu0", 2), ("gpu1", 0)]
     assert devices[0]["uuid"] == fake.gpu(2).uuid
 
 
 def test_cuda_visible_devices_by_uuid_prefix(fake_nvml, monkeypatch):
     fake = fake_nvml(FakeNvml.gpus(4))
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", fake.gpu(3).uuid[:12])  # "GPU-000000a3"
-    devices = NvmlSource().describe()["devices"]
+    devices = NvmlSource().describe()
 
     assert [(d["id"], d["uuid"]) for d in devices] == [("gpu0", fake.gpu(3).uuid)]
 
@@ -195,7 +199,7 @@ def test_cuda_visible_devices_follows_cudas_parsing_rules(
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", value)
     source = NvmlSource()
 
-    assert [d["nvml_index"] for d in source.describe()["devices"]] == visible_nvml_indexes
+    assert [d["driver_index"] for d in source.describe()] == visible_nvml_indexes
     assert source.available == bool(visible_nvml_indexes)
 
 
@@ -216,7 +220,7 @@ def test_mig_instance_is_shown_as_itself(fake_nvml):
     fake = fake_nvml(FakeNvml.mig())
     source = NvmlSource()
     reading = ticks(source, fake, 3)[-1]
-    (device,) = source.describe()["devices"]
+    (device,) = source.describe()
 
     # CUDA sees one MIG instance: the first of the first MIG-enabled GPU.
     assert device["name"] == "NVIDIA A100-SXM4-40GB MIG 3g.20gb"
@@ -234,7 +238,7 @@ def test_cuda_visible_devices_by_mig_uuid(fake_nvml, monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", second.uuid)
     source = NvmlSource()
 
-    assert [d["uuid"] for d in source.describe()["devices"]] == [second.uuid]
+    assert [d["uuid"] for d in source.describe()] == [second.uuid]
     assert source.read()["gpu0.mem_total"] == 10 * GIB
 
 
@@ -243,7 +247,7 @@ def test_only_one_mig_instance_is_visible_to_cuda(fake_nvml, monkeypatch):
     first, second = fake.gpu(0).instances
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", f"{second.uuid},{first.uuid}")
 
-    assert [d["uuid"] for d in NvmlSource().describe()["devices"]] == [second.uuid]
+    assert [d["uuid"] for d in NvmlSource().describe()] == [second.uuid]
 
 
 def test_mig_instance_gets_gpm_activity_through_its_parent(fake_nvml):
@@ -263,7 +267,7 @@ def test_cuda_visible_devices_legacy_mig_form(fake_nvml, monkeypatch):
     fake = fake_nvml(FakeNvml.mig())
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", f"MIG-{fake.gpu(0).uuid}/5/0")
 
-    assert [d["uuid"] for d in NvmlSource().describe()["devices"]] == [fake.gpu(0).instances[1].uuid]
+    assert [d["uuid"] for d in NvmlSource().describe()] == [fake.gpu(0).instances[1].uuid]
 
 
 def test_list_devices_shows_every_device_and_which_cuda_sees(fake_nvml):
@@ -306,7 +310,7 @@ def test_lost_gpu_stops_alone_with_its_error_recorded(fake_nvml):
     assert [gpu_ids(r) for r in readings] == [{"gpu0", "gpu1"}] * 3 + [{"gpu0"}] * 3
     assert [(e.device, "GPU lost" in e.message) for e in source.errors] == [("gpu1", True)]
     assert "GPU is lost" in source.errors[0].message
-    assert source.describe()["devices"][1]["lost"]
+    assert source.describe()[1]["lost"]
     assert not source.closed
 
 
@@ -331,7 +335,7 @@ def test_unknown_error_with_the_uuid_unanswered_ends_the_device_at_once(fake_nvm
     fake.step()
 
     assert gpu_ids(source.read()) == {"gpu0"}
-    assert source.describe()["devices"][1]["lost"]
+    assert source.describe()[1]["lost"]
 
 
 def test_one_unknown_error_loses_a_tick_not_the_gpu(fake_nvml):
@@ -341,13 +345,13 @@ def test_one_unknown_error_loses_a_tick_not_the_gpu(fake_nvml):
     readings = ticks(source, fake, 6)
 
     assert [gpu_ids(r) for r in readings] == [{"gpu0", "gpu1"}] * 2 + [{"gpu0"}] + [{"gpu0", "gpu1"}] * 3
-    assert not source.describe()["devices"][1]["lost"]
+    assert not source.describe()[1]["lost"]
     assert any("Unknown Error" in e.message and "still answers" in e.message for e in source.errors)
 
 
 def test_one_unknown_error_while_listing_gpus_does_not_leave_the_gpu_out(fake_nvml):
     fake_nvml(FakeNvml.gpus(2).unknown_at(1, "nvmlDeviceGetName", 0))
-    assert [d["nvml_index"] for d in NvmlSource().describe()["devices"]] == [0, 1]
+    assert [d["driver_index"] for d in NvmlSource().describe()] == [0, 1]
 
 
 def test_every_gpu_lost_closes_the_source(fake_nvml):
@@ -372,11 +376,9 @@ def test_no_driver_means_unavailable_with_a_reason(fake_nvml, scenario, detail):
     source = NvmlSource()
 
     assert not source.available
-    assert source.unavailable_reason.startswith("no NVIDIA GPU found")
     assert detail in source.unavailable_reason
     assert source.read() == {} and source.read() == {}
-    assert source.describe()["available"] is False
-    assert source.describe()["reason"] == source.unavailable_reason
+    assert source.describe() == []
     assert list_devices() == []
     source.close()
 
@@ -386,7 +388,7 @@ def test_zero_gpus_means_unavailable(fake_nvml):
     source = NvmlSource()
 
     assert not source.available
-    assert source.unavailable_reason == "no NVIDIA GPU found"
+    assert source.unavailable_reason == "the NVIDIA driver lists no GPU"
     assert source.read() == {}
     source.close()
     assert fake.shutdowns == 1
@@ -415,7 +417,7 @@ def test_old_driver_falls_back_and_logs_each_missing_function_once(fake_nvml, ca
 
     last = readings[-1]
     assert last["gpu0.util"] == 87.0  # from nvmlDeviceGetUtilizationRates
-    assert last["gpu0.clock_events"] == 0.0  # from ...ThrottleReasons
+    assert last["gpu0.slowdown"] == 0.0  # from ...ThrottleReasons
     assert last["gpu0.mem_used"] == 20 * GIB + GIB // 2  # the v1 struct counts reserved memory
     assert last["gpu0.proc_mem"] == 3 * GIB  # from the _v2 process list
     assert "gpu0.sm_active" not in last
@@ -463,7 +465,7 @@ def test_proc_mem_by_default_counts_this_process_and_its_children(fake_nvml):
     try:
         fake = fake_nvml(
             FakeNvml.single().processes(
-                0, compute=[(os.getpid(), 2 * GIB), (child.pid, 1 * GIB), (2**22 + 12345, 7 * GIB), (1, GIB)]
+                0, compute=[(os.getpid(), 2 * GIB), (child.pid, 1 * GIB), (2**22 + 12345, 7 * GIB), (os.getppid(), GIB)]
             )
         )
         source = NvmlSource()
@@ -551,14 +553,14 @@ def test_close_is_idempotent_and_shuts_nvml_down_once(fake_nvml):
 
 def test_describe_is_json_and_says_what_was_found(fake_nvml):
     fake = fake_nvml(FakeNvml.gpus(2))
-    description = json.loads(json.dumps(NvmlSource().describe()))
+    source = NvmlSource()
+    description = json.loads(json.dumps(source.describe()))
 
-    assert description["available"] is True
-    assert description["driver_version"] == "580.65.06"
-    assert [d["uuid"] for d in description["devices"]] == [fake.gpu(0).uuid, fake.gpu(1).uuid]
-    assert description["devices"][0]["name"] == "NVIDIA H100 80GB HBM3"
-    assert description["devices"][0]["memory_total"] == 80 * GIB
-    assert description["devices"][0]["gpm"] is True
+    assert source.available and source.driver_version == "580.65.06"
+    assert [d["uuid"] for d in description] == [fake.gpu(0).uuid, fake.gpu(1).uuid]
+    assert description[0]["name"] == "NVIDIA H100 80GB HBM3" and description[0]["vendor"] == "nvidia"
+    assert description[0]["memory_total"] == 80 * GIB
+    assert description[0]["gpm"] is True
 
 
 def test_importing_the_module_does_not_import_pynvml():
@@ -618,7 +620,7 @@ def test_power_limit_default_pcie_link_and_nvlink_are_reported(fake_nvml):
     assert second["gpu0.pcie_gen"] == 1.0  # the link is re-read once a second, not every tick
     assert source.read()["gpu0.pcie_gen"] == 4.0
     assert second["gpu0.nvlink_tx"] == 100.0 * 2**20 and second["gpu0.nvlink_rx"] == 120.0 * 2**20
-    device = source.describe()["devices"][0]
+    device = source.describe()[0]
     assert (device["power_limit_default"], device["pcie_gen_max"], device["capability"]) == (700.0, 5, [9, 0])
 
 
@@ -628,20 +630,20 @@ def test_mixed_gpus_are_numbered_fastest_first_like_cuda(fake_nvml, monkeypatch)
     source = NvmlSource()
 
     described = source.describe()
-    assert [(d["id"], d["name"], d["nvml_index"]) for d in described["devices"]] == [
+    assert [(d["id"], d["name"], d["driver_index"]) for d in described] == [
         ("gpu0", "NVIDIA H100 80GB HBM3", 1), ("gpu1", "NVIDIA A40", 0)]
-    assert described["cuda_order"] == "guessed"
+    assert source.cuda_order == "guessed"
     # An ordinal in CUDA_VISIBLE_DEVICES counts in CUDA's order too.
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
-    assert [d["name"] for d in NvmlSource().describe()["devices"]] == ["NVIDIA H100 80GB HBM3"]
+    assert [d["name"] for d in NvmlSource().describe()] == ["NVIDIA H100 80GB HBM3"]
 
 
 def test_pci_bus_id_order_keeps_nvmls_numbering(fake_nvml, monkeypatch):
     fake_nvml(FakeNvml.mixed())
     monkeypatch.setenv("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
-    described = NvmlSource().describe()
-    assert [d["name"] for d in described["devices"]] == ["NVIDIA A40", "NVIDIA H100 80GB HBM3"]
-    assert described["cuda_order"] == "pci"
+    source = NvmlSource()
+    assert [d["name"] for d in source.describe()] == ["NVIDIA A40", "NVIDIA H100 80GB HBM3"]
+    assert source.cuda_order == "pci"
 
 
 def test_torchs_uuids_fix_the_order_once_torch_has_started_cuda(fake_nvml, monkeypatch):
@@ -651,9 +653,9 @@ def test_torchs_uuids_fix_the_order_once_torch_has_started_cuda(fake_nvml, monke
     # torch numbers the A40 first (say, CUDA's heuristic preferred it): its UUIDs decide.
     a40, h100 = fake.gpu(0).uuid, fake.gpu(1).uuid
     monkeypatch.setattr(nvml_devices, "_torch_uuids", lambda: [a40[4:], h100[4:]])
-    described = NvmlSource().describe()
-    assert [d["uuid"] for d in described["devices"]] == [a40, h100]
-    assert described["cuda_order"] == "torch"
+    source = NvmlSource()
+    assert [d["uuid"] for d in source.describe()] == [a40, h100]
+    assert source.cuda_order == "torch"
 
 
 def test_in_a_container_own_memory_is_absent_not_zero_and_the_namespace_is_said(fake_nvml):
@@ -663,7 +665,7 @@ def test_in_a_container_own_memory_is_absent_not_zero_and_the_namespace_is_said(
     reading = ticks(source, fake, 3)[-1]
 
     assert "gpu0.proc_mem" not in reading
-    assert source.describe()["foreign_pid_namespace"] is True
+    assert source.foreign_pid_namespace is True and source.describe()[0]["foreign_pid_namespace"] is True
     assert sum("own PID namespace" in e.message for e in source.errors) == 1
 
 
@@ -673,13 +675,13 @@ def test_a_nested_pid_namespace_is_matched_through_nspid(fake_nvml, monkeypatch,
     fake.processes(0, compute=[(host_pid, 3 * GIB)])
     status = tmp_path / "status"
     status.write_text(f"Name:\tpython\nNSpid:\t{host_pid}\t{os.getpid()}\n")
-    import gpuwidget.sources.nvml.processes as nvml_processes
+    import gpuwidget.sources.pids as pids
 
-    monkeypatch.setattr(nvml_processes, "PROC_SELF_STATUS", str(status))
+    monkeypatch.setattr(pids, "PROC_SELF_STATUS", str(status))
     source = NvmlSource()
 
     assert source.read()["gpu0.proc_mem"] == 3 * GIB
-    assert source.describe()["foreign_pid_namespace"] is True
+    assert source.foreign_pid_namespace is True
 
 
 def test_early_r535_process_struct_is_detected_and_v2_used(fake_nvml):

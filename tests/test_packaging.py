@@ -1,7 +1,10 @@
-"""The installed package carries its lab extension and enables its server extension.
+"""The installed package carries its lab extension and enables its server extension, under its names.
 
-These check the environment the tests run in (``make test`` installs gpuwidget into
-.venv with ``pip install -e .``): no ``jupyter ... enable`` step may be needed.
+These check the environment the tests run in (``make test`` installs gpuwidget into .venv with
+``pip install -e .``, then links the lab extension with ``jupyter-builder develop``): no
+``jupyter ... enable`` step may be needed. The names themselves are checked in the sources: the
+distribution ``jupyterlab-gpuwidget`` (PyPI's ``gpuwidget`` is another project), the lab extension's
+npm name, its folder and settings id after it; tests/test_wheel.py installs the built wheel.
 """
 
 from __future__ import annotations
@@ -15,13 +18,18 @@ from pathlib import Path
 
 import pytest
 
-try:
-    metadata.distribution("gpuwidget")
-except metadata.PackageNotFoundError:  # pragma: no cover - only outside an install
-    pytest.skip("gpuwidget is not installed in this environment", allow_module_level=True)
+from gpuwidget._labext import DISTRIBUTION_NAME, LABEXTENSION_NAME, _jupyter_labextension_paths
 
+ROOT = Path(__file__).resolve().parents[1]
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
-LABEXT_DIR = Path(sys.prefix) / "share" / "jupyter" / "labextensions" / "gpuwidget"
+LABEXT_DIR = Path(sys.prefix) / "share" / "jupyter" / "labextensions" / LABEXTENSION_NAME
+
+try:
+    metadata.distribution(DISTRIBUTION_NAME)
+    INSTALLED = True
+except metadata.PackageNotFoundError:  # pragma: no cover - only outside an install
+    INSTALLED = False
+installed = pytest.mark.skipif(not INSTALLED, reason=f"{DISTRIBUTION_NAME} is not installed in this environment")
 
 
 def _jupyter(*args: str) -> str:
@@ -36,25 +44,54 @@ def _jupyter(*args: str) -> str:
     return ANSI.sub("", proc.stdout + proc.stderr)
 
 
+def test_python_npm_and_jupyterlab_agree_on_the_names() -> None:
+    tomllib = pytest.importorskip("tomllib", reason="reading pyproject.toml needs Python 3.11")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    package = json.loads((ROOT / "package.json").read_text())
+    install = json.loads((ROOT / "install.json").read_text())
+    assert project["project"]["name"] == DISTRIBUTION_NAME == "jupyterlab-gpuwidget"
+    assert package["name"] == LABEXTENSION_NAME
+    assert package["jupyterlab"]["discovery"]["server"]["base"]["name"] == DISTRIBUTION_NAME
+    assert install["packageName"] == DISTRIBUTION_NAME and DISTRIBUTION_NAME in install["uninstallInstructions"]
+    shared = project["tool"]["hatch"]["build"]["targets"]["wheel"]["shared-data"]
+    assert shared["gpuwidget/labextension"] == f"share/jupyter/labextensions/{LABEXTENSION_NAME}"
+    assert shared["install.json"] == f"share/jupyter/labextensions/{LABEXTENSION_NAME}/install.json"
+    assert _jupyter_labextension_paths() == [{"src": "labextension", "dest": LABEXTENSION_NAME}]
+    # JupyterLab finds a plugin's settings schema by "<npm name>:<schema file name>".
+    source = (ROOT / "labextension" / "src" / "index.ts").read_text()
+    assert f"export const PLUGIN_ID = '{LABEXTENSION_NAME}:plugin';" in source
+    assert (ROOT / "labextension" / "schema" / "plugin.json").is_file()
+    # The commands, the import package and the server extension keep the product's name.
+    assert project["project"]["scripts"] == {"gpuwatch": "gpuwidget.cli:main"}
+    config = json.loads((ROOT / "jupyter-config" / "server-config" / "gpuwidget.json").read_text())
+    assert config == {"ServerApp": {"jpserver_extensions": {"gpuwidget": True}}}
+
+
+@installed
 def test_labextension_is_installed_in_prefix() -> None:
     package_json = LABEXT_DIR / "package.json"
     assert package_json.is_file(), f"no built lab extension at {LABEXT_DIR}"
     meta = json.loads(package_json.read_text())
-    assert meta["name"] == "gpuwidget"
-    assert meta["jupyterlab"]["discovery"]["server"]["base"]["name"] == "gpuwidget"
+    assert meta["name"] == LABEXTENSION_NAME
+    assert meta["jupyterlab"]["discovery"]["server"]["base"]["name"] == DISTRIBUTION_NAME
     # The builder records the federated entry point it wrote; it must be there.
     entry = LABEXT_DIR / meta["jupyterlab"]["_build"]["load"]
     assert entry.is_file(), entry
+    assert (LABEXT_DIR / "schemas" / LABEXTENSION_NAME / "plugin.json").is_file()
     bundles = "".join(p.read_text(errors="replace") for p in (LABEXT_DIR / "static").glob("*.js"))
-    assert "gpuwidget:plugin" in bundles
+    assert f"{LABEXTENSION_NAME}:plugin" in bundles
 
 
-def test_labextension_listed_enabled_and_ok() -> None:
+@installed
+def test_labextension_listed_enabled_and_ok_once() -> None:
     out = _jupyter("labextension", "list")
-    # e.g. "gpuwidget v0.1.0 enabled OK (python, gpuwidget)"
-    assert re.search(r"^\s*gpuwidget v\S+ enabled OK\b", out, re.MULTILINE), out
+    # e.g. "jupyterlab-gpuwidget v0.1.0 enabled OK (python, jupyterlab-gpuwidget)"
+    assert re.search(rf"^\s*{LABEXTENSION_NAME} v\S+ enabled OK\b", out, re.MULTILINE), out
+    # An install from before the rename left "gpuwidget" beside it: both would load (make install removes it).
+    assert not re.search(r"^\s*gpuwidget v", out, re.MULTILINE), out
 
 
+@installed
 def test_server_extension_enabled_without_manual_step() -> None:
     # The wheel installs jupyter-config/server-config/gpuwidget.json into
     # <prefix>/etc/jupyter/jupyter_server_config.d.

@@ -16,6 +16,9 @@ from gpuwidget.probes.torch_data import DataLoaderProbe, first_dim, loader_setti
 from gpuwidget.probes.torch_model import TOP_LEVEL_CALLS, CudaMemoryProbe, ModelProbe
 from gpuwidget.trace import Trace
 
+# Judges measured waits and compute against real sleeps: alone, in make test's serial pass (tests/conftest.py).
+pytestmark = pytest.mark.serial
+
 
 def test_waits_and_steps_are_spans_and_the_rest_is_compute():
     trace = Trace()

@@ -26,6 +26,9 @@ from gpuwidget.server.cluster import SOURCES, Cluster, PrometheusConfig, check_s
 
 import prom
 
+# Runs a real Prometheus and judges its time-outs: alone, in make test's serial pass (tests/conftest.py).
+pytestmark = pytest.mark.serial
+
 WINDOW = {"window_s": "30", "step_s": "1"}
 
 

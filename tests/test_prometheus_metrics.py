@@ -18,7 +18,8 @@ from gpuwidget.server.metrics import GPU_LABELS
 
 from fakenvml import GIB, FakeNvml
 
-pytestmark = pytest.mark.server
+# Real-time stream margins and keep-alives: alone, in make test's serial pass (tests/conftest.py).
+pytestmark = [pytest.mark.server, pytest.mark.serial]
 
 HOST = "gpu-node-7"
 
@@ -289,7 +290,7 @@ async def test_every_mig_instance_is_listed_with_gi_labels_in_prometheus(jp_fetc
     assert "# HELP gpuwidget_gpu_sm_active_ratio SM active: share of the SMs busy" in text
 
     devices = json.loads((await jp_fetch("gpuwidget", "api", "devices")).body)["devices"]
-    assert [(d["nvml_index"], d["is_mig"], d["gpu_instance_id"], d["mig_profile"]) for d in devices] == [
+    assert [(d["driver_index"], d["is_mig"], d["gpu_instance_id"], d["mig_profile"]) for d in devices] == [
         (0, False, None, None), (0, True, 1, "3g.40gb"), (0, True, 5, "2g.20gb"), (1, False, None, None)]
     assert all(d["gpm"] for d in devices)
 

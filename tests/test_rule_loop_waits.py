@@ -326,7 +326,8 @@ def test_the_loops_own_function_is_never_wrapped_in_a_prefetcher():
 
 def test_a_function_no_name_holds_is_named_where_it_is():
     found = check(facts(name=None, file="src/data.py", cell=None, function="Reader.read"))
-    assert "in Reader.read() (data.py, line 15)" in found.title and found.change == {}
+    # The file as the user knows it, relative to the working directory: its folder too.
+    assert "in Reader.read() (src/data.py, line 15)" in found.title and found.change == {}
     exec(found.code, {})
 
 

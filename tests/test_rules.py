@@ -335,7 +335,7 @@ def test_expected_gain_is_that_of_the_change_below_the_no_wait_bound(wait_cpu, m
     ({"name": None, "owner": None, "built_at": None}, {}, "No variable of yours holds this loader"),
     ({"name": None, "owner": "lightning", "built_at": None}, {}, "train_dataloader"),
     ({"name": None, "owner": "lightning", "built_at": {"file": "/nowhere/m.py", "function": "f", "line": 3}}, {},
-     "f() (m.py, line 3): pass it"),
+     "f() (/nowhere/m.py, line 3): pass it"),  # outside the working directory: its whole path
     ({"name": "dl", "owner": "accelerate", "built_at": None}, {}, "prepared by accelerate"),
     ({"name": None, "owner": "transformers", "built_at": None}, {"training_args": "args"},
      "args.dataloader_num_workers = 3"),

@@ -22,6 +22,9 @@ from gpuwidget.advice.rules.rank_straggler import RELATIVE_SCORE
 from gpuwidget.children.ranks import loop_figures
 from gpuwidget.probes.torch_model import ddp_logging_facts
 
+# Times real gloo ranks (who straggles): alone, in make test's serial pass (tests/conftest.py).
+pytestmark = pytest.mark.serial
+
 NO_GPU: dict[str, Any] = {"gpus": [], "usable_cpus": 2}
 FOUR_GPUS: dict[str, Any] = {"gpus": [{"index": i, "name": "NVIDIA H100"} for i in range(4)], "usable_cpus": 32}
 SLOW_ITEM_S = 0.002  # the straggler's loader: 2 ms per sample, 4 per batch
@@ -481,7 +484,7 @@ def test_from_a_four_gpu_trace_the_throttled_ranks_gpu_and_the_gpus_no_rank_used
     """The summary's own per-GPU figures from NVML columns (GPU 1 slowed by heat while busy, GPUs 2
     and 3 idle) and two ranks on GPUs 0 and 1, the one on GPU 1 slower: the whole advisor."""
     from gpuwidget.advice.advisor import advise
-    from gpuwidget.advice.summary import summarize
+    from gpuwidget.figures.summary import summarize
     from gpuwidget.trace import Trace
 
     gib = 2**30
@@ -495,7 +498,8 @@ def test_from_a_four_gpu_trace_the_throttled_ranks_gpu_and_the_gpus_no_rank_used
                         f"gpu{index}.proc_mem": 30 * gib if busy else 0.0,
                         f"gpu{index}.sm_clock_max": 1.98e9,
                         f"gpu{index}.sm_clock": 1.2e9 if index == 1 else 1.98e9,
-                        f"gpu{index}.clock_events": 0x20 if index == 1 else 0.0})  # 0x20: thermal slowdown
+                        f"gpu{index}.slowdown": 1.0 if index == 1 else 0.0,  # GPU 1 slowed down (thermal)
+                        f"gpu{index}.power_capped": 0.0})
         trace.append(tick * 0.1, row)
     summary = summarize(trace, {}, duration_s=4.0)
     assert summary["gpu_throttle_fraction_by_gpu"] == {"0": 0.0, "1": 1.0}

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from gpuwidget import Finding, Run
-from gpuwidget.advice.summary import summarize
+from gpuwidget.figures.summary import summarize
 from gpuwidget.options import make_options
 from gpuwidget.run import RunError
 from gpuwidget.trace import Trace
@@ -67,12 +67,12 @@ def test_run_renders_the_same_content_as_html_and_text():
     bundle = gpu_run()._repr_mimebundle_()
     text, page = bundle["text/plain"], bundle["text/html"]
     for fragment in ("kernel running (nvidia-smi) 81%", "waiting for data 9%", "dataloader-starved", "up to 1.19x",
-                     "main cause: The loop waits for data (up to 1.19x faster)",
-                     "time: waiting for data 400 ms (8%) · computing 4.0 s (82%) · other 500 ms (10%)"):
+                     "main cause: The loop waits for data \u2192 up to 1.19x faster",
+                     "time: waiting for data 400 ms (9% of the loop) · computing 4.0 s (91%) · other 500 ms"):
         assert fragment in text
     for fragment in ("kernel running (nvidia-smi)", "81%", "dataloader-starved", "up to 1.19x", "num_workers=4",
                      "data:image/svg+xml,%3Csvg", "class='gpuwidget-breakdown'",
-                     "The loop waits for data (up to 1.19x faster)"):
+                     "The loop waits for data \u2192 up to 1.19x faster"):
         assert fragment in page
     assert "GPU0 NVIDIA H200: kernel running (nvidia-smi) 81%, peak memory 56%" in text
     assert "SM active" not in text  # no GPM in this run: nothing claims SM activity
@@ -89,9 +89,9 @@ def test_run_without_gpu_says_so_plainly():
     trace.append(0.0, {"cpu.util": 10.0})
     trace.append(1.0, {"cpu.util": 20.0})
     run = Run(trace=trace, summary=summarize(trace), finished=True,
-              machine={"gpus": [], "gpu_message": "no NVIDIA GPU found (NVML library not found)"})
+              machine={"gpus": [], "gpu_message": "no GPU found (no NVIDIA or AMD GPU driver)"})
     text = run._repr_mimebundle_()["text/plain"]
-    assert "no NVIDIA GPU found (NVML library not found): host metrics only" in text
+    assert "no GPU found (no NVIDIA or AMD GPU driver): host metrics only" in text
     assert "kernel running" not in text and "SM active" not in text
 
 

@@ -18,6 +18,9 @@ from gpuwidget.trace import Trace
 
 from support import burn_cpu
 
+# Judges the sampler's cadence and CPU figures in real time: alone, in make test's serial pass (tests/conftest.py).
+pytestmark = pytest.mark.serial
+
 
 class CountingSource:
     name = "counting"

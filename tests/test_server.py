@@ -50,7 +50,7 @@ async def test_without_a_gpu_devices_say_so_and_host_metrics_are_served(jp_fetch
     assert jp_base_url != "/"  # pytest-jupyter's default catches path bugs
     devices = await get_json(jp_fetch, "devices")
     assert devices["gpu_found"] is False and devices["devices"] == []
-    assert devices["message"].startswith("no NVIDIA GPU found")
+    assert devices["message"].startswith("no GPU found")
     assert devices["host"]["cpu_count"] >= 1 and devices["interval"] == 0.05
     snapshot = await get_json(jp_fetch, "snapshot")
     assert snapshot["latest"]["values"]["cpu.util"] >= 0
@@ -141,6 +141,28 @@ async def test_lost_gpu_leaves_the_others_streaming(jp_ws_fetch, fake_nvml, moni
     finally:
         ws.close()
     assert "gpu0.util" in sample["values"] and "gpu1.util" not in sample["values"]
+
+
+def test_each_gpu_is_read_through_a_source_of_its_own_and_a_lost_one_leaves_the_others(fake_nvml):
+    from gpuwidget.server.monitor import Monitor
+
+    fake = fake_nvml(FakeNvml.gpus(3).lose_gpu(0, at_tick=2))
+    monitor = Monitor(interval=0.05)
+    try:
+        devices = monitor.devices()
+        # One source each: the sampler's watchdog can then drop a GPU that hangs, alone.
+        assert len(monitor._sources.gpus.sources) == 3
+        assert [device["id"] for device in devices["devices"]] == ["gpu0", "gpu1", "gpu2"]
+        assert all(device["foreign_pid_namespace"] is False for device in devices["devices"])
+        monitor.read_once()
+        assert {"gpu0.util", "gpu1.util", "gpu2.util"} <= set(monitor.latest()["values"])
+        fake.step(2)
+        monitor.read_once()
+        values = monitor.latest()["values"]
+        assert "gpu1.util" in values and "gpu2.util" in values and "gpu0.util" not in values
+    finally:
+        monitor.close()
+    assert fake.inits == 0  # every source's NVML handle was shut down
 
 
 async def test_processes_are_mapped_to_kernels_and_other_users_stay_anonymous(

@@ -17,7 +17,8 @@ from tornado.httpclient import HTTPClientError
 
 from fakenvml import FakeNvml
 
-pytestmark = pytest.mark.server
+# Real-time stream margins and keep-alives: alone, in make test's serial pass (tests/conftest.py).
+pytestmark = [pytest.mark.server, pytest.mark.serial]
 
 # Stream sockets here are pinged every 200 ms (Jupyter's setting is in milliseconds).
 PING_MS = 200
@@ -256,7 +257,7 @@ async def test_a_snapshot_window_that_is_not_a_number_of_seconds_is_refused(jp_f
     assert caught.value.code == 400
 
 
-async def test_sixteen_concurrent_first_requests_start_nvml_once(jp_fetch, fake_nvml, monitor):
+async def test_sixteen_concurrent_first_requests_open_the_gpus_once(jp_fetch, fake_nvml, monitor):
     fake = FakeNvml.gpus(2)
     real_init = fake.nvmlInitWithFlags
 
@@ -270,9 +271,11 @@ async def test_sixteen_concurrent_first_requests_start_nvml_once(jp_fetch, fake_
     fake.reset_counts()
     replies = await asyncio.gather(*(get_json(jp_fetch, "devices") for _ in range(16)))
     assert all(len(reply["devices"]) == 2 for reply in replies)
-    assert fake.count("nvmlInitWithFlags") + fake.count("nvmlInit") == 1
+    # One set of sources: the GPUs listed once, then a source per GPU (an init each, one to find them).
+    assert fake.count("nvmlDeviceGetCount") == 1
+    assert fake.count("nvmlInitWithFlags") + fake.count("nvmlInit") == 1 + 2
     monitor.close()
-    assert fake.inits == 0  # nothing leaked: the one init was shut down
+    assert fake.inits == 0  # nothing leaked: every init was shut down
 
 
 def test_the_snapshot_history_keeps_four_significant_digits_and_nulls_for_gaps():
@@ -300,7 +303,7 @@ def test_the_snapshot_history_keeps_four_significant_digits_and_nulls_for_gaps()
 
 # One GPU's columns as the NVML source writes them (8 fake GPUs write 17 each); the sidebar draws six.
 GPU_COLUMNS = ("util", "mem_used", "mem_total", "mem_util", "power", "power_limit", "temperature", "sm_clock",
-               "sm_clock_max", "energy_j", "pcie_tx", "pcie_rx", "pcie_gen", "pcie_width", "clock_events")
+               "sm_clock_max", "energy_j", "pcie_tx", "pcie_rx", "pcie_gen", "pcie_width", "slowdown")
 DRAWN = ("util", "mem_used", "power", "temperature", "pcie_tx", "pcie_rx")
 
 
@@ -425,49 +428,66 @@ async def test_a_tab_reconnecting_within_a_second_finds_the_sampler_still_runnin
 # ------------------------------------------------------------------------------- stalled sources
 
 
-async def test_a_gpu_that_stops_answering_is_named_to_the_sidebar_and_the_host_goes_on(
+async def test_a_gpu_that_stops_answering_goes_stale_with_its_last_values_and_the_others_go_on(
         jp_ws_fetch, jp_fetch, fake_nvml, monitor, monkeypatch):
-    import pynvml
-
     from gpuwidget import sampler
 
     monkeypatch.setattr(sampler, "SOURCE_DEADLINE_S", 0.3)
     monkeypatch.setattr(sampler, "WATCHDOG_PERIOD_S", 0.05)
     monkeypatch.setattr(sampler, "WATCHDOG_LATE_S", 0.1)
-    fake = FakeNvml.gpus(2)
+    fake = FakeNvml.gpus(3)
     fake.real_time = True
-    fake_nvml(fake)
-    lost, query, released = fake.gpu(1), pynvml.nvmlDeviceGetMemoryInfo, threading.Event()
-    asked = []
+    fake.set(1, util=64, memory_used=35 * 2**30)
+    lost, query, released, hang = fake.gpu(1), fake.nvmlDeviceGetMemoryInfo, threading.Event(), threading.Event()
 
-    def memory_info(gpu, *args):  # GPU 1 falls off the bus: its fourth memory query never returns
-        if gpu is lost:
-            asked.append(1)
-            if len(asked) > 3:
-                released.wait(30)
+    def memory_info(gpu, *args):  # GPU 1 falls off the bus once the test says so
+        if gpu is lost and hang.is_set():
+            released.wait(30)
         return query(gpu, *args)
 
-    monkeypatch.setattr(pynvml, "nvmlDeviceGetMemoryInfo", memory_info)
+    # On the fake itself, not on pynvml: the fake's uninstall then takes it away with the rest.
+    fake.nvmlDeviceGetMemoryInfo = memory_info  # type: ignore[method-assign]
+    fake_nvml(fake)
     ws = await jp_ws_fetch("gpuwidget", "api", "stream")
     try:
         hello = await read_until(ws, "hello")
-        assert hello["stalled"] == []
+        assert hello["stalled"] == [] and hello["stale"] == {}
+        before = await read_until(ws, "sample", 100, lambda message: "gpu1.mem_used" in message["values"])
+        assert before["stale"] == {}
+        hang.set()
         first = await read_until(ws, "sample", 400, lambda message: message["stalled"])
         [stalled] = first["stalled"]
-        assert stalled["source"] == "GPU 1" and stalled["since_s"] >= 0
+        assert stalled["source"] == "GPU 1" and stalled["devices"] == ["gpu1"] and stalled["since_s"] >= 0
         assert stalled["at"] == pytest.approx(first["t"] - stalled["since_s"], abs=0.15)
-        later = await read_until(ws, "sample", 100, lambda message: message["t"] >= first["t"] + 0.3)
-        assert "cpu.util" in later["values"]  # the host source goes on
-        assert "gpu1.util" not in later["values"]
+        # Only GPU 1 is stale: its last values, when they were read, and how old they are.
+        assert set(first["stale"]) == {"gpu1"}
+        stale = first["stale"]["gpu1"]
+        assert stale["source"] == "GPU 1" and stale["hung"] is True
+        assert stale["values"]["gpu1.util"] == 64.0 and stale["values"]["gpu1.mem_used"] == 35 * 2**30
+        assert before["t"] <= stale["t"] <= stalled["at"] + 0.15
+        assert stale["age_s"] == pytest.approx(first["t"] - stale["t"], abs=0.15)
+        assert not any(name.startswith("gpu1.") for name in first["values"])
+        # The other GPUs and the host go on, sample after sample; GPU 1's values only age.
+        later = await read_until(ws, "sample", 100, lambda message: message["t"] >= first["t"] + 0.5)
+        assert {"cpu.util", "gpu0.util", "gpu0.mem_used", "gpu2.util", "gpu2.mem_used"} <= set(later["values"])
+        assert not any(name.startswith("gpu1.") for name in later["values"])
+        assert later["stale"]["gpu1"]["t"] == stale["t"]
+        assert later["stale"]["gpu1"]["age_s"] >= stale["age_s"] + 0.4
         assert later["stalled"][0]["since_s"] > stalled["since_s"]
-        # A tab opened now is told at once, as is a snapshot.
+        # A tab opened now is told at once, as is a snapshot; the history keeps every GPU.
         other = await jp_ws_fetch("gpuwidget", "api", "stream")
         try:
-            assert [entry["source"] for entry in (await read_until(other, "hello"))["stalled"]] == ["GPU 1"]
+            told = await read_until(other, "hello")
+            assert [entry["source"] for entry in told["stalled"]] == ["GPU 1"]
+            assert told["stale"]["gpu1"]["values"] == stale["values"]
+            history = await read_until(other, "history")
+            assert {"gpu0.util", "gpu1.util", "gpu2.util"} <= set(history["columns"])
+            assert history["columns"]["gpu1.util"][-1] is None and history["columns"]["gpu0.util"][-1] is not None
         finally:
             other.close()
         snapshot = await get_json(jp_fetch, "snapshot")
         assert snapshot["stalled"][0]["source"] == "GPU 1" and snapshot["stalled"][0]["at"] == stalled["at"]
+        assert snapshot["stale"]["gpu1"]["t"] == stale["t"] and "gpu0.util" in snapshot["latest"]["values"]
     finally:
         ws.close()
     # A later sampler never asks the stuck source again (it would hang a thread per restart).
@@ -476,12 +496,92 @@ async def test_a_gpu_that_stops_answering_is_named_to_the_sidebar_and_the_host_g
     ws = await jp_ws_fetch("gpuwidget", "api", "stream")
     try:
         restarted = await read_until(ws, "sample")
-        assert restarted["stalled"][0]["source"] == "GPU 1"
+        assert restarted["stalled"][0]["source"] == "GPU 1" and set(restarted["stale"]) == {"gpu1"}
         await read_until(ws, "sample", 100, lambda message: message["t"] >= restarted["t"] + 0.5)
-        assert monitor._sampler.sources == [monitor._sources.host] and not monitor._sampler.stats.stalled
+        gpu_sources = monitor._sources.gpus.sources
+        assert monitor._sampler.sources == [monitor._sources.host, gpu_sources[0], gpu_sources[2]]
+        assert not monitor._sampler.stats.stalled
     finally:
         ws.close()
         released.set()
+    # The hung source is closed on a thread of its own once its read returns: let that happen now,
+    # not during a later test (its NVML shutdown would end that test's fake driver).
+    [hung] = monitor._hung
+    monitor.close()
+    assert await wait_until(lambda: hung.closed and not hung._lock.locked(), 10)
+
+
+class _Gpus:
+    """One source for several GPUs, whose read hangs once told to (after naming ``busy_with`` or not)."""
+
+    name = "gpus"
+
+    def __init__(self, indexes: list[int], names_the_gpu: bool) -> None:
+        self.indexes, self.names_the_gpu = indexes, names_the_gpu
+        self.errors: list = []
+        self.busy_with: str | None = None
+        self.hang, self.released = threading.Event(), threading.Event()
+        self.closed = False
+
+    def describe(self) -> list[dict]:
+        return [{"id": f"gpu{i}", "index": i, "name": "H100"} for i in self.indexes]
+
+    def read(self) -> dict[str, float]:
+        values = {}
+        for index in self.indexes:
+            self.busy_with = f"GPU {index}" if self.names_the_gpu else None
+            if index == 1 and self.hang.is_set():
+                self.released.wait(30)
+            values[f"gpu{index}.util"] = 10.0 * index
+        self.busy_with = None
+        return values
+
+    def processes(self) -> dict:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("names_the_gpu", [True, False])
+def test_one_source_for_several_gpus_takes_them_all_stale_and_marks_the_one_it_names_as_hung(
+        monkeypatch, names_the_gpu):
+    from gpuwidget import sampler
+    from gpuwidget.server.monitor import Monitor, MonitorSources
+    from gpuwidget.sources.gpu import GpuSources
+    from gpuwidget.sources.host import HostSource
+
+    monkeypatch.setattr(sampler, "SOURCE_DEADLINE_S", 0.3)
+    monkeypatch.setattr(sampler, "WATCHDOG_PERIOD_S", 0.05)
+    monkeypatch.setattr(sampler, "WATCHDOG_LATE_S", 0.1)
+    gpus = _Gpus([0, 1, 2], names_the_gpu)
+    monitor = Monitor(interval=0.05, sources=lambda: MonitorSources(
+        HostSource(per_core=False, process=False), GpuSources([gpus])))  # type: ignore[list-item]
+    sent: list[dict] = []
+    try:
+        assert [device["id"] for device in monitor.devices()["devices"]] == ["gpu0", "gpu1", "gpu2"]
+        token = monitor.subscribe(lambda text: sent.append(json.loads(text)))
+        deadline = time.monotonic() + 10
+        while not any(message.get("values", {}).get("gpu2.util") == 20.0 for message in sent):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        gpus.hang.set()
+        while not any(message.get("stale") for message in sent):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        monitor.unsubscribe(token)
+    finally:
+        gpus.released.set()
+        monitor.close()
+    stale = next(message for message in sent if message.get("stale"))
+    label = "GPU 1" if names_the_gpu else "gpus"
+    assert stale["stalled"][0]["source"] == label
+    assert stale["stalled"][0]["devices"] == ["gpu0", "gpu1", "gpu2"]
+    # The GPU it named stopped answering; the others stopped with it (their last values kept).
+    assert {device: entry["hung"] for device, entry in stale["stale"].items()} == {
+        "gpu0": not names_the_gpu, "gpu1": True, "gpu2": not names_the_gpu}
+    assert {device: entry["values"] for device, entry in stale["stale"].items()} == {
+        "gpu0": {"gpu0.util": 0.0}, "gpu1": {"gpu1.util": 10.0}, "gpu2": {"gpu2.util": 20.0}}
 
 
 @pytest.mark.parametrize("interval_s", [0.2])

@@ -23,6 +23,9 @@ from gpuwidget.ui.views import frontend, resolve_view
 from support import cell_messages as run_cell
 from support import gpuwidget_kernel
 
+# Judges the live view's redraw cost and real-kernel updates: alone, in make test's serial pass (tests/conftest.py).
+pytestmark = pytest.mark.serial
+
 SVG = "{http://www.w3.org/2000/svg}"
 
 # ------------------------------------------------------------------ the option
@@ -96,7 +99,7 @@ def test_a_bokeh_view_that_cannot_be_built_falls_back_to_the_static_one(ip, monk
 
     monkeypatch.setattr(live, "ensure_bokehjs", lambda: "server")
     monkeypatch.setattr(live, "LiveView", broken)
-    view = show_live_view("bokeh", busy_trace(2.0, waits=2), {"gpus": [], "gpu_message": "no NVIDIA GPU found"})
+    view = show_live_view("bokeh", busy_trace(2.0, waits=2), {"gpus": [], "gpu_message": "no GPU found"})
     assert isinstance(view, StaticView) and view.handle is not None
     assert ("the Bokeh live plot is unavailable (No module named 'jupyter_bokeh'); showing the static view"
             in caplog.text)
@@ -167,10 +170,10 @@ def test_a_mig_instance_draws_its_sm_activity_and_no_empty_utilisation_line():
 
 
 def test_chart_axis_doubles_when_the_run_outgrows_it_and_says_when_there_is_no_gpu():
-    machine = {"gpus": [], "gpu_message": "no NVIDIA GPU found"}
+    machine = {"gpus": [], "gpu_message": "no GPU found"}
     view = StaticView(busy_trace(13.0, waits=0, gpu=False), machine)
     bundle = view.bundle()
-    assert "no NVIDIA GPU found: host metrics only" in bundle["text/plain"]
+    assert "no GPU found: host metrics only" in bundle["text/plain"]
     assert {"0 s", "10 s", "20 s"} <= set(svg_texts(bundle["image/svg+xml"]))
 
 
@@ -225,11 +228,10 @@ def test_static_view_updates_in_place_while_the_cell_runs_then_the_panel_follows
     assert len(ET.fromstring(charts[-1][1]["image/svg+xml"]).findall(f"{SVG}polyline")) >= 1
     # No widget, no comm: nothing a front-end without a widget manager cannot show.
     assert not [m for _, m in messages if m["msg_type"].startswith("comm_")]
-    # When the cell ends the chart's output is emptied and the run's panel shown after it.
-    assert updates[-1][1] == {"text/plain": ""}
-    (panel,) = [m for _, m in messages if m["msg_type"] == "display_data"
-                and "gpuwidget-run" in m["content"]["data"].get("text/html", "")]
-    assert [m for _, m in messages].index(panel) > [m for _, m in messages].index(first)
+    # When the cell ends (it printed nothing) the chart's output becomes the run's panel: no emptied
+    # output stays in the saved notebook (ui.outputs).
+    assert "gpuwidget-run" in updates[-1][1]["text/html"]
+    assert not [m for _, m in messages if m["msg_type"] == "display_data" and m is not first]
     (result,) = [m for _, m in messages if m["msg_type"] == "execute_result"]
     assert result["content"]["data"]["text/plain"] == "'done'"
 

@@ -14,7 +14,7 @@ from torch.optim import optimizer as optim_module
 from torch.utils.data import DataLoader, TensorDataset
 
 import gpuwidget
-from gpuwidget.advice.summary import primary_loader
+from gpuwidget.figures.summary import primary_loader
 from gpuwidget.probes import BETWEEN_STEPS_SPAN, TRAIN_STEP_SPAN
 from gpuwidget.probes.torch_steps import FLOPS_AT_STEP
 from gpuwidget.report import main_cause
@@ -375,7 +375,7 @@ def test_a_batch_taken_to_read_its_size_each_epoch_is_no_step_of_the_loop():
     (50, 50, 0, 50),  # no optimizer stepped
 ])
 def test_the_loops_steps_are_the_optimizers_where_it_takes_one_batch_per_step(batches, fed, optimizer_steps, steps):
-    from gpuwidget.advice.summary import loop_steps
+    from gpuwidget.figures.summary import loop_steps
 
     loader = {"steps": batches, "steps_fed": fed}
     assert loop_steps(loader, {"optimizer_steps": optimizer_steps}) == steps  # type: ignore[arg-type, typeddict-item]

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from gpuwidget.advice.summary import gpu_scope_note, gpu_scope_notes, summarize
+from gpuwidget.figures.summary import gpu_scope_note, gpu_scope_notes, summarize
 from gpuwidget.run import Run
 from gpuwidget.trace import Trace
 
@@ -65,7 +65,7 @@ def test_another_users_busy_gpu_is_named_apart_not_judged():
     assert gpu_scope_note(summary) == "GPU 1 was busy with other work, not this kernel's."
 
 
-def test_torch_devices_map_to_nvml_gpus_by_uuid_on_a_mixed_host():
+def test_torch_devices_map_to_the_drivers_gpus_by_uuid_on_a_mixed_host():
     # The source guessed CUDA's order (gpu0 = H100); torch says its device 0 is the A40.
     trace = Trace()
     for tick in range(20):
@@ -83,26 +83,29 @@ def test_torch_devices_map_to_nvml_gpus_by_uuid_on_a_mixed_host():
 
 
 def test_idle_clock_samples_are_not_throttling():
-    # Busy half the time at full clocks; idle half at 210 MHz with the idle bit (and util read low).
+    # Busy half the time at full clocks; idle half at 210 MHz, where the source gives no slowdown flags
+    # (NVML's idle reason: the clocks are low on purpose) and util reads low.
     busy = lambda t: t % 2 == 0  # noqa: E731
     trace = Trace()
     for tick in range(40):
+        flags = {"gpu0.slowdown": 0.0, "gpu0.power_capped": 0.0} if busy(tick) else {}
         trace.append(tick * 0.1, {"gpu0.util": 97.0 if busy(tick) else 0.0, "gpu0.proc_mem": GIB,
                                   "gpu0.sm_clock": 1.98e9 if busy(tick) else 2.1e8, "gpu0.sm_clock_max": 1.98e9,
-                                  "gpu0.clock_events": 0.0 if busy(tick) else 1.0})
+                                  **flags})
     summary = summarize(trace, {}, duration_s=4.0)
     assert summary["gpu_clock_ratio_busy"] == pytest.approx(1.0)
     assert summary["gpu_throttle_fraction"] == 0.0
 
 
 def test_power_cap_at_the_default_limit_is_counted_apart_from_slowdowns():
-    trace = eight_gpus(**{"gpu0.clock_events": 4.0, "gpu0.sm_clock": 1.7e9, "gpu0.sm_clock_max": 1.98e9,
+    trace = eight_gpus(**{"gpu0.slowdown": 0.0, "gpu0.power_capped": 1.0, "gpu0.sm_clock": 1.7e9,
+                          "gpu0.sm_clock_max": 1.98e9,
                           "gpu0.power_limit": 700.0, "gpu0.power_limit_default": 700.0})
     summary = summarize(trace, {}, duration_s=4.0)
     assert summary["gpu_throttle_fraction"] == 0.0
     assert summary["gpu_power_capped_fraction"] == 1.0
     assert summary["gpu_power_limit_ratio"] == 1.0
-    thermal = eight_gpus(**{"gpu0.clock_events": lambda t: 0x40 if t % 2 else 0.0})
+    thermal = eight_gpus(**{"gpu0.slowdown": lambda t: float(t % 2), "gpu0.power_capped": 0.0})
     assert summarize(thermal, {}, duration_s=4.0)["gpu_throttle_fraction"] == pytest.approx(0.5)
 
 

@@ -10,7 +10,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import gpuwidget
-from gpuwidget.advice.summary import covered, time_breakdown
+from gpuwidget.figures.summary import covered, time_breakdown
 from gpuwidget.probes import STEP_SPAN
 from gpuwidget.report import run_text
 from gpuwidget.trace import Trace

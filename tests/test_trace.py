@@ -12,7 +12,7 @@ import pytest
 from gpuwidget.trace import Trace
 
 GPU_METRICS = ("util", "mem_util", "mem_used", "mem_total", "power", "power_limit", "temperature",
-               "sm_clock", "sm_clock_max", "clock_events", "pcie_tx", "pcie_rx", "proc_mem",
+               "sm_clock", "sm_clock_max", "slowdown", "pcie_tx", "pcie_rx", "proc_mem",
                "sm_active", "tensor_active")
 
 

@@ -81,9 +81,10 @@ def test_tuner_progress_is_true_false_or_a_callable(capsys):
     assert [label for label, _ in told] == [t.label for t in told_result.trials]
     assert all(b >= a >= 0 for (_, a), (_, b) in zip(told, told[1:]))
     printed = tune_loader(loader, budget_s=3, progress=True)
-    lines = capsys.readouterr().out.splitlines()
+    plan, *lines = capsys.readouterr().out.splitlines()
+    assert plan == "tuning for at most 3.0 s"  # the plan first: no suggestion, so the budget bounds it
     assert len(lines) == len(printed.trials) and lines[0].startswith("tuning ") and lines[0].endswith(
-        f"/3 s: as it is: {printed.trials[0].batches_per_s:.1f} batches/s")
+        f"/3.0 s: as it is: {printed.trials[0].batches_per_s:.1f} batches/s")
 
 
 @pytest.mark.parametrize("progress", [1, "yes", 0.5, [print]])

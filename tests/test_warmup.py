@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from gpuwidget.advice.summary import step_figures
-from gpuwidget.advice.warmup import (
+from gpuwidget.figures.summary import step_figures
+from gpuwidget.figures.warmup import (
     MIN_STEADY_STEPS,
     WARMUP_FACTOR,
     WARMUP_MIN_S,
@@ -233,7 +233,7 @@ def test_workers_starting_are_named_as_the_warm_up():
 
 def test_the_headline_rates_leave_the_warm_up_out_and_keep_it_beside_them():
     """Four compiling steps of 0.3 s before 146 steps of 3 ms: the loop runs at 333 steps/s, not 98."""
-    from gpuwidget.advice.summary import summarize
+    from gpuwidget.figures.summary import summarize
     from gpuwidget.trace import Trace
 
     times = [0.3] * 4 + [0.003] * 146

@@ -18,9 +18,20 @@ _SEVERITY_ORDER = {"critical": 0, "warn": 1, "info": 2}
 
 
 def rank(findings: list[Finding]) -> list[Finding]:
-    """Largest expected gain first; findings without a bound after, by severity."""
-    return sorted(findings, key=lambda f: (f.expected_speedup is None, -(f.expected_speedup or 0.0),
-                                           _SEVERITY_ORDER[f.severity]))
+    """The findings in the order the panel shows them, the first being its headline.
+
+    One gain orders them: ``Finding.expected_speedup``, what the finding's own change can gain by
+    the measurement (each rule takes it from its evidence: a loader's from the times to build and
+    to use a batch, contention's from the run delay, a stall's from its share of the loop). The
+    largest comes first, a machine's cause (``Finding.machine_level``) wherever its gain puts it;
+    then the findings whose measurement gives no figure, by severity; last, those with nothing
+    to gain (``Finding.nothing_to_gain``: it would show as 1.00x), by severity.
+    """
+    def key(finding: Finding) -> tuple[int, float, int]:
+        tier = 2 if finding.nothing_to_gain else 1 if finding.expected_speedup is None else 0
+        return tier, -(finding.expected_speedup or 0.0), _SEVERITY_ORDER[finding.severity]
+
+    return sorted(findings, key=key)
 
 
 def advise(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> list[Finding]:

@@ -18,13 +18,13 @@ and what to add there. It never uses a name the user does not have.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 from gpuwidget.advice.loader import DEFAULT_PREFETCH
 from gpuwidget.facts import LoaderFacts, WorkloadFacts
 from gpuwidget.probes.constructor import constructor_call, constructor_keywords, defaults_hold
-from gpuwidget.probes.origin import call_with_keywords
+from gpuwidget.probes.origin import call_with_keywords, location
+from gpuwidget.probes.origin import place as site_place
 
 IMPORT = "from torch.utils.data import DataLoader"
 # DataLoader settings -> the Hugging Face TrainingArguments fields the Trainer builds its loader from.
@@ -194,15 +194,9 @@ def _hook_code(loader: LoaderFacts | Mapping[str, Any], change: Mapping[str, Any
         f"def {replacement}(self):",
         f"    loader = type(self).{method}(self)  # your {method}'s loader, built but not iterated",
         f"    return {call}", "", "",
-        f"# The next trainer.fit(...) calls this instead of {site['function']} ({_where(site)}):",
+        f"# The next trainer.fit(...) calls this instead of {site['function']} ({location(site)}):",
         f"{instance}.{method} = types.MethodType({replacement}, {instance})",
     ])
-
-
-def _where(site: Mapping[str, Any]) -> str:
-    """``models.py, line 12`` or ``cell In [5], line 3``."""
-    where = f"cell In [{site['cell']}]" if site.get("cell") is not None else Path(site["file"]).name
-    return f"{where}, line {site['line']}"
 
 
 def _class_instruction(loader: LoaderFacts | Mapping[str, Any], change: Mapping[str, Any], reason: str,
@@ -217,11 +211,11 @@ def _class_instruction(loader: LoaderFacts | Mapping[str, Any], change: Mapping[
     subject = name or "This loader"
     init = constructor.get("code")
     if init:
-        reason = reason.replace("its __init__", f"its __init__ ({_where(init)})", 1)
+        reason = reason.replace("its __init__", f"its __init__ ({location(init)})", 1)
     lines = [f"# {subject} is a {class_name}; {reason},",
              f"# so it cannot be built again here without losing what {class_name} does."]
     site = loader.get("built_at")
-    where = f"Where it is built, {_place(site)}," if site else "Where you build it,"
+    where = f"Where it is built, {site_place(site)}," if site else "Where you build it,"
     taken = constructor_keywords(constructor, keywords, set(change)) if constructor else keywords
     if isinstance(taken, str):
         lines += [f"# {where} pass {listed},",
@@ -281,7 +275,7 @@ def _where_built(loader: LoaderFacts | Mapping[str, Any], change: Mapping[str, A
         where = ("the LightningModule's train_dataloader" if owner == "lightning"
                  else "the code that builds this DataLoader")
         return f"# No variable of yours holds this loader: in {where}, pass\n#     {listed}"
-    place = _place(site)
+    place = site_place(site)
     classes = [constructor["class_name"]] if constructor else []
     line = call_with_keywords(site, plan.keywords, classes)
     if line is None:
@@ -301,15 +295,6 @@ SHARDING_SENTENCE = (" Its IterableDataset does not split items between workers:
                      "torch.utils.data.get_worker_info() first, or every worker yields every sample.")
 
 
-def _place(site: Mapping[str, Any]) -> str:
-    """``in make_loader() (loaders.py, line 12)``, ``in train() (cell In [5], line 3)``, or
-    ``at line 3 of cell In [5]`` for a cell's own top level."""
-    if site["function"] == "<module>":
-        where = f"cell In [{site['cell']}]" if site.get("cell") is not None else Path(site["file"]).name
-        return f"at line {site['line']} of {where}"
-    return f"in {site['function']}() ({_where(site)})"
-
-
 def _duplicates_warning(loader: LoaderFacts | Mapping[str, Any], change: Mapping[str, Any]) -> str | None:
     """An IterableDataset that does not shard gives every worker all items: workers would
     repeat each sample, so the code shows the sharding first instead of adding workers."""
@@ -318,7 +303,7 @@ def _duplicates_warning(loader: LoaderFacts | Mapping[str, Any], change: Mapping
     settings = loader.get("settings") or {}
     workers = int(change.get("num_workers") or 0)
     where = settings.get("dataset_code") or {}
-    place = f" ({_where(where)})" if where else ""
+    place = f" ({location(where)})" if where else ""
     dataset = settings.get("dataset_type") or "the dataset"
     return (f"# {dataset}.__iter__{place} does not split its items between worker processes: with\n"
             f"# num_workers={workers} every worker would yield every sample ({workers} copies of each).\n"
@@ -343,13 +328,13 @@ def cache_code(loader: LoaderFacts | Mapping[str, Any], builder: Mapping[str, An
     if builder is not None and not str(builder.get("function") or "").endswith("__getitem__"):
         share = float(builder.get("share") or 0.0)
         return "\n".join([
-            f"# The batches are built {_place(builder)}: {100 * share:.0f}% of the loop's time (stack samples),",
+            f"# The batches are built {site_place(builder)}: {100 * share:.0f}% of the loop's time (stack samples),",
             "# on the CPUs that are already busy. Do that work once, ahead of training (tokenize or decode the",
             "# whole dataset once and keep the result, as datasets' map() does), or make it cheaper."])
     settings = loader.get("settings") or {}
     dataset = settings.get("dataset_type") or "the dataset"
     where = settings.get("dataset_code") or {}
-    place = f" ({_where(where)})" if where else ""
+    place = f" ({location(where)})" if where else ""
     transforms = settings.get("dataset_transforms") or []
     lines = [f"# Each sample is rebuilt every epoch in {dataset}.__getitem__{place}."]
     if transforms:

@@ -3,7 +3,7 @@
 The loop's causes (a starved loader and why, contention for the cores, periodic stalls, a
 batch too small) rest on figures that need time to mean anything, so none is named from a
 loop shorter than these; the advisor says instead how long to watch (rule ``watch-longer``).
-Warm-up steps (gpuwidget.advice.warmup) do not count: they are not the loop's steady state.
+Warm-up steps (gpuwidget.figures.warmup) do not count: they are not the loop's steady state.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from gpuwidget.advice.summary import loop_step_times
-from gpuwidget.advice.warmup import WarmupSplit, split_run
 from gpuwidget.facts import WorkloadFacts
+from gpuwidget.figures.summary import loop_step_times
+from gpuwidget.figures.warmup import WarmupSplit, split_run
 
 # Steady steps a cause needs. The loop's own CPU and run delay while it is blocked in next()
 # are read on one step in eight (probes.torch_data.CPU_SAMPLE_EVERY, never the first), so 16

@@ -15,9 +15,9 @@ from typing import Any
 import numpy as np
 
 from gpuwidget.advice.evidence import enough_evidence
-from gpuwidget.advice.summary import primary_loader
-from gpuwidget.advice.warmup import split_run
 from gpuwidget.facts import LoaderFacts, MachineFacts, Summary, WorkloadFacts
+from gpuwidget.figures.summary import primary_loader
+from gpuwidget.figures.warmup import split_run
 from gpuwidget.probes.torch_data import CPU_SAMPLE_EVERY
 
 # The loop is starved when at least this share of its time is spent blocked in next().
@@ -26,7 +26,7 @@ from gpuwidget.probes.torch_data import CPU_SAMPLE_EVERY
 STARVED_WAIT_FRACTION = 0.10
 # How long the loop must run at its steady state before a cause is named: see
 # gpuwidget.advice.evidence (MIN_CAUSE_STEPS, MIN_CAUSE_LOOP_S); warm-up steps are left out of
-# every figure below (gpuwidget.advice.warmup).
+# every figure below (gpuwidget.figures.warmup).
 # The looping thread's CPU while blocked in next() (num_workers=0) tells CPU work from sleep
 # only over at least this many seconds of sampled waits. The kernel adds a running thread's
 # CPU time to its counters at scheduler ticks (4 ms at CONFIG_HZ=250, as here: schedstat's
@@ -117,7 +117,7 @@ class LoaderDiagnosis:
     contended: bool = False
     # The speed-up expected from `change` (expected_gain), at most expected_speedup.
     gain: float = 1.0
-    # Warm-up steps left out of the figures above (advice.warmup); the loop's seconds as measured
+    # Warm-up steps left out of the figures above (figures.warmup); the loop's seconds as measured
     # and the least its steps could take (each at the steady compute time): expected_speedup.
     warmup_steps: int = 0
     loop_s: float = 0.0
@@ -126,6 +126,14 @@ class LoaderDiagnosis:
     @property
     def name(self) -> str:
         return self.loader.get("name") or "the DataLoader"
+
+    @property
+    def waited(self) -> str:
+        """The loop's share of time waiting for data in words: "41% of the time", or where a warm-up was
+        left out (figures.warmup), "29% of the time after its warm-up", as that figure is not the headline's."""
+        from gpuwidget.report import fmt_fraction
+
+        return f"{fmt_fraction(self.wait_fraction)} of the time" + (" after its warm-up" if self.warmup_steps else "")
 
     @property
     def time_lost_to_contention(self) -> float | None:
@@ -166,7 +174,7 @@ class SteadyLoop:
 
 
 def steady_loop(loader: LoaderFacts) -> SteadyLoop:
-    """The loader's steps, waits and loop time without its warm-up steps (advice.warmup)."""
+    """The loader's steps, waits and loop time without its warm-up steps (figures.warmup)."""
     steps, wait, loop = int(loader["steps"]), loader["wait_total_s"], loader["loop_time_s"]
     split = split_run(loader.get("step_times") or [], steps)
     if split.all_warmup or not split.steps or split.steps >= steps:

@@ -4,9 +4,9 @@
 steps, then each child that iterated a DataLoader or joined a process group (by rank, then
 pid). Each entry is a :class:`~gpuwidget.facts.RankEntry`: the public figures of
 :data:`PUBLIC_KEYS` (``Run.ranks``), the same figures the summary gives a single process
-(:func:`loop_figures` reads them from :func:`~gpuwidget.advice.summary.summarize`, so a rank's
+(:func:`loop_figures` reads them from :func:`~gpuwidget.figures.summary.summarize`, so a rank's
 steps are counted as the run's are), its steps one by one (the rank rules' evidence), its
-time over the run (:func:`~gpuwidget.advice.summary.time_breakdown`: the parts sum to the
+time over the run (:func:`~gpuwidget.figures.summary.time_breakdown`: the parts sum to the
 run's duration), its CPU seconds, ``loaders`` (without the per-step lists), ``model``,
 ``cuda``, ``host`` evidence (``run_delay_fraction``, ``cpu_fraction`` of its main thread) and
 ``finished`` (False: it was killed or crashed, and its figures are those it last sent).
@@ -31,12 +31,10 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, cast
 
-from gpuwidget.advice.rules._ranks import paired
-from gpuwidget.advice.summary import percentiles, primary_loader, summarize, time_breakdown
 from gpuwidget.children.channel import ChildRecord
-from gpuwidget.facts import RankEntry, Summary, WorkloadFacts
+from gpuwidget.facts import RankEntry, Summary, WorkloadFacts, uuid_key
+from gpuwidget.figures.summary import paired, percentiles, primary_loader, summarize, time_breakdown
 from gpuwidget.probes import STEP_SPAN, TRAIN_STEP_SPAN
-from gpuwidget.sources.nvml import uuid_key
 from gpuwidget.trace import Trace
 
 PER_STEP_LISTS = ("step_times", "wait_times", "step_ends")
@@ -57,7 +55,7 @@ def public(entries: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
 
 
 def per_step(step_times: Sequence[float], wait_times: Sequence[float]) -> tuple[list[float], list[float]]:
-    """The latest :data:`SERIES_STEPS` steps and each one's data wait, paired (``_ranks.paired``)."""
+    """The latest :data:`SERIES_STEPS` steps and each one's data wait, paired (``figures.summary.paired``)."""
     steps, waits = paired(step_times, wait_times)
     return steps[-SERIES_STEPS:], waits[-SERIES_STEPS:]
 

@@ -3,11 +3,14 @@ one that feeds the training loop with margin.
 
 Each candidate is a new DataLoader over the same dataset, sampler and collate function
 (the user's loader is never modified). After a warm-up (worker start-up, first prefetch)
-a few batches are timed; the candidate's rate is batches per second. The number of workers
-is searched upwards from the measurement-based estimate until more stops helping, within
-a time budget. The choice is the *fewest* workers whose rate reaches the target (the rate
-at which the cell's loop consumed batches when data was ready) times :data:`MARGIN`, not
-simply the fastest: each worker costs memory and a core.
+a few batches are timed; the candidate's rate is batches per second. With a finding's
+suggestion (``suggestion={"num_workers": 5, ...}``, what the panel's Measure continues) the
+tuner times the loader as it is, the suggested count and its neighbours (4, 5, 6), and says how
+the suggestion fared; without one it searches the number of workers upwards until more stops
+helping, within a time budget. The choice is the *fewest* workers whose rate reaches the target
+(the rate at which the cell's loop consumed batches when data was ready) times :data:`MARGIN`,
+not simply the fastest: each worker costs memory and a core. Before the first trial it says how
+long the plan will take (:func:`plan_seconds`, from the loader's measured time per batch).
 """
 
 from __future__ import annotations
@@ -15,21 +18,21 @@ from __future__ import annotations
 import contextlib
 import html
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
 
 import psutil
 
 from gpuwidget.advice.code import loader_code
-from gpuwidget.advice.loader import diagnose
-from gpuwidget.advice.summary import primary_loader
+from gpuwidget.advice.loader import diagnose, production_time
 from gpuwidget.clock import now
 from gpuwidget.facts import LoaderFacts, WorkloadFacts
+from gpuwidget.figures.summary import primary_loader
 from gpuwidget.measure.rng import preserved_rng
 from gpuwidget.probes.constructor import rebuild_loader
 from gpuwidget.probes.torch_data import loader_kwargs, loader_settings
-from gpuwidget.report import html_table, text_table
+from gpuwidget.report import code_html, fmt_count, fmt_seconds, fmt_speedup, html_table, scoped_css, text_table
 from gpuwidget.sources.host import usable_cpu_count
 
 # Pick a setting whose rate is at least this multiple of the loop's consumption rate.
@@ -42,6 +45,21 @@ WARMUP_BATCHES_PER_WORKER = 2
 # Workers tried at most (each holds a copy of the dataset object and a process).
 MAX_WORKERS = 32
 DEFAULT_BUDGET_S = 20.0
+# The settings a suggestion is timed with (persistent_workers only matters from the second epoch,
+# which a trial never reaches: it is recommended with the choice, untimed).
+TIMED_KEYS = ("num_workers", "prefetch_factor", "pin_memory")
+# What a trial costs beyond its batches: building the loader and reading the process tree (TRIAL_S),
+# and, with workers, their pool and queues (POOL_S) and each worker started, fed its first indices
+# and joined at the end (TRIAL_WORKER_S). Fitted to trials of a sleeping dataset on the 2-vCPU test VM
+# beside other busy processes: 0.04-0.05 s without workers, 0.16-0.26 s with 1-2, 0.27 s with 4,
+# 0.44-0.51 s with 6, 0.55-0.66 s with 8 (the advice's start-up figure, advice.loader.WORKER_START_S,
+# is an idle host's iter() to the first batch alone).
+TRIAL_S = 0.04
+POOL_S = 0.08
+TRIAL_WORKER_S = 0.06
+# What the announced time may be off by: a trial's batches come at the measured rate on a host
+# whose other processes come and go (the test holds the tuner to it).
+ESTIMATE_MARGIN = 0.5
 
 
 class TuneError(RuntimeError):
@@ -81,10 +99,16 @@ class Trial:
     cpu_percent: float = 0.0  # process tree, percent of one core, while timed
     memory_bytes: float = 0.0  # process tree resident memory at the end of the timing
     error: str | None = None
+    suggested: bool = False  # the finding's own suggestion (TunePlan.suggested)
+    seconds: float = 0.0  # the whole trial: workers started and stopped, every batch taken
 
     @property
     def label(self) -> str:
         return ", ".join(f"{k}={v!r}" for k, v in self.change.items()) or "as it is"
+
+    @property
+    def workers(self) -> int | None:
+        return self.change.get("num_workers")
 
 
 @dataclass
@@ -103,6 +127,8 @@ class TuneResult:
     extra: dict[str, Any] = field(default_factory=dict)
     # The watched run's workload, for the code's framework names (trainer, accelerator).
     workload: WorkloadFacts = field(default_factory=WorkloadFacts)
+    # The seconds announced before the first trial (TunePlan.estimate_s; None: a search within the budget).
+    announced_s: float | None = None
 
     @property
     def change(self) -> dict[str, Any]:
@@ -110,15 +136,30 @@ class TuneResult:
 
     @property
     def code(self) -> str:
+        if not self.change:
+            return f"# {self.name} as it is was the fastest of the settings timed: nothing to change."
         return loader_code(self.facts, self.change, self.workload)
+
+    @property
+    def baseline(self) -> Trial | None:
+        return next((t for t in self.trials if not t.change), None)
+
+    @property
+    def suggested(self) -> Trial | None:
+        """The trial of the finding's own suggestion, where one was given."""
+        return next((t for t in self.trials if t.suggested), None)
+
+    def speedup_of(self, trial: Trial) -> float | None:
+        """``trial``'s rate over the loader's own as it was (if both were measured)."""
+        base = self.baseline
+        if base is None or not base.batches_per_s or trial.error:
+            return None
+        return trial.batches_per_s / base.batches_per_s
 
     @property
     def speedup(self) -> float | None:
         """Chosen rate over the loader's own rate as it was (if it was measured)."""
-        base = next((t for t in self.trials if not t.change), None)
-        if base is None or not base.batches_per_s:
-            return None
-        return self.chosen.batches_per_s / base.batches_per_s
+        return self.speedup_of(self.chosen)
 
     def loader(self) -> Any:
         """A new loader of the original's own class with the chosen settings over the same data (the
@@ -129,27 +170,105 @@ class TuneResult:
     def _rows(self) -> list[list[str]]:
         rows = []
         for trial in self.trials:
-            mark = "chosen" if trial is self.chosen else ""
+            notes = [note for note, on in (("suggested", trial.suggested), ("chosen", trial is self.chosen)) if on]
             rate = "failed" if trial.error else f"{trial.batches_per_s:.1f}"
-            rows.append([trial.label, rate, f"{trial.cpu_percent:.0f}%", f"{trial.memory_bytes / 2**20:,.0f} MB",
-                         f"{trial.first_batch_s:.2f} s", mark])
+            gain = self.speedup_of(trial)
+            rows.append([trial.label, rate, "-" if gain is None else fmt_speedup(gain), f"{trial.cpu_percent:.0f}%",
+                         f"{trial.memory_bytes / 2**20:,.0f} MB", fmt_seconds(trial.first_batch_s), ", ".join(notes)])
         return rows
 
+    def verdict(self) -> str:
+        """The result in one line, against the suggestion where there was one: "num_workers=5: 57.7 batches/s,
+        1.52x the loader as it is; the suggested 5 confirmed", "num_workers=4 was faster than the suggested 5
+        (57.7 against 38.0 batches/s)". The setting it names is a row of the table, as labelled there."""
+        chosen = self.chosen
+        measured = f"{chosen.label}: {chosen.batches_per_s:.1f} batches/s" + (
+            f", {fmt_speedup(self.speedup)} the loader as it is" if self.speedup and chosen.change else "")
+        suggested = self.suggested
+        if suggested is None or suggested.workers is None:
+            return f"Chosen for {self.name}: {measured}"
+        told = f"the suggested {suggested.workers}"
+        if chosen is suggested:
+            return f"{measured}; {told} confirmed"
+        if suggested.error:
+            return f"{measured}; {told} failed ({suggested.error})"
+        against = f"{chosen.batches_per_s:.1f} against {suggested.batches_per_s:.1f} batches/s"
+        if not chosen.change:
+            return (f"The loader as it is was the fastest: none of the settings timed beat it ({told}: "
+                    f"{suggested.batches_per_s:.1f} batches/s against {chosen.batches_per_s:.1f})")
+        fewer = suggested.workers - (chosen.workers or 0)
+        if (self.target_rate and fewer > 0 and suggested.batches_per_s >= MARGIN * self.target_rate
+                and chosen.batches_per_s >= MARGIN * self.target_rate):
+            return (f"{measured}; {chosen.workers} feed the loop as well as {told} (the loop takes "
+                    f"{self.target_rate:.1f} batches/s), with {fmt_count(fewer, 'worker')} fewer")
+        return f"{measured}; {chosen.workers} was faster than {told} ({against})"
+
     def _summary(self) -> str:
-        target = f"the loop consumed {self.target_rate:.1f} batches/s" if self.target_rate else "no target rate"
-        gain = f", {self.speedup:.2f}x the loader as it was" if self.speedup else ""
+        target = f"The loop consumed {self.target_rate:.1f} batches/s" if self.target_rate else "No target rate"
         extra = "".join(f", {k}={v!r}" for k, v in self.extra.items())
-        return (f"Chosen for {self.name}: {self.chosen.label}{extra} at {self.chosen.batches_per_s:.1f} "
-                f"batches/s{gain} ({target}; {len(self.trials)} settings in {self.elapsed_s:.1f} s)")
+        also = f"; with it {extra[2:]} (kept between epochs, not timed)" if extra else ""
+        announced = (f" (announced: about {fmt_seconds(self.announced_s)})" if self.announced_s is not None
+                     else f" (within the budget of {fmt_seconds(self.budget_s)})")
+        return (f"{self.verdict()}{also}. {target}; {fmt_count(len(self.trials), 'setting')} timed in "
+                f"{fmt_seconds(self.elapsed_s)}{announced}.")
 
     def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, Any]:
-        headers = ["setting", "batches/s", "CPU", "memory", "first batch", ""]
+        headers = ["setting", "batches/s", "vs as it is", "CPU", "memory", "first batch", ""]
         rows = self._rows()
         lines = [self._summary(), "", *text_table(headers, rows), "", self.code]
-        page = (f"<div class='gpuwidget-tune'><div>{html.escape(self._summary())}</div>"
-                f"{html_table(headers, rows, [bool(row[-1]) for row in rows])}"
-                f"<pre><code>{html.escape(self.code)}</code></pre></div>")
+        style, scope = scoped_css("measure")
+        page = (f"{style}<div class='gpuwidget-tune' {scope} style='font-size:13px'>"
+                f"<div class='gpuwidget-verdict' style='margin-bottom:4px'>{html.escape(self._summary())}</div>"
+                f"{html_table(headers, rows, [row[-1].endswith('chosen') for row in rows])}"
+                f"{code_html(self.code, 'Chosen setting')}</div>")
         return {"text/plain": "\n".join(lines), "text/html": page}
+
+
+@dataclass(frozen=True)
+class TunePlan:
+    """The settings a tuning times, in order (the loader as it is first), and how long they take."""
+
+    changes: list[dict[str, Any]]
+    suggested: dict[str, Any] | None = None  # the one of ``changes`` a finding suggested
+    estimate_s: float | None = None  # None: a search, bounded only by the budget
+
+
+def suggestion_plan(workers_now: int, suggestion: Mapping[str, Any], cap: int) -> TunePlan:
+    """The loader as it is, the suggested worker count and its neighbours (5 -> 4, 5, 6), each with the
+    suggestion's other timed settings; a count equal to the loader's own is the loader as it is."""
+    timed = {key: suggestion[key] for key in TIMED_KEYS if key in suggestion and key != "num_workers"}
+    count = int(suggestion["num_workers"])
+    changes: list[dict[str, Any]] = [{}]
+    suggested: dict[str, Any] | None = None
+    for workers in sorted({max(0, count - 1), count, min(max(cap, count), count + 1)}):
+        # prefetch_factor needs worker processes (DataLoader refuses it with none).
+        change = {"num_workers": workers, **({k: v for k, v in timed.items() if k != "prefetch_factor"}
+                                             if workers == 0 else timed)}
+        if workers == workers_now and len(change) == 1:
+            change = {}  # the loader as it is, timed already
+        if change not in changes:
+            changes.append(change)
+        if workers == count:
+            suggested = change
+    return TunePlan(changes, suggested)
+
+
+def plan_seconds(changes: list[dict[str, Any]], workers_now: int, batch_s: float, cores: int, io_bound: bool | None,
+                 batches: int | None = None) -> float:
+    """How long timing ``changes`` takes, from ``batch_s``, the seconds one builder needs for a batch (the
+    run's measured production time, advice.loader.production_time): each trial starts its workers, builds
+    its first batch, a warm-up and :data:`MEASURE_BATCHES` at the rate its builders reach (all of them for
+    storage waits, at most the cores for CPU work), then stops them. ``batches``: the loader's length."""
+    total = 0.0
+    for change in changes:
+        workers = int(change.get("num_workers", workers_now))
+        parallel = 1 if workers == 0 else workers if io_bound else min(workers, cores)
+        count = 1 + max(1, WARMUP_BATCHES_PER_WORKER * workers) + timed_batches(workers)
+        if batches:
+            count = min(count, batches)
+        overhead = TRIAL_S + (POOL_S + TRIAL_WORKER_S * workers if workers else 0.0)
+        total += overhead + batch_s + (count - 1) * batch_s / parallel
+    return total
 
 
 # --------------------------------------------------------------------------- measuring
@@ -261,8 +380,14 @@ class PrintedProgress:
     def __init__(self, budget_s: float) -> None:
         self.budget_s = budget_s
 
+    def planned(self, estimate_s: float, settings: int) -> None:
+        """Told once the plan is known: how many settings and how long they take."""
+        self.budget_s = estimate_s
+        print(f"tuning {fmt_count(settings, 'setting')}, about {fmt_seconds(estimate_s)}" if settings
+              else f"tuning for at most {fmt_seconds(estimate_s)}", flush=True)
+
     def __call__(self, trial: Trial, elapsed_s: float) -> None:
-        print(f"tuning {min(elapsed_s, self.budget_s):.1f}/{self.budget_s:.0f} s: {trial_line(trial)}", flush=True)
+        print(f"tuning {elapsed_s:.1f}/{self.budget_s:.1f} s: {trial_line(trial)}", flush=True)
 
 
 def progress_callback(progress: bool | TrialCallback | None, budget_s: float) -> TrialCallback | None:
@@ -281,16 +406,23 @@ def tune_loader(loader: Any, target_rate: float | None = None, budget_s: float =
                 name: str | None = None, progress: bool | TrialCallback | None = None,
                 io_bound: bool | None = None,
                 dataset_name: str | None = None, run_facts: LoaderFacts | None = None,
-                workload: WorkloadFacts | None = None) -> TuneResult:
+                workload: WorkloadFacts | None = None, suggestion: Mapping[str, Any] | None = None,
+                batch_s: float | None = None) -> TuneResult:
     """Measure DataLoader settings for ``loader`` and choose the cheapest that feeds the loop.
 
     ``target_rate`` is the batches per second the training loop consumes when data is
     ready (``%%gpuwatch`` measures it); without it the fastest setting found is chosen.
+    ``suggestion`` (a finding's ``.change`` with ``num_workers``): time the loader as it is, the
+    suggested count and its neighbours, and say how the suggestion fared (``TuneResult.verdict``);
+    without one, worker counts are searched upwards. ``batch_s``: the seconds one builder takes per
+    batch, as a watch measured it, for the time announced before the first trial (without it, the
+    loader as it is is timed first and the rest estimated from it).
     ``budget_s`` bounds the whole search; ``name`` and ``dataset_name`` are used in the code
     line (``train_loader = DataLoader(train_ds, ...)``); without a name, the code says where the
     loader is built (``run_facts``: what a watch saw of it, its owner and call site; ``workload``:
     the run's, for a Trainer's or Accelerator's name). ``progress``: True prints a line per
-    trial, a callable ``progress(trial, elapsed_s)`` is told of each, False or None shows nothing.
+    trial, a callable ``progress(trial, elapsed_s)`` is told of each (and, where it has a
+    ``planned(estimate_s, settings)`` method, of the plan first), False or None shows nothing.
     Returns a :class:`TuneResult`; ``.loader()`` builds the chosen DataLoader. Raises
     ``TypeError`` for anything but a DataLoader or a ``progress`` of another kind (before any trial)
     and :class:`TuneError` when the loader cannot be measured (empty, or its dataset raises: the
@@ -306,26 +438,71 @@ def tune_loader(loader: Any, target_rate: float | None = None, budget_s: float =
     deadline = started + budget_s
     # Storage waits overlap, CPU work does not: search beyond the cores only for the former.
     per_core = {True: 4, False: 1, None: 2}[io_bound]
-    cap = min(MAX_WORKERS, per_core * usable_cpu_count())
+    cores = usable_cpu_count()
+    cap = min(MAX_WORKERS, per_core * cores)
 
-    def measure(change: dict[str, Any]) -> Trial:
+    def measure(change: dict[str, Any], suggested: bool = False) -> Trial:
         trial = _trial(loader, change, deadline)
+        trial.suggested = suggested
         if told is not None:
             told(trial, now() - started)
         return trial
 
+    plan = suggestion_plan(loader.num_workers, suggestion, cap) if suggestion and "num_workers" in suggestion else None
+    announced: float | None = None
     # Each trial iterates a loader (drawing its sampler's and workers' seeds): the user's RNG stays as it was.
     with preserved_rng():
-        trials, fastest = search_workers(measure, loader.num_workers, cap, target_rate, lambda: now() > deadline)
-    chosen = _choose(trials, target_rate, fastest)
+        if plan is None:  # a search: it announces its budget, the most it takes
+            _announce(told, budget_s, 0)
+            trials, fastest = search_workers(measure, loader.num_workers, cap, target_rate, lambda: now() > deadline)
+        else:
+            length = _length(loader)
+            if batch_s:
+                announced = min(budget_s, plan_seconds(plan.changes, loader.num_workers, batch_s, cores, io_bound,
+                                                       length))
+                _announce(told, announced, len(plan.changes))
+            trials = []
+            for change in plan.changes:
+                if trials and now() > deadline:
+                    break
+                trials.append(measure(change, change == plan.suggested))
+                if len(trials) == 1:
+                    if trials[0].error:
+                        raise TuneError(f"the loader could not be measured as it is: {trials[0].error}")
+                    if announced is None:  # from the loader as it is: its rate and its builders
+                        per_batch = _builders(loader.num_workers, cores, io_bound) / trials[0].batches_per_s
+                        announced = min(budget_s, (now() - started) + plan_seconds(
+                            plan.changes[1:], loader.num_workers, per_batch, cores, io_bound, length))
+                        _announce(told, announced, len(plan.changes))
+            fastest = max((t for t in trials if not t.error), key=lambda t: t.batches_per_s)
+    chosen = _choose(trials, target_rate, fastest, next((t for t in trials if t.suggested), None))
     extra = {}
-    if chosen.change.get("num_workers", loader.num_workers) and not loader.persistent_workers:
+    workers = chosen.change.get("num_workers", loader.num_workers)
+    if chosen.change and workers and not loader.persistent_workers:
         # Workers otherwise restart (and re-import, re-open files) at every epoch.
         extra["persistent_workers"] = True
     facts: LoaderFacts = {**(run_facts or LoaderFacts()), "name": name, "dataset_name": dataset_name,
                           "settings": loader_settings(loader)}
     return TuneResult(loader, name or "the loader", trials, chosen, target_rate, budget_s, now() - started, facts,
-                      extra, workload or WorkloadFacts())
+                      extra, workload or WorkloadFacts(), announced)
+
+
+def _announce(told: TrialCallback | None, estimate_s: float, settings: int) -> None:
+    planned = getattr(told, "planned", None)
+    if callable(planned):
+        planned(estimate_s, settings)
+
+
+def _builders(workers: int, cores: int, io_bound: bool | None) -> int:
+    """How many batches a loader with ``workers`` builds at once (plan_seconds' rule)."""
+    return 1 if workers == 0 else workers if io_bound else min(workers, cores)
+
+
+def _length(loader: Any) -> int | None:
+    try:
+        return len(loader)
+    except TypeError:  # an IterableDataset without __len__
+        return None
 
 
 def _trial(loader: Any, change: dict[str, Any], deadline: float) -> Trial:
@@ -334,8 +511,9 @@ def _trial(loader: Any, change: dict[str, Any], deadline: float) -> Trial:
     trial = Trial(change)
     workers = int(change.get("num_workers", loader.num_workers))
     warmup = max(1, WARMUP_BATCHES_PER_WORKER * workers)
+    started = now()
     try:
-        rate, first, cpu, memory = _measure(_candidate(loader, change), MEASURE_BATCHES, warmup, deadline)
+        rate, first, cpu, memory = _measure(_candidate(loader, change), timed_batches(workers), warmup, deadline)
     except TuneError:
         raise
     except Exception as exc:  # a setting can fail (e.g. too many open files): note it, go on
@@ -348,7 +526,15 @@ def _trial(loader: Any, change: dict[str, Any], deadline: float) -> Trial:
         copies = copies_per_batch(loader, workers)
         trial.batches_per_s, trial.first_batch_s, trial.cpu_percent, trial.memory_bytes = (
             rate / copies, first, cpu, memory)
+    trial.seconds = now() - started
     return trial
+
+
+def timed_batches(workers: int) -> int:
+    """Batches timed per trial: :data:`MEASURE_BATCHES`, rounded up to whole rounds of the workers. Workers
+    deliver in rounds (each builds its next batch at the same time), so a count that ends mid-round would
+    take a round's burst of ready batches for speed: 12 batches from 7 workers measured 1.7x their rate."""
+    return MEASURE_BATCHES if workers < 2 else workers * math.ceil(MEASURE_BATCHES / workers)
 
 
 def copies_per_batch(loader: Any, workers: int) -> int:
@@ -409,19 +595,25 @@ def _dataset_message(error: str) -> str:
     return error[error.rindex(marker):].splitlines()[0] if marker in error else error
 
 
-def _choose(trials: list[Trial], target_rate: float | None, fastest: Trial) -> Trial:
-    """The cheapest trial that reaches the target with margin, else the fastest."""
-    if target_rate is None:
-        return fastest
-    good = [t for t in trials if not t.error and t.batches_per_s >= MARGIN * target_rate]
-    if not good:
-        return fastest
-    return min(good, key=lambda t: (t.change.get("num_workers", 0), t.change.get("prefetch_factor", 2)))
+def _choose(trials: list[Trial], target_rate: float | None, fastest: Trial, suggested: Trial | None = None) -> Trial:
+    """The cheapest trial that reaches the target with margin, else the fastest; the suggestion where
+    it is as fast as the fastest within :data:`MIN_GAIN` (timing noise cannot tell them apart)."""
+    if target_rate is not None:
+        good = [t for t in trials if not t.error and t.batches_per_s >= MARGIN * target_rate]
+        if good:
+            return min(good, key=lambda t: (t.change.get("num_workers", 0), t.change.get("prefetch_factor", 2)))
+    if (suggested is not None and not suggested.error
+            and (1 + MIN_GAIN) * suggested.batches_per_s >= fastest.batches_per_s):
+        return suggested
+    return fastest
 
 
 def tune_for_run(run: Any, loader: Any, budget_s: float = DEFAULT_BUDGET_S,
-                 progress: bool | TrialCallback | None = None) -> TuneResult:
-    """Tune ``loader`` against what a watched run measured: its consumption rate and its cause."""
+                 progress: bool | TrialCallback | None = None,
+                 suggestion: Mapping[str, Any] | None = None) -> TuneResult:
+    """Tune ``loader`` against what a watched run measured: its consumption rate, its cause, and the
+    suggestion Measure continues (``suggestion``, else the first of the run's findings that changes
+    ``num_workers``), timed with the time per batch the run measured."""
     facts = primary_loader(run.workload) or {}
     compute = facts.get("compute_total_s") or 0.0
     steps = facts.get("steps") or 0
@@ -429,6 +621,10 @@ def tune_for_run(run: Any, loader: Any, budget_s: float = DEFAULT_BUDGET_S,
     target = steps / compute if compute > 0 and steps else None
     diagnosis = diagnose(run.summary, run.workload, run.machine)
     io_bound = None if diagnosis is None or diagnosis.cause == "unknown" else diagnosis.cause == "io"
+    if suggestion is None:
+        suggestion = next((dict(f.change) for f in run.findings or [] if "num_workers" in f.change), None)
+    batch_s = production_time(diagnosis) if diagnosis is not None and diagnosis.wait_per_step > 0 else None
     return tune_loader(loader, target_rate=target, budget_s=budget_s, name=facts.get("name"),
                        dataset_name=facts.get("dataset_name"), progress=progress, io_bound=io_bound,
-                       run_facts=cast(LoaderFacts, facts), workload=run.workload)
+                       run_facts=cast(LoaderFacts, facts), workload=run.workload, suggestion=suggestion,
+                       batch_s=batch_s)

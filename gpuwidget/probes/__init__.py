@@ -12,6 +12,7 @@ import contextlib
 import logging
 import sys
 import threading
+import weakref
 from collections.abc import Mapping
 from typing import Any, cast
 
@@ -119,14 +120,19 @@ class Probes:
 
     def objects(self) -> dict[str, Any]:
         """The live loaders (the one that fed the optimizer's steps first, then the busiest) and the
-        trained model the probes saw, for measuring advice."""
+        trained model the probes saw, for measuring advice; ``optimizer``: a weak reference to the
+        optimizer the step probe counted (or None), ``batch``: the copy of one training forward's
+        inputs (probes.batch_capture.CapturedBatch, or None)."""
         loaders = []
         if self._data is not None:
             ranked = sorted(self._data.stats, key=lambda s: (s.steps_fed, s.wait_total + s.compute_total),
                             reverse=True)
             loaders = [s.loader for s in ranked if s.loader is not None]
         model = self._model.model() if self._model is not None else None
-        return {"loaders": loaders, "model": model}
+        optimizer = self._steps.optimizer() if self._steps is not None else None
+        return {"loaders": loaders, "model": model,
+                "optimizer": weakref.ref(optimizer) if optimizer is not None else None,
+                "batch": self._steps.captured if self._steps is not None else None}
 
     def progress(self) -> tuple[int, int, float, float] | None:
         """The training loop's running totals so far: (steps, samples, wait s, loop s); None before one.

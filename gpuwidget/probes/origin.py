@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import inspect
 import linecache
+import os
 import sys
 import weakref
 from collections.abc import Collection, Mapping
@@ -116,6 +117,49 @@ def notebook_cell(file: str) -> int | None:
     shell = ipython.get_ipython() if ipython is not None else None
     mapping = getattr(getattr(shell, "compile", None), "_filename_map", None)
     return mapping.get(file) if isinstance(mapping, dict) else None
+
+
+def display_path(file: str) -> str:
+    """``file`` relative to the working directory (a notebook's kernel runs in the notebook's
+    folder) where it lies under it, else as it is."""
+    try:
+        relative = os.path.relpath(file)
+    except ValueError:  # another drive (Windows)
+        return file
+    return file if relative.startswith(os.pardir) else relative
+
+
+def _cell_file(file: str) -> bool:
+    """``file`` is one ipykernel compiled a cell under (``<tmp>/ipykernel_<pid>/<hash>.py``), or IPython's
+    own ``<ipython-input-...>`` name: no file of the user's, whatever its name says."""
+    return file.startswith("<ipython-input-") or os.path.basename(os.path.dirname(file)).startswith("ipykernel_")
+
+
+def location(site: Mapping[str, Any]) -> str:
+    """Where code is, in the user's terms, the one way every finding, comment and table says it:
+    ``cell In [7], line 26`` for a notebook cell (its number as the prompt shows it),
+    ``data/loaders.py, line 12`` for a file (relative to the working directory). ``site`` has ``file``
+    and ``line``, and ``cell`` where it was read in the kernel (else it is looked up now)."""
+    file = str(site.get("file") or "")
+    cell = site.get("cell")
+    if cell is None and file:
+        cell = notebook_cell(file)
+    if cell is not None:
+        where = f"cell In [{cell}]"
+    elif _cell_file(file):
+        where = "a notebook cell"  # one whose number IPython no longer knows (another kernel's)
+    else:
+        where = display_path(file) if file else "unknown file"
+    return f"{where}, line {site.get('line')}"
+
+
+def place(site: Mapping[str, Any]) -> str:
+    """The site with its function: ``in make_loader() (loaders.py, line 12)``, ``in train() (cell In [5],
+    line 3)``, or ``at line 3 of cell In [5]`` for a cell's or script's own top level."""
+    if site.get("function") in ("<module>", None):
+        where, line = location(site).rsplit(", line ", 1)
+        return f"at line {line} of {where}"
+    return f"in {site['function']}() ({location(site)})"
 
 
 def history_site(namespace: Mapping[str, Any] | None, name: str,

@@ -60,7 +60,7 @@ from typing import Any
 from gpuwidget.clock import now
 from gpuwidget.facts import CodeSite, HostCopy, LoopWait, StackFacts
 from gpuwidget.probes import BETWEEN_STEPS_SPAN, DATA_WAIT_SPAN, STEP_SPAN, TRAIN_STEP_SPAN
-from gpuwidget.probes.origin import LIBRARIES, notebook_cell, parse_source
+from gpuwidget.probes.origin import LIBRARIES, display_path, notebook_cell, parse_source
 from gpuwidget.sampler import tick_due
 
 # Samples waiting for the spans that decide them. At the default 4 Hz that is 17 minutes of
@@ -426,15 +426,6 @@ def code_site(code: CodeType, line: int) -> CodeSite:
     cell = notebook_cell(file)
     return {"function": function, "file": file if cell is not None else display_path(file), "line": line,
             "cell": cell}
-
-
-def display_path(file: str) -> str:
-    """``file`` relative to the working directory where it lies under it, else as it is."""
-    try:
-        relative = os.path.relpath(file)
-    except ValueError:  # another drive (Windows)
-        return file
-    return file if relative.startswith(os.pardir) else relative
 
 
 def _line_text(file: str, line: int) -> str | None:

@@ -19,13 +19,15 @@ between one ``next()`` returning and the next one being called is the loop's own
 save a checkpoint is never mistaken for a starved loader. A *step* runs from the start of
 one ``next()`` to the start of the following one.
 
-The wrapper is on the loop's critical path, so per step it only reads the clock twice,
-updates a few counters and queues two spans; the spans reach the Trace in batches from
-the sampler thread (:meth:`DataLoaderProbe.flush`), and the looping thread's CPU time and
-run delay behind ``wait_cpu_ratio`` and ``wait_delay_ratio`` are read on one step in
-:data:`CPU_SAMPLE_EVERY` (a small file read each; gpuwidget.sources.schedstat), never on the
-first step (it starts workers and warms lazy imports and caches, so it is not the loader's
-steady state).
+The wrapper is on the loop's critical path, so per step it only reads the clock twice and
+appends one record of four numbers (the loader, start, end, samples) to a flat array of doubles:
+no object is kept per step, and the few attributes it touches are the loader's call count and
+the last loader to return. The sampler thread makes everything else of those records at each
+tick, with numpy, a tick's steps at once (:meth:`DataLoaderProbe.flush`): the step and wait
+spans, step and wait times, epochs, totals. The looping thread's CPU time and run delay behind
+``wait_cpu_ratio`` and ``wait_delay_ratio`` are read on one step in :data:`CPU_SAMPLE_EVERY`
+(a small file read each; gpuwidget.sources.schedstat), never on the first step (it starts
+workers and warms lazy imports and caches, so it is not the loader's steady state).
 Costs are in BENCHMARKS.md. Everything is restored by :meth:`uninstall`.
 """
 
@@ -33,10 +35,14 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 import weakref
+from array import array
 from collections import deque
 from collections.abc import Mapping
 from typing import Any, cast
+
+import numpy as np
 
 from gpuwidget.clock import now
 from gpuwidget.facts import LoaderFacts, LoaderSettings
@@ -51,6 +57,11 @@ STEP_HISTORY = 20_000
 # Process CPU time is read around one next() in this many: enough to tell CPU work from
 # sleeping, without a system call on every step.
 CPU_SAMPLE_EVERY = 8
+# A record the loop's thread appends per next(): (loader's slot, start, end, samples). The end
+# field of a record that is no step says what happened instead.
+RECORD = 4
+_STOPPED = -1.0  # next() raised StopIteration at `start`: the epoch's last step ends there
+_RESTARTED = -2.0  # a new iterator of this loader (or one reused): no step spans across it
 
 
 class LoaderStats:
@@ -60,6 +71,8 @@ class LoaderStats:
         self.loader_ref = weakref.ref(loader) if loader is not None else None
         self.settings = loader_settings(loader) if loader is not None else {}
         self.dataset_ref = _weak(getattr(loader, "dataset", None))
+        self.slot = 0  # its index in DataLoaderProbe.stats: the first field of its records
+        self.calls = 0  # next() calls that returned a batch, counted on the loop's thread
         self.steps_fed = 0  # optimizer steps taken right after one of its batches (probes.torch_steps)
         self.epochs = 0
         self.steps = 0
@@ -120,6 +133,54 @@ class LoaderStats:
             "user_names": origins.user_names(loader, names, self.built) if loader is not None else {},
         }
 
+    def take(self, rows: np.ndarray, at: np.ndarray, origin: float, steps: _Spans, waits: _Spans) -> None:
+        """Bring the figures up to date with this loader's ``rows`` (records in the order the loop made
+        them; ``at``: their places in the tick's batch) and add their spans to ``steps`` and ``waits``."""
+        ends = rows[:, 2]
+        begin = 0
+        for marker in np.flatnonzero(ends < 0).tolist():
+            self._batches(rows[begin:marker], at[begin:marker], origin, steps, waits)
+            started = float(rows[marker, 1])
+            if ends[marker] == _STOPPED and self.pending_start is not None:
+                # The call that ends an epoch closes the last step.
+                self.step_times.append(started - self.pending_start)
+                self.compute_total += started - self.last_end  # type: ignore[operator]
+                steps.add(at[marker:marker + 1], np.array([self.pending_start - origin]),
+                          np.array([started - origin]))
+            self.pending_start = None
+            begin = marker + 1
+        self._batches(rows[begin:], at[begin:], origin, steps, waits)
+
+    def _batches(self, rows: np.ndarray, at: np.ndarray, origin: float, steps: _Spans, waits: _Spans) -> None:
+        """Records of batches returned, one after the other from one iterator: a step runs from the
+        start of one next() to the start of the following one, the time between them is compute."""
+        count = len(rows)
+        if not count:
+            return
+        starts, ends, samples = rows[:, 1], rows[:, 2], rows[:, 3]
+        if self.pending_start is None:
+            self.epochs += 1  # the first batch of an iterator: an epoch that ran
+            if self.first_start is None:
+                self.first_start = float(starts[0])
+            step_starts, step_ends, step_at = starts[:-1], starts[1:], at[1:]
+            compute = starts[1:] - ends[:-1]
+        else:
+            step_starts = np.concatenate(([self.pending_start], starts[:-1]))
+            step_ends, step_at = starts, at
+            compute = starts - np.concatenate(([float(self.last_end or 0.0)], ends[:-1]))
+        self.step_times.extend((step_ends - step_starts).tolist())
+        self.compute_total = sum(compute.tolist(), self.compute_total)  # one by one, as the steps came
+        wait = ends - starts
+        wait_list = wait.tolist()
+        self.wait_total = sum(wait_list, self.wait_total)
+        self.wait_times.extend(wait_list)
+        self.steps += count
+        self.samples += int(samples.sum())
+        self.last_batch_samples = int(samples[-1])
+        self.pending_start, self.last_end = float(starts[-1]), float(ends[-1])
+        steps.add(step_at, step_starts - origin, step_ends - origin)
+        waits.add(at, starts - origin, ends - origin)
+
     def rebuilt_as(self, loader: Any) -> bool:
         """``loader`` is this one built again (a loop that makes its DataLoader anew each epoch): the same
         dataset object and settings, and this one is gone or ran to its end."""
@@ -129,6 +190,37 @@ class LoaderStats:
         if self.loader is not None and not self.exhausted:
             return False
         return self.settings == loader_settings(loader)
+
+
+class _Spans:
+    """The spans of one kind a tick's records make, put into the Trace in the order the loop made them."""
+
+    def __init__(self) -> None:
+        self._parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+
+    def add(self, at: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> None:
+        if len(at):
+            self._parts.append((at, starts, ends))
+
+    def into(self, trace: Any, kind: str) -> None:
+        if not self._parts:
+            return
+        if len(self._parts) == 1:
+            _, starts, ends = self._parts[0]
+        else:
+            order = np.argsort(np.concatenate([part[0] for part in self._parts]), kind="stable")
+            starts = np.concatenate([part[1] for part in self._parts])[order]
+            ends = np.concatenate([part[2] for part in self._parts])[order]
+        add_span_arrays(trace, kind, starts, ends)
+
+
+def add_span_arrays(trace: Any, kind: str, starts: np.ndarray, ends: np.ndarray) -> None:
+    """``Trace.add_span_arrays``, or ``add_spans`` on a Trace-like sink without it (a child's span buffer)."""
+    adder = getattr(trace, "add_span_arrays", None)
+    if adder is not None:
+        adder(kind, starts, ends)
+    else:
+        trace.add_spans(kind, list(zip(starts.tolist(), ends.tolist())))
 
 
 class DataLoaderProbe:
@@ -143,8 +235,9 @@ class DataLoaderProbe:
         self._originals: dict[str, Any] = {}
         # loader -> where it was built (loaders built while the watch runs).
         self._built: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
-        # (kind, start, end) queued by the loop's thread, moved into the Trace by flush().
-        self._queue: deque[tuple[str, float, float]] = deque()
+        # RECORD doubles per next(), appended by the loop's thread, made into figures and spans by flush().
+        self._records = array("d")
+        self._flush_lock = threading.Lock()  # the sampler thread's ticks, and uninstall on the cell's
         # The loader whose next() returned last: an optimizer step that follows is fed by it.
         self.last: LoaderStats | None = None
 
@@ -161,9 +254,12 @@ class DataLoaderProbe:
         original_next = _BaseDataLoaderIter.__next__
         self._originals = {"init": original_init, "iter": original_iter, "next": original_next}
         probe = self
-        origin = self.trace.start_clock
-        queue = self._queue.append  # thread-safe; no lock on the loop's path
+        record = self._records.extend  # one C call per record: the sampler thread sees whole records
+        clock = now
         counters = thread_counters
+        samples_of = batch_samples
+        cached_ref: Any = _DEAD  # the iterator of the last next(), and its loader's stats
+        cached_stats: Any = None
 
         def __init__(loader: Any, *args: Any, **kwargs: Any) -> None:
             original_init(loader, *args, **kwargs)
@@ -176,51 +272,54 @@ class DataLoaderProbe:
                 probe._register(iterator, loader, sys._getframe(1))
             return iterator
 
-        def __next__(iterator: Any) -> Any:
-            stats = probe._by_iterator.get(iterator)
-            if stats is None:
-                stats = probe._register(iterator, None)
-            sample_cpu = stats.steps % CPU_SAMPLE_EVERY == 1  # never step 0: warm-up, worker start
-            cpu_started, delay_started = counters() if sample_cpu else (0.0, None)
-            started = now()
+        def sampled(iterator: Any, stats: LoaderStats) -> Any:
+            """A next() whose wait is also timed in the thread's CPU time and run delay."""
+            cpu_started, delay_started = counters()
+            started = clock()
             try:
                 batch = original_next(iterator)
             except StopIteration:
                 stats.exhausted = True
-                # The call that ends an epoch closes the last step.
-                if stats.pending_start is not None:
-                    stats.step_times.append(started - stats.pending_start)
-                    stats.compute_total += started - stats.last_end  # type: ignore[operator]
-                    queue((STEP_SPAN, stats.pending_start - origin, started - origin))
-                    stats.pending_start = None
+                record((stats.slot, started, _STOPPED, 0.0))
                 raise
-            ended = now()
-            wait = ended - started
-            if sample_cpu:
-                cpu_ended, delay_ended = counters()
-                stats.wait_cpu_total += cpu_ended - cpu_started
-                stats.wait_sampled += wait
-                if stats.wait_delay_total is not None:
-                    stats.wait_delay_total = (None if delay_ended is None or delay_started is None
-                                              else stats.wait_delay_total + delay_ended - delay_started)
-            if stats.pending_start is not None:
-                stats.step_times.append(started - stats.pending_start)
-                stats.compute_total += started - stats.last_end  # type: ignore[operator]
-                queue((STEP_SPAN, stats.pending_start - origin, started - origin))
-            else:
-                stats.epochs += 1  # the first batch of an iterator: an epoch that ran
-                stats.exhausted = False
-                if stats.first_start is None:
-                    stats.first_start = started
-            stats.pending_start = started
-            stats.last_end = ended
-            stats.steps += 1
-            stats.wait_total += wait
-            stats.wait_times.append(wait)
-            stats.last_batch_samples = first_dim(batch)
+            ended = clock()
+            cpu_ended, delay_ended = counters()
+            stats.wait_cpu_total += cpu_ended - cpu_started
+            stats.wait_sampled += ended - started
+            if stats.wait_delay_total is not None:
+                stats.wait_delay_total = (None if delay_ended is None or delay_started is None
+                                          else stats.wait_delay_total + delay_ended - delay_started)
+            stats.calls += 1
+            stats.exhausted = False
             probe.last = stats
-            stats.samples += stats.last_batch_samples
-            queue((DATA_WAIT_SPAN, started - origin, ended - origin))
+            record((stats.slot, started, ended, samples_of(batch)))
+            return batch
+
+        def __next__(iterator: Any) -> Any:
+            nonlocal cached_ref, cached_stats
+            if cached_ref() is iterator:
+                stats = cached_stats
+            else:
+                stats = probe._by_iterator.get(iterator)
+                if stats is None:
+                    stats = probe._register(iterator, None)
+                cached_ref, cached_stats = _weak(iterator) or _DEAD, stats
+            calls = stats.calls
+            if calls % CPU_SAMPLE_EVERY == 1:  # never call 0: warm-up, worker start
+                return sampled(iterator, stats)
+            started = clock()
+            try:
+                batch = original_next(iterator)
+            except StopIteration:
+                stats.exhausted = True
+                record((stats.slot, started, _STOPPED, 0.0))
+                raise
+            ended = clock()
+            stats.calls = calls + 1
+            if stats.exhausted:
+                stats.exhausted = False
+            probe.last = stats
+            record((stats.slot, started, ended, samples_of(batch)))
             return batch
 
         __init__.__wrapped__ = original_init  # type: ignore[attr-defined]
@@ -249,17 +348,27 @@ class DataLoaderProbe:
         self.flush()
 
     def flush(self) -> None:
-        """Move the queued spans into the Trace (the sampler thread calls this every tick)."""
-        by_kind: dict[str, list[tuple[float, float]]] = {}
-        queue = self._queue
-        while True:
-            try:
-                kind, start, end = queue.popleft()
-            except IndexError:
-                break
-            by_kind.setdefault(kind, []).append((start, end))
-        for kind, intervals in by_kind.items():
-            self.trace.add_spans(kind, intervals)
+        """Make figures and spans of the records the loop appended (the sampler thread calls this every tick)."""
+        with self._flush_lock:
+            records = self._records
+            count = len(records)
+            if not count:
+                return
+            chunk = records[:count]
+            del records[:count]  # records appended meanwhile stay, whole, for the next flush
+            rows = np.frombuffer(chunk, dtype=np.float64).reshape(-1, RECORD)
+            origin = self.trace.start_clock
+            steps, waits = _Spans(), _Spans()
+            slots = rows[:, 0]
+            first = slots[0]
+            if (slots == first).all():  # one loader: the usual case
+                self.stats[int(first)].take(rows, np.arange(len(rows)), origin, steps, waits)
+            else:
+                for slot in np.unique(slots).tolist():
+                    at = np.flatnonzero(slots == slot)
+                    self.stats[int(slot)].take(rows[at], at, origin, steps, waits)
+            steps.into(self.trace, STEP_SPAN)
+            waits.into(self.trace, DATA_WAIT_SPAN)
 
     def finish(self, end: float) -> None:
         """Close each loader's step that was still open when the watch ended (a loop left by
@@ -286,15 +395,16 @@ class DataLoaderProbe:
                 rebuilt.loader_ref = weakref.ref(loader)
                 self._by_loader[key] = rebuilt
                 self._by_iterator[iterator] = rebuilt
-                rebuilt.pending_start = None
+                self._records.extend((rebuilt.slot, 0.0, _RESTARTED, 0.0))
                 return rebuilt
             stats = self._by_loader[key] = LoaderStats(loader)
+            stats.slot = len(self.stats)
             self.stats.append(stats)
             if loader is not None:
                 stats.built = self._built.get(loader)
                 stats.iterated = origins.stack_origin(caller) if caller is not None else None
         # A reused (persistent-workers) iterator starts a new epoch: no step spans across it.
-        stats.pending_start = None
+        self._records.extend((stats.slot, 0.0, _RESTARTED, 0.0))
         self._by_iterator[iterator] = stats
         return stats
 
@@ -308,6 +418,23 @@ def _weak(value: Any) -> Any:
         return None if value is None else weakref.ref(value)
     except TypeError:
         return None
+
+
+class _Gone:
+    pass
+
+
+_DEAD = weakref.ref(_Gone())  # a reference that is already dead: no iterator is it
+
+
+def batch_samples(batch: Any) -> int:
+    """:func:`first_dim`, quick for the usual batch (a tuple or list whose first item is a tensor)."""
+    kind = type(batch)
+    if (kind is tuple or kind is list) and batch:
+        shape = getattr(batch[0], "shape", None)
+        if shape is not None:
+            return int(shape[0]) if len(shape) else 1
+    return first_dim(batch)
 
 
 def first_dim(batch: Any, depth: int = 0) -> int:

@@ -18,9 +18,12 @@ Two spans come of it (``probes.TRAIN_STEP_SPAN`` and ``probes.BETWEEN_STEPS_SPAN
 * ``train.between``: from a step's end to the next training forward: where the loop fetched its
   next batch, logged, evaluated.
 
-On the loop's path each hook reads the clock and queues a plain tuple (the micro-benchmark is
-``benchmarks/step_probe_cost.py``, its figures in BENCHMARKS.md); :meth:`StepProbe.flush` makes
-spans of them on the sampler thread. The forward hook also counts calls made under
+On the loop's path each hook reads the clock and appends it to a flat array of doubles (a step's
+end as it is, a training forward negated: nothing is kept per step but 8 bytes); once the first
+steps are read and counted, the post hook takes a lean path of a few attribute updates. The
+micro-benchmarks are ``benchmarks/step_probe_cost.py`` and ``benchmarks/probe_cost.py``, their
+figures in BENCHMARKS.md. :meth:`StepProbe.flush` makes spans of a tick's events at once, with
+numpy, on the sampler thread. The forward hook also counts calls made under
 ``torch.autocast`` (``autocast_share``), and the inputs' first dimension for a few steps
 (``samples_per_step``).
 
@@ -39,19 +42,23 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
+from array import array
 from collections import Counter, deque
 from typing import Any
+
+import numpy as np
 
 from gpuwidget.clock import now
 from gpuwidget.facts import TrainingFacts
 from gpuwidget.probes import BETWEEN_STEPS_SPAN, TRAIN_STEP_SPAN
-from gpuwidget.probes.torch_data import STEP_HISTORY, first_dim
+from gpuwidget.probes.batch_capture import CapturedBatch, capture_batch
+from gpuwidget.probes.torch_data import STEP_HISTORY, add_span_arrays, first_dim
 from gpuwidget.trace import Trace
 
 # The step FLOPs are counted on (0-based): after the first steps, which pay for CUDA and cuDNN
 # start-up and torch.compile's compilation (a counted step runs eagerly through torch's dispatcher,
 # so a compiling step would be counted at its slowest), and early enough that a short cell of a
-# few steps still has a count. The warm-up split (advice.warmup) is made after the run, from all
+# few steps still has a count. The warm-up split (figures.warmup) is made after the run, from all
 # step times; FLOPs per step do not depend on the step's speed, only its work.
 FLOPS_AT_STEP = 3
 # Steps whose training inputs' first dimension is summed into samples_per_step (then no more reads).
@@ -60,8 +67,6 @@ SAMPLE_STEPS = 3
 # and a loop that went on without stepping the optimizer would otherwise count on and on).
 MAX_COUNTED_FORWARDS = 256
 
-# Event codes queued by the hooks (plain ints: the cheapest tuple to build).
-_FORWARD, _STEP_END, _COUNTED_STEP_END = 0, 1, 2
 # torch dtype -> the name FLOP peaks are listed under (gpuwidget.peaks).
 _DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64",
                 "float8_e4m3fn": "fp8", "float8_e5m2": "fp8", "float8_e4m3fnuz": "fp8", "float8_e5m2fnuz": "fp8"}
@@ -78,7 +83,9 @@ class StepProbe:
         self.installed = False
         self._handles: list[Any] = []
         self._forward_handles: list[Any] = []
-        self._events: deque[tuple[int, float]] = deque()
+        # Clock readings appended by the hooks: a step's end as it is, a training forward's negated.
+        self._events = array("d")
+        self._lean = False  # past the first steps: the post hook's short path
         self._optimizer: Any = None  # the optimizer whose steps are counted
         self._overlap = -1  # how many of the trained model's parameters it holds (numel)
         self._judged: dict[int, Any] = {}  # id(optimizer) -> weakref, every optimizer matched once
@@ -98,6 +105,7 @@ class StepProbe:
         self._counter_thread = 0
         self._counter_ready = False  # prepare() ran: counting costs the loop no import
         self._counted_pending = False  # the step ending next was the counted one
+        self._counted_end: float | None = None  # when the counted step ended (its event's clock reading)
         self._pre_handle: Any = None
         self._counted_forwards = 0
         self._flops: float | None = None
@@ -114,6 +122,9 @@ class StepProbe:
         self.step_ends: deque[float] = deque(maxlen=STEP_HISTORY)
         self.between_total = 0.0
         self._counted_step_s: float | None = None
+        # For measuring a change later (gpuwidget.measure): one training forward's inputs, copied once.
+        self.captured: CapturedBatch | None = None
+        self._capture_tried = False
 
     # ---------------------------------------------------------------- hooks
 
@@ -134,7 +145,7 @@ class StepProbe:
         for handle in self._handles + self._forward_handles:
             handle.remove()
         self._handles, self._forward_handles = [], []
-        self.installed = False
+        self.installed = self._lean = False
         if self._counter is not None:
             self._stop_counting(completed=False)
         self.flush()
@@ -144,10 +155,21 @@ class StepProbe:
         for handle in self._handles + self._forward_handles + ([self._pre_handle] if self._pre_handle else []):
             handle.remove()
         self._handles, self._forward_handles, self._counter, self._pre_handle = [], [], None, None
-        self.installed = False
+        self.installed = self._lean = False
 
     def _stepped(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         """After every ``optimizer.step()`` (torch's global post hook): the end of a training step."""
+        if self._lean and optimizer is self._optimizer:  # the steady state: a few updates, no branch more
+            self._events.append(now())
+            self.steps += 1
+            self._waiting = True
+            data = self.data
+            if data is not None:
+                last = data.last
+                if last is not None:
+                    last.steps_fed += 1
+                    data.last = None
+            return
         if optimizer is not self._optimizer:
             if id(optimizer) in self._judged and self._judged[id(optimizer)]() is optimizer:
                 return  # another optimizer, already judged not to count the steps
@@ -165,9 +187,8 @@ class StepProbe:
         self._waiting = True
         if self._counted_pending:
             self._counted_pending = False
-            self._events.append((_COUNTED_STEP_END, ended))
-        else:
-            self._events.append((_STEP_END, ended))
+            self._counted_end = ended
+        self._events.append(ended)
         if self._sampling:
             self._end_sampled_step()
         if self._early and not self._sampling and self._counter is None and self._flops_settled:
@@ -189,15 +210,31 @@ class StepProbe:
             return  # evaluation between steps: not the step's own forward
         if self._waiting:
             self._waiting = False
-            self._events.append((_FORWARD, now()))
+            self._events.append(-now())
             if self.steps >= FLOPS_AT_STEP and self._counter_ready and not self._flops_settled:
                 self._start_counting()
+            if not self._capture_tried:
+                self._capture(module, args, kwargs)
         elif self._counter is not None:
             self._counted_forwards += 1
             if self._counted_forwards > MAX_COUNTED_FORWARDS:
                 self._stop_counting(completed=False)
         if self._sampling:
             self._step_samples += first_dim(args) or first_dim(kwargs)
+
+    # ---------------------------------------------------------------- what a measurement reuses
+
+    def _capture(self, module: Any, args: Any, kwargs: Any) -> None:
+        """Once per watch, at the first training forward the hook sees: copy the batch (probes.batch_capture)."""
+        self._capture_tried = True
+        try:
+            self.captured = capture_batch(module, args, kwargs)
+        except Exception:  # noqa: BLE001 - a probe never breaks the user's step; nothing to measure later
+            self.captured = None
+
+    def optimizer(self) -> Any:
+        """The optimizer whose steps are counted (the trained model's), or None."""
+        return self._optimizer
 
     # ---------------------------------------------------------------- the trained model
 
@@ -245,10 +282,11 @@ class StepProbe:
             lean = self._lean_forward()
             self._forward_handles = [entry.register_forward_pre_hook(lean) for entry in entries]
         self._early = early
+        self._lean = not early
 
     def _lean_forward(self) -> Any:
         """The steady-state forward hook: a closure over what it reads, as few lookups as can be."""
-        probe, queue, clock = self, self._events.append, now
+        probe, push, clock = self, self._events.append, now
         autocast_enabled, autocast_dtype = self._autocast_enabled, self._autocast_dtype
         grad_enabled = self._grad_enabled
         device, under = self._device_type, self._autocast
@@ -260,7 +298,7 @@ class StepProbe:
                 under[dtype] = under.get(dtype, 0) + 1
             if probe._waiting and grad_enabled():
                 probe._waiting = False
-                queue((_FORWARD, clock()))
+                push(-clock())
 
         return forward
 
@@ -346,40 +384,58 @@ class StepProbe:
             self._flush()
 
     def _flush(self) -> None:
-        origin = self.trace.start_clock
-        steps: list[tuple[float, float]] = []
-        between: list[tuple[float, float]] = []
         events = self._events
-        while True:
-            try:
-                kind, at = events.popleft()
-            except IndexError:
-                break
-            at -= origin
-            if kind == _FORWARD:
-                if self._between_start is not None:
-                    between.append((self._between_start, at))
-                    self.between_total += at - self._between_start
-                    self._between_start = None
-                continue
-            start = self._last_end
-            if start is None and self._first_call is not None:
-                start = self._first_call - origin
-            if start is not None and at >= start:
-                steps.append((start, at))
-                self.spanned += 1
-                if self._loop_start is None:
-                    self._loop_start = start
-                if kind == _COUNTED_STEP_END:
-                    self._counted_step_s = at - start  # the counter's cost is in it: not a step time
-                else:
-                    self.step_times.append(at - start)
-                    self.step_ends.append(at)
-            self._last_end = self._between_start = at
-        if steps:
-            self.trace.add_spans(TRAIN_STEP_SPAN, steps)
-        if between:
-            self.trace.add_spans(BETWEEN_STEPS_SPAN, between)
+        count = len(events)
+        if not count:
+            return
+        chunk = events[:count]
+        del events[:count]  # events appended meanwhile stay for the next flush
+        readings = np.frombuffer(chunk, dtype=np.float64)
+        forward = readings < 0
+        at = np.abs(readings) - self.trace.start_clock
+        ends = np.flatnonzero(~forward)
+        # A step runs from the previous step's end (the first: from the model's first call) to its end.
+        starts = at[ends[:-1]]
+        start = self._last_end
+        if start is None and self._first_call is not None:
+            start = self._first_call - self.trace.start_clock
+        step_ends = at[ends]
+        step_starts = np.concatenate(([np.nan if start is None else start], starts))
+        spanned = step_ends >= step_starts  # False where the start was not seen (NaN)
+        step_starts, step_ends = step_starts[spanned], step_ends[spanned]
+        # Between steps: from a step's end to the training forward right after it.
+        forwards = np.flatnonzero(forward)
+        after_end = forwards[forwards > 0]
+        after_end = after_end[~forward[after_end - 1]]
+        between_starts, between_ends = at[after_end - 1], at[after_end]
+        if len(forwards) and forwards[0] == 0 and self._between_start is not None:
+            between_starts = np.concatenate(([self._between_start], between_starts))
+            between_ends = np.concatenate(([at[0]], between_ends))
+        if len(between_starts):
+            self.between_total = sum((between_ends - between_starts).tolist(), self.between_total)
+        if len(ends):
+            self._last_end = float(at[ends[-1]])
+            self._between_start = None if forward[-1] else self._last_end
+        elif len(forwards):
+            self._between_start = None
+        if len(step_ends):
+            if self._loop_start is None:
+                self._loop_start = float(step_starts[0])
+            self.spanned += len(step_ends)
+            durations = step_ends - step_starts
+            timed = np.ones(len(step_ends), dtype=bool)
+            if self._counted_end is not None:
+                counted = np.flatnonzero(readings[ends][spanned] == self._counted_end)
+                if len(counted):  # the counter's cost is in it: not a step time
+                    self._counted_step_s = float(durations[counted[0]])
+                    timed[counted[0]] = False
+            self.step_times.extend(durations[timed].tolist())
+            self.step_ends.extend(step_ends[timed].tolist())
+            add_span_arrays(self.trace, TRAIN_STEP_SPAN, step_starts, step_ends)
+        if len(between_starts):
+            add_span_arrays(self.trace, BETWEEN_STEPS_SPAN, between_starts, between_ends)
+        if self._counted_end is not None and (readings[ends] == self._counted_end).any():
+            self._counted_end = None  # seen (and timed apart if its start was)
 
     def samples_per_step(self) -> int | None:
         """The first dimension of the trained model's inputs in one step (the most common of those read)."""

@@ -13,6 +13,7 @@ import asyncio
 import json
 import logging
 import math
+import time
 from typing import Any
 
 from jupyter_server.auth.decorator import authorized, ws_authenticated
@@ -96,12 +97,14 @@ class SnapshotHandler(_ApiHandler):
         devices = await self.devices()
         if not monitor.running:
             await self.in_thread(monitor.read_once)
+        now = time.time()
         await self.finish(json.dumps({
             "devices": devices,
             "history": await self.in_thread(monitor.history, window),
             "latest": monitor.latest(),
             "processes": monitor.processes(),
-            "stalled": monitor.stalled(),
+            "stalled": monitor.stalled(now),
+            "stale": monitor.stale(now),
         }))
 
 

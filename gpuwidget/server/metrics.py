@@ -3,24 +3,27 @@
 jupyter_server serves ``prometheus_client``'s default registry there, authenticated unless
 ``ServerApp.authenticate_prometheus`` is False. The extension registers one collector in that
 registry (:func:`register`); each scrape reads what the server's shared sampler already holds
-(the Monitor's newest row, its process table, the kernels' status files): no NVML call, no
+(the Monitor's newest row, its process table, the kernels' status files): no driver call, no
 waiting, well under a millisecond for 8 GPUs (benchmarks/prometheus.py).
 
-Series (every one carries ``Hostname``; GPU series carry dcgm-exporter's label names ``gpu``
-(NVML's index, as nvidia-smi and dcgm-exporter number GPUs), ``UUID`` and ``modelName``, and for a
-MIG instance ``GPU_I_ID`` (its GPU instance id) and ``GPU_I_PROFILE`` ("3g.40gb"), with ``gpu``,
-``UUID`` and ``modelName`` its GPU's, as dcgm-exporter labels them (empty on a whole GPU); so the
-two join in PromQL; dcgm-exporter's ``DCGM_FI_*`` series are never repeated under their names):
+Series (every one carries ``Hostname``). GPU series carry the label names of the vendor's own
+exporter, so that they join with its series in PromQL (which are never repeated under their names):
+an NVIDIA GPU dcgm-exporter's ``gpu`` (the driver's index, as nvidia-smi and dcgm-exporter number
+GPUs), ``UUID`` and ``modelName``, and for a MIG instance ``GPU_I_ID`` (its GPU instance id) and
+``GPU_I_PROFILE`` ("3g.40gb"), with ``gpu``, ``UUID`` and ``modelName`` its GPU's (both empty on a
+whole GPU); an AMD GPU the labels AMD's device-metrics-exporter always sets, ``gpu_id`` (amd-smi's
+index), ``serial_number``, ``card_model``, ``hostname``, ``gpu_partition_id`` and
+``gpu_compute_partition_type`` ("spx", "cpx"):
 
 ==============================================  ===============================================
-``gpuwidget_gpu_sm_active_ratio``               share of SMs busy, 0..1 (GPM, Hopper and newer; the
-                                                busy figure, as DCGM_FI_PROF_SM_ACTIVE)
+``gpuwidget_gpu_sm_active_ratio``               share of SMs busy, 0..1 (NVIDIA GPM, Hopper and newer;
+                                                the busy figure, as DCGM_FI_PROF_SM_ACTIVE)
 ``gpuwidget_gpu_tensor_active_ratio``           share of time a tensor pipe was busy, 0..1 (GPM; as
                                                 DCGM_FI_PROF_PIPE_TENSOR_ACTIVE)
 ``gpuwidget_gpu_dram_active_ratio``             share of DRAM bandwidth used, 0..1 (GPM)
 ``gpuwidget_gpu_utilization_ratio``             "kernel running": share of time any kernel ran, 0..1
-                                                (NVML utilization, nvidia-smi's GPU-Util; one tiny
-                                                kernel counts as fully busy; absent on MIG)
+                                                (nvidia-smi's GPU-Util, amd-smi's GFX activity; one
+                                                tiny kernel counts as fully busy; absent on MIG)
 ``gpuwidget_gpu_memory_utilization_ratio``      share of time memory was read or written, 0..1
 ``gpuwidget_gpu_memory_used_bytes``             ``..._memory_total_bytes``: device memory
 ``gpuwidget_gpu_power_watts``                   ``..._power_limit_watts``: draw and enforced limit
@@ -74,14 +77,19 @@ from gpuwidget.sources.cgroup import CgroupLimits, CgroupUsage, read_limits, rea
 
 log = logging.getLogger("gpuwidget")
 
+# GPU series' label names by vendor: dcgm-exporter's for NVIDIA, AMD device-metrics-exporter's
+# mandatory labels for AMD (its default config: gpu_id, serial_number, card_model, hostname,
+# gpu_partition_id, gpu_compute_partition_type).
 GPU_LABELS = ["gpu", "UUID", "modelName", "Hostname", "GPU_I_ID", "GPU_I_PROFILE"]
+AMD_GPU_LABELS = ["gpu_id", "serial_number", "card_model", "hostname", "gpu_partition_id",
+                  "gpu_compute_partition_type"]
 KERNEL_LABELS = ["kernel_id", "notebook", "Hostname"]
 
-# NVML column (after ``gpu{i}.``) -> (metric, help, factor to the metric's unit).
+# GPU column (after ``gpu{i}.``) -> (metric, help, factor to the metric's unit).
 GPU_GAUGES: list[tuple[str, str, str, float]] = [
     ("util", "gpuwidget_gpu_utilization_ratio",
-     "Kernel running: share of time any kernel ran on the GPU (NVML utilization, nvidia-smi's GPU-Util; a few tiny "
-     "kernels read as fully busy: gpuwidget_gpu_sm_active_ratio says how much of the GPU worked), 0..1.", 0.01),
+     "Kernel running: share of time any kernel ran on the GPU (nvidia-smi's GPU-Util, amd-smi's GFX activity; a few "
+     "tiny kernels read as fully busy: gpuwidget_gpu_sm_active_ratio says how much of the GPU worked), 0..1.", 0.01),
     ("mem_util", "gpuwidget_gpu_memory_utilization_ratio", "Share of time device memory was read or written, 0..1.",
      0.01),
     ("mem_used", "gpuwidget_gpu_memory_used_bytes", "Device memory in use, bytes.", 1.0),
@@ -214,10 +222,11 @@ class GpuWidgetCollector:
 
     def _families(self) -> dict[str, Any]:
         families: dict[str, Any] = {}
+        # GPU families take their labels per device (each vendor's exporter names them its own way).
         for _, name, text, _ in GPU_GAUGES:
-            families[name] = GaugeMetricFamily(name, text, labels=GPU_LABELS)
+            families[name] = GaugeMetricFamily(name, text)
         for _, name, text in GPU_COUNTERS:
-            families[name] = CounterMetricFamily(name, text, labels=GPU_LABELS)
+            families[name] = CounterMetricFamily(name, text)
         for _, name, text, _ in HOST_GAUGES:
             families[name] = GaugeMetricFamily(name, text, labels=["Hostname"])
         families["cgroup_cpu"] = CounterMetricFamily(
@@ -230,8 +239,7 @@ class GpuWidgetCollector:
             "gpuwidget_cgroup_memory_limit_bytes", "Memory limit of the server's cgroup, bytes.", labels=["Hostname"])
         families["kernel_mem"] = GaugeMetricFamily(
             "gpuwidget_kernel_gpu_memory_used_bytes",
-            "GPU memory held by a kernel and its child processes, bytes.",
-            labels=["kernel_id", "notebook", *GPU_LABELS])
+            "GPU memory held by a kernel and its child processes, bytes.")
         for _, name, text in KERNEL_FIGURES:
             families[name] = GaugeMetricFamily(name, text, labels=KERNEL_LABELS)
         families["watch_info"] = InfoMetricFamily(
@@ -277,31 +285,38 @@ class GpuWidgetCollector:
                 if value is None and column == "mem_total":
                     value = device.get("memory_total")
                 if value is not None:
-                    families[name].add_metric(labels, value * factor)
+                    families[name].add_sample(name, labels, value * factor)
             for column, name, _ in GPU_COUNTERS:
                 value = values.get(prefix + column)
                 if value is not None:
-                    families[name].add_metric(labels, value)
+                    families[name].add_sample(name + "_total", labels, value)
         return True
 
-    def _devices(self) -> list[tuple[dict[str, Any], list[str]]]:
+    def _devices(self) -> list[tuple[dict[str, Any], dict[str, str]]]:
         known = self.monitor.known_devices
         if not known:
             return []
         return [(device, self._gpu_labels(device)) for device in known.get("devices") or []]
 
-    def _gpu_labels(self, device: dict[str, Any]) -> list[str]:
-        """dcgm-exporter's labels: a MIG instance is named by its GPU (index, UUID, model) and its
-        GPU instance id and profile."""
-        index = device.get("nvml_index", device.get("index"))
+    def _gpu_labels(self, device: dict[str, Any]) -> dict[str, str]:
+        """The labels the GPU's own exporter gives it: AMD's device-metrics-exporter's for an AMD GPU,
+        dcgm-exporter's otherwise (a MIG instance named by its GPU's index, UUID and model, and its GPU
+        instance id and profile)."""
+        index = device.get("driver_index", device.get("index"))
+        number = "" if index is None else str(index)
         name = device.get("name") or ""
+        if device.get("vendor") == "amd":
+            partition = device.get("partition_id")
+            values = [number, device.get("serial") or "", name, self.hostname,
+                      "0" if partition is None else str(partition), (device.get("compute_partition") or "").lower()]
+            return dict(zip(AMD_GPU_LABELS, values))
         if not device.get("is_mig"):
-            return ["" if index is None else str(index), device.get("uuid") or "", name, self.hostname, "", ""]
+            return dict(zip(GPU_LABELS, [number, device.get("uuid") or "", name, self.hostname, "", ""]))
         instance = device.get("gpu_instance_id")
         profile = device.get("mig_profile") or ""
         model = name.rpartition(" MIG ")[0] or name
-        return ["" if index is None else str(index), device.get("parent_uuid") or device.get("uuid") or "", model,
-                self.hostname, "" if instance is None else str(instance), profile]
+        return dict(zip(GPU_LABELS, [number, device.get("parent_uuid") or device.get("uuid") or "", model,
+                                     self.hostname, "" if instance is None else str(instance), profile]))
 
     def _collect_cgroup(self, families: dict[str, Any], host: str) -> None:
         now = time.monotonic()
@@ -360,9 +375,10 @@ class GpuWidgetCollector:
                 if kernel_id and row.get("memory") is not None and gpu_id in devices:
                     key = (kernel_id, row.get("notebook"), gpu_id)
                     held[key] = held.get(key, 0.0) + float(row["memory"])
+        family = families["kernel_mem"]
         for (kernel_id, notebook, gpu_id), memory in held.items():
-            families["kernel_mem"].add_metric([kernel_id, (notebook or "") if allowed else "", *devices[gpu_id]],
-                                              memory)
+            labels = {"kernel_id": kernel_id, "notebook": (notebook or "") if allowed else "", **devices[gpu_id]}
+            family.add_sample(family.name, labels, memory)
 
     def _status(self, directory: str, pid: int) -> dict[str, Any] | None:
         """The kernel's status file, re-read only when it changed (a stat per scrape otherwise)."""

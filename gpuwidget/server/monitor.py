@@ -1,6 +1,6 @@
 """The server's one shared sampler: read the GPUs and the host once, serialise once, fan out.
 
-A :class:`Monitor` runs a :class:`gpuwidget.sampler.Sampler` (NVML and psutil on its own
+A :class:`Monitor` runs a :class:`gpuwidget.sampler.Sampler` (the GPU drivers and psutil on its own
 thread, never on the event loop) while at least one subscriber is connected. After each
 tick the new row is turned into one JSON text and handed to the event loop, which writes
 that same text to every subscriber whose rate wants this tick. Every few seconds the
@@ -17,11 +17,19 @@ build, not fifty on the loop. A history a few rows old is served again, followed
 sample messages of the rows since (kept as sent to everyone): rebuilding it every tick
 took more of the server's CPU per connection than everything else gpuwidget does for one.
 
-A source whose read stops returning (a GPU falling off the bus) is dropped by the sampler's
-watchdog and stays dropped for the life of the server: later samplers, snapshots and process
+Each GPU is a source of its own (:func:`gpuwidget.sources.gpu.open_gpu_sources`). A source whose
+read stops returning (a GPU falling off the bus) is dropped by the sampler's watchdog, the other
+GPUs go on being read, and the hung one stays dropped for the life of the server: later samplers, snapshots and process
 tables never ask it again, and it is closed on a thread of its own. The sidebar learns which
 one from ``stalled`` in the hello and in every sample (and the snapshot):
-``[{"source": "GPU 1", "since_s": 12.4, "at": <unix s>}]``, ``since_s`` counted to the message's time.
+``[{"source": "GPU 1", "since_s": 12.4, "at": <unix s>, "devices": ["gpu1"]}]``, ``since_s`` counted
+to the message's time, and which devices' readings stopped with it from ``stale``: each one's last
+values and their age (``{"gpu1": {"source": "GPU 1", "hung": true, "t": <unix s>, "age_s": 14.4,
+"values": {...}}}``).
+The GPUs are read through one source each, so only the hung GPU stops (the others miss the
+watchdog's few seconds); ``"hung": true`` marks it. A source that reads several GPUs takes all of them
+with it: the one it names (``busy_with``, or every one when it names none) is the hung one, the
+others are stale with ``"hung": false``.
 """
 
 from __future__ import annotations
@@ -47,9 +55,10 @@ import psutil
 from gpuwidget import heap
 from gpuwidget.sampler import Sampler
 from gpuwidget.sources.base import Source
+from gpuwidget.sources.gpu import NO_GPU, GpuDescription, GpuSource, GpuSources, open_gpu_sources
 from gpuwidget.sources.host import HostSource
 from gpuwidget.sources.lineage import ancestors
-from gpuwidget.sources.nvml import NvmlSource, foreign_pid_namespace
+from gpuwidget.sources.pids import foreign_pid_namespace
 from gpuwidget.trace import Trace, finite_list, finite_or_none
 
 log = logging.getLogger("gpuwidget")
@@ -69,7 +78,7 @@ STREAM_HISTORY_METRICS = ("util", "sm_active", "mem_used", "power", "temperature
 STREAM_HISTORY_POINTS = 800
 STREAM_HISTORY_RAW_ROWS = 60
 STREAM_HISTORY_DIGITS = 3
-# How often the process table is rebuilt (it costs a few NVML calls and psutil lookups).
+# How often the process table is rebuilt (it costs a few driver calls and psutil lookups).
 PROCESSES_EVERY_S = 5.0
 # Parents walked up from a GPU process to find the kernel it belongs to (workers, shells).
 PARENT_DEPTH = 8
@@ -93,22 +102,50 @@ HISTORY_CATCH_UP_ROWS = 5
 HISTORY_REUSE_S = 10.0
 
 # What /devices tells of each device (docs/server-api.md); a MIG instance carries its GPU instance id
-# and profile (dcgm-exporter's GPU_I_ID, GPU_I_PROFILE), ``gpm`` says whether SM activity is read.
-DEVICE_KEYS = ("id", "index", "nvml_index", "uuid", "name", "memory_total", "power_limit", "is_mig", "parent_uuid",
-               "pci_bus_id", "mig_mode", "gpu_instance_id", "mig_profile", "gpm")
+# and profile (dcgm-exporter's GPU_I_ID, GPU_I_PROFILE), an AMD GPU its partitions and serial number
+# (AMD's device-metrics-exporter labels), ``gpm`` says whether SM activity is read.
+# ``foreign_pid_namespace``: this server runs in a PID namespace of its own (a container), where the
+# driver lists no process of the host's: a GPU in use may show none (the sidebar says so).
+DEVICE_KEYS = ("id", "index", "vendor", "driver_index", "uuid", "name", "memory_total", "power_limit", "is_mig",
+               "parent_uuid", "pci_bus_id", "mig_mode", "gpu_instance_id", "mig_profile", "compute_partition",
+               "memory_partition", "partition_id", "serial", "gpm", "foreign_pid_namespace")
 
 Send = Callable[[str], None]
 
 
 @dataclass
 class MonitorSources:
-    """The server's sources by role: the host always, the GPUs through NVML (which may find none)."""
+    """The server's sources by role: the host always, one source per GPU (there may be none)."""
 
     host: HostSource
-    gpu: NvmlSource
+    gpus: GpuSources
 
     def all(self) -> list[Source]:
-        return [self.host, self.gpu]
+        return [self.host, *self.gpus.sources]
+
+
+@dataclass(frozen=True)
+class _Covered:
+    """The devices a GPU source reads: their ids (``gpu3``, the metric prefix) and CUDA indexes."""
+
+    ids: tuple[str, ...]
+    indexes: tuple[int, ...]
+
+    def named(self, label: str) -> str | None:
+        """The device ``label`` (the sampler's "GPU 3", from ``busy_with``) names, if it is one of these."""
+        return next((device for device, index in zip(self.ids, self.indexes, strict=True)
+                     if label == f"GPU {index}"), None)
+
+
+@dataclass(frozen=True)
+class _Stale:
+    """A device whose readings stopped: with which source (its label), whether it is the device that
+    stopped answering (else it was read by the same source), and its last values (wall time)."""
+
+    source: str
+    hung: bool
+    t: float | None
+    values: dict[str, float]
 
 
 @dataclass
@@ -160,7 +197,7 @@ class Monitor:
         self._subscribers: dict[int, Subscriber] = {}
         self._next_id = 0
         self._lock = threading.Lock()
-        # Held while sources are built: sixteen concurrent first requests build one set (one NVML init).
+        # Held while sources are built: sixteen concurrent first requests build one set (one driver start).
         self._sources_lock = threading.Lock()
         self._sampler: Sampler | None = None
         self._sources: MonitorSources | None = None
@@ -184,6 +221,11 @@ class Monitor:
         # Sources that stopped answering, kept across samplers: label -> wall time it stopped.
         self._stalled: dict[str, float] = {}
         self._hung: list[Source] = []
+        # Devices whose readings stopped (by id), and each device's newest values (wall time, values).
+        self._stale: dict[str, _Stale] = {}
+        self._last_values: dict[str, tuple[float, dict[str, float]]] = {}
+        # What each GPU source reads (by id(source)), known once the devices were described.
+        self._covered: dict[int, _Covered] = {}
 
     # ------------------------------------------------------------- lifecycle
 
@@ -244,6 +286,9 @@ class Monitor:
                 threading.Thread(target=source.close, daemon=True, name="gpuwidget-monitor-close").start()
             else:
                 source.close()
+        # Sources opened after this start afresh: nothing of theirs has stopped answering.
+        self._hung, self._stalled, self._stale, self._covered = [], {}, {}, {}
+        self._last_values.clear()
 
     # ------------------------------------------------------------- sources that stopped answering
 
@@ -255,18 +300,46 @@ class Monitor:
         return any(source is hung for hung in self._hung)
 
     def _note_stalled(self, sampler: Sampler) -> None:
-        """Remember what ``sampler`` dropped (by label, with the wall time it stopped); each tick and at its stop."""
+        """Remember what ``sampler`` dropped (by label, with the wall time it stopped), and which devices'
+        readings stopped with it; each tick and at its stop."""
         for entry in sampler.stats.stalled:
             self._stalled.setdefault(entry["source"], self.trace.start_wall + entry["at_s"])
-        for source in sampler.hung_sources:
+        # The sampler drops a source and records its entry together: the two lists keep one order.
+        for source, entry in zip(sampler.hung_sources, sampler.stats.stalled, strict=False):
             if not self._is_hung(source):
                 self._hung.append(source)
+                self._devices_stopped(source, entry["source"])
+
+    def _devices_stopped(self, source: Source, label: str) -> None:
+        """Mark stale the devices ``source`` read: the one its label names (or, naming none, every one)
+        stopped answering; any others it read are no longer read either."""
+        covered = self._covered.get(id(source))
+        if covered is None:
+            return  # never described: no device of it was shown
+        named = covered.named(label)
+        for device in covered.ids:
+            if device not in self._stale:
+                t, values = self._last_values.get(device, (None, {}))
+                self._stale[device] = _Stale(label, named in (None, device), t, values)
 
     def stalled(self, at: float | None = None) -> list[dict[str, Any]]:
-        """Each source that stopped answering: its label, seconds since then (to ``at``, default now), when."""
+        """Each source that stopped answering: its label, seconds since then (to ``at``, default now), when,
+        and the devices whose readings stopped with it."""
         end = time.time() if at is None else at
-        return [{"source": label, "since_s": round(max(0.0, end - since), 1), "at": round(since, 3)}
+        return [{"source": label, "since_s": round(max(0.0, end - since), 1), "at": round(since, 3),
+                 "devices": [device for device, stale in self._stale.items() if stale.source == label]}
                 for label, since in self._stalled.items()]
+
+    def stale(self, at: float | None = None) -> dict[str, Any]:
+        """Each device whose readings stopped: the source that stopped (its label), whether this device is
+        the one that stopped answering, the wall time of its last values, their age (to ``at``, default
+        now), and the values themselves."""
+        end = time.time() if at is None else at
+        return {device: {"source": stale.source, "hung": stale.hung,
+                         "t": None if stale.t is None else round(stale.t, 3),
+                         "age_s": None if stale.t is None else round(max(0.0, end - stale.t), 1),
+                         "values": stale.values}
+                for device, stale in self._stale.items()}
 
     # ------------------------------------------------------------- subscribers
 
@@ -314,25 +387,33 @@ class Monitor:
         return self._devices
 
     def devices(self) -> dict[str, Any]:
-        """Static facts (the /devices payload). Blocking the first time (NVML start-up): call it in a thread."""
+        """Static facts (the /devices payload). Blocking the first time (the drivers' start-up): call it in a thread."""
         sources = self._ensure_sources()
         with self._sources_lock:
             if self._devices is not None:
                 return self._devices
-            facts = sources.gpu.describe()
+            gpus = sources.gpus
             host_facts = sources.host.describe()
             self._devices = {
-                "gpu_found": bool(facts.get("available")),
-                "message": None if facts.get("available") else facts.get("reason") or "no NVIDIA GPU found",
+                "gpu_found": gpus.found,
+                "message": None if gpus.found else gpus.message or NO_GPU,
                 "devices": [
                     {key: device.get(key) for key in DEVICE_KEYS}
-                    for device in facts.get("devices") or [] if not device.get("lost")
+                    # a hung GPU's device stays listed: the sidebar shows its last values, greyed
+                    for source in gpus.sources for device in self._cover(source) if not device.get("lost")
                 ],
                 "host": {"cpu_count": host_facts.get("cpu_count"), "mem_total": host_facts.get("mem_total")},
                 "interval": self.interval,
                 "history_s": self.history_s,
             }
             return self._devices
+
+    def _cover(self, source: GpuSource) -> list[GpuDescription]:
+        """A GPU source's devices; what it reads is remembered for when it stops answering."""
+        devices = [device for device in source.describe() if isinstance(device.get("id"), str)]
+        self._covered[id(source)] = _Covered(tuple(device["id"] for device in devices),
+                                             tuple(int(device.get("index") or 0) for device in devices))
+        return devices
 
     def history(self, window_s: float | None = None) -> dict[str, Any]:
         """The last ``window_s`` seconds (at most the history kept), reduced for plotting."""
@@ -360,9 +441,10 @@ class Monitor:
         """The hello message; encoded once while no source has stalled (then it carries a clock)."""
         devices = self.devices()
         if self._stalled:
-            return _message("hello", devices=devices, stalled=self.stalled())
+            now = time.time()
+            return _message("hello", devices=devices, stalled=self.stalled(now), stale=self.stale(now))
         if self._hello is None or self._hello[0] is not devices:
-            self._hello = (devices, _message("hello", devices=devices, stalled=[]))
+            self._hello = (devices, _message("hello", devices=devices, stalled=[], stale={}))
         return self._hello[1]
 
     def history_text(self) -> str:
@@ -468,7 +550,9 @@ class Monitor:
         if sampler is not None:
             self._note_stalled(sampler)
         latest = self.latest()
-        text = _message("sample", t=latest["t"], values=latest["values"], stalled=self.stalled(latest["t"]))
+        self._remember(latest["t"], latest["values"])
+        text = _message("sample", t=latest["t"], values=latest["values"], stalled=self.stalled(latest["t"]),
+                        stale=self.stale(latest["t"]))
         row = (trace.rows_total, -math.inf if latest["t"] is None else latest["t"], text)
         now = trace.now()
         processes = None
@@ -480,10 +564,27 @@ class Monitor:
         else:
             self._fan_out(row, processes)
 
+    def _remember(self, t: float | None, values: Mapping[str, float | None]) -> None:
+        """Keep each device's newest values: what a device shows, greyed, once its readings stop."""
+        devices = self._devices
+        if t is None or devices is None:
+            return
+        ids = {device["id"] for device in devices["devices"]}
+        newest: dict[str, dict[str, float]] = {}
+        for name, value in values.items():
+            device = name.partition(".")[0]
+            if device in ids and value is not None:
+                newest.setdefault(device, {})[name] = value
+        for device, readings in newest.items():
+            self._last_values[device] = (t, readings)
+
     def _list_processes(self, t: float | None) -> str:
         sources = self._sources
         # A GPU source that hung holds its lock inside the read that never returned: don't wait on it.
-        listed = sources.gpu.processes() if sources is not None and not self._is_hung(sources.gpu) else {}
+        listed: dict[str, list[tuple[int, int | None]]] = {}
+        for source in sources.gpus.sources if sources is not None else []:
+            if not self._is_hung(source):
+                listed.update(source.processes())
         host_pids = foreign_pid_namespace(pid for rows in listed.values() for pid, _ in rows)
         gpus = {label: [self._describe_process(pid, memory, host_pids) for pid, memory in rows]
                 for label, rows in listed.items()}
@@ -548,7 +649,8 @@ class Monitor:
 def default_sources() -> MonitorSources:
     # The sidebar shows neither per-core CPU nor the server process itself.
     # The machine's view: every MIG instance, not the one a CUDA process would see.
-    return MonitorSources(HostSource(per_core=False, process=False), NvmlSource(pids=lambda: (), every_device=True))
+    return MonitorSources(HostSource(per_core=False, process=False),
+                          open_gpu_sources(pids=lambda: (), every_device=True))
 
 
 def _for_plot(values: np.ndarray) -> list[float | None]:

@@ -10,12 +10,14 @@ or reports itself finished through ``closed``.
 
 A source may also keep ``busy_with``: what it is reading right now, named for the user
 (``"GPU 1"``). When a read hangs, the sampler's message names that instead of the
-source ("GPU 1 stopped answering at 12.4 s").
+source ("GPU 1 stopped answering at 12.4 s"). GPU sources declare it, with ``closed`` and
+``processes()``, in their own protocol (:class:`gpuwidget.sources.gpu.GpuSource`).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -46,8 +48,9 @@ class Source(Protocol):
         """One tick of readings; never raises."""
         ...
 
-    def describe(self) -> dict[str, Any]:
-        """Static facts (device names, totals, availability), JSON-serialisable."""
+    def describe(self) -> Mapping[str, Any] | Sequence[Mapping[str, Any]]:
+        """Static facts (device names, totals, availability), JSON-serialisable: one mapping, or one
+        per device a source reads (a GPU source's devices)."""
         ...
 
     def close(self) -> None:

@@ -1,7 +1,7 @@
-"""A process's ancestry: the one place that walks parent pids (the NVML source and the server share it).
+"""A process's ancestry: the one place that walks parent pids (the GPU sources and the server share it).
 
-The NVML source asks "is this GPU process ours or a DataLoader worker's?" and the server asks
-"which kernel started this GPU process?"; both answer by walking up from the few pids NVML
+A GPU source asks "is this GPU process ours or a DataLoader worker's?" and the server asks
+"which kernel started this GPU process?"; both answer by walking up from the few pids the driver
 lists, which is far cheaper than listing descendants (that scans the whole process table).
 """
 

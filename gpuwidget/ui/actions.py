@@ -1,4 +1,8 @@
-"""The Measure button under the post-run panel: time the suggested DataLoader settings on the user's loader.
+"""The Measure button under the post-run panel: every finding's change measured in the cell's own loop.
+
+A click runs gpuwidget.measure.plan (the DataLoader tuner on the cell's loader, each finding's change
+tried in its training step with ``Run.measure``, then the best set together) within the time the
+offer announces (``budget_s`` in the offer; :func:`~gpuwidget.measure.plan.plan_budget`).
 
 The button is an output of its own MIME type (:data:`MIME`), not a widget: gpuwidget's JupyterLab
 extension renders it (labextension/src/measure.ts) as a button that, when clicked, runs
@@ -28,11 +32,12 @@ CALL = "__import__('gpuwidget.ui.actions', fromlist=['measure']).measure({token!
 # says so when clicked, as one of a gone kernel does).
 MAX_OFFERS = 8
 
-FALLBACK_NOTE = ("To measure the suggested DataLoader settings, run this cell again with %%gpuwatch --tune "
+FALLBACK_NOTE = ("To measure the suggested changes, run this cell again with %%gpuwatch --tune "
                  "(in JupyterLab with gpuwidget's extension, a Measure button shows here while the kernel "
                  "that ran the cell is running).")
 GONE_NOTE = ("Measure needs the kernel that ran this cell: run it again, or run it with %%gpuwatch --tune.")
 LOADER_GONE_NOTE = "The loader no longer exists: run the watched cell again to measure its settings."
+MODEL_GONE_NOTE = "The trained model no longer exists: run the watched cell again to measure its changes."
 
 _offers: OrderedDict[str, MeasureOffer] = OrderedDict()
 
@@ -56,16 +61,18 @@ def kernel_session() -> str:
 class MeasureOffer:
     """The Measure button for one run, shown with ``display()``; served by :func:`measure`."""
 
-    def __init__(self, run: Any, loader: Any) -> None:
+    def __init__(self, run: Any, loader: Any = None) -> None:
         self.run = run
         self.token = secrets.token_hex(16)
         self.display_id = f"gpuwidget-measure-{self.token}"
-        self._loader = weakref.ref(loader)
+        self._loader = weakref.ref(loader) if loader is not None else None
 
     def bundle(self) -> dict[str, Any]:
+        from gpuwidget.measure.plan import plan_budget
+
         label = getattr(self.run, "label", "") or "the watched cell"
         offer = {"version": 1, "token": self.token, "display_id": self.display_id,
-                 "kernel": kernel_session(), "label": label}
+                 "kernel": kernel_session(), "label": label, "budget_s": round(plan_budget(self.run))}
         return {MIME: offer, **_note_bundle(FALLBACK_NOTE)}
 
     def _ipython_display_(self) -> None:
@@ -76,21 +83,33 @@ class MeasureOffer:
             _offers.popitem(last=False)
         publish_display_data(self.bundle(), transient={"display_id": self.display_id})
 
+    def _gone(self) -> str | None:
+        """Why nothing is left to measure, or None."""
+        subjects = getattr(self.run, "subjects", None)
+        loader_alive = self._loader is not None and self._loader() is not None
+        model_alive = subjects is not None and subjects.model is not None
+        if loader_alive or model_alive:
+            return None
+        return LOADER_GONE_NOTE if self._loader is not None else MODEL_GONE_NOTE
+
     def measure(self) -> tuple[str, dict[str, Any]]:
-        """Tune the loader; ``(status, bundle)``: ``measured`` (the table), ``failed`` (why; a click
-        may try again) or ``gone`` (nothing left to measure)."""
-        from gpuwidget.measure.tuner import DEFAULT_BUDGET_S, tune_for_run
+        """Measure every finding's change; ``(status, bundle)``: ``measured`` (the table), ``failed`` (why;
+        a click may try again) or ``gone`` (nothing left to measure)."""
+        from gpuwidget.measure.plan import measure_findings, plan_budget
         from gpuwidget.ui.progress import tuning_progress
 
-        if getattr(self.run, "tuning", None) is not None:  # measured already (a second view's click)
-            return "measured", self.run.tuning._repr_mimebundle_()
-        loader = self._loader()
-        if loader is None:
-            return "gone", _note_bundle(LOADER_GONE_NOTE)
+        if getattr(self.run, "measured", None) is not None:  # measured already (a second view's click)
+            return "measured", self.run.measured._repr_mimebundle_()
+        gone = self._gone()
+        if gone is not None:
+            return "gone", _note_bundle(gone)
+        budget = plan_budget(self.run)
         try:
-            with tuning_progress(DEFAULT_BUDGET_S, show=True, widgets=False) as progress:
-                self.run.tuning = tune_for_run(self.run, loader, DEFAULT_BUDGET_S, progress)
-            return "measured", self.run.tuning._repr_mimebundle_()
+            with tuning_progress(budget, show=True, widgets=False) as bar:
+                self.run.measured = measure_findings(self.run, budget, progress=getattr(bar, "line", None),
+                                                     tuner_progress=bar)
+            self.run.tuning = self.run.measured.tuning
+            return "measured", self.run.measured._repr_mimebundle_()
         except Exception as exc:  # noqa: BLE001 - shown to the user, who may try again
             return "failed", _note_bundle(f"Could not measure: {exc}")
 
@@ -112,6 +131,6 @@ def measure(token: str) -> None:
     publish_display_data(bundle, metadata={"gpuwidget": {"measure": status}}, transient=transient)
 
 
-def measure_button(run: Any, loader: Any) -> MeasureOffer:
-    """A Measure button that runs the tuner for ``loader`` against ``run``'s measurements."""
+def measure_button(run: Any, loader: Any = None) -> MeasureOffer:
+    """A Measure button that measures ``run``'s findings (the tuner on ``loader``, the changes in its step)."""
     return MeasureOffer(run, loader)

@@ -185,6 +185,14 @@ def ensure_bokehjs(force: bool = False) -> str:
     return kind
 
 
+def take_loader_output() -> str | None:
+    """The display id of the loader's output just sent, for the live plot to take over (its output then
+    becomes the plot, and later the panel: one output, ui.outputs); None when there is none."""
+    global _loader_display_id
+    display_id, _loader_display_id = _loader_display_id, None
+    return display_id
+
+
 def retire_bokehjs_loader() -> None:
     """Empty the output that carried the last loader (once the live plot it served is gone)."""
     global _loader_display_id
@@ -273,10 +281,17 @@ class LiveView:
         self.handle: Any = None
 
     def show(self) -> Any:
-        """Display the widget (after :func:`ensure_bokehjs`, which also sends :data:`CLIENT_JS`); returns its handle."""
-        from IPython.display import display
+        """Display the widget (after :func:`ensure_bokehjs`, which also sends :data:`CLIENT_JS`) in the
+        loader's own output, which has run its script by then: the cell gets one output, not two; returns
+        its handle."""
+        from IPython.display import DisplayHandle, display, update_display
 
-        self.handle = display(self.widget, display_id=True)
+        slot = take_loader_output()
+        if slot is None:
+            self.handle = display(self.widget, display_id=True)
+        else:
+            update_display(self.widget, display_id=slot)
+            self.handle = DisplayHandle(slot)
         return self.handle
 
     # ---------------------------------------------------------------- updates
@@ -361,9 +376,11 @@ class LiveView:
     def _header_html(self, elapsed: float, last: dict[str, float]) -> str:
         parts = [f"<b>gpuwidget</b> · watching {html.escape(self.label)} · {elapsed:5.1f} s"]
         figures = [html.escape(part) for part in status_parts(last, self._gpus, self._gpu_message, self._sm)]
-        if not self._gpus:  # the no-GPU notice stands out
-            figures[0] = f"<span style='color:#b35c00'>{figures[0]}</span>"
+        if not self._gpus:  # the no-GPU notice stands out (and may wrap: it is a sentence)
+            figures[0] = f"<span style='color:#b35c00;white-space:normal'>{figures[0]}</span>"
         parts += figures
+        # A label and its value stay on one line ("CPU 100%"): the line breaks between parts only.
+        parts = [f"<span style='white-space:nowrap'>{part}</span>" for part in parts]
         # Bokeh's toolbar icons take their colour from this variable (it reaches into their shadow DOM).
         return (f"<style>.{LIVE_TAG}{{--bokeh-icon-color:var(--jp-ui-font-color2,#747679)}}</style>"
                 "<div style='font-family:var(--jp-ui-font-family,sans-serif);font-size:12px;"

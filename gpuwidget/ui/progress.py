@@ -11,6 +11,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from gpuwidget.measure.tuner import Trial, TrialCallback, trial_line
+from gpuwidget.report import fmt_seconds
 
 
 class TuningProgress:
@@ -26,9 +27,19 @@ class TuningProgress:
         self._box: Any = ipywidgets.HBox([self._bar, self._label])
         display(self._box)
 
+    def planned(self, estimate_s: float, settings: int) -> None:
+        """The tuner's plan: the bar runs over the time it announced, not the budget."""
+        self._bar.max = max(estimate_s, 0.1)
+        self._label.value = f"{settings} settings, about {fmt_seconds(estimate_s)}" if settings else \
+            f"at most {fmt_seconds(estimate_s)}"
+
     def __call__(self, trial: Trial, elapsed_s: float) -> None:
+        self.line(trial_line(trial), elapsed_s)
+
+    def line(self, text: str, elapsed_s: float) -> None:
+        """A measurement's progress (gpuwidget.measure.plan): what it is doing, seconds since it began."""
         self._bar.value = min(elapsed_s, self._bar.max)
-        self._label.value = trial_line(trial)
+        self._label.value = text
 
     def close(self) -> None:
         for widget in (self._bar, self._label, self._box):
@@ -48,18 +59,27 @@ class DisplayProgress:
         self._handle: Any = display(self._bundle(0.0, "starting"), raw=True,
                                     display_id=f"gpuwidget-tuning-{uuid.uuid4().hex}")
 
+    def planned(self, estimate_s: float, settings: int) -> None:
+        """The tuner's plan: the bar runs over the time it announced, not the budget."""
+        self._budget_s = max(estimate_s, 0.1)
+        self._handle.update(self._bundle(0.0, f"{settings} settings, about {fmt_seconds(estimate_s)}" if settings
+                                         else f"at most {fmt_seconds(estimate_s)}"), raw=True)
+
     def _bundle(self, elapsed_s: float, label: str) -> dict[str, str]:
         import html
 
         done = min(elapsed_s, self._budget_s)
-        text = f"tuning {done:.0f}/{self._budget_s:.0f} s: {label}"
+        text = f"tuning {fmt_seconds(done)} of {fmt_seconds(self._budget_s)}: {label}"
         return {"text/plain": text,
                 "text/html": f"<div class='gpuwidget-tuning'><progress value='{done:.1f}' "
                              f"max='{self._budget_s:.1f}' aria-label='tuning'></progress> "
                              f"{html.escape(text)}</div>"}
 
     def __call__(self, trial: Trial, elapsed_s: float) -> None:
-        self._handle.update(self._bundle(elapsed_s, trial_line(trial)), raw=True)
+        self.line(trial_line(trial), elapsed_s)
+
+    def line(self, text: str, elapsed_s: float) -> None:
+        self._handle.update(self._bundle(elapsed_s, text), raw=True)
 
     def close(self) -> None:
         self._handle.update({"text/plain": ""}, raw=True)

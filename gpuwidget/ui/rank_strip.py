@@ -215,7 +215,9 @@ class RankStrip:
                 process.p50 = (float(recent[middle] if len(recent) % 2 else (recent[middle - 1] + recent[middle]) / 2)
                                if len(recent) else None)
                 process.changed = False
-        trained.sort(key=lambda p: (p.rank is None, p.rank if p.rank is not None else 0, p.pid or 0))
+        # By rank; of the unranked, the watch's own process first (as the panel's run.ranks lists it,
+        # gpuwidget.children.ranks.merge), then the children by pid: the same order whatever the pids are.
+        trained.sort(key=lambda p: (p.rank is None, p.rank if p.rank is not None else 0, not p.own, p.pid or 0))
         entries = [process.entry() for process in trained]
         finding = rank_straggler.check({}, cast(WorkloadFacts, {"ranks": entries}), {})
         slow_pid = finding.evidence.get("pid") if finding is not None else None

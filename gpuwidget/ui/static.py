@@ -151,7 +151,7 @@ class StaticView:
         values = last[1] if last else {}
         elapsed = self.trace.now()
         title = " ".join(["gpuwidget · watching", *([self.label] if self.label else []), f"· {elapsed:.1f} s"])
-        line = " | ".join([title, *status_parts(values, self._gpus, self._gpu_message, self._sm)])
+        line = fit_parts([title, *status_parts(values, self._gpus, self._gpu_message, self._sm)], HEADER_CHARS)
         self.rank_rows = rows = self._strip.update()
         text = "\n".join([line, *text_lines(self._strip, rows)])
         return {"image/svg+xml": self.svg(line, rows), "text/plain": text}
@@ -171,7 +171,7 @@ class StaticView:
 
         parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}" '
                  f'viewBox="0 0 {WIDTH} {height}" font-family="sans-serif" font-size="10" fill="{TEXT_COLOR}">',
-                 f'<text x="2" y="11" font-size="11">{html.escape(_fit(header, HEADER_CHARS))}</text>']
+                 f'<text x="2" y="11" font-size="11">{html.escape(header)}</text>']
         for x0, x1 in self._wait_pixels(plot_w, x_scale):
             parts.append(f'<rect x="{LEFT + x0}" y="{TOP}" width="{x1 - x0}" height="{plot_h}" '
                          f'fill="{WAIT_COLOR}" fill-opacity="0.3"/>')
@@ -266,8 +266,17 @@ class StaticView:
         return [(int(a), int(b)) for a, b in zip(edges[0::2], edges[1::2])]
 
 
-def _fit(text: str, chars: int) -> str:
-    return text if len(text) <= chars else text[: chars - 1] + "…"
+def fit_parts(parts: list[str], chars: int, separator: str = " | ") -> str:
+    """The header's parts joined within ``chars``: every part stays (the CPU figure after a long no-GPU
+    notice too), the longest is shortened at a word with "…" until the line fits."""
+    parts = list(parts)
+    while len(separator.join(parts)) > chars:
+        longest = max(range(len(parts)), key=lambda i: len(parts[i]))
+        words = parts[longest].rstrip("…").split(" ")
+        if len(words) < 2:
+            break
+        parts[longest] = " ".join(words[:-1]).rstrip(" :,(") + "…"
+    return separator.join(parts)
 
 
 def _points(xs: np.ndarray, ys: np.ndarray) -> str:

@@ -9,7 +9,7 @@
 import uPlot from 'uplot';
 
 import { formatClock } from './format';
-import { IChartDef, ColorRole, tickLabel } from './metrics';
+import { IChartDef, ColorRole, tickIncrements, tickLabel } from './metrics';
 import { Reading } from './protocol';
 
 /** The JupyterLab theme variable behind each line colour. */
@@ -148,6 +148,7 @@ export class TimeChart {
           font: palette.font,
           size: VALUE_AXIS_WIDTH,
           space: 20,
+          incrs: tickIncrements(def.unit),
           grid: { stroke: () => palette.grid, width: 1 },
           ticks: { show: false },
           values: (_u, splits) =>

@@ -120,16 +120,16 @@ export function baseName(path: string): string {
 }
 
 /**
- * What to say under "No NVIDIA GPU found", from the server's message: the server's
- * reason without repeating the headline ("no NVIDIA GPU found (driver not loaded)" ->
- * "driver not loaded"); empty when it says nothing more.
+ * What to say under "No GPU found", from the server's message: the server's
+ * reason without repeating the headline ("no GPU found (the NVIDIA driver is not loaded)" ->
+ * "the NVIDIA driver is not loaded"); empty when it says nothing more.
  */
 export function noGpuDetail(message: string | null | undefined): string {
   if (!message) {
     return '';
   }
   const trimmed = message.trim();
-  const headline = /^no nvidia gpus? (?:was |were )?found\s*/i;
+  const headline = /^no (?:nvidia |amd )?gpus? (?:was |were )?found\s*/i;
   if (!headline.test(trimmed)) {
     return trimmed;
   }

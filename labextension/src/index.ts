@@ -31,10 +31,10 @@ import { GpuStatusItem } from './statusbar';
 /* eslint-enable jupyter/prefer-lazy-imports */
 
 /**
- * The plugin id; the lab extension's package name is "gpuwidget", and the settings
- * schema is labextension/schema/plugin.json.
+ * The plugin id: the lab extension's package name ("jupyterlab-gpuwidget"), then the settings
+ * schema's file name (labextension/schema/plugin.json), as JupyterLab finds settings by it.
  */
-export const PLUGIN_ID = 'gpuwidget:plugin';
+export const PLUGIN_ID = 'jupyterlab-gpuwidget:plugin';
 
 const OPEN_COMMAND = 'gpuwidget:open-sidebar';
 

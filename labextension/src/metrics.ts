@@ -13,8 +13,21 @@ import {
   formatWattsOf,
   shortNumber
 } from './format';
-import { ConnectionState, SeriesBuffer } from './model';
-import { IDeviceInfo, IDevicesReply, IHostInfo, Reading } from './protocol';
+import {
+  ConnectionState,
+  IStalledState,
+  NOTHING_STALLED,
+  SeriesBuffer,
+  latestReading,
+  staleAgeS
+} from './model';
+import {
+  IDeviceInfo,
+  IDevicesReply,
+  IHostInfo,
+  IStaleDevice,
+  Reading
+} from './protocol';
 
 /** The GPU charts a user can choose in the settings (schema: `metrics`). */
 export type GpuMetric =
@@ -227,6 +240,24 @@ export function splitReported(
   return { shown, unreported };
 }
 
+/**
+ * Tick steps of a byte (or byte-rate) axis: round numbers of the unit its labels and the
+ * readouts use (1 GB = 2^30 bytes, format.ts), so an 80 GB GPU's axis reads 0, 40G, 80G beside
+ * "35/80 GB", never uPlot's decimal steps (50e9 bytes would read "47G").
+ */
+const BINARY_STEPS = [1, 2, 2.5, 4, 5, 10, 20, 25, 40, 50, 100, 200, 250, 500];
+export const BYTE_TICK_INCREMENTS: number[] = [];
+for (let exponent = 0; exponent <= 5; exponent++) {
+  for (const step of BINARY_STEPS) {
+    BYTE_TICK_INCREMENTS.push(step * 1024 ** exponent);
+  }
+}
+
+/** The tick steps an axis of `unit` takes; undefined: uPlot's own (decimal) steps. */
+export function tickIncrements(unit: Unit): number[] | undefined {
+  return unit === 'bytes' || unit === 'rate' ? BYTE_TICK_INCREMENTS : undefined;
+}
+
 /** Axis tick labels per unit, kept short for a narrow panel. */
 export function tickLabel(unit: Unit, value: number): string {
   switch (unit) {
@@ -244,11 +275,12 @@ export function tickLabel(unit: Unit, value: number): string {
 }
 
 /**
- * "GPU0" for the first device, as nvidia-smi numbers it where the server says (`nvml_index`);
+ * "GPU0" for the first device, as its driver (nvidia-smi, amd-smi) numbers it where the server says
+ * (`driver_index`);
  * a MIG instance "GPU0/GI5": its GPU and its GPU instance id, as nvidia-smi and dcgm-exporter name it.
  */
 export function deviceLabel(device: IDeviceInfo): string {
-  const gpu = `GPU${device.nvml_index ?? device.index}`;
+  const gpu = `GPU${device.driver_index ?? device.index}`;
   if (
     device.is_mig &&
     device.gpu_instance_id !== null &&
@@ -268,11 +300,65 @@ export function gpuReadout(device: IDeviceInfo, latest: Latest): string {
   return `${device.gpm ? `SM ${busy}` : busy} · ${formatBytesOf(latest(`${id}.mem_used`), memoryTotal)}`;
 }
 
+/** A stale device in words: short for a row or a card's header, in full for a tooltip. */
+export interface IStaleNote {
+  /** "stopped 12 s ago". */
+  short: string;
+  /** "GPU5 stopped answering 12 s ago; its last values are shown, greyed." */
+  full: string;
+}
+
+/**
+ * What to say of a device whose readings stopped: `sinceS` seconds ago (as the sidebar's notice
+ * counts them), its last values read `ageS` seconds ago (null: it never answered). A device that
+ * stopped with another's source (one source read both) says so.
+ */
+export function staleNote(
+  device: IDeviceInfo,
+  stale: IStaleDevice,
+  sinceS: number | null,
+  ageS: number | null
+): IStaleNote {
+  const since = sinceS === null ? '' : ` ${formatAge(sinceS)}`;
+  const label = deviceLabel(device);
+  const shown =
+    stale.t === null || ageS === null
+      ? 'it gave no values before.'
+      : `its last values (read ${formatAge(ageS)}) are shown, greyed.`;
+  const stopped = stale.hung
+    ? `${label} stopped answering${since}`
+    : `${label} is no longer read: ${stale.source}, read by the same source, stopped answering${since}`;
+  return {
+    short: sinceS === null ? 'stopped answering' : `stopped${since}`,
+    full: `${stopped}; ${shown}`
+  };
+}
+
+/** The stale note of `device` as of `nowS`, or null while its readings go on. */
+export function staleNoteOf(
+  device: IDeviceInfo,
+  stalled: IStalledState,
+  nowS: number
+): IStaleNote | null {
+  const stale = stalled.devices[device.id];
+  if (!stale) {
+    return null;
+  }
+  const ageS = staleAgeS(stalled, device.id, nowS);
+  const source = stalled.sources.find(entry => entry.source === stale.source);
+  const sinceS = source
+    ? source.since_s + Math.max(0, nowS - stalled.receivedS)
+    : ageS;
+  return staleNote(device, stale, sinceS, ageS);
+}
+
 export interface IStatusSummary {
   text: string;
   title: string;
   /** True when the values are not being updated (panel closed or connection lost). */
   stale: boolean;
+  /** What stopped answering ("GPU5 stopped answering 12 s ago"), or null. */
+  warning: string | null;
 }
 
 /** A poll's values count as current for this many poll periods (one lost answer is no news). */
@@ -334,23 +420,27 @@ function freshness(
  * The status-bar line: "GPU0 87% · 41/80 GB" (and "+3" more GPUs), "No GPU · CPU 12%"
  * on a machine without one. While the panel is closed the controller polls the latest
  * values every few seconds; whenever they are not current the line keeps the last
- * values and its tooltip says how old they are and why.
+ * values and its tooltip says how old they are and why. A GPU that stopped answering
+ * keeps its last values too, the line ends in "⚠" and the tooltip says which and since
+ * when; the others stay live.
  */
 export function statusSummary(
   devices: IDevicesReply | null,
   series: SeriesBuffer,
   connection: ConnectionState,
-  nowS: number
+  nowS: number,
+  stalled: IStalledState = NOTHING_STALLED
 ): IStatusSummary {
-  const latest: Latest = column => series.latest(column);
+  const latest: Latest = column => latestReading(series, stalled, column);
   const lastTime = series.lastTime();
   let text: string;
   const lines: string[] = [];
+  const warnings: string[] = [];
   if (!devices || lastTime === null) {
     text = 'GPU';
   } else if (!devices.gpu_found || devices.devices.length === 0) {
     text = `No GPU · CPU ${formatPercent(latest('cpu.util'))}`;
-    lines.push(devices.message ?? 'No NVIDIA GPU found.');
+    lines.push(devices.message ?? 'No GPU found.');
   } else {
     const [first, ...others] = devices.devices;
     text = `${deviceLabel(first)} ${gpuReadout(first, latest)}`;
@@ -358,8 +448,12 @@ export function statusSummary(
       text += ` +${others.length}`;
     }
     for (const device of devices.devices) {
+      const note = staleNoteOf(device, stalled, nowS);
+      if (note) {
+        warnings.push(note.full.slice(0, note.full.indexOf(';')));
+      }
       lines.push(
-        `${deviceLabel(device)} ${device.name}: ${busyText(device, latest)} · ${formatBytesOf(latest(`${device.id}.mem_used`), positive(device.memory_total) ?? latest(`${device.id}.mem_total`))}`
+        `${deviceLabel(device)} ${device.name}: ${busyText(device, latest)} · ${formatBytesOf(latest(`${device.id}.mem_used`), positive(device.memory_total) ?? latest(`${device.id}.mem_total`))}${note ? ` (${note.full})` : ''}`
       );
     }
   }
@@ -372,5 +466,13 @@ export function statusSummary(
   if (line) {
     lines.push(line);
   }
-  return { text, title: lines.join('\n'), stale };
+  if (warnings.length) {
+    text += ' ⚠';
+  }
+  return {
+    text,
+    title: lines.join('\n'),
+    stale,
+    warning: warnings.length ? warnings.join('; ') : null
+  };
 }

@@ -16,9 +16,11 @@ import {
   IDevicesReply,
   IProcessInfo,
   ISnapshotReply,
+  IStaleDevice,
   IStalledSource,
   Reading,
-  ServerMessage
+  ServerMessage,
+  StaleDevices
 } from './protocol';
 
 /** More points than this per series buys nothing on a sidebar a few hundred pixels wide. */
@@ -250,10 +252,52 @@ export type ClusterState =
   /** The route itself failed; `last` is the previous good reply, kept on screen. */
   | { kind: 'error'; message: string; last: IClusterReply | null };
 
-/** The sources that stopped answering, as of `receivedS` (client clock, epoch seconds). */
+/**
+ * The sources that stopped answering and the devices whose readings stopped with them,
+ * as of `receivedS` (client clock, epoch seconds).
+ */
 export interface IStalledState {
   sources: IStalledSource[];
+  devices: StaleDevices;
   receivedS: number;
+}
+
+export const NOTHING_STALLED: IStalledState = {
+  sources: [],
+  devices: {},
+  receivedS: 0
+};
+
+/** The device a metric belongs to: `gpu3` for `gpu3.util` (the host's `cpu` for `cpu.util`). */
+export function deviceOf(column: string): string {
+  const dot = column.indexOf('.');
+  return dot < 0 ? column : column.slice(0, dot);
+}
+
+/**
+ * The newest reading of `column`: a stale device's last value (greyed by the views), else
+ * the newest in `series`.
+ */
+export function latestReading(
+  series: SeriesBuffer,
+  stalled: IStalledState,
+  column: string
+): Reading {
+  const stale: IStaleDevice | undefined = stalled.devices[deviceOf(column)];
+  return stale ? (stale.values[column] ?? null) : series.latest(column);
+}
+
+/** Seconds since a stale device's last values, as of `nowS`; null when not stale or never read. */
+export function staleAgeS(
+  stalled: IStalledState,
+  id: string,
+  nowS: number
+): number | null {
+  const stale = stalled.devices[id];
+  if (!stale || stale.age_s === null) {
+    return null;
+  }
+  return stale.age_s + Math.max(0, nowS - stalled.receivedS);
 }
 
 /**
@@ -265,7 +309,7 @@ export class SidebarModel {
   processes: Record<string, IProcessInfo[]> = {};
   processesTime: number | null = null;
   connection: ConnectionState = { kind: 'stopped' };
-  stalled: IStalledState = { sources: [], receivedS: 0 };
+  stalled: IStalledState = NOTHING_STALLED;
   cluster: ClusterState = { kind: 'off' };
   /** The sampling interval this client asks for, seconds. */
   requestedInterval: number;
@@ -289,6 +333,11 @@ export class SidebarModel {
   /** Seconds of history the charts span: as long as the server keeps. */
   get historyS(): number {
     return this.devices ? this.devices.history_s : DEFAULT_HISTORY_S;
+  }
+
+  /** The newest reading of `column`; a stale device's last one (see `latestReading`). */
+  latest(column: string): Reading {
+    return latestReading(this.series, this.stalled, column);
   }
 
   /** Emitted after every change, with what changed. */
@@ -341,7 +390,7 @@ export class SidebarModel {
     if (t !== null && (last === null || t > last)) {
       this.series.push(t, values);
     }
-    this._setStalled(snapshot.stalled);
+    this._setStalled(snapshot.stalled, snapshot.stale);
     if (snapshot.processes) {
       this.handle(snapshot.processes);
     }
@@ -351,7 +400,7 @@ export class SidebarModel {
   handle(message: ServerMessage): void {
     switch (message.type) {
       case 'hello':
-        this._setStalled(message.stalled);
+        this._setStalled(message.stalled, message.stale);
         this.setDevices(message.devices);
         break;
       case 'history':
@@ -362,7 +411,7 @@ export class SidebarModel {
         this._emit('data');
         break;
       case 'sample':
-        this._setStalled(message.stalled);
+        this._setStalled(message.stalled, message.stale);
         this.series.push(message.t, message.values);
         this._markLive();
         this._emit('data');
@@ -375,8 +424,15 @@ export class SidebarModel {
     }
   }
 
-  private _setStalled(sources: IStalledSource[] | undefined): void {
-    this.stalled = { sources: sources ?? [], receivedS: Date.now() / 1000 };
+  private _setStalled(
+    sources: IStalledSource[] | undefined,
+    devices: StaleDevices | undefined
+  ): void {
+    this.stalled = {
+      sources: sources ?? [],
+      devices: devices ?? {},
+      receivedS: Date.now() / 1000
+    };
   }
 
   private _markLive(): void {

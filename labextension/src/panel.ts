@@ -19,6 +19,7 @@ import { ClusterView } from './clusterview';
 import {
   NO_VALUE,
   baseName,
+  formatAge,
   formatBytes,
   formatClock,
   noGpuDetail
@@ -30,9 +31,11 @@ import {
   Latest,
   deviceLabel,
   gpuCharts,
+  IStaleNote,
   gpuReadout,
   hostCharts,
-  splitReported
+  splitReported,
+  staleNoteOf
 } from './metrics';
 import {
   IStalledState,
@@ -40,7 +43,12 @@ import {
   SidebarModel,
   visibleRange
 } from './model';
-import { GpuOverview, OVERVIEW_MIN_GPUS, overviewRows } from './overview';
+import {
+  GpuOverview,
+  OVERVIEW_MIN_GPUS,
+  holderOf,
+  overviewRows
+} from './overview';
 import { IDeviceInfo, IProcessInfo } from './protocol';
 import { element } from './dom';
 
@@ -52,9 +60,10 @@ export const CARDS_COLLAPSED_FROM = 4;
 /** "GPU 1 stopped answering 12 s ago" for each stalled source, as of `nowS`. */
 export function stalledLines(stalled: IStalledState, nowS: number): string[] {
   const elapsed = Math.max(0, nowS - stalled.receivedS);
+  // As a stale GPU's row counts it (metrics.ts staleNote): one figure, one rounding.
   return stalled.sources.map(
     ({ source, since_s }) =>
-      `${source} stopped answering ${Math.round(since_s + elapsed)} s ago`
+      `${source} stopped answering ${formatAge(since_s + elapsed)}`
   );
 }
 
@@ -269,7 +278,7 @@ export class GpuPanel extends Widget {
     if (connection.kind === 'missing' || !devices) {
       return connection.kind;
     }
-    const latest: Latest = column => series.latest(column);
+    const latest: Latest = column => this.model.latest(column);
     const charts = devices.devices.map(device =>
       splitReported(gpuCharts(device, this._metrics, latest), series).shown.map(
         c => c.key
@@ -340,7 +349,7 @@ export class GpuPanel extends Widget {
       (!devices.gpu_found || devices.devices.length === 0)
     ) {
       this._notice.className = 'jp-gpuwidget-notice jp-gpuwidget-notice-info';
-      this._notice.appendChild(element('strong', '', 'No NVIDIA GPU found'));
+      this._notice.appendChild(element('strong', '', 'No GPU found'));
       const detail = noGpuDetail(devices.message);
       if (detail) {
         this._notice.appendChild(element('p', 'jp-gpuwidget-reason', detail));
@@ -396,8 +405,7 @@ export class GpuPanel extends Widget {
   }
 
   private _renderOverview(): void {
-    const { devices, connection, series, processes, processesTime } =
-      this.model;
+    const { devices, connection, processes, processesTime } = this.model;
     const gpus =
       devices && connection.kind !== 'missing' ? devices.devices : [];
     const show = gpus.length >= OVERVIEW_MIN_GPUS;
@@ -405,10 +413,25 @@ export class GpuPanel extends Widget {
     if (!show) {
       return;
     }
-    const latest: Latest = column => series.latest(column);
+    const latest: Latest = column => this.model.latest(column);
     // Before the first scan (t null, nothing listed) the holders read "–", not "free".
     const listed = processesTime !== null || Object.keys(processes).length > 0;
-    this._overview.update(overviewRows(gpus, latest, processes, listed));
+    this._overview.update(
+      overviewRows(gpus, latest, processes, listed, this._staleNotes())
+    );
+  }
+
+  /** The notes of the GPUs whose readings stopped, by device id, as of now. */
+  private _staleNotes(): Record<string, IStaleNote> {
+    const notes: Record<string, IStaleNote> = {};
+    const nowS = Date.now() / 1000;
+    for (const device of this.model.devices?.devices ?? []) {
+      const note = staleNoteOf(device, this.model.stalled, nowS);
+      if (note) {
+        notes[device.id] = note;
+      }
+    }
+    return notes;
   }
 
   private _isFolded(card: ICard): boolean {
@@ -458,7 +481,7 @@ export class GpuPanel extends Widget {
     if (!devices || connection.kind === 'missing') {
       return;
     }
-    const latest: Latest = column => series.latest(column);
+    const latest: Latest = column => this.model.latest(column);
     for (const device of devices.devices) {
       const { shown, unreported } = splitReported(
         gpuCharts(device, this._metrics, latest),
@@ -522,6 +545,8 @@ export class GpuPanel extends Widget {
       const chevron = element('span', 'jp-gpuwidget-chevron');
       chevron.setAttribute('aria-hidden', 'true');
       readout = element('span', 'jp-gpuwidget-card-readout');
+      // The whole title shows (no ellipsis), so its tooltip is for a title longer than the panel.
+      toggle.title = title;
       toggle.append(chevron, titleNode, readout);
       header.appendChild(toggle);
     } else {
@@ -583,7 +608,8 @@ export class GpuPanel extends Widget {
 
   private _renderData(): void {
     const series = this.model.series;
-    const latest: Latest = column => series.latest(column);
+    const latest: Latest = column => this.model.latest(column);
+    const notes = this._staleNotes();
     const times = series.times();
     const [xMin, xMax] = visibleRange(
       series.firstTime(),
@@ -600,8 +626,10 @@ export class GpuPanel extends Widget {
       return values;
     };
     for (const card of this._cards) {
+      const note = card.device ? (notes[card.device.id] ?? null) : null;
+      this._renderStale(card, note);
       if (card.readout && card.device) {
-        const text = gpuReadout(card.device, latest);
+        const text = `${gpuReadout(card.device, latest)}${note ? ` · ${note.short}` : ''}`;
         if (card.readout.textContent !== text) {
           card.readout.textContent = text;
         }
@@ -620,26 +648,51 @@ export class GpuPanel extends Widget {
     }
   }
 
+  /**
+   * A GPU whose readings stopped: its card greyed, its last values kept, and a line saying
+   * since when (`note`); null clears it.
+   */
+  private _renderStale(card: ICard, note: IStaleNote | null): void {
+    card.node.classList.toggle('jp-mod-stale', note !== null);
+    let line = card.node.querySelector<HTMLElement>('.jp-gpuwidget-card-stale');
+    if (!note) {
+      line?.remove();
+      return;
+    }
+    if (!line) {
+      line = element('p', 'jp-gpuwidget-card-stale');
+      card.body.prepend(line);
+    }
+    const text = `⚠ ${note.full}`;
+    if (line.textContent !== text) {
+      line.textContent = text;
+    }
+  }
+
   private _renderProcesses(): void {
     for (const card of this._cards) {
-      if (card.processes) {
+      if (card.processes && card.device) {
         card.processes.replaceChildren(
-          this._processTable(this.model.processes[card.id] ?? null)
+          this._processTable(this.model.processes[card.id] ?? null, card.device)
         );
       }
     }
   }
 
-  private _processTable(processes: IProcessInfo[] | null): HTMLElement {
+  private _processTable(
+    processes: IProcessInfo[] | null,
+    device: IDeviceInfo
+  ): HTMLElement {
     if (processes === null) {
       return element('p', 'jp-gpuwidget-processes-empty', '');
     }
     if (processes.length === 0) {
-      return element(
-        'p',
-        'jp-gpuwidget-processes-empty',
-        'No processes on this GPU.'
-      );
+      // "No processes on this GPU.", or why a GPU in use names none.
+      const holder = holderOf([], {
+        memoryUsed: this.model.latest(`${device.id}.mem_used`),
+        foreignPidNamespace: device.foreign_pid_namespace === true
+      });
+      return element('p', 'jp-gpuwidget-processes-empty', holder.title);
     }
     const table = element('table', 'jp-gpuwidget-process-table');
     const head = table.createTHead().insertRow();

@@ -59,8 +59,10 @@ export interface IDeviceInfo {
   is_mig?: boolean;
   parent_uuid?: string | null;
   pci_bus_id?: string | null;
-  /** NVML's (nvidia-smi's) number of the GPU; a MIG instance's is its GPU's. */
-  nvml_index?: number | null;
+  /** "nvidia" or "amd". */
+  vendor?: string;
+  /** The driver's (nvidia-smi's, amd-smi's) number of the GPU; a MIG instance's is its GPU's. */
+  driver_index?: number | null;
   /** A GPU in MIG mode: its instances follow it in the list. */
   mig_mode?: boolean;
   /** A MIG instance's GPU instance id and profile (dcgm-exporter's GPU_I_ID, GPU_I_PROFILE). */
@@ -68,6 +70,11 @@ export interface IDeviceInfo {
   mig_profile?: string | null;
   /** SM activity is read (GPM: Hopper and newer): the busy figure is `sm_active`, not `util`. */
   gpm?: boolean;
+  /**
+   * The server runs in a PID namespace of its own (a container without the host's): the driver
+   * lists no process of the host's, so a GPU in use may show none.
+   */
+  foreign_pid_namespace?: boolean;
 }
 
 export interface IHostInfo {
@@ -78,7 +85,7 @@ export interface IHostInfo {
 /** The body of `GET /devices`, and the `devices` of the `hello` message. */
 export interface IDevicesReply {
   gpu_found: boolean;
-  /** Why no GPU is shown ("no NVIDIA GPU found (...)"), or null. */
+  /** Why no GPU is shown ("no GPU found (...)"), or null. */
   message: string | null;
   devices: IDeviceInfo[];
   host: IHostInfo;
@@ -97,7 +104,24 @@ export interface IDevicesReply {
 export interface IStalledSource {
   source: string;
   since_s: number;
+  /** The devices whose readings stopped with it (absent from older servers). */
+  devices?: string[];
 }
+
+/**
+ * A device whose readings stopped (its source stopped answering): its last values, read at
+ * `t` and `age_s` seconds old when the message was sent (both null when it never answered).
+ * `hung`: this device stopped answering; false when it stopped with a source that read it too.
+ */
+export interface IStaleDevice {
+  source: string;
+  hung: boolean;
+  t: number | null;
+  age_s: number | null;
+  values: Record<string, Reading>;
+}
+
+export type StaleDevices = Record<string, IStaleDevice>;
 
 /** A process holding memory on a GPU; other users' processes carry only `user` and `memory`. */
 export interface IProcessInfo {
@@ -118,6 +142,8 @@ export interface IHelloMessage {
   devices: IDevicesReply;
   /** Sources not answering now; absent from older servers (none). */
   stalled?: IStalledSource[];
+  /** Devices whose readings stopped, by id; absent from older servers (none). */
+  stale?: StaleDevices;
 }
 
 /**
@@ -137,6 +163,8 @@ export interface ISampleMessage {
   values: Record<string, Reading>;
   /** Sources not answering now; absent from older servers (none). */
   stalled?: IStalledSource[];
+  /** Devices whose readings stopped, by id; absent from older servers (none). */
+  stale?: StaleDevices;
 }
 
 export interface IProcessesMessage {
@@ -155,6 +183,7 @@ export interface ISnapshotReply {
   latest: { t: number | null; values: Record<string, Reading> };
   processes: IProcessesMessage | null;
   stalled: IStalledSource[];
+  stale: StaleDevices;
 }
 
 /** One GPU of the cluster as `GET /cluster` describes it (values aligned with the reply's times). */
@@ -223,8 +252,44 @@ export function parseStalled(value: unknown): IStalledSource[] {
     )
     .map(entry => ({
       source: entry.source as string,
-      since_s: Math.max(0, entry.since_s as number)
+      since_s: Math.max(0, entry.since_s as number),
+      devices: Array.isArray(entry.devices)
+        ? entry.devices.filter(
+            (device): device is string => typeof device === 'string'
+          )
+        : []
     }));
+}
+
+/**
+ * The `stale` field of a message, read defensively: entries of the wrong shape are left
+ * out, and no field at all means no device is stale.
+ */
+export function parseStale(value: unknown): StaleDevices {
+  const stale: StaleDevices = {};
+  if (!isObject(value)) {
+    return stale;
+  }
+  for (const [device, entry] of Object.entries(value)) {
+    if (!isObject(entry) || typeof entry.source !== 'string') {
+      continue;
+    }
+    const values: Record<string, Reading> = {};
+    if (isObject(entry.values)) {
+      for (const [name, reading] of Object.entries(entry.values)) {
+        values[name] = numberOrNull(reading);
+      }
+    }
+    const age = numberOrNull(entry.age_s);
+    stale[device] = {
+      source: entry.source,
+      hung: entry.hung !== false,
+      t: numberOrNull(entry.t),
+      age_s: age === null ? null : Math.max(0, age),
+      values
+    };
+  }
+  return stale;
 }
 
 /** True when `value` has the fields the sidebar relies on in a devices reply. */
@@ -281,7 +346,8 @@ export function parseMessage(text: string): ServerMessage | null {
       return isDevicesReply(value.devices)
         ? ({
             ...value,
-            stalled: parseStalled(value.stalled)
+            stalled: parseStalled(value.stalled),
+            stale: parseStale(value.stale)
           } as unknown as IHelloMessage)
         : null;
     case 'history':
@@ -292,7 +358,8 @@ export function parseMessage(text: string): ServerMessage | null {
       return isNumber(value.t) && isObject(value.values)
         ? ({
             ...value,
-            stalled: parseStalled(value.stalled)
+            stalled: parseStalled(value.stalled),
+            stale: parseStale(value.stale)
           } as unknown as ISampleMessage)
         : null;
     case 'processes':
@@ -325,7 +392,8 @@ export function parseSnapshot(value: unknown): ISnapshotReply | null {
     devices: value.devices,
     latest: { t: numberOrNull(latest.t), values },
     processes: processes?.type === 'processes' ? processes : null,
-    stalled: parseStalled(value.stalled)
+    stalled: parseStalled(value.stalled),
+    stale: parseStale(value.stale)
   };
 }
 

@@ -35,19 +35,21 @@ export class GpuStatusItem extends Widget {
 
   /** Redraw now (cheap: one line of text). */
   refresh(): void {
-    const { devices, series, connection } = this._model;
+    const { devices, series, connection, stalled } = this._model;
     const summary = statusSummary(
       devices,
       series,
       connection,
-      Date.now() / 1000
+      Date.now() / 1000,
+      stalled
     );
     this.node.textContent = summary.text;
     this.node.title = summary.title;
     // The tooltip is for the mouse; a screen reader gets the same through the label.
     this.node.setAttribute(
       'aria-label',
-      `GPU status: ${summary.text}${summary.stale ? ' (not current)' : ''}. Opens the GPU panel.`
+      `GPU status: ${summary.text.replace(' ⚠', '')}${summary.stale ? ' (not current)' : ''}.` +
+        `${summary.warning ? ` ${summary.warning}.` : ''} Opens the GPU panel.`
     );
     this.node.classList.toggle('jp-mod-stale', summary.stale);
   }

@@ -48,7 +48,8 @@ class FakeServer implements IGpuApi {
       devices: this.reply,
       latest: { t: this.snapshotT, values: { 'gpu0.util': 50 } },
       processes: null,
-      stalled: []
+      stalled: [],
+      stale: {}
     };
   }
 
@@ -233,7 +234,7 @@ describe('SidebarController', () => {
     await settle();
     server.greet();
     expect(model.devices?.gpu_found).toBe(false);
-    expect(model.devices?.message).toContain('no NVIDIA GPU found');
+    expect(model.devices?.message).toContain('no GPU found');
     expect(model.series.has('cpu.util')).toBe(true);
   });
 });

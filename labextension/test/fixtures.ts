@@ -34,7 +34,7 @@ export function gpuDevices(count = 1, interval = 1): IDevicesReply {
 export function noGpuDevices(): IDevicesReply {
   return {
     gpu_found: false,
-    message: 'no NVIDIA GPU found (NVML Shared Library Not Found)',
+    message: 'no GPU found (no NVIDIA or AMD GPU driver)',
     devices: [],
     host: { cpu_count: 2, mem_total: 8 * GiB },
     interval: 1,

@@ -74,6 +74,10 @@ describe('format', () => {
       'driver not loaded'
     );
     expect(noGpuDetail('no NVIDIA GPU found')).toBe('');
+    expect(
+      noGpuDetail('no GPU found (the NVIDIA driver is not loaded; no AMD GPU driver)')
+    ).toBe('the NVIDIA driver is not loaded; no AMD GPU driver');
+    expect(noGpuDetail('no GPU found')).toBe('');
     expect(noGpuDetail('NVML failed to start')).toBe('NVML failed to start');
     expect(noGpuDetail(null)).toBe('');
   });

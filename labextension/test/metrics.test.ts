@@ -5,6 +5,7 @@ import {
   hostCharts,
   splitReported,
   statusSummary,
+  tickIncrements,
   tickLabel
 } from '../src/metrics';
 import { SeriesBuffer } from '../src/model';
@@ -92,6 +93,38 @@ describe('charts', () => {
     expect(tickLabel('rate', 512 * 1024 ** 2)).toBe('512M/s');
     expect(tickLabel('watts', 350)).toBe('350W');
   });
+
+  /** The ticks uPlot draws on [0, max]: the first step at least `space` px apart (its rule). */
+  function ticks(max: number, heightPx: number, space = 20): string[] {
+    const steps = tickIncrements('bytes')!;
+    const step = steps.find(s => (s / max) * heightPx >= space)!;
+    const labels: string[] = [];
+    for (let value = 0; value <= max; value += step) {
+      labels.push(tickLabel('bytes', value));
+    }
+    return labels;
+  }
+
+  it('ticks a memory axis at round values of the unit the readouts use (1 GB = 2^30 bytes)', () => {
+    // An 80 GB GPU (80 GiB, "35/80 GB" in its readout) on a 56 px plot: not 0, 47G, 93G.
+    expect(ticks(80 * GiB, 56)).toEqual(['0', '40G', '80G']);
+    expect(ticks(80 * GiB, 120)).toEqual(['0', '20G', '40G', '60G', '80G']);
+    expect(ticks(141 * GiB, 56)).toEqual(['0', '100G']);
+    expect(ticks(24 * GiB, 56)).toEqual(['0', '10G', '20G']);
+    expect(ticks(1.5 * GiB, 56)).toEqual(['0', '1G']);
+    expect(ticks(512 * 1024 ** 2, 56)).toEqual(['0', '200M', '400M']);
+    // Every step reads exactly as what it is, in the unit of its label.
+    for (const step of tickIncrements('bytes')!) {
+      const [, number, prefix] = /^([\d.]+)([KMGTP]?)$/.exec(
+        tickLabel('bytes', step)
+      )!;
+      expect(Number(number) * 1024 ** ' KMGTP'.indexOf(prefix || ' ')).toBe(
+        step
+      );
+    }
+    expect(tickIncrements('rate')).toBe(tickIncrements('bytes'));
+    expect(tickIncrements('percent')).toBeUndefined();
+  });
 });
 
 describe('statusSummary', () => {
@@ -101,7 +134,8 @@ describe('statusSummary', () => {
     expect(live).toEqual({
       text: 'GPU0 87% · 41/80 GB',
       title: 'GPU0 NVIDIA H200: kernel running (nvidia-smi) 87% · 41/80 GB',
-      stale: false
+      stale: false,
+      warning: null
     });
     expect(
       statusSummary(gpuDevices(4), series, { kind: 'live' }, T0).text
@@ -126,7 +160,7 @@ describe('statusSummary', () => {
     const series = bufferWith({ 'cpu.util': 12 });
     const summary = statusSummary(noGpuDevices(), series, { kind: 'live' }, T0);
     expect(summary.text).toBe('No GPU · CPU 12%');
-    expect(summary.title).toContain('no NVIDIA GPU found');
+    expect(summary.title).toContain('no GPU found');
   });
 
   it('invites a click before anything was read', () => {
@@ -148,7 +182,7 @@ describe('SM activity and MIG', () => {
     ...hopper,
     id: 'gpu2',
     index: 2,
-    nvml_index: 0,
+    driver_index: 0,
     uuid: 'MIG-2',
     name: 'NVIDIA H100 80GB HBM3 MIG 2g.20gb',
     memory_total: 20 * GiB,
@@ -181,7 +215,7 @@ describe('SM activity and MIG', () => {
 
   it('names a MIG instance by its GPU and instance id and draws no utilisation line for it', () => {
     expect(deviceLabel(instance)).toBe('GPU0/GI5');
-    expect(deviceLabel({ ...hopper, nvml_index: 1, index: 3 })).toBe('GPU1');
+    expect(deviceLabel({ ...hopper, driver_index: 1, index: 3 })).toBe('GPU1');
     const [activity] = gpuCharts(instance, ['utilization'], () => null);
     expect(activity.lines.map(line => line.column)).toEqual(['gpu2.sm_active']);
     const series = bufferWith({

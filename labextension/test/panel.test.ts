@@ -6,9 +6,17 @@
 
 import { Widget } from '@lumino/widgets';
 
+import { formatCelsius } from '../src/format';
 import { GpuPanel, stalledLines } from '../src/panel';
 import { SidebarModel } from '../src/model';
-import { IProcessInfo } from '../src/protocol';
+import {
+  GpuOverview,
+  IDLE_RESERVE_BYTES,
+  OVERVIEW_COLUMNS,
+  holderOf,
+  overviewRows
+} from '../src/overview';
+import { IProcessInfo, ISampleMessage } from '../src/protocol';
 import { installFakeCanvas } from './fakes';
 import {
   GiB,
@@ -71,16 +79,16 @@ describe('GpuPanel', () => {
     panel.dispose();
   });
 
-  it('says "No NVIDIA GPU found" with the reason, and charts only the host', () => {
+  it('says "No GPU found" with the reason, and charts only the host', () => {
     const { model, panel } = mount();
     model.handle(hello(noGpuDevices()));
     model.handle(sample(T0, { 'cpu.util': 12, 'mem.used': 2 * GiB }));
     panel.render();
     expect(text(panel, '.jp-gpuwidget-notice strong')).toEqual([
-      'No NVIDIA GPU found'
+      'No GPU found'
     ]);
     expect(text(panel, '.jp-gpuwidget-reason')).toEqual([
-      'NVML Shared Library Not Found'
+      'no NVIDIA or AMD GPU driver'
     ]);
     expect(text(panel, '.jp-gpuwidget-card-title')).toEqual(['Host · 2 CPUs']);
     expect(text(panel, '.jp-gpuwidget-chart-value')).toEqual(['12%', '2/8 GB']);
@@ -204,10 +212,16 @@ function eightGpus(model: SidebarModel) {
   model.handle(sample(T0, values));
 }
 
+/** The overview's rows, each cell's text by its column's class (never by position). */
+const COLUMN_CLASSES = ['gpu', 'util', 'memory', 'power', 'holder'];
 const overviewCells = (panel: GpuPanel) =>
   Array.from(
     panel.node.querySelectorAll('.jp-gpuwidget-overview tbody tr')
-  ).map(row => Array.from(row.children).map(cell => cell.textContent?.trim()));
+  ).map(row =>
+    COLUMN_CLASSES.map(name =>
+      row.querySelector(`.jp-gpuwidget-overview-${name}`)?.textContent?.trim()
+    )
+  );
 
 describe('GpuPanel with many GPUs', () => {
   it('shows one overview row per GPU above the cards: utilisation, memory, power, holder', () => {
@@ -249,8 +263,15 @@ describe('GpuPanel with many GPUs', () => {
       '101 W',
       'another user'
     ]);
-    expect(rows[2][4]).toBe('free');
-    expect(rows[7]).toEqual(['GPU7', '70%', '8/80 GB', '107 W', 'free']);
+    // No process listed and 3 GB in use (above the driver's idle reserve): not "free".
+    expect(rows[2][4]).toBe('in use, holder not listed');
+    expect(rows[7]).toEqual([
+      'GPU7',
+      '70%',
+      '8/80 GB',
+      '107 W',
+      'in use, holder not listed'
+    ]);
     const bar = panel.node.querySelector(
       "[data-device='gpu7'] .jp-gpuwidget-bar-fill"
     ) as HTMLElement;
@@ -449,6 +470,7 @@ describe('GpuPanel stalled sources', () => {
             { source: 'GPU 1', since_s: 12.4 },
             { source: 'host', since_s: 3 }
           ],
+          devices: {},
           receivedS: now - 5
         },
         now
@@ -457,5 +479,242 @@ describe('GpuPanel stalled sources', () => {
       'GPU 1 stopped answering 17 s ago',
       'host stopped answering 8 s ago'
     ]);
+  });
+});
+
+/** Eight GPUs, GPU 5 stale: stopped answering `ageS - 1` seconds ago, its last values read `ageS` ago. */
+function gpuFiveStopped(
+  t: number,
+  ageS: number,
+  values: Record<string, number>
+): ISampleMessage {
+  const live: Record<string, number> = {};
+  for (const i of [0, 1, 2, 3, 4, 6, 7]) {
+    live[`gpu${i}.util`] = 10 * i + (t - T0);
+    live[`gpu${i}.mem_used`] = (i + 1) * GiB;
+  }
+  return {
+    type: 'sample',
+    t,
+    values: live,
+    stalled: [{ source: 'GPU 5', since_s: ageS - 1, devices: ['gpu5'] }],
+    stale: {
+      gpu5: {
+        source: 'GPU 5',
+        hung: true,
+        t: t - ageS,
+        age_s: ageS,
+        values: {
+          'gpu5.util': values.util,
+          'gpu5.mem_used': values.mem_used
+        }
+      }
+    }
+  };
+}
+
+describe('GpuPanel with one GPU that stopped answering', () => {
+  it('greys its row and card with its last values and their age; the other rows go on', () => {
+    const { model, panel } = mount();
+    eightGpus(model);
+    model.handle(processes({ gpu0: [ours('train.ipynb', 2 * GiB)] }));
+    model.handle(
+      gpuFiveStopped(T0 + 1, 12.2, { util: 35, mem_used: 40 * GiB })
+    );
+    panel.render();
+    const row = (id: string) =>
+      panel.node.querySelector(
+        `.jp-gpuwidget-overview [data-device='${id}']`
+      ) as HTMLElement;
+    const cell = (id: string, name: string) =>
+      row(id).querySelector(`.jp-gpuwidget-overview-${name}`) as HTMLElement;
+    expect(row('gpu5').classList.contains('jp-mod-stale')).toBe(true);
+    expect(cell('gpu5', 'util').textContent).toBe('35%');
+    expect(cell('gpu5', 'memory').textContent).toBe('40/80 GB');
+    // "stopped" counts as the notice above does; the tooltip gives the values' own age.
+    expect(cell('gpu5', 'holder').textContent).toBe('stopped 11 s ago');
+    expect(cell('gpu5', 'holder').title).toBe(
+      'GPU5 stopped answering 11 s ago; its last values (read 12 s ago) are shown, greyed.'
+    );
+    expect(
+      panel.node.querySelector('.jp-gpuwidget-stalled-text')!.textContent
+    ).toBe('⚠ GPU 5 stopped answering 11 s ago.');
+    expect(row('gpu4').classList.contains('jp-mod-stale')).toBe(false);
+    expect(cell('gpu0', 'holder').textContent).toBe('train.ipynb');
+    // The card: greyed, its header gives the last values and the age, its body says why.
+    const card = panel.node.querySelector(
+      ".jp-gpuwidget-card[data-device='gpu5']"
+    ) as HTMLElement;
+    expect(card.classList.contains('jp-mod-stale')).toBe(true);
+    expect(card.querySelector('.jp-gpuwidget-card-readout')!.textContent).toBe(
+      '35% · 40/80 GB · stopped 11 s ago'
+    );
+    expect(card.querySelector('.jp-gpuwidget-card-stale')!.textContent).toBe(
+      '⚠ GPU5 stopped answering 11 s ago; its last values (read 12 s ago) are shown, greyed.'
+    );
+
+    // The next samples: the live rows move, GPU 5 keeps its values and only ages.
+    model.handle(
+      gpuFiveStopped(T0 + 3, 14.2, { util: 35, mem_used: 40 * GiB })
+    );
+    panel.render();
+    expect(cell('gpu4', 'util').textContent).toBe('43%');
+    expect(cell('gpu7', 'util').textContent).toBe('73%');
+    expect(cell('gpu5', 'util').textContent).toBe('35%');
+    expect(cell('gpu5', 'holder').textContent).toBe('stopped 13 s ago');
+    expect(card.querySelector('.jp-gpuwidget-card-readout')!.textContent).toBe(
+      '35% · 40/80 GB · stopped 13 s ago'
+    );
+    expect(panel.node.querySelectorAll('.jp-mod-stale').length).toBe(2); // its row and its card, no other
+    panel.dispose();
+  });
+
+  it('names a GPU that stopped with another source as not read, and one that never answered', () => {
+    const { model, panel } = mount();
+    eightGpus(model);
+    model.handle({
+      type: 'sample',
+      t: T0 + 1,
+      values: {},
+      stalled: [{ source: 'GPU 1', since_s: 5, devices: ['gpu0', 'gpu1'] }],
+      stale: {
+        gpu0: { source: 'GPU 1', hung: false, t: T0, age_s: 5, values: {} },
+        gpu1: { source: 'GPU 1', hung: true, t: null, age_s: null, values: {} }
+      }
+    });
+    panel.render();
+    const holder = (id: string) =>
+      panel.node.querySelector(
+        `[data-device='${id}'] .jp-gpuwidget-overview-holder`
+      ) as HTMLElement;
+    expect(holder('gpu0').title).toBe(
+      'GPU0 is no longer read: GPU 1, read by the same source, stopped answering 5 s ago; its last values (read 5 s ago) are shown, greyed.'
+    );
+    expect(holder('gpu1').textContent).toBe('stopped 5 s ago');
+    expect(holder('gpu1').title).toBe(
+      'GPU1 stopped answering 5 s ago; it gave no values before.'
+    );
+    panel.dispose();
+  });
+});
+
+describe('the holder of a GPU the driver lists no process on', () => {
+  const gpu = { memoryUsed: 71 * GiB, foreignPidNamespace: true };
+  it('is "in use, holder not visible from this container" in a container, with its memory in use', () => {
+    expect(holderOf([], gpu)).toEqual({
+      text: 'in use, holder not visible from this container',
+      title:
+        "The driver lists no process on this GPU, but 71 GB of its memory is in use. This Jupyter server runs in a container without the host's PID namespace, where the driver shows no process of the host's.",
+      notebook: null
+    });
+    expect(holderOf([], { ...gpu, foreignPidNamespace: false }).text).toBe(
+      'in use, holder not listed'
+    );
+  });
+
+  it('is "free" up to the idle reserve of the driver, and in use above it', () => {
+    expect(holderOf([], { ...gpu, memoryUsed: IDLE_RESERVE_BYTES }).text).toBe(
+      'free'
+    );
+    expect(
+      holderOf([], { ...gpu, memoryUsed: IDLE_RESERVE_BYTES + 1 }).text
+    ).toBe('in use, holder not visible from this container');
+    expect(holderOf([], { ...gpu, memoryUsed: null }).text).toBe('free');
+    expect(holderOf([]).text).toBe('free');
+  });
+
+  it('says so in the overview and the card of a GPU in a container', () => {
+    const { model, panel } = mount();
+    const devices = gpuDevices(8);
+    devices.devices = devices.devices.map(device => ({
+      ...device,
+      foreign_pid_namespace: true
+    }));
+    model.handle(hello(devices));
+    model.handle(
+      sample(T0, {
+        'gpu4.util': 100,
+        'gpu4.mem_used': 71 * GiB,
+        'gpu2.mem_used': GiB / 2
+      })
+    );
+    model.handle(processes({ gpu2: [], gpu4: [] }));
+    panel.render();
+    const holder = (id: string) =>
+      panel.node.querySelector(
+        `[data-device='${id}'] .jp-gpuwidget-overview-holder`
+      )!.textContent;
+    expect(holder('gpu4')).toBe(
+      'in use, holder not visible from this container'
+    );
+    expect(holder('gpu2')).toBe('free');
+    expect(
+      panel.node.querySelector(
+        "[data-device='gpu4'] .jp-gpuwidget-processes-empty"
+      )!.textContent
+    ).toMatch(
+      /^The driver lists no process on this GPU, but 71 GB of its memory is in use\. This Jupyter server runs in a container/
+    );
+    panel.dispose();
+  });
+});
+
+describe('the overview columns as data', () => {
+  it('draws a column added as one entry: its heading, width, cells and updates, found by its class', () => {
+    const temperature = {
+      heading: 'Temp',
+      className: 'jp-gpuwidget-overview-temp',
+      kind: 'number' as const,
+      minWidth: '3.6em',
+      value: (row: { id: string; latest: (c: string) => number | null }) => ({
+        text: formatCelsius(row.latest(`${row.id}.temperature`))
+      })
+    };
+    const overview = new GpuOverview(() => undefined, null, [
+      ...OVERVIEW_COLUMNS,
+      temperature
+    ]);
+    document.body.appendChild(overview.node);
+    const devices = gpuDevices(3).devices;
+    let readings: Record<string, number> = { 'gpu1.temperature': 61 };
+    const rows = () =>
+      overviewRows(devices, column => readings[column] ?? null, {}, true);
+    overview.update(rows());
+    const headings = Array.from(overview.node.querySelectorAll('thead th'));
+    expect(headings.map(th => th.textContent)).toEqual([
+      'GPU',
+      'Busy',
+      'Memory',
+      'Power',
+      'Held by',
+      'Temp'
+    ]);
+    const head = overview.node.querySelector(
+      'thead .jp-gpuwidget-overview-temp'
+    ) as HTMLElement;
+    expect(head.style.minWidth).toBe('3.6em');
+    expect(head.classList.contains('jp-gpuwidget-number')).toBe(true);
+    const cell = () =>
+      overview.node.querySelector(
+        "[data-device='gpu1'] .jp-gpuwidget-overview-temp"
+      ) as HTMLElement;
+    expect(cell().textContent).toBe('61 °C');
+    const built = cell();
+    readings = { 'gpu1.temperature': 63 };
+    overview.update(rows());
+    expect(cell()).toBe(built); // updated in place
+    expect(cell().textContent).toBe('63 °C');
+    // The columns before it still read as they did, by class.
+    expect(
+      overview.node.querySelector(
+        "[data-device='gpu1'] .jp-gpuwidget-overview-gpu"
+      )!.textContent
+    ).toBe('GPU1');
+    // Its header's width: the last column takes what is left; the one before it now has a width.
+    const holderHead = overview.node.querySelector(
+      'thead .jp-gpuwidget-overview-holder'
+    ) as HTMLElement;
+    expect(holderHead.style.width).toBe('4em');
+    overview.node.remove();
   });
 });

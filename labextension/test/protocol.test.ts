@@ -5,6 +5,7 @@ import {
   parseClusterReply,
   parseMessage,
   parseSnapshot,
+  parseStale,
   parseStalled
 } from '../src/protocol';
 import { clusterReply, gpuDevices, history } from './fixtures';
@@ -19,16 +20,16 @@ describe('parseMessage', () => {
     ];
     for (const frame of frames) {
       const parsed = parseMessage(JSON.stringify(frame));
-      // hello and sample gain the (empty) list of stalled sources an older server leaves out.
+      // hello and sample gain the (empty) stalled sources and stale devices an older server leaves out.
       const stalled = ['hello', 'sample'].includes(frame.type)
-        ? { stalled: [] }
+        ? { stalled: [], stale: {} }
         : {};
       expect(parsed).toEqual({ ...frame, ...stalled });
     }
   });
 
   it('reads the stalled sources of samples and hellos, defensively', () => {
-    const stalled = [{ source: 'GPU 1', since_s: 12.4 }];
+    const stalled = [{ source: 'GPU 1', since_s: 12.4, devices: ['gpu1'] }];
     expect(
       parseMessage(
         JSON.stringify({ type: 'sample', t: 1, values: {}, stalled })
@@ -50,9 +51,48 @@ describe('parseMessage', () => {
         { source: 'host', since_s: -1 }
       ])
     ).toEqual([
-      { source: 'GPU 1', since_s: 3 },
-      { source: 'host', since_s: 0 }
+      { source: 'GPU 1', since_s: 3, devices: [] },
+      { source: 'host', since_s: 0, devices: [] }
     ]);
+  });
+
+  it('reads the stale devices of samples and hellos, their last values and age, defensively', () => {
+    const stale = {
+      gpu5: {
+        source: 'GPU 5',
+        hung: true,
+        t: 1764490110.6,
+        age_s: 13.4,
+        values: { 'gpu5.util': 35, 'gpu5.mem_used': 40 * 2 ** 30 }
+      }
+    };
+    expect(
+      parseMessage(JSON.stringify({ type: 'sample', t: 1, values: {}, stale }))
+    ).toMatchObject({ stale });
+    expect(
+      parseMessage(
+        JSON.stringify({ type: 'hello', devices: gpuDevices(), stale })
+      )
+    ).toMatchObject({ stale });
+    expect(parseStale(undefined)).toEqual({});
+    expect(parseStale([stale])).toEqual({});
+    expect(
+      parseStale({
+        gpu0: { source: 'GPU 0', t: null, age_s: null, values: null },
+        gpu1: { source: 'gpus', hung: false, age_s: -2, values: { x: 'y' } },
+        gpu2: { hung: true },
+        gpu3: 'GPU 3'
+      })
+    ).toEqual({
+      gpu0: { source: 'GPU 0', hung: true, t: null, age_s: null, values: {} },
+      gpu1: {
+        source: 'gpus',
+        hung: false,
+        t: null,
+        age_s: 0,
+        values: { x: null }
+      }
+    });
   });
 
   it('ignores unknown types and malformed frames', () => {
@@ -124,7 +164,8 @@ describe('parseSnapshot', () => {
       devices: gpuDevices(1),
       latest: { t: 5, values: { 'gpu0.util': 40 } },
       processes: { type: 'processes', t: 5, gpus: { gpu0: [] } },
-      stalled: [{ source: 'GPU 0', since_s: 2 }]
+      stalled: [{ source: 'GPU 0', since_s: 2, devices: [] }],
+      stale: {}
     });
   });
 
@@ -133,7 +174,8 @@ describe('parseSnapshot', () => {
     expect(parseSnapshot({ devices: gpuDevices(1) })).toMatchObject({
       latest: { t: null, values: {} },
       processes: null,
-      stalled: []
+      stalled: [],
+      stale: {}
     });
   });
 });

@@ -1,3 +1,5 @@
+import schema from '../schema/plugin.json';
+import { GPU_METRICS } from '../src/metrics';
 import { DEFAULT_SETTINGS, readSettings } from '../src/settings';
 
 describe('readSettings', () => {
@@ -26,5 +28,23 @@ describe('readSettings', () => {
     expect(readSettings({ statusInterval: 0.2 }).statusInterval).toBe(1);
     expect(readSettings({ statusInterval: 9999 }).statusInterval).toBe(300);
     expect(readSettings({ statusInterval: 'x' }).statusInterval).toBe(5);
+  });
+});
+
+describe('the settings schema', () => {
+  it('lists the GPU charts as titled rows, every one shown by default (not a multi-select)', () => {
+    const metrics = schema.properties.metrics;
+    expect(metrics.title).toBe('GPU charts');
+    expect(metrics.description).toMatch(/Remove a row to hide its chart/);
+    // uniqueItems with an enum of items is what JupyterLab's form draws as a bare multi-select box
+    // (four lines high: PCIe scrolled out of sight); without it, one titled row per chart.
+    expect('uniqueItems' in metrics).toBe(false);
+    expect(metrics.items.title).toBe('Chart');
+    expect(metrics.items.oneOf.map(option => option.const)).toEqual(
+      GPU_METRICS
+    );
+    expect(metrics.items.oneOf.every(option => option.title)).toBe(true);
+    expect(metrics.default).toEqual(GPU_METRICS);
+    expect(metrics.maxItems).toBe(GPU_METRICS.length);
   });
 });

@@ -63,7 +63,7 @@ def test_plot_data_grows_while_the_cell_runs_then_the_report_stays(lab, page):
     assert still_running, "the cell ended before growth could be observed"
     assert later >= early + 5, f"plot did not grow while the cell ran: {early} -> {later} points"
     header = page.locator(".widget-html-content").first.inner_text()
-    assert "watching" in header and "no NVIDIA GPU found" in header
+    assert "watching" in header and "no GPU found" in header
     # The loop waits on its loader: the waits are drawn as bands while it runs.
     wait_for(lambda: page.evaluate(BANDS_JS) >= 1, 10, "no data-wait band was drawn", page)
 
@@ -74,7 +74,7 @@ def test_plot_data_grows_while_the_cell_runs_then_the_report_stays(lab, page):
 
     # When the cell ends, the static panel replaces the live widget and survives saving.
     report = page.wait_for_selector(".gpuwidget-run[data-outcome='ok']", timeout=60_000)
-    assert "no NVIDIA GPU found" in report.inner_text()
+    assert "no GPU found" in report.inner_text()
     assert page.locator(".gpuwidget-run .gpuwidget-chart img").count() >= 1
     # Starved (more workers for train_loader), or CPU-bound where other suites hold the machine's
     # cores meanwhile (cheaper samples in the user's own Photos dataset).

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from conftest import open_notebook, run_all_cells, wait_for
+from conftest import open_notebook, readme_image, run_all_cells, wait_for
 
 pytestmark = pytest.mark.browser
 
@@ -85,6 +85,17 @@ def test_measure_saved_reopened_and_clicked(lab, page):
     table = page.locator(f"{NOTEBOOK} .gpuwidget-tune")
     table.wait_for(timeout=90_000)
     assert "num_workers" in table.inner_text()
+    # It continues the finding: the suggestion is a row, the chosen setting is a row, named as there.
+    rows = table.locator("tbody tr").all_inner_texts()
+    chosen = [row for row in rows if row.rstrip().endswith("chosen")]
+    assert len(chosen) == 1 and any("suggested" in row for row in rows), rows
+    verdict = table.locator(".gpuwidget-verdict").inner_text()
+    label = chosen[0].split("\t")[0].strip()
+    assert verdict.startswith(label) or verdict.startswith("The loader as it is"), (verdict, label)
+    assert "the suggested " in verdict and "None" not in table.inner_text()
+    # Its code has the panel's Copy button, shown in this trusted output.
+    assert table.locator(".gpuwidget-copy").is_visible()
+    table.screenshot(path=str(readme_image("measure.png")))
     assert not page.locator(f"{NOTEBOOK} .gpuwidget-measure").count()
     assert not page.locator(f"{NOTEBOOK} .gpuwidget-tuning").count()
 

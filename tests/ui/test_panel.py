@@ -11,7 +11,7 @@ import urllib.request
 
 import pytest
 
-from conftest import SCREENSHOTS, open_notebook, run_all_cells, wait_for
+from conftest import SCREENSHOTS, open_notebook, readme_image, run_all_cells, wait_for
 
 pytestmark = pytest.mark.browser
 
@@ -158,9 +158,15 @@ def test_panel_after_output_copyable_themed_small_and_reopens_clean(lab, wide_pa
 
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     page.evaluate("() => window.getSelection().removeAllRanges()")
-    page.set_viewport_size({"width": 1150, "height": 1700})  # the whole panel in one picture
+    page.set_viewport_size({"width": 1150, "height": 2400})  # the whole panel in one picture, under the toolbar
     panel.scroll_into_view_if_needed()
-    panel.screenshot(path=str(SCREENSHOTS / "panel-light.png"))
+    # One story: the headline is the first finding's cause and gain, as its card says them.
+    cause = panel.locator(".gpuwidget-cause").inner_text().strip()
+    first = panel.locator(".gpuwidget-finding").first
+    title = first.get_attribute("aria-label") or ""
+    gain = first.locator(".gpuwidget-gain").inner_text().strip() if first.locator(".gpuwidget-gain").count() else ""
+    assert cause.startswith(f"{title} {gain}".strip()), (cause, title, gain)
+    panel.screenshot(path=str(readme_image("panel-light.png")))
     # Dark theme: the code block is one colour (the code's own background is see-through).
     set_theme(page, "JupyterLab Dark")
     colours = page.evaluate("""() => { const pre = document.querySelector(
@@ -169,7 +175,7 @@ def test_panel_after_output_copyable_themed_small_and_reopens_clean(lab, wide_pa
                 pre: getComputedStyle(pre).backgroundColor}; }""")
     assert colours["code"] == "rgba(0, 0, 0, 0)", colours
     assert colours["pre"] not in ("rgb(255, 255, 255)", "rgba(0, 0, 0, 0)"), colours
-    panel.screenshot(path=str(SCREENSHOTS / "panel-dark.png"))
+    panel.screenshot(path=str(readme_image("panel-dark.png")))
     set_theme(page, "JupyterLab Light")
     page.set_viewport_size({"width": 1150, "height": 900})
 

@@ -1,14 +1,19 @@
 """In a real JupyterLab and browser, over 8 fake GPUs: the dense overview, the status bar before the
-sidebar is opened, keyboard operation, the dark theme, and a GPU that stops answering.
+sidebar is opened, keyboard operation, the dark theme, the settings' chart list, and a GPU that
+stops answering while the other seven go on.
 
 The JupyterLab runs this file as its launcher (``python test_sidebar_gpus.py serve ...``): the fake
 NVML (tests/fakenvml.py) has to be installed inside the server's own process. In there, a thread
 keeps the fake driver's process list current: the first kernel started (a notebook's) holds
 memory on GPU 0, the server itself on GPU 1; and once the test creates the file ``hang-gpu`` in
-the server's root, GPU 5's memory query stops returning, as a GPU falling off the bus does.
+the server's root, GPU 5's memory query stops returning, as a GPU falling off the bus does. The
+server runs as in a container without the host's PID namespace (``foreign_pid_namespace``): the
+GPUs in use that the driver lists no process on say so. Power moves every second, and GPU 0's
+memory every two, so a test can see the rows and the status bar update.
 
-README screenshots (docs/images/sidebar-gpus*.png) are refreshed by this test when
-``GPUWIDGET_README_IMAGES=1`` is set.
+Cells are found by their column's class (``.jp-gpuwidget-overview-holder``), never by position.
+README screenshots (docs/images/sidebar-gpus*.png, sidebar-stalled*.png) are refreshed by this
+test when ``GPUWIDGET_README_IMAGES=1`` is set.
 """
 
 from __future__ import annotations
@@ -45,6 +50,21 @@ TAB = ".jp-SideBar .lm-TabBar-tab[data-id='gpuwidget-sidebar']"
 STATUS_ITEM = ".jp-gpuwidget-statusitem"
 OVERVIEW_ROWS = ".jp-gpuwidget-overview tbody tr"
 TOGGLES = ".jp-gpuwidget-card-toggle"
+# The overview's cells, by column (labextension/src/overview.ts OVERVIEW_COLUMNS).
+GPU_CELL = ".jp-gpuwidget-overview-gpu"
+BUSY_CELL = ".jp-gpuwidget-overview-util"
+MEMORY_CELL = ".jp-gpuwidget-overview-memory"
+POWER_CELL = ".jp-gpuwidget-overview-power"
+HOLDER_CELL = ".jp-gpuwidget-overview-holder"
+IN_A_CONTAINER = "in use, holder not visible from this container"
+
+
+def row(page, gpu: int):
+    return page.locator(f"{OVERVIEW_ROWS}[data-device='gpu{gpu}']")
+
+
+def cell(page, gpu: int, column: str) -> str:
+    return row(page, gpu).locator(column).inner_text()
 
 
 # ------------------------------------------------------------------ the server process (this file as a script)
@@ -56,11 +76,24 @@ def _serve(argv: list[str]) -> None:
     import pynvml
 
     sys.path.insert(0, str(HERE.parent))
+    from gpuwidget.sources.nvml import source
+
     from fakenvml import FakeNvml, make_gpu
 
-    fake = FakeNvml([make_gpu(index, util=util, memory_used=int(MEMORY_GIB[index] * GIB), memory_total=80 * GIB,
-                              power_mw=90_000 + 6_000 * util, name="NVIDIA H100 80GB HBM3")
+    def power_mw(util: int):  # moves by a watt a second (the fake's ticks are 0.1 s)
+        return lambda tick: 90_000 + 6_000 * util + 1_000 * ((tick // 10) % 5)
+
+    def memory_used(index: int):  # GPU 0's moves by 1 GB every 2 s
+        steps = (lambda tick: (tick // 20) % 3) if index == 0 else (lambda tick: 0)
+        return lambda tick: int((MEMORY_GIB[index] + steps(tick)) * GIB)
+
+    # H100s read SM activity (GPM): the busy figure; here it equals the kernel-running share.
+    fake = FakeNvml([make_gpu(index, util=util, sm_active=float(util), memory_used=memory_used(index),
+                              memory_total=80 * GIB,
+                              power_mw=power_mw(util), name="NVIDIA H100 80GB HBM3")
                      for index, util in enumerate(UTIL)], real_time=True)
+    # As in a container without the host's PID namespace: this server's pid is another in the host's.
+    source.namespace_pids = lambda: [os.getpid() + 100_000, os.getpid()]
     root = Path.cwd()
     hung = threading.Event()
 
@@ -185,11 +218,11 @@ def test_status_bar_is_live_before_the_sidebar_is_opened_without_a_socket(gpu_la
     traffic = open_lab(page, gpu_lab)
     status = page.locator(STATUS_ITEM)
     start = time.monotonic()
-    wait_for(lambda: re.fullmatch(r"GPU0 92% · \d+/80 GB \+7", status.inner_text()), 20,
+    wait_for(lambda: re.fullmatch(r"GPU0 SM 92% · \d+/80 GB \+7", status.inner_text()), 20,
              f"the status bar did not show the GPUs with the sidebar closed: {status.inner_text()!r}", page)
     assert "jp-mod-stale" not in status.get_attribute("class")
     assert "Updated every 5 s while the GPU panel is closed" in status.get_attribute("title")
-    assert status.get_attribute("aria-label").startswith("GPU status: GPU0 92%")
+    assert status.get_attribute("aria-label").startswith("GPU status: GPU0 SM 92%")
     page.wait_for_timeout(2000)
     elapsed = time.monotonic() - start
     # Only the small snapshot, about every 5 s; no stream, no history.
@@ -209,20 +242,24 @@ def test_eight_gpus_at_a_glance_folded_cards_and_the_keyboard(gpu_lab, page):
     wait_for(lambda: traffic["sockets"], 10, "no stream after opening the sidebar", page)
 
     rows = page.locator(OVERVIEW_ROWS)
-    wait_for(lambda: rows.count() == GPUS and rows.nth(GPUS - 1).locator("td").nth(0).inner_text() == "51%", 20,
+    wait_for(lambda: rows.count() == GPUS and cell(page, GPUS - 1, BUSY_CELL) == "51%", 20,
              "the overview did not show 8 GPUs with their values", page)
     for index in range(GPUS):
         assert rows.nth(index).is_visible()
-    cells = [rows.nth(i).locator("th, td").all_inner_texts() for i in range(GPUS)]
-    assert [c[0] for c in cells] == [f"GPU{i}" for i in range(GPUS)]
-    assert [c[1] for c in cells] == [f"{u}%" for u in UTIL]
-    assert cells[3][2] == "35/80 GB"
-    assert all(re.fullmatch(r"\d+ W", c[3]) for c in cells), cells
+    assert [cell(page, i, GPU_CELL) for i in range(GPUS)] == [f"GPU{i}" for i in range(GPUS)]
+    assert [cell(page, i, BUSY_CELL) for i in range(GPUS)] == [f"{u}%" for u in UTIL]
+    assert cell(page, 3, MEMORY_CELL) == "35/80 GB"
+    powers = [cell(page, i, POWER_CELL) for i in range(GPUS)]
+    assert all(re.fullmatch(r"\d+ W", power) for power in powers), powers
     # Who holds each GPU: the notebook whose kernel holds GPU 0, the server's own process on GPU 1.
-    wait_for(lambda: rows.nth(0).locator("td").nth(3).inner_text() == "train.ipynb", 30,
-             f"GPU 0's holder is not the notebook: {rows.nth(0).inner_text()!r}", page)
-    assert rows.nth(1).locator("td").nth(3).inner_text() not in ("free", "–")
-    assert rows.nth(2).locator("td").nth(3).inner_text() == "free"
+    wait_for(lambda: cell(page, 0, HOLDER_CELL) == "train.ipynb", 30,
+             f"GPU 0's holder is not the notebook: {row(page, 0).inner_text()!r}", page)
+    assert cell(page, 1, HOLDER_CELL) not in ("free", "–")
+    # No process listed: free where the memory is the driver's idle reserve (0.5 GB), else in use by
+    # someone this container cannot see (GPU 4: 100% busy, 71 GB used), never "free".
+    assert cell(page, 2, HOLDER_CELL) == "free"
+    assert cell(page, 4, HOLDER_CELL) == IN_A_CONTAINER
+    assert "71 GB of its memory is in use" in row(page, 4).locator(HOLDER_CELL).get_attribute("title")
     # The cards below start folded, each header saying its values.
     toggles = page.locator(TOGGLES)
     assert toggles.count() == GPUS
@@ -250,7 +287,7 @@ def test_eight_gpus_at_a_glance_folded_cards_and_the_keyboard(gpu_lab, page):
 
     # At JupyterLab's default sidebar width the holder reads in full (the power column makes room
     # there); a longer one ends in an ellipsis, every process in the cell's tooltip.
-    holder = rows.nth(0).locator(".jp-gpuwidget-overview-holder")
+    holder = row(page, 0).locator(HOLDER_CELL)
     shown = holder.locator("button").evaluate(
         "node => ({fits: node.scrollWidth <= node.clientWidth, cut: getComputedStyle(node).textOverflow})")
     assert shown == {"fits": True, "cut": "ellipsis"}, shown
@@ -259,8 +296,14 @@ def test_eight_gpus_at_a_glance_folded_cards_and_the_keyboard(gpu_lab, page):
     # the overview with one card open, light and dark.
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     page.locator(PANEL).screenshot(path=str(SCREENSHOTS / "sidebar-gpus-narrow.png"))
+    # At this width a card's header shows the model's whole name (its readout goes below it if need be).
+    title = page.locator(".jp-gpuwidget-card[data-device='gpu0'] .jp-gpuwidget-card-title")
+    assert title.inner_text() == "GPU0 · NVIDIA H100 80GB HBM3"
+    fits = title.evaluate("node => node.scrollWidth <= node.clientWidth && node.getBoundingClientRect().right"
+                          " <= node.closest('.jp-gpuwidget-card').getBoundingClientRect().right")
+    assert fits, "the card header cuts the model name"
     widen_sidebar(page)
-    assert page.locator(f"{OVERVIEW_ROWS} td").nth(2).is_visible()  # the power column is back
+    assert row(page, 0).locator(POWER_CELL).is_visible()  # the power column is back
     page.locator(".jp-gpuwidget-card[data-device='gpu0'] .jp-gpuwidget-card-toggle").click()
     page.wait_for_timeout(1500)
     page.locator(PANEL).screenshot(path=str(readme_image("sidebar-gpus.png")))
@@ -280,14 +323,45 @@ def test_eight_gpus_at_a_glance_folded_cards_and_the_keyboard(gpu_lab, page):
     assert not any("/gpuwidget/api/cluster" in url for url in traffic["requests"]), traffic["requests"]
 
 
-def test_a_gpu_that_stops_answering_is_named_in_the_sidebar(gpu_lab, page):
+def test_the_settings_list_every_gpu_chart_by_name(gpu_lab, page):
+    open_lab(page, gpu_lab)
+    page.evaluate("window.jupyterapp.commands.execute('settingeditor:open', {query: 'GPU sidebar'})")
+    title = page.locator("[id='jp-SettingsEditor-gpuwidget:plugin_metrics-title']")
+    wait_for(lambda: title.count() and title.is_visible(), 30, "the settings editor shows no title for the charts",
+             page)
+    assert title.inner_text().strip() == "GPU charts"
+    field = title.locator("xpath=..")
+    assert "Remove a row to hide its chart" in field.inner_text()
+    # One titled row per chart, all five on screen (the bare multi-select showed four and scrolled PCIe away).
+    selects = page.locator("select[id^='jp-SettingsEditor-gpuwidget:plugin_metrics_']")
+    assert selects.count() == 5
+    chosen = [select.evaluate("node => node.options[node.selectedIndex].text") for select in selects.all()]
+    assert chosen == ["Utilization", "Memory", "Power", "Temperature", "PCIe"]
+    for select in selects.all():
+        select.scroll_into_view_if_needed()
+        assert select.is_visible() and select.evaluate("node => !node.multiple")
+    form = field
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    form.screenshot(path=str(SCREENSHOTS / "sidebar-settings.png"))
+
+
+def _live(page) -> dict[str, str]:
+    """What the test watches move: each GPU's power and memory, and the status bar."""
+    shown = {f"gpu{i}": cell(page, i, POWER_CELL) + " " + cell(page, i, MEMORY_CELL) for i in range(GPUS)}
+    shown["status"] = page.locator(STATUS_ITEM).inner_text()
+    return shown
+
+
+def test_a_gpu_that_stops_answering_goes_stale_and_the_other_seven_and_the_status_bar_go_on(gpu_lab, page):
     """Last in this module: the server never reads the hung GPU source again."""
     open_lab(page, gpu_lab)
     if not page.locator(PANEL).is_visible():  # the workspace may have kept it open
         page.locator(TAB).click()
     page.wait_for_selector(OVERVIEW_ROWS, timeout=20_000)
+    widen_sidebar(page)
     notice = page.locator(".jp-gpuwidget-stalled")
     assert notice.inner_text() == ""
+    wait_for(lambda: cell(page, HUNG_GPU, BUSY_CELL) == f"{UTIL[HUNG_GPU]}%", 20, "GPU 5 shows no values", page)
     (gpu_lab.root / "hang-gpu").write_text("")
     shown = notice.locator(".jp-gpuwidget-stalled-text")
     wait_for(lambda: shown.count() and re.fullmatch(rf"⚠ GPU {HUNG_GPU} stopped answering \d+ s ago\.",
@@ -298,8 +372,51 @@ def test_a_gpu_that_stops_answering_is_named_in_the_sidebar(gpu_lab, page):
     first = int(re.search(r"(\d+) s ago", shown.inner_text()).group(1))
     wait_for(lambda: int(re.search(r"(\d+) s ago", shown.inner_text()).group(1)) >= first + 2, 10,
              "the stalled notice does not count on", page)
-    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
-    page.locator(PANEL).screenshot(path=str(SCREENSHOTS / "sidebar-stalled.png"))
+
+    # GPU 5's row: its last values, greyed, and how long ago it stopped where its holder was.
+    hung = row(page, HUNG_GPU)
+    wait_for(lambda: "jp-mod-stale" in (hung.get_attribute("class") or ""), 10, "GPU 5's row is not greyed", page)
+    assert cell(page, HUNG_GPU, BUSY_CELL) == f"{UTIL[HUNG_GPU]}%"
+    assert cell(page, HUNG_GPU, MEMORY_CELL) == f"{MEMORY_GIB[HUNG_GPU]:.0f}/80 GB"
+    assert re.fullmatch(r"\d+ W", cell(page, HUNG_GPU, POWER_CELL))
+    assert re.fullmatch(r"stopped \d+ s ago", cell(page, HUNG_GPU, HOLDER_CELL))
+    assert re.fullmatch(rf"GPU{HUNG_GPU} stopped answering \d+ s ago; "
+                        r"its last values \(read \d+ s ago\) are shown, greyed\.",
+                        hung.locator(HOLDER_CELL).get_attribute("title"))
+    grey = hung.locator(MEMORY_CELL).evaluate("node => getComputedStyle(node).color")
+    assert grey != row(page, 3).locator(MEMORY_CELL).evaluate("node => getComputedStyle(node).color")
+    assert [i for i in range(GPUS) if "jp-mod-stale" in (row(page, i).get_attribute("class") or "")] == [HUNG_GPU]
+    card = page.locator(f".jp-gpuwidget-card[data-device='gpu{HUNG_GPU}']")
+    assert "jp-mod-stale" in card.get_attribute("class")
+    assert re.fullmatch(rf"SM {UTIL[HUNG_GPU]}% · {MEMORY_GIB[HUNG_GPU]:.0f}/80 GB · stopped \d+ s ago",
+                        card.locator(".jp-gpuwidget-card-readout").inner_text())
+
+    # For the next 6 s the other seven rows and the status bar keep moving; GPU 5's values do not.
+    status = page.locator(STATUS_ITEM)
+    seen = [_live(page)]
+    for _ in range(12):
+        page.wait_for_timeout(500)
+        seen.append(_live(page))
+    moved = {key for key in seen[0] if len({shown[key] for shown in seen}) > 1}
+    assert moved == {*(f"gpu{i}" for i in range(GPUS) if i != HUNG_GPU), "status"}, seen
+    assert all(re.fullmatch(r"GPU0 SM 92% · 6[678]/80 GB \+7 ⚠", shown["status"]) for shown in seen), seen
+    assert "jp-mod-stale" not in status.get_attribute("class")
+    assert re.search(rf"GPU{HUNG_GPU} stopped answering \d+ s ago", status.get_attribute("aria-label"))
+    ages = [int(re.search(r"(\d+) s ago", cell(page, HUNG_GPU, HOLDER_CELL)).group(1))]
+    page.wait_for_timeout(2100)
+    ages.append(int(re.search(r"(\d+) s ago", cell(page, HUNG_GPU, HOLDER_CELL)).group(1)))
+    assert ages[1] >= ages[0] + 2, ages
+
+    # README screenshots: the stalled GPU, light and dark, with GPU 5's card open.
+    card.locator(".jp-gpuwidget-card-toggle").click()
+    page.wait_for_timeout(1500)
+    page.locator(PANEL).screenshot(path=str(readme_image("sidebar-stalled.png")))
+    page.evaluate("window.jupyterapp.commands.execute('apputils:change-theme', {theme: 'JupyterLab Dark'})")
+    wait_for(lambda: page.evaluate("document.body.dataset.jpThemeLight") == "false", 30,
+             "the dark theme did not load", page)
+    page.wait_for_timeout(1200)
+    page.locator(PANEL).screenshot(path=str(readme_image("sidebar-stalled-dark.png")))
+    page.evaluate("window.jupyterapp.commands.execute('apputils:change-theme', {theme: 'JupyterLab Light'})")
 
 
 if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "serve":

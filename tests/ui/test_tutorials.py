@@ -1,6 +1,10 @@
 """The first two tutorials run as a user runs them, in a real JupyterLab and browser: no stderr in
 any cell, no console errors or warnings on the page, no "No such comm" or "Task was destroyed" in
-the server's log, and every watched cell ends with its panel.
+the server's log, and every watched cell ends with its panel, which tells one story: its headline
+is its first finding's cause and gain word for word, no panel compares different cells (their
+source is the same), locations are the cell's ("cell In [7], line 26"), no "None" and no "1 workers";
+and Measure, clicked under each panel that offers it, chooses a row of its own table and says how
+the finding's suggestion fared.
 
 01 and 02 are the ones a new user runs first and cover the live plot, the panel, the Measure
 offer and the runs' API (40 s together in the browser here; 10 s and 22 s headless with
@@ -11,6 +15,7 @@ every tutorial headless.
 
 from __future__ import annotations
 
+import re
 import shutil
 import time
 from pathlib import Path
@@ -61,11 +66,86 @@ def is_panel(output: dict) -> bool:
     return "gpuwidget-run" in output.get("data", {}).get("text/html", "")
 
 
+MACHINE_LABEL = " (the machine, not your code)"
+# ipykernel's name for a cell's code (<tmp>/ipykernel_<pid>/<hash>.py): never what a user should read.
+CELL_FILE = re.compile(r"\b\d{6,}\.py\b")
+
+
+def one_story(name: str, text: str) -> None:
+    """A panel's plain text: its headline is its first finding's cause and gain, in the same words."""
+    lines = text.splitlines()
+    (cause,) = [line.split("main cause: ", 1)[1] for line in lines if line.startswith("  main cause: ")]
+    if "Findings (largest expected gain first):" not in lines:
+        return
+    first = lines.index("Findings (largest expected gain first):") + 1
+    title_line = lines[first]
+    machine = title_line.endswith(" [the machine, not your code]")
+    title = re.sub(r"^\[\w+\] ", "", title_line.removesuffix(" [the machine, not your code]"))
+    title = re.sub(r" \([a-z0-9-]+\)$", "", title)
+    gains = [line for line in lines[first + 1:] if line.startswith("  expected gain: ")]
+    ends = next((n for n, line in enumerate(lines[first + 1:]) if line.startswith("[")), len(lines))
+    gain = gains[0].split(": ", 1)[1] if gains and lines.index(gains[0]) <= first + ends else None
+    if cause.startswith("nothing found that would make this loop faster"):
+        assert gain is not None and gain.endswith(("1.00x faster", "1.00x if no waiting remained)")), (name, cause)
+        return
+    expected = title + (f" \u2192 {gain}" if gain else "") + (MACHINE_LABEL if machine else "")
+    assert cause == expected, (name, cause, expected)
+
+
+def no_bad_words(name: str, text: str) -> None:
+    """No "None", "1 workers" or IPython's file names in what a user reads (the code of a change may say
+    None: it is Python, indented in the text and after "Chosen setting" in Measure's table)."""
+    prose = text.split("\nChosen setting")[0]
+    prose = "\n".join(line for line in prose.splitlines() if not line.startswith("    "))
+    assert not re.search(r"\bNone\b", prose), (name, [line for line in prose.splitlines() if "None" in line])
+    assert not re.search(r"\b1 (workers|cores|CPUs|settings)\b", text), name
+    assert not CELL_FILE.search(text), (name, CELL_FILE.findall(text))
+    for where in re.findall(r"cell In \[[^\]]*\][^)\n]*", text):
+        assert re.fullmatch(r"cell In \[\d+\](, line \d+)?", where.rstrip(".,:")), (name, where)
+
+
+def measure_each_offer(page, name: str) -> list[str | None]:
+    """Click every Measure button on the page; the text of each measured table (None where the loader is
+    gone: tutorial 02 rebinds train_loader after a watched cell, and Measure says so)."""
+    tables: list[str | None] = []
+    shown = ".jp-NotebookPanel:not(.lm-mod-hidden) .gpuwidget-tune"
+    gone = ".jp-NotebookPanel:not(.lm-mod-hidden) .jp-OutputArea-output:has-text('The loader no longer exists')"
+    buttons = page.locator(".jp-NotebookPanel:not(.lm-mod-hidden) .gpuwidget-measure[data-state='ready'] button")
+    for _ in range(buttons.count()):
+        before, notes = page.locator(shown).count(), page.locator(gone).count()
+        buttons.first.click()
+        wait_for(lambda b=before, n=notes: page.locator(shown).count() > b or page.locator(gone).count() > n,
+                 90, f"{name}: Measure showed neither a table nor a note", page)
+        if page.locator(shown).count() > before:
+            tables.append(page.locator(shown).nth(before).inner_text())
+        else:
+            tables.append(None)
+    return tables
+
+
+def measure_tells_the_suggestion(name: str, table: str, panel: str) -> None:
+    """The measured table: the setting its first line names is the row marked chosen, and it says how
+    the suggestion of the panel above it (its code's num_workers) fared."""
+    rows = [line for line in table.splitlines() if re.match(r"(as it is|num_workers=)", line)]
+    chosen = [row for row in rows if row.rstrip().endswith("chosen")]
+    assert len(chosen) == 1, (name, table)
+    label = re.split(r"\t|  ", chosen[0])[0].strip()
+    verdict = table.splitlines()[0]
+    assert verdict.startswith(label) or (label == "as it is" and verdict.startswith("The loader as it is")), (
+        name, verdict, label)
+    told = re.search(r"the suggested (\d+)", verdict)
+    assert told, (name, verdict)
+    code = [line for line in panel.splitlines() if line.startswith("    ")]
+    assert any(f"num_workers={told.group(1)}" in line for line in code), (name, verdict, code)
+    assert any("suggested" in row for row in rows), (name, table)
+
+
 def test_tutorials_run_clean_in_the_browser(lab, page):
     page_errors: list[str] = []
     page.on("pageerror", lambda error: page_errors.append(str(error)))
     log_start = lab.log.stat().st_size
     started = time.monotonic()
+    measured: list[str] = []
     for name in TUTORIALS:
         shutil.copy(NOTEBOOKS / name, lab.root / name)
         open_notebook(page, lab, name, reset=True)
@@ -84,6 +164,25 @@ def test_tutorials_run_clean_in_the_browser(lab, page):
             after = [output for output in outputs[panels[-1] + 1:]
                      if "application/vnd.gpuwidget.measure+json" not in output.get("data", {})]
             assert not after, f"{name}: output after the panel: {after}"
+        for cell in watched:
+            for output in cell["outputs"]:
+                text = output.get("data", {}).get("text/plain", "")
+                if is_panel(output):
+                    one_story(name, text)
+                    # Every watched cell of these tutorials is another cell (of the same source):
+                    # none is compared with another.
+                    assert "Since the previous run" not in text, (name, text.splitlines()[:6])
+                no_bad_words(name, text)
+        offered = [output["data"]["text/plain"] for cell in watched for output in cell["outputs"]
+                   if is_panel(output) and any("application/vnd.gpuwidget.measure+json" in o.get("data", {})
+                                               for o in cell["outputs"])]
+        tables = measure_each_offer(page, name)
+        assert len(tables) == len(offered), (name, len(tables), len(offered))
+        measured += [table for table in tables if table is not None]
+        for table, panel in zip(tables, offered):
+            if table is not None:
+                measure_tells_the_suggestion(name, table, panel)
+                no_bad_words(name, table)
         # The live plot's page side and the Measure button rendered without errors.
         assert "Error displaying widget" not in page.locator(".jp-NotebookPanel:not(.lm-mod-hidden)").inner_text()
         page.evaluate("""async () => {
@@ -92,6 +191,7 @@ def test_tutorials_run_clean_in_the_browser(lab, page):
           await window.jupyterapp.commands.execute('application:close-all');
         }""")
     elapsed = time.monotonic() - started
+    assert measured, "no Measure table in either tutorial"
 
     problems = [line for line in page.console_messages if line.startswith(("error", "warning"))]
     assert not problems, problems

@@ -79,3 +79,9 @@ def gpu_speedup_bound(summary: Summary, cap: float = 10.0) -> float | None:
     if percent <= 0:
         return None
     return round(min(cap, max(1.0, 100.0 / percent)), 2)
+
+
+def vendor(machine: MachineFacts | None) -> str:
+    """The judged GPUs' vendor ("nvidia", "amd"), for a finding that sends the user to the driver's own tool."""
+    vendors = {gpu.get("vendor") or "nvidia" for gpu in (machine or {}).get("gpus") or []}
+    return "amd" if vendors == {"amd"} else "nvidia"

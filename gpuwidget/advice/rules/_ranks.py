@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from gpuwidget.facts import ModelFacts, Summary, WorkloadFacts
+from gpuwidget.figures.summary import paired
 
 
 def ranks(workload: WorkloadFacts) -> list[dict[str, Any]]:
@@ -110,19 +111,6 @@ def steady(values: Sequence[float]) -> list[float]:
     """A rank's per-step figures without its first steps (see :data:`WARMUP_SHARE`)."""
     skip = max(WARMUP_MIN_STEPS, math.ceil(WARMUP_SHARE * len(values)))
     return [float(value) for value in values[skip:]]
-
-
-def paired(step_times: Sequence[float], wait_times: Sequence[float]) -> tuple[list[float], list[float]]:
-    """Steps and each one's data wait, the latest of both lists paired. A loop's waits can run one
-    ahead of its steps (the batch of a step not yet closed): that extra wait is dropped, then both
-    keep as many of their latest items as the shorter has (no waits at all: zeros)."""
-    steps, waits = list(step_times), list(wait_times)
-    if len(waits) == len(steps) + 1:
-        waits.pop()
-    if not waits:
-        return steps, [0.0] * len(steps)
-    count = min(len(steps), len(waits))
-    return steps[len(steps) - count:], waits[len(waits) - count:]
 
 
 def step_series(rank: Mapping[str, Any]) -> tuple[list[float], list[float]] | None:

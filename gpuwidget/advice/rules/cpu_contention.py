@@ -10,7 +10,8 @@ is starved or not (a loop beside two busy processes ran 3.5x slower, its main th
 run delay). It does not replace the loader's own finding: a storage-bound loader still gains
 from more workers (they wait on storage, and need little CPU to do it), a CPU-bound one still
 needs cheaper batches. The gain it states is bounded by the run delay measured: at most
-``1 / (1 - delay)``, the wall time less the time queued for a core. Thresholds live in
+``1 / (1 - delay)``, the wall time less the time queued for a core; it is the finding's
+``expected_speedup``, so it ranks by it like any finding, marked as the machine's. Thresholds live in
 gpuwidget.advice.loader (CONTENTION_DELAY_FRACTION, OTHER_CORES_MIN, OTHERS_HOLD_SHARE) and
 gpuwidget.advice.evidence; the severity follows the share of time lost.
 """
@@ -23,6 +24,7 @@ from gpuwidget.advice.evidence import MIN_CAUSE_LOOP_S, loop_evidence
 from gpuwidget.advice.finding import Finding, Severity
 from gpuwidget.advice.loader import CONTENTION_DELAY_FRACTION, LoaderDiagnosis, contended, diagnose
 from gpuwidget.facts import MachineFacts, Summary, WorkloadFacts
+from gpuwidget.report import fmt_count, fmt_fraction, fmt_speedup
 
 RULE = "cpu-contention"
 # Above this share of wall time lost to waiting for a core, the finding is critical (as a
@@ -76,8 +78,8 @@ def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> F
     if lost is not None:
         evidence["run_delay_fraction"] = round(lost, 3)
         # Upper bound if no core were taken by others: the wall time less the time queued for
-        # one. Kept here, not as expected_speedup: the change is the machine's, not the code's,
-        # and the code changes rank first.
+        # one. It is the finding's expected_speedup, so it ranks where its gain puts it (the panel
+        # marks it as the machine's, not the code's: Finding.machine_level).
         bound = 1.0 / max(1e-9, 1.0 - lost)
         evidence["speedup_without_contention"] = round(bound, 2)
     evidence["usable_cpus"] = usable
@@ -111,22 +113,22 @@ def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> F
     if lost is None or bound is None:
         waited, title = "", "Other processes hold the cores"
     else:
-        waited = (f", and {_who(d)} ready to run but waited for a core {100 * lost:.0f}% of the time: "
-                  f"with the cores to itself it would run at most {bound:.2f}x faster")
-        title = f"Other processes hold the cores ({100 * lost:.0f}% of the time lost waiting for one)"
+        waited = (f", and {_who(d)} ready to run but waited for a core {fmt_fraction(lost)} of the time: "
+                  f"with the cores to itself it would run at most {fmt_speedup(bound)} faster")
+        title = f"Other processes hold the cores ({fmt_fraction(lost)} of the time lost waiting for one)"
     return Finding(
         rule=RULE,
         severity=severity,
         title=title,
         evidence=evidence,
-        suggestion=(f"Processes outside this one kept {others:.1f} cores busy on the {usable} CPUs it may "
+        suggestion=(f"Processes outside this one kept {others:.1f} cores busy on the {fmt_count(usable, 'CPU')} it may "
                     f"use{waited}. That is the machine, not the code. {still}Run when the machine is quieter, "
                     "ask who runs "
                     "the busy processes (the code lists them), reserve cores for this job (a CPU request for "
                     "the pod, a scheduler's CPU allocation, taskset), or lower the others' priority (renice)."),
         change={},
         code=CODE,
-        expected_speedup=None,
+        expected_speedup=round(bound, 2) if bound is not None and bound >= 1.0 else None,
     )
 
 
@@ -134,5 +136,7 @@ def _who(d: LoaderDiagnosis | None) -> str:
     if d is None:
         return "the training loop was"
     if d.builder_delay is not None and d.builder_delay >= (d.loop_delay or 0.0):
-        return "the loop's batch builders were" if d.num_workers == 0 else f"its {d.num_workers} loader workers were"
+        if d.num_workers == 0:
+            return "the loop's batch builders were"
+        return "its loader worker was" if d.num_workers == 1 else f"its {d.num_workers} loader workers were"
     return "the training loop was"

@@ -13,6 +13,7 @@ from gpuwidget.advice.finding import Finding
 from gpuwidget.advice.loader import diagnose
 from gpuwidget.advice.rules.loop_waits import IN_LOADER_MAX
 from gpuwidget.facts import LoopWait, MachineFacts, Summary, WorkloadFacts
+from gpuwidget.report import fmt_count, fmt_percent
 
 RULE = "dataloader-cpu-bound"
 
@@ -35,9 +36,9 @@ def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> F
         # Cached or precomputed samples take no building: the whole wait is this change's gain.
         evidence={**d.evidence, "expected_gain": round(d.expected_speedup, 2),
                   "upper_bound_speedup": round(d.expected_speedup, 2)},
-        suggestion=(f"The loop waits {100 * d.wait_fraction:.0f}% of the time while the CPUs it may use are "
-                    f"{d.evidence.get('cpus_busy_percent', d.evidence.get('host_cpu_percent', 0)):.0f}% busy "
-                    f"({d.usable_cpus} cores), so more "
+        suggestion=(f"The loop waits {d.waited} while the CPUs it may use are "
+                    f"{fmt_percent(d.evidence.get('cpus_busy_percent', d.evidence.get('host_cpu_percent', 0)))} busy "
+                    f"({fmt_count(d.usable_cpus, 'core')}), so more "
                     "workers would only compete for the same cores. Make each batch cheaper: cache decoded "
                     "samples, preprocess once ahead of training, or run the augmentations on the GPU "
                     "(torchvision transforms v2 on batched tensors, or NVIDIA DALI)."),

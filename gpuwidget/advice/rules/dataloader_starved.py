@@ -13,6 +13,7 @@ from gpuwidget.advice.code import SHARDING_SENTENCE, loader_code, unsharded
 from gpuwidget.advice.finding import Finding
 from gpuwidget.advice.loader import diagnose
 from gpuwidget.facts import MachineFacts, Summary, WorkloadFacts
+from gpuwidget.report import fmt_count, fmt_seconds
 
 RULE = "dataloader-starved"
 # Above this share of the loop spent waiting, the finding is critical.
@@ -28,7 +29,7 @@ def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> F
     parts = []
     if "num_workers" in change:
         workers = change["num_workers"]
-        parts.append(f"use {workers} worker process{'es' if workers != 1 else ''} (now {d.num_workers}) so "
+        parts.append(f"use {fmt_count(workers, 'worker process', 'worker processes')} (now {d.num_workers}) so "
                      "batches are built while the model works")
     if change.get("pin_memory"):
         parts.append("pin host memory so copies to the GPU are faster and can overlap")
@@ -36,14 +37,13 @@ def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> F
         parts.append("keep workers alive between epochs instead of restarting them")
     if "prefetch_factor" in change:
         parts.append(f"let each worker prepare {change['prefetch_factor']} batches ahead to absorb bursts")
-    waited = f"{100 * d.wait_fraction:.0f}%"
     return Finding(
         rule=RULE,
         severity="critical" if d.wait_fraction >= CRITICAL_WAIT_FRACTION else "warn",
-        title=f"The loop waits for data {waited} of the time ({d.name})",
+        title=f"The loop waits for data {d.waited} ({d.name})",
         evidence=d.evidence,
-        suggestion=(f"Each step waited {1000 * d.wait_per_step:.1f} ms for a batch and then computed for "
-                    f"{1000 * d.compute_per_step:.1f} ms. " + _sentence("; ".join(parts))
+        suggestion=(f"Each step waited {fmt_seconds(d.wait_per_step)} for a batch and then computed for "
+                    f"{fmt_seconds(d.compute_per_step)}. " + _sentence("; ".join(parts))
                     + (SHARDING_SENTENCE if unsharded(d.loader, change) else "")),
         change=change,
         code=loader_code(d.loader, change, workload),

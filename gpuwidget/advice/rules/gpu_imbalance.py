@@ -14,8 +14,8 @@ from gpuwidget.advice.code import model_code
 from gpuwidget.advice.finding import Finding
 from gpuwidget.advice.rules._gpu import gpu_measured, model_name
 from gpuwidget.advice.rules._ranks import ranks
-from gpuwidget.advice.summary import IDLE_UTIL_PERCENT
 from gpuwidget.facts import MachineFacts, Summary, WorkloadFacts
+from gpuwidget.figures.summary import IDLE_UTIL_PERCENT
 
 RULE = "gpu-imbalance"
 # The busy figure (SM activity where GPM has it, else utilisation) of the used GPUs spread by at least

@@ -1,7 +1,8 @@
 """gpu-throttled: while busy, the GPU slowed its clocks for heat, a hardware signal or a lowered power limit.
 
-NVML's clock-event reasons say why. Thermal slowdown (software or hardware), hardware slowdown and
-the power brake are faults of cooling or power delivery. The software power cap alone is not: a
+The GPU source's flags say why (NVML's clock-event reasons, AMD's violation status). Thermal
+slowdown (software or hardware), hardware slowdown and the power brake are faults of cooling or
+power delivery. The software power cap alone is not: a
 busy H100 at its default power limit sits there as designed, so it counts only when the enforced
 limit is below the board's default (``nvmlDeviceGetPowerManagementDefaultLimit``). A GPU slowed
 this way does the same work more slowly whatever the code does; it is a matter for whoever runs
@@ -11,7 +12,7 @@ the machine.
 from __future__ import annotations
 
 from gpuwidget.advice.finding import Finding
-from gpuwidget.advice.rules._gpu import gpu_measured
+from gpuwidget.advice.rules._gpu import gpu_measured, vendor
 from gpuwidget.facts import MachineFacts, Summary, WorkloadFacts
 
 RULE = "gpu-throttled"
@@ -22,6 +23,9 @@ LOW_CLOCK_RATIO = 0.8
 # An enforced power limit below this share of the default was lowered on purpose (limits are set in
 # whole watts; the margin keeps a rounding difference from counting).
 LOWERED_LIMIT_RATIO = 0.99
+# Where the user reads the clocks' reasons and the power limit: the vendor's own tool.
+TOOL = {"nvidia": ("nvidia-smi -q -d PERFORMANCE,POWER", "nvidia-smi -q -d PERFORMANCE,POWER,TEMPERATURE"),
+        "amd": ("amd-smi metric --power --clock", "amd-smi metric --power --clock --temperature")}
 
 
 def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> Finding | None:
@@ -44,6 +48,7 @@ def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> F
     else:
         title = "The GPU slowed its clocks for heat or a hardware signal"
         why = "of heat, a hardware slowdown or the power brake"
+    look, command = TOOL[vendor(machine)]
     return Finding(
         rule=RULE,
         severity="warn",
@@ -53,9 +58,8 @@ def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> F
                   "power_limit_over_default": None if limit is None else round(limit, 2),
                   "sm_clock_over_max_while_busy": None if ratio is None else round(ratio, 2)},
         suggestion=(f"While busy, the GPU ran below its maximum SM clock because {why}. Check cooling and "
-                    "the power limit (nvidia-smi -q -d PERFORMANCE,POWER), or ask whoever runs the machine; "
-                    "the code cannot fix it."),
+                    f"the power limit ({look}), or ask whoever runs the machine; the code cannot fix it."),
         change={},
-        code="!nvidia-smi -q -d PERFORMANCE,POWER,TEMPERATURE",
+        code=f"!{command}",
         expected_speedup=bound if bound and bound >= 1.0 else None,
     )

@@ -16,6 +16,7 @@ from gpuwidget.advice.code import SHARDING_SENTENCE, loader_code, unsharded
 from gpuwidget.advice.finding import Finding
 from gpuwidget.advice.loader import diagnose
 from gpuwidget.facts import MachineFacts, Summary, WorkloadFacts
+from gpuwidget.report import fmt_count, fmt_fraction
 
 RULE = "io-bound"
 
@@ -28,7 +29,8 @@ def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> F
         why = (f"while blocked in next() the process used only {d.evidence.get('cpu_while_waiting', 0):.2f} "
                "CPU seconds per second: it was waiting on storage, not computing")
     else:
-        why = (f"its {d.num_workers} workers were busy only {100 * (d.workers_busy or 0):.0f}% of the time: "
+        why = (f"its {fmt_count(d.num_workers, 'worker')} {'was' if d.num_workers == 1 else 'were'} busy only "
+               f"{fmt_fraction(d.workers_busy or 0)} of the time: "
                "they wait on storage")
     workers = d.change.get("num_workers", d.num_workers)
     evidence = dict(d.evidence)
@@ -39,11 +41,18 @@ def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> F
         severity="warn",
         title=f"Batches wait on storage ({d.name})",
         evidence=evidence,
-        suggestion=(f"The loop waits {100 * d.wait_fraction:.0f}% of the time and {why}. Because the waits "
-                    f"overlap, {workers} workers (more than the {d.usable_cpus} cores) hide them; copying the "
-                    "data to local disk or memory, or caching samples after the first epoch, removes them."
+        suggestion=(f"The loop waits {d.waited} and {why}. Because the waits overlap, "
+                    f"{fmt_count(workers, 'worker')} ({_beside_cores(workers, d.usable_cpus)}) "
+                    f"{'hides' if workers == 1 else 'hide'} them; copying the data to local disk or memory, or "
+                    "caching samples after the first epoch, removes them."
                     + (SHARDING_SENTENCE if unsharded(d.loader, d.change) else "")),
         change=dict(d.change),
         code=loader_code(d.loader, d.change, workload),
         expected_speedup=round(d.gain, 2),
     )
+
+
+def _beside_cores(workers: int, cores: int) -> str:
+    """How the advised workers stand to the cores: "more than the 2 cores", "as many as the 4 cores"."""
+    relation = "more than" if workers > cores else "as many as" if workers == cores else "fewer than"
+    return f"{relation} the {fmt_count(cores, 'core')}"

@@ -37,12 +37,13 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from gpuwidget.advice.code import _place
 from gpuwidget.advice.evidence import MIN_CAUSE_STEPS
 from gpuwidget.advice.finding import Finding
 from gpuwidget.advice.loader import STARVED_WAIT_FRACTION
 from gpuwidget.advice.rules import periodic_stall, rank_straggler
 from gpuwidget.facts import LoopWait, MachineFacts, StackFacts, Summary, WorkloadFacts
+from gpuwidget.probes.origin import location as origin_location
+from gpuwidget.probes.origin import place as origin_place
 from gpuwidget.report import fmt_fraction, fmt_seconds
 
 RULE = "loop-waits"
@@ -108,7 +109,7 @@ def share_lower_bound(hits: int, total: int, z: float = CONFIDENCE_Z) -> float:
 
 def _finding(wait: LoopWait, stack: StackFacts) -> Finding:
     share = float(wait["share"])
-    place = _place(wait)
+    place = origin_place(wait)
     function = wait.get("function") or "<module>"
     own_line = function == "<module>" or bool(wait.get("in_loop"))  # a line of the loop itself
     name = None if own_line else wait.get("name")
@@ -164,8 +165,10 @@ def _finding(wait: LoopWait, stack: StackFacts) -> Finding:
         rule=RULE,
         severity="critical" if share >= CRITICAL_SHARE else "warn",
         title=title,
-        evidence={key: wait.get(key) for key in ("function", "file", "line", "cell", "share", "seconds", "samples",
-                                                  "in_loader", "called_from")}
+        # Where, in the user's terms (probes.origin.location), as the title says it: not IPython's file names.
+        evidence={"function": wait.get("function"), "at": origin_location(wait)}
+        | {key: wait.get(key) for key in ("share", "seconds", "samples", "in_loader")}
+        | ({"called_from": origin_place(called)} if (called := wait.get("called_from")) else {})
         | {"loop_samples": stack.get("loop_samples"), "basis": stack.get("basis"), "steps": stack.get("steps")},
         suggestion=suggestion,
         change=change,

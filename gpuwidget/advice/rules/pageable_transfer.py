@@ -12,8 +12,8 @@ from gpuwidget.advice.code import loader_code
 from gpuwidget.advice.finding import Finding
 from gpuwidget.advice.loader import STARVED_WAIT_FRACTION
 from gpuwidget.advice.rules._gpu import gpu_measured, model_on_cuda
-from gpuwidget.advice.summary import primary_loader
 from gpuwidget.facts import MachineFacts, Summary, WorkloadFacts
+from gpuwidget.figures.summary import primary_loader
 
 RULE = "pageable-transfer"
 

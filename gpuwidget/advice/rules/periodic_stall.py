@@ -5,7 +5,7 @@ time is spent in the loop's own code, between two ``next()`` calls, so it is nev
 charged to the DataLoader. The gain is bounded by the share of loop time the stalls take
 (if they were made asynchronous or less frequent).
 
-Only the steady steps are read: the warm-up (gpuwidget.advice.warmup) is not a stall, and
+Only the steady steps are read: the warm-up (gpuwidget.figures.warmup) is not a stall, and
 counted as one its slow first steps broke the gaps of a real period (a 0.5 s pause every 25
 steps agreed with its period only 53% of the time beside 8 warm-up steps). A period needs
 regular gaps spread over the run: consecutive slow steps are one stall, not a period of one
@@ -29,9 +29,11 @@ import numpy as np
 from gpuwidget.advice.evidence import enough_evidence
 from gpuwidget.advice.finding import Finding
 from gpuwidget.advice.rules._gpu import model_name
-from gpuwidget.advice.summary import loop_step_times
-from gpuwidget.advice.warmup import split_run
 from gpuwidget.facts import MachineFacts, Summary, WorkloadFacts
+from gpuwidget.figures.summary import loop_step_times
+from gpuwidget.figures.warmup import split_run
+from gpuwidget.probes.origin import place
+from gpuwidget.report import fmt_fraction, fmt_seconds
 
 RULE = "periodic-stall"
 # A stall is a step longer than OUTLIER_RATIO times the median step and longer than the
@@ -199,6 +201,16 @@ def explains(wait: Mapping[str, Any], finding: Finding) -> bool:
     return kind == "unknown" or wait_kind(wait) == kind
 
 
+def stall_site(workload: WorkloadFacts, kind: str | None) -> str | None:
+    """Where the stall's time went, in the user's terms (probes.origin.place): the loop wait of that
+    kind with the most seconds, or None where the stack samples name none."""
+    waits = [wait for wait in cast(Mapping[str, Any], workload).get("loop_waits") or []
+             if kind is not None and wait_kind(wait) == kind and wait.get("file")]
+    if not waits:
+        return None
+    return place(max(waits, key=lambda wait: float(wait.get("seconds") or 0.0)))
+
+
 def stall_kind(workload: WorkloadFacts, stalls: int, steps: int) -> tuple[str | None, dict[str, Any]]:
     """"checkpoint", "evaluation" or None (not measured), and the measurement that says so."""
     waits = cast(Mapping[str, Any], workload).get("loop_waits") or []
@@ -248,9 +260,10 @@ def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> F
                 "period_agreement": round(agreement, 2), **measured}
     if split.steps:
         evidence["warmup_steps"] = split.steps
-    seen = (f"{len(stalls)} steps took {stall:.2f} s longer than the usual {1000 * median:.1f} ms, about "
-            f"every {period} steps: {100 * fraction:.0f}% of the loop. That is the loop's own work, not data "
-            "loading")
+    site = stall_site(workload, kind)
+    seen = (f"{len(stalls)} steps took {fmt_seconds(stall)} longer than the usual {fmt_seconds(median)}, about "
+            f"every {period} steps: {fmt_fraction(fraction)} of the loop. That is the loop's own work, not data "
+            "loading" + (f" ({site})" if site else ""))
     if kind == "evaluation":
         what = ("most of it evaluation or sampling (the model ran between training steps). Evaluate less "
                 "often, on fewer batches or shorter samples, in eval mode under torch.inference_mode().")
@@ -266,7 +279,7 @@ def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> F
     return Finding(
         rule=RULE,
         severity="warn" if fraction < 0.25 else "critical",
-        title=f"Every {period} steps the loop stalls for {stall:.2f} s",
+        title=f"Every {period} steps the loop stalls for {fmt_seconds(stall)}",
         evidence=evidence,
         suggestion=f"{seen}: {what}",
         change={"every_n_steps": every, "off_training_thread": kind != "evaluation", "stall": kind or "unknown"},

@@ -37,7 +37,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpuwidget.advice.code import _place
 from gpuwidget.advice.finding import Finding
 from gpuwidget.advice.loader import CONTENTION_DELAY_FRACTION
 from gpuwidget.advice.rules._ranks import (
@@ -54,6 +53,7 @@ from gpuwidget.advice.rules._ranks import (
 )
 from gpuwidget.advice.rules.gpu_throttled import THROTTLED_SHARE
 from gpuwidget.facts import MachineFacts, Summary, WorkloadFacts
+from gpuwidget.probes.origin import place as site_place
 
 RULE = "rank-straggler"
 # NVIDIA's straggler detection (nvidia-resiliency-ext) scores a rank's performance relative to the best
@@ -253,7 +253,7 @@ def _cause(rank: dict[str, Any], wait: float, others_wait: float, extra: float, 
                 "is not larger or slower to read than the others' (storage, sample sizes).")
     stalled = next(iter(rank.get("loop_waits") or []), None)
     if stalled is not None and extra > 0 and stalled_s(rank) >= CAUSE_SHARE * extra:
-        place = _place(stalled)
+        place = site_place(stalled)
         seconds = stalled_s(rank)
         measured_wait = {key: stalled.get(key) for key in ("function", "file", "line", "share")}
         return (f"it waits {place}", {"loop_wait": measured_wait, "loop_wait_ms": round(seconds * 1e3, 2)},

@@ -15,8 +15,8 @@ from gpuwidget.advice.finding import Finding
 from gpuwidget.advice.loader import STARVED_WAIT_FRACTION
 from gpuwidget.advice.rules._gpu import SM_ACTIVE_LOW_PERCENT, busy, gpu_measured, gpu_speedup_bound
 from gpuwidget.advice.rules.launch_bound import PEGGED_PROCESS_PERCENT  # there, launch-bound names the cause
-from gpuwidget.advice.summary import primary_loader
 from gpuwidget.facts import MachineFacts, Summary, WorkloadFacts
+from gpuwidget.figures.summary import primary_loader
 
 RULE = "small-batch"
 # Without GPM: NVML utilisation ("kernel running", percent of time any kernel ran) below this means

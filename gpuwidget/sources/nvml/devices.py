@@ -14,6 +14,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from gpuwidget.facts import uuid_key
 from gpuwidget.sources.base import ErrorLog
 from gpuwidget.sources.nvml.driver import (
     Absent,
@@ -210,15 +211,6 @@ def _cuda_order(gpus: list[_Found], device_order: str | None) -> tuple[list[_Fou
         return (-major, -minor, -(gpu.info.memory_total or 0), gpu.info.index)
 
     return sorted(gpus, key=speed), "guessed"
-
-
-def uuid_key(uuid: str) -> str:
-    """A UUID as NVML ("GPU-58c6...") and torch ("58c6...") spell it, made comparable."""
-    text = uuid.strip().lower()
-    for prefix in ("gpu-", "mig-"):
-        if text.startswith(prefix):
-            return text[len(prefix):]
-    return text
 
 
 def _torch_order(visible: list[_Found], torch_uuids: Sequence[str] | None,

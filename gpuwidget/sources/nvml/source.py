@@ -12,7 +12,9 @@ Metrics per visible device, named ``gpu{cuda_index}.<metric>`` in SI units:
 ``energy_j``       J the GPU used since the driver loaded (a cumulative counter, Volta and newer)
 ``temperature``    degrees Celsius (GPU sensor)
 ``sm_clock``       Hz; ``sm_clock_max`` Hz; ``mem_clock`` Hz (the memory clock)
-``clock_events``   bitmask of NVML clock event (throttle) reasons, as a float
+``slowdown``       1 when a clock event reason says the GPU slowed itself (:data:`SLOWDOWN_BITS`), else 0;
+                   ``power_capped`` 1 at the software power cap (:data:`POWER_CAP_BIT`); both absent while the
+                   clocks are low because the GPU is idle (NVML's own reason, not a slowdown)
 ``pcie_tx``        bytes/s sent by the GPU; ``pcie_rx`` bytes/s received
 ``proc_mem``       bytes held on the device by "our" processes (see ``pids``)
 ``pcie_gen``       PCIe link generation now; ``pcie_width`` lanes now; ``pcie_gen_max``/``pcie_width_max``
@@ -35,9 +37,11 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, cast
 
+from gpuwidget.facts import GpuFacts
 from gpuwidget.sources.base import ErrorLog, SourceError
+from gpuwidget.sources.gpu import GpuDescription, GpuSource, Opened
 from gpuwidget.sources.nvml.devices import _enumerate, _Found, _visible
 from gpuwidget.sources.nvml.driver import (
     _CLOCK_EVENTS,
@@ -56,7 +60,8 @@ from gpuwidget.sources.nvml.driver import (
     _memory_info,
     _text,
 )
-from gpuwidget.sources.nvml.processes import _OwnProcesses, _plausible, foreign_pid_namespace, namespace_pids
+from gpuwidget.sources.nvml.processes import _plausible
+from gpuwidget.sources.pids import OwnProcesses, foreign_pid_namespace, namespace_pids
 
 # Tests freeze time by replacing this (tests/fakenvml.py).
 _now: Callable[[], float] = time.monotonic
@@ -75,6 +80,15 @@ POWER_LIMIT_REFRESH_S = 10.0
 UNKNOWN_STRIKES = 3
 # The link's generation and width change with the GPU's power state; a cheap query, re-read now and then.
 PCIE_LINK_REFRESH_S = 1.0
+
+# NVML clock-event bits (nvml.h, nvmlClocksEventReason*) that mean the GPU slowed itself down:
+# hardware slowdown (0x8), software thermal (0x20), hardware thermal (0x40), hardware power brake (0x80).
+SLOWDOWN_BITS = 0x8 | 0x20 | 0x40 | 0x80
+# Software power cap (0x4): the GPU holds its power limit. A busy H100 at its default limit sits
+# there as a matter of course; the advisor calls it a slowdown only when the limit is below the default.
+POWER_CAP_BIT = 0x4
+# GPU idle (0x1): clocks are low because nothing runs, on purpose. Application clocks (0x2) are a setting.
+CLOCK_EVENT_IDLE = 0x1
 
 # nvmlValueType_t -> the c_nvmlValue_t member that holds a sample of that type.
 _SAMPLE_MEMBERS = {0: "dVal", 1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5: "siVal", 6: "usVal"}
@@ -130,7 +144,8 @@ METRICS = (
     "sm_clock",
     "sm_clock_max",
     "mem_clock",
-    "clock_events",
+    "slowdown",
+    "power_capped",
     "pcie_tx",
     "pcie_rx",
     "pcie_gen",
@@ -198,11 +213,12 @@ class _Device:
         self.procs_off = False
         self.gpm: _Gpm | None = None
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> GpuFacts:
         return {
             "id": self.label,
             "index": self.cuda_index,
-            "nvml_index": self.info.index,
+            "vendor": "nvidia",
+            "driver_index": self.info.index,
             "uuid": self.info.uuid,
             "name": self.info.name,
             "memory_total": self.info.memory_total,
@@ -218,6 +234,7 @@ class _Device:
             "gpu_instance_id": self.info.gpu_instance_id,
             "mig_profile": self.info.mig_profile,
             "pci_bus_id": self.info.pci_bus_id,
+            "arch": None,
             "gpm": self.gpm is not None,
             "lost": self.lost,
         }
@@ -236,8 +253,9 @@ class NvmlSource:
     ``every_device`` is the machine's view for the server (sidebar, /metrics) rather than one CUDA
     process's: a GPU in MIG mode is read with every one of its instances, where CUDA shows a process
     one instance only (:func:`gpuwidget.sources.nvml.devices._cuda_visible`).
-    Without a driver or a GPU the source is ``available = False`` with ``unavailable_reason`` set,
-    and ``read()`` returns ``{}``.
+    Without a driver or a GPU the source is ``available = False`` with ``unavailable_reason`` set
+    (``driver_found`` says whether NVIDIA's driver answered at all), and ``read()`` returns ``{}``.
+    :func:`open_sources` opens one per GPU (:mod:`gpuwidget.sources.gpu`).
     """
 
     name = "nvml"
@@ -247,12 +265,15 @@ class NvmlSource:
         gpus: Sequence[int] | None = None,
         pids: Callable[[], Iterable[int]] | None = None,
         every_device: bool = False,
+        *,
+        _enumerated: tuple[list[_Found], str] | None = None,
     ) -> None:
         self._log = ErrorLog(self.name)
         self.every_device = every_device
         self.errors: list[SourceError] = self._log.errors
         self.available = False
         self.unavailable_reason: str | None = None
+        self.driver_found = False  # nvmlInit answered (or the driver is there but not loaded)
         self.missing: list[int] = []  # requested CUDA indexes that CUDA does not have
         self.visible_count = 0  # devices CUDA can see (before the ``gpus`` selection)
         # How CUDA's numbering was matched to NVML's: "torch" (UUIDs), "pci" (exact), "guessed".
@@ -266,45 +287,55 @@ class NvmlSource:
         self._initialised = False
         self._cuda_visible_devices = os.environ.get("CUDA_VISIBLE_DEVICES")
         self._driver: _Driver | None = None
-        self._own: _OwnProcesses | None = None
+        self._own: OwnProcesses | None = None
         # NVML lists processes with pids this PID namespace doesn't have (a container): see _proc_mem.
         self.foreign_pid_namespace = len(namespace_pids()) > 1
-        self._start(gpus, pids)
+        # CUDA's devices as this source found them (open_sources hands them to one source per GPU, so
+        # that a GPU which hangs is asked by its own source alone, never by the others' start-up).
+        self.visible: list[_Found] = []
+        self._start(gpus, pids, _enumerated)
 
     # -- life cycle ------------------------------------------------------------------------------
 
-    def _start(self, gpus: Sequence[int] | None, pids: Callable[[], Iterable[int]] | None) -> None:
+    def _start(self, gpus: Sequence[int] | None, pids: Callable[[], Iterable[int]] | None,
+               enumerated: tuple[list[_Found], str] | None) -> None:
         try:
             nvml = _load_pynvml()
         except Exception as error:
-            self._unavailable(f"no NVIDIA GPU found (nvidia-ml-py is not installed: {error})")
+            self._unavailable(f"nvidia-ml-py is not installed ({error})")
             return
         try:
             nvml.nvmlInit()
         except nvml.NVMLError_LibraryNotFound:
-            self._unavailable("no NVIDIA GPU found (NVML library not found: no NVIDIA driver installed)")
+            self._unavailable("no NVIDIA GPU driver (NVML library not found)")
             return
         except nvml.NVMLError_DriverNotLoaded:
-            self._unavailable("no NVIDIA GPU found (the NVIDIA driver is not loaded)")
+            self.driver_found = True
+            self._unavailable("the NVIDIA driver is not loaded")
             return
         except Exception as error:
-            self._unavailable(f"no NVIDIA GPU found (NVML failed to start: {error})")
+            self.driver_found = True
+            self._unavailable(f"NVML failed to start: {error}")
             return
-        self._initialised = True
+        self._initialised = self.driver_found = True
         driver = self._driver = _Driver(nvml, self._log)
         driver.driver_version = _text(driver.query("nvmlSystemGetDriverVersion"))
-        self._own = _OwnProcesses(pids, driver)
-        try:
-            gpus_found = _enumerate(driver)
-        except Exception as error:  # enumeration must not make the constructor raise
-            driver.report_once(f"listing GPUs failed: {error!r}")
-            gpus_found = []
-        if not gpus_found:
-            self._unavailable("no NVIDIA GPU found")
-            return
-        visible, self.cuda_order = _visible(
-            gpus_found, self._cuda_visible_devices, os.environ.get("CUDA_DEVICE_ORDER"), self.every_device
-        )
+        self._own = OwnProcesses(pids, driver.report_once)
+        if enumerated is None:
+            try:
+                gpus_found = _enumerate(driver)
+            except Exception as error:  # enumeration must not make the constructor raise
+                driver.report_once(f"listing GPUs failed: {error!r}")
+                gpus_found = []
+            if not gpus_found:
+                self._unavailable("the NVIDIA driver lists no GPU")
+                return
+            visible, self.cuda_order = _visible(
+                gpus_found, self._cuda_visible_devices, os.environ.get("CUDA_DEVICE_ORDER"), self.every_device
+            )
+        else:
+            visible, self.cuda_order = enumerated
+        self.visible = visible
         if not visible:
             self._unavailable(
                 f"no NVIDIA GPU visible to CUDA (CUDA_VISIBLE_DEVICES={self._cuda_visible_devices!r})"
@@ -394,25 +425,21 @@ class NvmlSource:
         """True once nothing more will come: closed, never available, or every GPU lost."""
         return self._closed or not self.available or all(device.lost for device in self._devices)
 
-    def describe(self) -> dict[str, Any]:
-        """Availability (``reason`` when unavailable), driver, and each selected device's static facts;
-        a device's ``index`` is its CUDA index, ``nvml_index`` the driver's (nvidia-smi's) number."""
-        driver = self._driver
-        return {
-            "name": self.name,
-            "available": self.available,
-            "reason": self.unavailable_reason,
-            "driver_version": None if driver is None else driver.driver_version,
-            "cuda_visible_devices": self._cuda_visible_devices,
-            "visible_count": self.visible_count,
-            "cuda_order": self.cuda_order,
-            "foreign_pid_namespace": self.foreign_pid_namespace,
-            "missing": list(self.missing),
-            "devices": [
-                {**device.describe(), "foreign_pid_namespace": self.foreign_pid_namespace}
-                for device in self._devices
-            ],
-        }
+    def describe(self) -> list[GpuDescription]:
+        """Each selected device's static facts: ``index`` its CUDA index, ``driver_index`` the driver's
+        (nvidia-smi's) number, ``lost`` why it stopped answering. Empty when unavailable (then
+        ``unavailable_reason`` says why)."""
+        return [{**device.describe(), "foreign_pid_namespace": self.foreign_pid_namespace}
+                for device in self._devices]
+
+    @property
+    def driver_version(self) -> str | None:
+        return None if self._driver is None else self._driver.driver_version
+
+    @property
+    def cuda_visible_devices(self) -> str | None:
+        """CUDA_VISIBLE_DEVICES as it was when the source started (None: unset)."""
+        return self._cuda_visible_devices
 
     # -- one tick ----------------------------------------------------------------------------------
 
@@ -510,7 +537,9 @@ class NvmlSource:
 
         events = driver.query_chain(_CLOCK_EVENTS, handle, off=off, device=label)
         if not isinstance(events, Absent):
-            values[key["clock_events"]] = float(events)
+            flags = clock_event_flags(int(events))
+            if flags is not None:
+                values[key["slowdown"]], values[key["power_capped"]] = flags
 
         proc_mem = self._proc_mem(device)
         if proc_mem is not None:
@@ -760,3 +789,42 @@ class NvmlSource:
             counters.append(kib_per_s * float(KIB))
         device.pcie = (counters[0], counters[1])
         values[device.key["pcie_tx"]], values[device.key["pcie_rx"]] = device.pcie
+
+
+def clock_event_flags(events: int) -> tuple[float, float] | None:
+    """NVML's clock-event bitmask as the vendor-neutral (slowdown, power_capped) flags, or None while
+    the GPU idles (its clocks are low on purpose: neither a slowdown nor a cap)."""
+    if events & CLOCK_EVENT_IDLE:
+        return None
+    return float(bool(events & SLOWDOWN_BITS)), float(bool(events & POWER_CAP_BIT))
+
+
+def open_sources(gpus: Sequence[int] | None, pids: Callable[[], Iterable[int]] | None = None,
+                 every_device: bool = False) -> Opened:
+    """NVIDIA's GPUs, one :class:`NvmlSource` per GPU (:func:`gpuwidget.sources.gpu.open_gpu_sources`).
+
+    A first source finds the GPUs (and the requested indexes CUDA lacks); with more than one GPU, each
+    gets a source of its own over the devices the first found (none lists the GPUs again, so a GPU that
+    hangs holds up its own source only), and the first is closed.
+    """
+    first = NvmlSource(gpus=gpus, pids=pids, every_device=every_device)
+    opened = Opened("nvidia", driver=first.driver_found, missing=list(first.missing),
+                    visible_count=first.visible_count, reason=first.unavailable_reason)
+    if not first.available or first.missing:
+        first.close()
+        return opened
+    indexes = [device.cuda_index for device in first._devices if device.lost is None]
+    if len(indexes) == 1:
+        opened.sources = [cast(GpuSource, first)]
+        return opened
+    found = (first.visible, first.cuda_order or "pci")
+    sources = [NvmlSource(gpus=[index], pids=pids, every_device=every_device, _enumerated=found)
+               for index in indexes]
+    first.close()  # after the others started: NVML's handles live while any source holds NVML open
+    for source in sources:
+        if not source.available:
+            source.close()
+    opened.sources = [cast(GpuSource, source) for source in sources if source.available]
+    if not opened.sources:
+        opened.reason = "every requested GPU was lost"
+    return opened

@@ -15,7 +15,6 @@ from typing import Any, cast
 
 import numpy as np
 
-from gpuwidget.advice.warmup import WarmupSplit, split_run, warmup_cause
 from gpuwidget.facts import (
     CudaDeviceFacts,
     LoaderFacts,
@@ -24,10 +23,11 @@ from gpuwidget.facts import (
     TimeBreakdown,
     TrainingFacts,
     WorkloadFacts,
+    uuid_key,
 )
+from gpuwidget.figures.warmup import WarmupSplit, split_run, warmup_cause
 from gpuwidget.peaks import chip, peak_flops
 from gpuwidget.probes import DATA_WAIT_SPAN, STEP_SPAN, TRAIN_STEP_SPAN
-from gpuwidget.sources.nvml import uuid_key
 from gpuwidget.trace import Trace, gpu_indices
 
 # A GPU is idle below this busy figure (SM activity where GPM has it, else utilisation); a gap must
@@ -43,14 +43,10 @@ BUSY_COLUMNS = {"sm_active": "sm_active", "kernel_running": "util"}
 # "Kernel running" this many points above "SM active" is worth a line saying why the two differ.
 BUSY_GAP_POINTS = 30.0
 
-# NVML clock-event bits (nvml.h, nvmlClocksEventReason*) that mean the GPU slowed itself down:
-# hardware slowdown (0x8), software thermal (0x20), hardware thermal (0x40), hardware power brake (0x80).
-SLOWDOWN_BITS = 0x8 | 0x20 | 0x40 | 0x80
-# Software power cap (0x4): the GPU holds its power limit. A busy H100 at its default limit sits
-# there as a matter of course; it is a slowdown only when the enforced limit is below the default.
-POWER_CAP_BIT = 0x4
-# GPU idle (0x1): clocks are low because nothing runs. Application clocks (0x2) are a setting.
-CLOCK_EVENT_IDLE = 0x1
+# A GPU source says per tick whether the GPU slowed itself down (``slowdown``: thermal, hardware
+# slowdown, power brake) and whether it held its power limit (``power_capped``), whatever the vendor
+# calls it (gpuwidget.sources.gpu). A busy H100 at its default limit sits at the cap as a matter of
+# course; the cap is a slowdown only when the enforced limit is below the default (rule gpu-throttled).
 # Clock figures are judged only on samples where the GPU was doing work.
 BUSY_UTIL_PERCENT = 50.0
 # An energy counter reading lower than the one before by more than this share of it is a reset (the
@@ -149,7 +145,7 @@ def steady_headline(summary: Summary, step_times: Sequence[float], wait_times: S
 
 
 def steady_step_times(training: TrainingFacts) -> list[float]:
-    """The optimizer's step times after the warm-up (advice.warmup), or all of them when the run
+    """The optimizer's step times after the warm-up (figures.warmup), or all of them when the run
     never reached a steady state."""
     times = list(training.get("step_times") or [])
     split = split_run(times, training.get("optimizer_steps"))
@@ -282,11 +278,24 @@ def percentiles(values: Sequence[float], qs: Sequence[float] = (50, 95, 99)) -> 
     return [float(v) for v in np.percentile(np.asarray(values, dtype=float), qs)]
 
 
+def paired(step_times: Sequence[float], wait_times: Sequence[float]) -> tuple[list[float], list[float]]:
+    """Steps and each one's data wait, the latest of both lists paired. A loop's waits can run one
+    ahead of its steps (the batch of a step not yet closed): that extra wait is dropped, then both
+    keep as many of their latest items as the shorter has (no waits at all: zeros)."""
+    steps, waits = list(step_times), list(wait_times)
+    if len(waits) == len(steps) + 1:
+        waits.pop()
+    if not waits:
+        return steps, [0.0] * len(steps)
+    count = min(len(steps), len(waits))
+    return steps[len(steps) - count:], waits[len(waits) - count:]
+
+
 def step_figures(step_times: Sequence[float], steps: int | None = None, workload: WorkloadFacts | None = None,
                  loader: LoaderFacts | None = None) -> Summary:
     """The step-time percentiles over the steady steps, and the warm-up before them
     (``warmup_steps``, ``warmup_s``, ``warmup_cause``; ``all_warmup`` when no steady state was
-    reached, and then the percentiles are of every step): gpuwidget.advice.warmup. ``steps``
+    reached, and then the percentiles are of every step): gpuwidget.figures.warmup. ``steps``
     is how many steps the loop took, when the times may be only the latest of them."""
     split = split_run(step_times, steps)
     p50, p95, p99 = percentiles(step_times if split.all_warmup else split.steady(step_times))
@@ -589,7 +598,7 @@ def _own_memory(trace: Trace, indices: Sequence[int], torch_devices: dict[int, C
         figures["process_gpu_mem_source"] = "torch"
     elif nvml_peak is not None:
         figures["process_gpu_mem_peak"] = nvml_peak
-        figures["process_gpu_mem_source"] = "nvml"
+        figures["process_gpu_mem_source"] = "driver"
     return figures
 
 
@@ -766,26 +775,27 @@ def _steady_mean(trace: Trace, column: str, between: tuple[float, float] | None)
 
 
 def _throttling(trace: Trace, index: int, work: str = "util") -> tuple[float, float, float | None] | None:
-    """(share of busy samples with a slowdown bit set, share with the power-cap bit set, mean SM clock
-    over its maximum on those samples), or None when the GPU was never busy.
+    """(share of busy samples that slowed down, share at the power cap, mean SM clock over its maximum
+    on busy samples), or None when the GPU was never busy.
 
-    Read from the samples still held at full resolution: a bitmask has no meaningful mean. Samples
-    with the idle bit are left out: an idle GPU's low clocks are on purpose, not throttling. Busy is
-    by ``work``: utilisation (a kernel ran: clocks then matter), SM activity where there is none (MIG).
+    Read from the samples still held at full resolution: a 0/1 flag's bucket mean is no sample's.
+    A tick without the flags (the source leaves them out while the GPU idles on purpose) is not
+    judged. Busy is by ``work``: utilisation (a kernel ran: clocks then matter), SM activity where
+    there is none (MIG).
     """
-    columns = [f"gpu{index}.{work}", f"gpu{index}.clock_events", f"gpu{index}.sm_clock", f"gpu{index}.sm_clock_max"]
+    columns = [f"gpu{index}.{work}", f"gpu{index}.slowdown", f"gpu{index}.power_capped", f"gpu{index}.sm_clock",
+               f"gpu{index}.sm_clock_max"]
     frame = trace.recent_since(-np.inf, columns)
-    util, events = frame.mean[columns[0]], frame.mean[columns[1]]
-    known = ~np.isnan(events)
-    bits = np.where(known, np.nan_to_num(events), 0).astype(np.int64)
+    util, slowed, capped = (frame.mean[column] for column in columns[:3])
+    known = ~np.isnan(slowed)
     with np.errstate(invalid="ignore"):
-        busy = (util >= BUSY_UTIL_PERCENT) & ((bits & CLOCK_EVENT_IDLE) == 0)
+        busy = util >= BUSY_UTIL_PERCENT
     if not busy.any():
         return None
     judged = busy & known
-    slowdown = float(np.mean((bits[judged] & SLOWDOWN_BITS) != 0)) if judged.any() else 0.0
-    capped = float(np.mean((bits[judged] & POWER_CAP_BIT) != 0)) if judged.any() else 0.0
+    slowdown = float(np.mean(slowed[judged] > 0)) if judged.any() else 0.0
+    at_cap = float(np.mean(np.nan_to_num(capped[judged]) > 0)) if judged.any() else 0.0
     with np.errstate(invalid="ignore", divide="ignore"):
-        ratio = frame.mean[columns[2]][busy] / frame.mean[columns[3]][busy]
+        ratio = frame.mean[columns[3]][busy] / frame.mean[columns[4]][busy]
     ratio = ratio[~np.isnan(ratio)]
-    return slowdown, capped, (float(np.mean(ratio)) if len(ratio) else None)
+    return slowdown, at_cap, (float(np.mean(ratio)) if len(ratio) else None)

@@ -1,0 +1,175 @@
+"""The probes' lean hot path: the figures made at flush from per-step records are those of the loop,
+whenever the flushes come, on a clock the test controls."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+import gpuwidget.probes
+from gpuwidget.probes import Probes, torch_data, torch_model, torch_steps
+from gpuwidget.probes.torch_data import CPU_SAMPLE_EVERY, DataLoaderProbe
+from gpuwidget.trace import Trace
+
+
+class Clock:
+    """Every reading of the probes' clock is one second after the last: 100, 101, ... from each reset()."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self._ticks = itertools.count(100)
+
+    def __call__(self) -> float:
+        return float(next(self._ticks))
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
+    now = Clock()
+    for module in (gpuwidget.probes, torch_data, torch_steps, torch_model):
+        monkeypatch.setattr(module, "now", now)
+    monkeypatch.setattr(torch_data, "thread_counters", lambda: (0.0, 0.0))  # the thread's CPU: none
+    return now
+
+
+def loader_run(flush_every: int | None) -> tuple[dict[str, Any], Trace]:
+    trace = Trace(start_clock=50.0)
+    probe = DataLoaderProbe(trace)
+    loader = DataLoader(TensorDataset(torch.zeros(37, 3)), batch_size=4)  # 10 batches, the last of 1
+    probe.install()
+    try:
+        done = 0
+        for _ in range(3):
+            for _batch in loader:
+                done += 1
+                if flush_every and done % flush_every == 0:
+                    probe.flush()
+    finally:
+        probe.uninstall()
+    (stats,) = probe.stats
+    return stats.facts({}), trace
+
+
+def test_a_loaders_figures_are_its_clock_readings_however_the_flushes_fall(clock):
+    facts, trace = loader_run(None)
+    # Each next() reads the clock twice (start, end), the one ending an epoch once: a step of 2 s,
+    # a wait of 1 s, 1 s of compute between them; the call ending an epoch closes the last step.
+    assert facts["steps"] == 30 and facts["epochs"] == 3 and facts["samples"] == 3 * 37
+    assert facts["wait_total_s"] == 30.0 and facts["compute_total_s"] == 30.0
+    assert facts["step_times"] == [2.0] * 30 and facts["wait_times"] == [1.0] * 30
+    waits = trace.spans("loader.wait")
+    assert [(s.start, s.end) for s in waits[:2]] == [(50.0, 51.0), (52.0, 53.0)]
+    # The next epoch's first next() starts right after the StopIteration reading (70): no step across it.
+    assert (waits[10].start, waits[10].end) == (71.0, 72.0)
+    steps = trace.spans("step")
+    assert len(steps) == 30 and {s.end - s.start for s in steps} == {2.0}
+    assert steps[9].end == 70.0  # closed by the call that raised StopIteration
+    assert trace.span_stats("step").total == 60.0 and trace.span_stats("loader.wait").count == 30
+    for flush_every in (1, 3, 7):
+        clock.reset()
+        other, other_trace = loader_run(flush_every)
+        assert other == facts
+        for kind in ("step", "loader.wait"):
+            assert other_trace.spans(kind) == trace.spans(kind)
+            assert other_trace.span_stats(kind) == trace.span_stats(kind)
+
+
+def test_the_cpu_counters_are_read_on_the_same_steps_as_before(clock, monkeypatch):
+    reads: list[int] = []
+    probe_stats: list[Any] = []
+
+    def counters() -> tuple[float, float]:
+        reads.append(probe_stats[0].calls if probe_stats else -1)
+        return 0.0, 0.0
+
+    monkeypatch.setattr(torch_data, "thread_counters", counters)
+    probe = DataLoaderProbe(Trace())
+    loader = DataLoader(TensorDataset(torch.zeros(40, 1)), batch_size=1)
+    probe.install()
+    try:
+        iterator = iter(loader)
+        probe_stats.append(probe.stats[0])
+        for _ in iterator:
+            pass
+    finally:
+        probe.uninstall()
+    # Twice (before and after) around next() calls 1, 9, 17, ... (0-based): never the first.
+    sampled = sorted(set(reads))
+    assert sampled == list(range(1, 40, CPU_SAMPLE_EVERY))
+    assert probe.stats[0].wait_sampled == float(len(sampled))
+
+
+def test_two_loaders_in_one_loop_keep_their_own_figures_and_the_spans_stay_in_time_order(clock):
+    trace = Trace(start_clock=0.0)
+    probe = DataLoaderProbe(trace)
+    first = DataLoader(TensorDataset(torch.zeros(12, 1)), batch_size=4)
+    second = DataLoader(TensorDataset(torch.zeros(24, 1)), batch_size=8)
+    probe.install()
+    try:
+        for index, _ in enumerate(zip(first, second)):
+            if index == 1:
+                probe.flush()
+    finally:
+        probe.uninstall()
+    by_size = {s.settings["batch_size"]: s for s in probe.stats}
+    assert by_size[4].steps == 3 and by_size[8].steps == 3
+    assert by_size[4].samples == 12 and by_size[8].samples == 24
+    # zip asks the first loader, then the second: 4 readings a step for each. The first one's end
+    # (StopIteration) closes its last step; the second's last step is still open.
+    assert list(by_size[4].wait_times) == [1.0] * 3 and list(by_size[4].step_times) == [4.0] * 3
+    assert list(by_size[8].step_times) == [4.0] * 2 and by_size[8].pending_start is not None
+    recorded, _ = trace.spans_since("loader.wait", 0)
+    starts = [start for start, _, _ in recorded]
+    assert starts == sorted(starts) and len(starts) == 6
+
+
+def train_run(flush_every: int | None, steps: int = 24) -> tuple[dict[str, Any], Trace]:
+    trace = Trace(start_clock=0.0)
+    probes = Probes(trace)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = DataLoader(TensorDataset(torch.randn(64, 4)), batch_size=8)
+    probes.poll()
+    try:
+        done = 0
+        while done < steps:
+            for (x,) in loader:
+                model(x).sum().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                done += 1
+                if done == 2:
+                    probes.poll()  # loads the FLOP counter (prepare), as the sampler thread does
+                elif flush_every and done % flush_every == 0:
+                    probes.poll()
+                if done == steps:
+                    break
+    finally:
+        probes.uninstall()
+    facts = probes.facts({})
+    return {"training": facts["training"], "loader": facts["loaders"][0]}, trace
+
+
+def test_the_step_probes_spans_and_times_do_not_depend_on_when_they_are_made(clock):
+    figures, trace = train_run(None)
+    training = figures["training"]
+    assert training["optimizer_steps"] == 24 and training["flops_per_step"] > 0
+    # The counted step's time is kept apart, the others are step times.
+    assert "flops_step_s" in training and len(training["step_times"]) == training["spanned_steps"] - 1
+    assert len(trace.spans("train.step")) == training["spanned_steps"]
+    between = trace.spans("train.between")
+    assert len(between) == 23 and training["between_s"] == pytest.approx(sum(s.end - s.start for s in between))
+    assert training["loop_s"] == pytest.approx(sum(training["step_times"]) + training["flops_step_s"])
+    for flush_every in (1, 5):
+        clock.reset()
+        other, other_trace = train_run(flush_every)
+        assert other == figures
+        for kind in ("train.step", "train.between", "step", "loader.wait"):
+            assert other_trace.spans(kind) == trace.spans(kind)
