@@ -27,7 +27,7 @@ class LoaderConstructor(TypedDict, total=False):
     (``probes.constructor.constructor_facts``): what a rebuilt loader of the user's class may pass."""
 
     class_name: str  # the subclass's own name
-    code: dict[str, Any] | None  # file, function, line of the __init__ that hands on (absent: DataLoader's own)
+    code: CodeSite | None  # file, function, line of the __init__ that hands on (absent: DataLoader's own)
     known: bool  # that hand-over was read; False: ``reason`` says why not
     reason: str
     dataset: str  # "positional", "fixed" (it makes its own), or the keyword of the parameter taking it
@@ -36,6 +36,15 @@ class LoaderConstructor(TypedDict, total=False):
     attributes: dict[str, str]  # its own parameter -> the loader attribute that keeps its value
     defaults: dict[str, int | None]  # its own parameters no attribute keeps -> position (None: keyword-only)
     missing: list[str]  # its own required parameters no attribute keeps
+
+
+class InnerBatching(TypedDict):
+    """The ``BatchSampler`` a framework's batch sampler wraps (accelerate's ``BatchSamplerShard``)."""
+
+    batch_size: int
+    drop_last: bool
+    shuffle: bool  # its sampler is a RandomSampler
+    plain_sampler: bool  # one that shuffle=True/False rebuilds exactly
 
 
 class LoaderSettings(TypedDict, total=False):
@@ -61,12 +70,24 @@ class LoaderSettings(TypedDict, total=False):
     iterable_dataset: bool
     worker_init_fn: str | None  # function name
     batch_sampler_given: bool  # built with batch_sampler= (batch_size is None)
-    inner_batching: dict[str, Any]  # batch_size, drop_last, shuffle, plain_sampler of that batch sampler
+    inner_batching: InnerBatching  # the batching of that batch sampler
     generator: bool  # the loader has its own torch.Generator
     shards_by_worker: bool | None  # IterableDataset reads get_worker_info(); None: unknown or map-style
-    dataset_code: dict[str, Any] | None  # file, function, line of the dataset's __getitem__/__iter__
+    dataset_code: CodeSite | None  # file, function, line of the dataset's __getitem__/__iter__
     dataset_transforms: list[str]  # the dataset's attributes holding per-sample transforms
     constructor: LoaderConstructor | None  # the loader's own class's constructor; None: torch's DataLoader
+
+
+class LoaderChange(TypedDict, total=False):
+    """A loader finding's change (``Finding.change`` of ``dataloader-starved``, ``io-bound``, ``small-batch``,
+    ``pageable-transfer``): the DataLoader settings to set, as ``advice.code`` writes them and the
+    tuner (``measure.tuner``) builds a loader with them. Only the settings that change are present."""
+
+    num_workers: int
+    pin_memory: bool
+    persistent_workers: bool
+    prefetch_factor: int  # batches each worker prepares ahead
+    batch_size: int  # small-batch's larger batch
 
 
 class LoaderFacts(TypedDict, total=False):
@@ -87,7 +108,7 @@ class LoaderFacts(TypedDict, total=False):
     wait_times: list[float]  # seconds blocked per next(), the latest STEP_HISTORY
     owner: str | None  # framework that built or drives it: "transformers", "accelerate", "lightning"
     # file, function, line (and cell: the notebook cell's number) of the user's code that built it
-    built_at: dict[str, Any] | None
+    built_at: CodeSite | None
     # Optimizer steps of the trained model taken right after one of this loader's batches: the loader
     # that feeds the training loop (probes.torch_steps); 0 for a validation loader, absent in older runs.
     steps_fed: int
@@ -116,6 +137,11 @@ class DdpFacts(TypedDict, total=False):
     avg_backward_compute_time: int  # ns: first to last gradient ready
     avg_backward_comm_time: int  # ns: first bucket's all-reduce launched to the last one done
     avg_backward_compute_comm_overlap_time: int  # ns: all-reduce running while backward still computed
+    # The same four of the latest sampled iteration alone
+    forward_compute_time: int
+    backward_compute_time: int
+    backward_comm_time: int
+    backward_compute_comm_overlap_time: int
     bucket_cap_bytes: int  # bucket_cap_mb in bytes
     bucket_sizes: list[int]  # bytes per bucket as first built
     rebuilt_bucket_sizes: list[int]  # bytes per bucket after DDP rebuilt them in gradient-ready order
@@ -224,6 +250,21 @@ class StackFacts(TypedDict, total=False):
     dropped: int  # ticks not sampled: read too long after they were due (probes.stack.LATE_SWITCHES)
 
 
+class ProcessCpu(TypedDict, total=False):
+    """CPU seconds a process used since it started (``gpuwidget.children.agent.cpu_seconds``)."""
+
+    process_s: float  # all its threads
+    workers_s: float  # its child processes (DataLoader workers)
+
+
+class MainThreadFigures(TypedDict, total=False):
+    """A process's main thread over its life, from the kernel's schedstat (the watch's own: its summary)."""
+
+    cpu_fraction: float  # on a core, share of wall time (0-1)
+    run_delay_fraction: float  # runnable but waiting for a core, share of wall time (0-1)
+    cpu_count: int | None  # the CPUs it may run on
+
+
 class RankEntry(TypedDict, total=False):
     """One training process of a run (``workload["ranks"]``, ``gpuwidget.children.ranks``). The first
     eight keys are ``Run.ranks``' (DESIGN.md); the rest are that process's evidence for the rules."""
@@ -241,13 +282,14 @@ class RankEntry(TypedDict, total=False):
     loop_time_s: float  # seconds in its training loop
     step_source: str | None  # "dataloader" or "optimizer": which steps its figures count (the summary's)
     loop_waits: list[LoopWait]  # its stack samples' top wait (probes.stack), where it sampled any
+    stack_samples: StackFacts  # a child's stack sampler, until merged (children.ranks.merge: then the workload's)
     # Its steps one by one, the latest ranks.SERIES_STEPS: seconds per step, and of each the
     # seconds blocked on data (same length, same order)
     step_times: list[float]
     wait_times: list[float]
     time_breakdown: TimeBreakdown  # its time over the run's duration (the parts sum to it)
-    cpu: dict[str, float]  # CPU seconds since it started: "process_s" (all threads), "workers_s" (its children)
-    host: dict[str, float]  # its main thread over its life: "cpu_fraction", "run_delay_fraction" (0-1), "cpu_count"
+    cpu: ProcessCpu
+    host: MainThreadFigures
     loaders: list[LoaderFacts]  # without the per-step lists
     model: ModelFacts | None
     training: TrainingFacts | None  # its optimizer's steps (probes.torch_steps)
@@ -280,6 +322,13 @@ class TrainingFacts(TypedDict, total=False):
     device_type: str | None  # where its parameters are ("cuda", "cpu")
 
 
+class TrainedIn(TypedDict):
+    """The child process whose loaders and model the workload's are (``children.ranks.merge``)."""
+
+    pid: int
+    rank: int | None
+
+
 class WorkloadFacts(TypedDict, total=False):
     """What the probes saw of the user's workload (``probes.Probes.facts``)."""
 
@@ -292,7 +341,7 @@ class WorkloadFacts(TypedDict, total=False):
     frameworks: dict[str, str]  # role ("hf_trainer", "training_args", "accelerator") -> the user's name
     # One entry per training process, the watch's own included when it trained (gpuwidget.children.ranks).
     ranks: list[RankEntry]
-    trained_in: dict[str, Any]  # {"pid", "rank"}: the child whose loaders and model these are (own process idle)
+    trained_in: TrainedIn  # the child whose loaders and model these are (the watch's own process did not train)
     # Where the loop waited between steps, largest share first (probes.stack), and the sampler behind it.
     loop_waits: list[LoopWait]
     stack_samples: StackFacts

@@ -28,8 +28,9 @@ import math
 import os
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict, cast
 
 from gpuwidget.runfile import write_atomic
 
@@ -43,6 +44,29 @@ MAX_BYTES = 4096
 # A label longer than this is cut (it becomes a Prometheus label value).
 MAX_LABEL_CHARS = 200
 STATES = ("running", "finished")
+
+
+
+class WatchFigures(TypedDict, total=False):
+    """The figures a status file carries while a watch runs, and when it ends with its main cause."""
+
+    steps: int | None
+    samples_per_s: float | None
+    data_wait_fraction: float | None
+    cause: str  # the first finding's rule id, "none" without one
+
+
+class KernelStatus(TypedDict):
+    """A status file as the server reads it (:func:`read_status`): numbers checked, texts cut to length."""
+
+    state: str  # one of STATES
+    label: str
+    cause: str  # "" while running
+    steps: float | None
+    samples_per_s: float | None
+    data_wait_fraction: float | None
+    updated: float | None  # unix s of the write
+
 
 _removal_registered = False
 _removal_lock = threading.Lock()
@@ -94,16 +118,17 @@ class StatusWriter:
         self._last_write = now
         self._write("running", self._running_figures())
 
-    def finished(self, summary: dict[str, Any] | None, cause: str | None) -> None:
+    def finished(self, summary: Mapping[str, object] | None, cause: str | None) -> None:
+        """The run's end: its summary's figures (``Run.summary``) and its main cause."""
         summary = summary or {}
-        self._write("finished", {
+        self._write("finished", cast(WatchFigures, {
             "steps": summary.get("steps"),
             "samples_per_s": summary.get("samples_per_s"),
             "data_wait_fraction": summary.get("data_wait_fraction"),
             "cause": cause or "none",
-        })
+        }))
 
-    def _running_figures(self) -> dict[str, Any]:
+    def _running_figures(self) -> WatchFigures:
         try:
             progress = self._progress() if self._progress is not None else None
         except Exception:  # noqa: BLE001 - a probe mid-change: try again next time
@@ -117,7 +142,7 @@ class StatusWriter:
             "data_wait_fraction": wait_s / loop_s if loop_s > 0 else None,
         }
 
-    def _write(self, state: str, figures: dict[str, Any]) -> None:
+    def _write(self, state: str, figures: WatchFigures) -> None:
         status = {"version": FORMAT_VERSION, "pid": os.getpid(), "state": state, "label": self.label,
                   "updated": time.time(), "cause": None, **figures}
         try:
@@ -131,7 +156,7 @@ def write_private(path: str, text: str) -> None:
     write_atomic(Path(path), text, private=True)
 
 
-def read_status(path: str, not_before: float | None = None) -> dict[str, Any] | None:
+def read_status(path: str, not_before: float | None = None) -> KernelStatus | None:
     """A status file's figures, or None: absent, older than ``not_before`` (unix s), oversized or malformed."""
     try:
         with open(path, "rb") as fh:

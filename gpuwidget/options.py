@@ -9,7 +9,7 @@ import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict, cast
 
 from gpuwidget.runfile import save_target, unwritable_reason
 
@@ -31,6 +31,21 @@ PRICE_ENV = "GPUWIDGET_GPU_HOUR_PRICE"
 
 class OptionError(ValueError):
     """A bad watch option; the message is one line meant for the user."""
+
+
+class SavedOptions(TypedDict, total=False):
+    """:class:`WatchOptions` as a saved run keeps them (``gpus`` a list); a run saved by an older version
+    may lack the options added since."""
+
+    interval: float
+    gpus: list[int] | None
+    live: bool
+    view: str
+    advice: bool
+    tune: bool
+    save: str | None
+    quiet: bool
+    price: float | None
 
 
 @dataclass(frozen=True)
@@ -57,10 +72,10 @@ class WatchOptions:
         elif self.view == "none":
             object.__setattr__(self, "live", False)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> SavedOptions:
         data = asdict(self)
         data["gpus"] = None if self.gpus is None else list(self.gpus)
-        return data
+        return cast(SavedOptions, data)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> WatchOptions:

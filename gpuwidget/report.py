@@ -33,6 +33,7 @@ from gpuwidget.chart import (
     plot_columns,
     sm_active_gpus,
 )
+from gpuwidget.facts import Summary
 from gpuwidget.figures.summary import gpu_scope_notes
 from gpuwidget.probes import DATA_WAIT_SPAN
 from gpuwidget.sources.gpu import NO_GPU
@@ -135,7 +136,7 @@ SM_ACTIVE_LABEL = "SM active"
 KERNEL_RUNNING_LABEL = "kernel running (nvidia-smi)"
 
 
-def busy_items(summary: Mapping[str, Any]) -> list[tuple[str, str]]:
+def busy_items(summary: Summary) -> list[tuple[str, str]]:
     """The headline's busy figures: "SM active" where GPM measured it, "kernel running (nvidia-smi)"
     (NVML's utilisation) beside it or alone, or "not measured" where neither exists (a MIG instance
     without GPM: the GPU lines say why). A run saved before ``gpu_busy_metric`` held utilisation."""
@@ -151,7 +152,7 @@ def busy_items(summary: Mapping[str, Any]) -> list[tuple[str, str]]:
     return [(KERNEL_RUNNING_LABEL, fmt_percent(busy))]
 
 
-def cost_item(summary: Mapping[str, Any]) -> tuple[str, str] | None:
+def cost_item(summary: Summary) -> tuple[str, str] | None:
     """("cost at 2.5/GPU-h", "0.42 (0.31 idle)") where a price was given, else None."""
     if summary.get("cost") is None:
         return None
@@ -160,7 +161,7 @@ def cost_item(summary: Mapping[str, Any]) -> tuple[str, str] | None:
     return f"cost at {summary.get('gpu_hour_price', 0):g}/GPU-h", text
 
 
-def throughput(summary: Mapping[str, Any]) -> list[tuple[str, str]]:
+def throughput(summary: Summary) -> list[tuple[str, str]]:
     """The headline's first figures: samples/s, achieved FLOP/s, and MFU where a GPU trained and its
     peak is known (a model on the CPU shows GFLOP/s and no MFU claim)."""
     items: list[tuple[str, str]] = []
@@ -197,7 +198,7 @@ def headline(run: Run) -> list[tuple[str, str]]:
     return items
 
 
-def process_cpu_item(s: Mapping[str, Any]) -> tuple[str, str]:
+def process_cpu_item(s: Summary) -> tuple[str, str]:
     """The CPU of the process that trained: the watch's own, or, where only child processes trained
     (``gpuwatch``, a launcher), theirs summed, with their loader workers'."""
     value = f"{s['process_cpu_mean']:.0f}% of a core"
@@ -291,7 +292,7 @@ def breakdown_part(label: str, seconds: float, share: float | None) -> str:
 
 def breakdown_owner(run: Run) -> str | None:
     """Whose time the breakdown is when the watch's own process did not train: "rank 1", "pid 4242"."""
-    trained_in = cast(Mapping[str, Any], run.workload).get("trained_in") or {}
+    trained_in = run.workload.get("trained_in")
     if not trained_in:
         return None
     return f"rank {trained_in['rank']}" if trained_in.get("rank") is not None else f"pid {trained_in.get('pid')}"

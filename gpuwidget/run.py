@@ -5,18 +5,23 @@ from __future__ import annotations
 import json
 import os
 import traceback
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, TypedDict, cast
 
-from gpuwidget.advice.finding import Finding
+from gpuwidget.advice.finding import Finding, SavedFinding
 from gpuwidget.export import trace_csv
-from gpuwidget.facts import MachineFacts, Summary, WorkloadFacts, saved_machine
-from gpuwidget.options import WatchOptions
+from gpuwidget.facts import MachineFacts, RankEntry, Summary, WorkloadFacts, saved_machine
+from gpuwidget.options import SavedOptions, WatchOptions
 from gpuwidget.report import html_document, run_html, run_text
 from gpuwidget.runfile import RUN_FORMAT, RunFormatError, check_run, read_json, save_target, write_atomic
+from gpuwidget.sources.base import SavedSourceError
 from gpuwidget.trace import Trace, finite_or_none
+
+if TYPE_CHECKING:
+    from gpuwidget.measure.changes import TrialChange
+    from gpuwidget.measure.measurement import Measurement
 
 __all__ = ["RUN_FORMAT", "Run", "RunError", "RunFormatError"]
 
@@ -45,6 +50,48 @@ class RunError:
         return f"{self.type}: {self.message}" if self.message else self.type
 
 
+class SamplerRecord(TypedDict, total=False):
+    """How the sampler behaved during the watch (``Run.sampler``): useful to trust (or distrust) the figures."""
+
+    ticks: int
+    missed_ticks: int
+    cpu_time_s: float  # the sampler thread's own CPU time
+    errors: list[str]  # the last 10
+    stalled: Sequence[Mapping[str, object]]  # sources dropped because a read never returned: source, at_s, message
+    source_errors: list[SavedSourceError]  # the last 20 failures the sources recorded
+
+
+class Comparison(TypedDict):
+    """Before -> after against the previous run of the same cell (:meth:`Run.comparison`)."""
+
+    samples_per_s: list[float]  # [before, after]
+    data_wait_fraction: list[float | None]  # [before, after]
+    speedup: float  # after / before samples/s
+
+
+class SavedError(TypedDict):
+    type: str
+    message: str
+    traceback: str
+
+
+class SavedRun(TypedDict):
+    """A run as ``Run.save`` writes it to JSON (:meth:`Run.to_dict`; ``runfile.check_run`` reads it back)."""
+
+    format: str  # RUN_FORMAT
+    label: str
+    finished: bool
+    summary: Summary
+    findings: list[SavedFinding]
+    workload: WorkloadFacts
+    ranks: list[RankEntry]
+    machine: MachineFacts
+    options: SavedOptions
+    error: SavedError | None
+    sampler: SamplerRecord
+    trace: Mapping[str, object]  # Trace.to_dict()
+
+
 @dataclass
 class Run:
     """One watched cell: its Trace, summary figures, findings, workload facts and outcome.
@@ -60,7 +107,7 @@ class Run:
     machine: MachineFacts = field(default_factory=MachineFacts)
     options: WatchOptions = field(default_factory=WatchOptions)
     error: RunError | None = None
-    sampler: dict[str, Any] = field(default_factory=dict)
+    sampler: SamplerRecord = field(default_factory=lambda: SamplerRecord())
     label: str = ""
     finished: bool = False
     # Set by --tune or the panel's Measure button: the tuner's result (not saved).
@@ -76,7 +123,7 @@ class Run:
 
     # ------------------------------------------------------------- conveniences
 
-    def comparison(self) -> dict[str, Any] | None:
+    def comparison(self) -> Comparison | None:
         """Before -> after against :attr:`previous`: samples/s and data wait of both runs and
         the speed-up (after / before samples/s); None without a previous run with a loop."""
         before = self.previous.summary if self.previous is not None else Summary()
@@ -89,8 +136,8 @@ class Run:
             "speedup": rate_after / rate_before,
         }
 
-    def measure(self, change: Mapping[str, Any], budget_s: float = 30.0, step: Any = None,
-                progress: Any = None) -> Any:
+    def measure(self, change: TrialChange, budget_s: float = 30.0, step: Any = None,
+                progress: Any = None) -> Measurement:
         """Try ``change`` in this cell's own training step and measure it against the step as it is.
 
         ``change`` is a dict of the keys in gpuwidget.measure.changes (``autocast``, ``tf32``, ``compile``,
@@ -123,13 +170,13 @@ class Run:
             object.__setattr__(finding, "_run", weakref.ref(self))
 
     @property
-    def ranks(self) -> list[dict[str, Any]]:
+    def ranks(self) -> list[RankEntry]:
         """One entry per training process (the watch's own when it trained, then the children it
         started): ``rank``, ``pid``, ``gpu``, ``steps``, ``samples_per_s``, ``data_wait_fraction``,
         ``step_time_p50_s``, ``step_time_p95_s``; ``workload["ranks"]`` has each one's facts too."""
         from gpuwidget.children.ranks import public
 
-        return public(cast(Mapping[str, Any], self.workload).get("ranks") or [])
+        return public(self.workload.get("ranks") or [])
 
     @property
     def gpu_found(self) -> bool:
@@ -152,7 +199,7 @@ class Run:
         if isinstance(self.options, Mapping):  # options as plain data, as saved
             self.options = WatchOptions.from_dict(self.options)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> SavedRun:
         error = self.error
         return {
             "format": RUN_FORMAT,
@@ -189,7 +236,7 @@ class Run:
                 options=WatchOptions.from_dict(data.get("options") or {}),
                 error=None if error is None else RunError(error["type"], error["message"],
                                                           error.get("traceback") or ""),
-                sampler=dict(data.get("sampler") or {}),
+                sampler=cast(SamplerRecord, dict(data.get("sampler") or {})),
                 label=data.get("label") or "",
                 finished=bool(data.get("finished", True)),
             )
@@ -220,7 +267,7 @@ class Run:
 
     # ------------------------------------------------------------- rendering
 
-    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, Any]:
+    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, str]:
         return {"text/html": run_html(self), "text/plain": run_text(self)}
 
     def __repr__(self) -> str:

@@ -22,7 +22,7 @@ from gpuwidget.facts import MachineFacts
 from gpuwidget.figures.summary import summarize
 from gpuwidget.kernelstatus import StatusWriter
 from gpuwidget.options import OptionError, WatchOptions, make_options
-from gpuwidget.probes import Probes
+from gpuwidget.probes import Probes, WatchedObjects
 from gpuwidget.probes.origin import notebook_cell
 from gpuwidget.run import Run, RunError
 from gpuwidget.sampler import Sampler
@@ -120,7 +120,7 @@ class Watch:
         self._handle: Any = None
         self._probes: Probes | None = None
         self._children: Any = None  # gpuwidget.children.ChildWatch: processes the watched code starts
-        self._objects: dict[str, Any] = {}
+        self._objects: WatchedObjects = {}
         self._started = 0.0
         self._status: StatusWriter | None = None
         self._outputs: Any = None  # ui.outputs.CellOutputs: what the cell itself sends, while the live view shows
@@ -366,7 +366,7 @@ class Watch:
         display(measure_button(run, loaders[0] if loaders else None))
 
 
-def _subjects(objects: dict[str, Any], namespace: Any, workload: Any) -> Any:
+def _subjects(objects: WatchedObjects, namespace: Any, workload: Any) -> Any:
     """What Run.measure will run on (gpuwidget.measure.subjects); None if it cannot be kept."""
     try:
         from gpuwidget.measure.subjects import Subjects

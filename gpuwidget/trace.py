@@ -18,6 +18,12 @@ With the defaults (4096 + 4096 rows) a 24-hour run at 10 Hz with 8 GPUs and a
 about 40 s per bucket at the end of it. Whole-run statistics (count, mean, min,
 max, last) are kept exactly in running accumulators, independent of
 downsampling.
+
+Spans are kept per kind in columns (:class:`_SpanRing`): the newest ``span_capacity`` start and
+end times in two float arrays used as a ring, and their attrs in an object column that only a
+kind with attrs has. The probes hand in a tick's spans as arrays, so taking them in is a few
+array copies (:meth:`Trace.add_span_arrays`); tuples and :class:`Span` objects are made only
+for the readers that ask for them.
 """
 
 from __future__ import annotations
@@ -25,10 +31,9 @@ from __future__ import annotations
 import math
 import re
 import threading
-from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from itertools import islice, repeat
+from itertools import repeat
 from typing import Any
 
 import numpy as np
@@ -40,6 +45,8 @@ DEFAULT_RECENT_CAPACITY = 4096
 DEFAULT_ARCHIVE_CAPACITY = 4096
 DEFAULT_BUCKET_WIDTH_S = 1.0
 DEFAULT_SPAN_CAPACITY = 20_000
+# A kind's span columns start this long and double up to the capacity (most kinds hold few spans).
+_FIRST_SPAN_SLOTS = 256
 _INITIAL_COLUMN_SLOTS = 32
 
 
@@ -131,6 +138,93 @@ class _Accumulator:
         np.copyto(self.last, row, where=present)
 
 
+class _SpanRing:
+    """The newest ``capacity`` spans of one kind, oldest first: start and end columns written as a
+    ring, and an attrs column (objects) made at the first span of the kind that has attrs."""
+
+    __slots__ = ("attrs", "capacity", "end", "start", "written")
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        size = min(capacity, _FIRST_SPAN_SLOTS)
+        self.start = np.empty(size)
+        self.end = np.empty(size)
+        self.attrs: np.ndarray | None = None
+        self.written = 0  # spans ever put in: the next one goes to written % capacity
+
+    def __len__(self) -> int:
+        return min(self.written, self.capacity)
+
+    def nbytes(self) -> int:
+        return self.start.nbytes + self.end.nbytes + (0 if self.attrs is None else self.attrs.nbytes)
+
+    def last_end(self) -> float | None:
+        return float(self.end[(self.written - 1) % self.capacity]) if self.written else None
+
+    def extend(self, starts: np.ndarray, ends: np.ndarray, attrs: Any) -> None:
+        """Put in spans, in order; ``attrs``: None, one mapping shared by all, or an object array of one each."""
+        n = len(starts)
+        capacity = self.capacity
+        if n > capacity:  # only the newest fit
+            self.written += n - capacity
+            starts, ends, n = starts[-capacity:], ends[-capacity:], capacity
+            if isinstance(attrs, np.ndarray):
+                attrs = attrs[-capacity:]
+        self._room(n, attrs is not None)
+        position = self.written % capacity
+        first = min(n, capacity - position)
+        self.start[position:position + first] = starts[:first]
+        self.end[position:position + first] = ends[:first]
+        if first < n:  # wraps round to the oldest
+            self.start[:n - first] = starts[first:]
+            self.end[:n - first] = ends[first:]
+        if self.attrs is not None:
+            shared = not isinstance(attrs, np.ndarray)  # None or one mapping: the same object in each slot
+            self.attrs[position:position + first] = attrs if shared else attrs[:first]
+            if first < n:
+                self.attrs[:n - first] = attrs if shared else attrs[first:]
+        self.written += n
+
+    def append(self, start: float, end: float, attrs: Mapping[str, Any] | None) -> None:
+        """One span, without making arrays of it (``Trace.add_span``)."""
+        self._room(1, attrs is not None)
+        position = self.written % self.capacity
+        self.start[position] = start
+        self.end[position] = end
+        if self.attrs is not None:
+            self.attrs[position] = attrs
+        self.written += 1
+
+    def newest(self, count: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """Copies of the newest ``count`` spans (every kept one by default), oldest first."""
+        kept = len(self)
+        count = kept if count is None else max(0, min(count, kept))
+        window: Any
+        if self.written <= self.capacity:  # not wrapped yet: one slice
+            window = slice(kept - count, kept)
+        else:
+            window = np.arange(self.written - count, self.written) % self.capacity
+        attrs = None if self.attrs is None else self.attrs[window].copy()
+        return self.start[window].copy(), self.end[window].copy(), attrs
+
+    def _room(self, n: int, with_attrs: bool) -> None:
+        """Grow the columns (before the ring is full) to take ``n`` more; make the attrs column if needed."""
+        size = len(self.start)
+        if self.written + n > size and size < self.capacity:
+            size = min(self.capacity, max(self.written + n, 2 * size))
+            kept = self.written  # not wrapped while growing: the spans are the first `written` slots
+            for name in ("start", "end"):
+                grown = np.empty(size)
+                grown[:kept] = getattr(self, name)[:kept]
+                setattr(self, name, grown)
+            if self.attrs is not None:
+                attrs = np.full(size, None, dtype=object)
+                attrs[:kept] = self.attrs[:kept]
+                self.attrs = attrs
+        if with_attrs and self.attrs is None:
+            self.attrs = np.full(size, None, dtype=object)
+
+
 class Trace:
     """Timestamped metric columns and spans for one watched run (or a server's window)."""
 
@@ -174,7 +268,7 @@ class Trace:
         self._version = 0
         # Spans: the newest `span_capacity` per kind, plus whole-run stats per kind.
         self._span_capacity = span_capacity
-        self._spans: dict[str, deque[tuple[float, float, Mapping[str, Any] | None]]] = {}
+        self._spans: dict[str, _SpanRing] = {}
         self._span_stats: dict[str, list[float]] = {}  # kind -> [count, total, min, max]
 
     # ------------------------------------------------------------------ writing
@@ -211,42 +305,52 @@ class Trace:
 
     def add_span(self, kind: str, start: float, end: float, attrs: Mapping[str, Any] | None = None) -> None:
         """Record an interval."""
-        self._add_spans(kind, [(start, end, attrs)])
+        duration = end - start
+        with self._lock:
+            ring, stats = self._span_kind(kind)
+            ring.append(start, end, attrs)
+            stats[1] = stats[1] + duration
+            stats[2] = min(stats[2], duration)
+            stats[3] = max(stats[3], duration)
+            stats[0] += 1
+            self._version += 1
 
     def add_spans(self, kind: str, intervals: list[tuple[float, float]],
                   attrs: Mapping[str, Any] | None = None) -> None:
         """Record many intervals of one kind under one lock (probes buffer them per tick); ``attrs``
         (e.g. a child process's ``{"pid": ..., "rank": ...}``) is shared by all of them."""
-        self._add_spans(kind, [(start, end, attrs) for start, end in intervals])
+        if not intervals:
+            return
+        pairs = np.array(intervals, dtype=float).reshape(-1, 2)
+        self._add_arrays(kind, pairs[:, 0], pairs[:, 1], attrs)
 
     def add_span_arrays(self, kind: str, starts: np.ndarray, ends: np.ndarray) -> None:
         """Record many intervals of one kind given as two arrays of start and end times, in order: the
-        same spans and whole-run figures as :meth:`add_spans`, taken in at C speed (the probes' batch
-        of a tick on a fast loop is thousands of spans, and the sampler thread holds the GIL meanwhile)."""
-        if not len(starts):
-            return
-        durations = (ends - starts).tolist()
-        self._add_spans(kind, zip(starts.tolist(), ends.tolist(), repeat(None)), durations)
+        same spans and whole-run figures as :meth:`add_spans`, taken in as array copies (the probes'
+        batch of a tick on a fast loop is thousands of spans, and the sampler thread holds the GIL meanwhile)."""
+        if len(starts):
+            self._add_arrays(kind, np.asarray(starts, dtype=float), np.asarray(ends, dtype=float), None)
 
-    def _add_spans(self, kind: str, items: Iterable[tuple[float, float, Mapping[str, Any] | None]],
-                   durations: list[float] | None = None) -> None:
-        if durations is None:
-            items = list(items)
-            durations = [item[1] - item[0] for item in items]
-        if not durations:
-            return
+    def _add_arrays(self, kind: str, starts: np.ndarray, ends: np.ndarray, attrs: Any) -> None:
+        durations = ends - starts
         with self._lock:
-            spans = self._spans.get(kind)
-            if spans is None:
-                spans = self._spans[kind] = deque(maxlen=self._span_capacity)
-                self._span_stats[kind] = [0, 0.0, math.inf, -math.inf]
-            stats = self._span_stats[kind]
-            spans.extend(items)
-            stats[1] = sum(durations, stats[1])  # added one by one, in order, as the spans came
-            stats[2] = min(stats[2], min(durations))
-            stats[3] = max(stats[3], max(durations))
+            ring, stats = self._span_kind(kind)
+            ring.extend(starts, ends, attrs)
+            # Summed one by one, in order, as the spans came (add.accumulate is sequential): the
+            # same total however the spans were batched.
+            stats[1] = float(np.add.accumulate(np.concatenate(([stats[1]], durations)))[-1])
+            stats[2] = min(stats[2], float(durations.min()))
+            stats[3] = max(stats[3], float(durations.max()))
             stats[0] += len(durations)
             self._version += 1
+
+    def _span_kind(self, kind: str) -> tuple[_SpanRing, list[float]]:
+        """The columns and whole-run figures of a kind, made at its first span; under the lock."""
+        ring = self._spans.get(kind)
+        if ring is None:
+            ring = self._spans[kind] = _SpanRing(self._span_capacity)
+            self._span_stats[kind] = [0, 0.0, math.inf, -math.inf]
+        return ring, self._span_stats[kind]
 
     def _add_column(self, name: str) -> int:
         index = len(self._columns)
@@ -506,13 +610,14 @@ class Trace:
         hi = math.inf if t1 is None else t1
         with self._lock:
             kinds = [kind] if kind is not None else list(self._spans)
-            raw = [(k, list(self._spans.get(k, ()))) for k in kinds]
-        out = [
-            Span(k, s, e, a or {})
-            for k, items in raw
-            for s, e, a in items
-            if e >= lo and s <= hi
-        ]
+            raw = [(k, ring.newest()) for k in kinds if (ring := self._spans.get(k)) is not None]
+        out: list[Span] = []
+        for k, (starts, ends, attrs) in raw:
+            inside = (ends >= lo) & (starts <= hi)
+            if not inside.all():
+                starts, ends = starts[inside], ends[inside]
+                attrs = None if attrs is None else attrs[inside]
+            out.extend(Span(k, s, e, a or {}) for s, e, a in _rows(starts, ends, attrs))
         out.sort(key=lambda span: span.start)
         return out
 
@@ -529,10 +634,8 @@ class Trace:
             if stats is None:
                 return [], seen
             total = int(stats[0])
-            spans = self._spans[kind]
-            new = list(islice(reversed(spans), max(0, min(total - seen, len(spans)))))
-        new.reverse()
-        return new, total
+            starts, ends, attrs = self._spans[kind].newest(total - seen)
+        return list(_rows(starts, ends, attrs)), total
 
     def span_kinds(self) -> list[str]:
         """The kinds of spans recorded (``step``, ``loader.wait``, ...)."""
@@ -550,8 +653,11 @@ class Trace:
     def span_durations(self, kind: str) -> np.ndarray:
         """Durations of the kept spans of one kind, oldest first."""
         with self._lock:
-            items = list(self._spans.get(kind, ()))
-        return np.fromiter((e - s for s, e, _ in items), dtype=float, count=len(items))
+            ring = self._spans.get(kind)
+            if ring is None:
+                return np.empty(0)
+            starts, ends, _ = ring.newest()
+        return ends - starts
 
     @property
     def duration(self) -> float:
@@ -560,17 +666,17 @@ class Trace:
             ends = [0.0]
             if self._recent_n:
                 ends.append(float(self._recent_t[self._recent_n - 1]))
-            for spans in self._spans.values():
-                if spans:
-                    ends.append(spans[-1][1])
+            for ring in self._spans.values():
+                last = ring.last_end()
+                if last is not None:
+                    ends.append(last)
             return max(ends)
 
     def nbytes(self) -> int:
-        """Memory held by the numeric blocks (spans are counted approximately)."""
+        """Memory held by the numeric blocks and the span columns (not the attrs mappings themselves)."""
         blocks = (self._recent_t, self._recent_v, self._arch_t, self._arch_t_end, self._arch_mean,
                   self._arch_min, self._arch_max, self._arch_count)
-        span_rows = sum(len(s) for s in self._spans.values())
-        return sum(b.nbytes for b in blocks) + span_rows * 120
+        return sum(b.nbytes for b in blocks) + sum(ring.nbytes() for ring in self._spans.values())
 
     def _select(self, columns: Iterable[str] | None) -> list[str]:
         return list(self._columns) if columns is None else list(columns)
@@ -650,8 +756,15 @@ class Trace:
                 trace._stats.max[j] = _to_float(s["max"], -math.inf)
                 trace._stats.last[j] = _to_float(s["last"], math.nan)
             trace._rows_total = int(data["rows_total"])
+        by_kind: dict[str, list[Mapping[str, Any]]] = {}
         for span in data["spans"]:
-            trace.add_span(span["kind"], span["start"], span["end"], span.get("attrs"))
+            by_kind.setdefault(span["kind"], []).append(span)
+        for kind, spans in by_kind.items():  # each kind's spans in the order saved, as add_span took them
+            attrs = np.empty(len(spans), dtype=object)
+            attrs[:] = [span.get("attrs") for span in spans]
+            trace._add_arrays(kind, np.array([span["start"] for span in spans], dtype=float),
+                              np.array([span["end"] for span in spans], dtype=float),
+                              attrs if any(a is not None for a in attrs) else None)
         with trace._lock:
             for kind, (count, total, lo, hi) in data["span_stats"].items():
                 trace._span_stats[kind] = [count, total, _to_float(lo, math.inf), _to_float(hi, -math.inf)]
@@ -666,6 +779,11 @@ def gpu_indices(trace: Trace) -> list[int]:
     """GPU numbers that have at least one column in the trace, ascending."""
     found = {int(m.group(1)) for name in trace.columns if (m := _GPU_COLUMN.match(name))}
     return sorted(found)
+
+
+def _rows(starts: np.ndarray, ends: np.ndarray, attrs: np.ndarray | None) -> Iterable[tuple[Any, ...]]:
+    """Span columns as ``(start, end, attrs)`` tuples of Python objects."""
+    return zip(starts.tolist(), ends.tolist(), repeat(None) if attrs is None else attrs.tolist())
 
 
 def _argfirst(values: np.ndarray, targets: np.ndarray, edges: np.ndarray, n: int) -> np.ndarray:

@@ -6,6 +6,9 @@ time or speed, or loads the machine itself (kernels, servers, browsers, process 
 that another test running beside it cannot change what it measures: marked so in its module
 (``pytestmark = pytest.mark.serial``) or on itself, or because it carries one of
 :data:`SERIAL_MARKERS` or uses one of :data:`SERIAL_FIXTURES` (see ``pytest_collection_modifyitems``).
+A test with one of those that judges no time and shares nothing with another (its own kernel,
+temporary folder and ports) says so with ``untimed``: it runs in the parallel pass, where nothing
+beside it judges time either, so the load it makes changes no test's result.
 """
 
 from __future__ import annotations
@@ -39,9 +42,15 @@ SERIAL_MARKERS = ("browser", "notebooks", "kernel", "slow")
 SERIAL_FIXTURES = ("one_torch_thread", "ip")
 
 
+# Kernels, notebooks or the in-process shell, but no judgement of time: the parallel pass takes them.
+UNTIMED_MARKER = "untimed"
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         fixtures = getattr(item, "fixturenames", ())
+        if item.get_closest_marker(UNTIMED_MARKER) and not item.get_closest_marker("serial"):
+            continue
         if any(item.get_closest_marker(name) for name in SERIAL_MARKERS) or any(
                 name in fixtures for name in SERIAL_FIXTURES):
             item.add_marker(pytest.mark.serial)

@@ -27,6 +27,41 @@ def burn_cpu(seconds: float) -> None:
         pass
 
 
+# spare_core(): the CPU seconds each process burns, and the ratios of two processes' wall time to
+# one's that say a second core is free (two burns side by side take as long as one) or taken (they
+# share one core: twice as long). Between them the machine is neither, as far as this can tell.
+CALIBRATION_BURN_S = 0.25
+SPARE_CORE_RATIO = 1.3
+NO_SPARE_CORE_RATIO = 1.6
+
+
+def _burn_processes(count: int) -> float:
+    """Wall seconds for ``count`` forked processes each to burn CALIBRATION_BURN_S of CPU at once."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("fork")
+    workers = [context.Process(target=burn_cpu, args=(CALIBRATION_BURN_S,)) for _ in range(count)]
+    started = time.perf_counter()
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    return time.perf_counter() - started
+
+
+def spare_core() -> bool | None:
+    """Whether a second process of this one gets a core of its own now, measured: a CPU burn in
+    one process, then in two at once (the kernel shares the cores between sessions, so another
+    user's busy process takes the second core from both). True or False when the ratio of their
+    wall times says so clearly; None when it is between (the load changing, or part of a core)."""
+    alone = _burn_processes(1)
+    together = _burn_processes(2)
+    ratio = together / ((alone + _burn_processes(1)) / 2)  # alone before and after: a drifting load averages out
+    if ratio <= SPARE_CORE_RATIO:
+        return True
+    return False if ratio >= NO_SPARE_CORE_RATIO else None
+
+
 @contextlib.contextmanager
 def hogs(count: int, lifetime_s: float) -> Iterator[list[int]]:
     """``count`` ``while True: pass`` processes as another user's jobs are: not in this process
@@ -61,6 +96,16 @@ def gpuwidget_kernel(env: Mapping[str, str] | None = None) -> Iterator[Any]:
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=True)
+
+
+def warmed_up(kc: Any, timeout: float = 60) -> None:
+    """Wait until the kernel's ``%load_ext gpuwidget`` warm-up (the live view's imports, on a thread
+    of its own: gpuwidget._warm_up) has ended, as it has by the time a user runs a watched cell
+    after loading the extension; a cell run at once waits for the imports instead (about a second
+    of CPU: bokeh's and jupyter_bokeh's)."""
+    reply = kc.execute_interactive("import threading as _t\n[thread.join() for thread in _t.enumerate() "
+                                   "if thread.name == 'gpuwidget-warm-up']\ndel _t", timeout=timeout)
+    assert reply["content"]["status"] == "ok"
 
 
 def cell_messages(kc: Any, code: str, timeout: float = 60, **execute: Any) -> list[tuple[float, dict]]:

@@ -3,20 +3,25 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 import pytest
 from torch.utils.data import DataLoader
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 import gpuwidget
+from gpuwidget.advice.loader import CPU_ASLEEP_MAX, CPU_WORK_RATIO, HOST_SATURATED_PERCENT
 from gpuwidget.probes.torch_data import loader_kwargs
 
 import workloads
+from support import spare_core
 
 LOADER_RULES = {"dataloader-starved", "dataloader-cpu-bound", "io-bound"}
 ORIGINAL_INIT = DataLoader.__init__
 ORIGINAL_ITER = DataLoader.__iter__
 ORIGINAL_NEXT = _BaseDataLoaderIter.__next__
+T = TypeVar("T")
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -48,11 +53,57 @@ def rules(run: gpuwidget.Run) -> set[str]:
     return {f.rule for f in run.findings}
 
 
+# A measurement bracketed by two calibrations that disagree (the load changed) is taken again, this often.
+CALIBRATED_ATTEMPTS = 3
+
+
+def on_a_calibrated_machine(measure: Callable[[], T]) -> tuple[T, bool]:
+    """``measure()`` between two readings of :func:`support.spare_core` that agree; its result and
+    whether a spare core was there. The diagnosis of a CPU-bound loader depends on it: more workers
+    need a free core to build batches on."""
+    readings = []
+    for _ in range(CALIBRATED_ATTEMPTS):
+        before = spare_core()
+        result = measure()
+        after = spare_core()
+        if before is not None and before == after:
+            return result, before
+        readings.append((before, after))
+    pytest.fail(f"the machine's load changed during every measurement (spare core before, after: {readings})")
+
+
 def test_starved_loader_is_named_with_a_worker_change_in_the_users_names():
+    """With a core to spare, workers building batches beside the loop are the change, and it pays.
+    Without one (another user's busy process holds it: the load of the machine, measured in the same
+    run), more workers would only take turns on the loop's core: the batches must get cheaper."""
     workload = workloads.cpu_heavy_transform()
-    run = watched(workload)
-    assert "dataloader-starved" in rules(run)
-    finding = next(f for f in run.findings if f.rule == "dataloader-starved")
+
+    def measure() -> tuple[gpuwidget.Run, float | None]:
+        run = watched(workload)
+        found = {f.rule: f for f in run.findings}
+        change = found["dataloader-starved"].change if "dataloader-starved" in found else None
+        followed = None if change is None else loop_seconds(workload, DataLoader(**loader_kwargs(workload.loader,
+                                                                                                 change)))
+        return run, followed
+
+    (run, after), spare = on_a_calibrated_machine(measure)
+    assert run.summary["samples"] == 480 and run.summary["steps"] == 30
+    found = {f.rule: f for f in run.findings}
+    if not spare:
+        assert "dataloader-cpu-bound" in found and "dataloader-starved" not in found, (spare, dict(found))
+        bound = found["dataloader-cpu-bound"]
+        # The largest gain of the code's own comes first (other processes' hold on the cores is the
+        # machine's and may rank above it: cpu-contention).
+        assert [f for f in run.findings if not f.machine_level][0] is bound
+        assert bound.change == {} and "Cache" in bound.code
+        assert bound.evidence.get("cpus_busy_percent", bound.evidence["host_cpu_percent"]) >= HOST_SATURATED_PERCENT
+        assert bound.evidence["data_wait_fraction"] >= 0.3
+        # The main process built the batches itself, hardly ever asleep: on a core or queued for one.
+        asleep = 1 - bound.evidence["cpu_while_waiting"] - bound.evidence.get("builder_run_delay_fraction", 0.0)
+        assert bound.evidence["cpu_while_waiting"] >= CPU_WORK_RATIO or asleep <= CPU_ASLEEP_MAX, bound.evidence
+        return
+    assert "dataloader-starved" in found and "dataloader-cpu-bound" not in found, (spare, dict(found))
+    finding = found["dataloader-starved"]
     # The largest gain of the code's own comes first (other processes' hold on the cores, on a shared
     # host, is the machine's and may rank above it: cpu-contention).
     assert [f for f in run.findings if not f.machine_level][0] is finding
@@ -70,13 +121,11 @@ def test_starved_loader_is_named_with_a_worker_change_in_the_users_names():
         assert upper == pytest.approx(1 / (1 - run.summary["data_wait_fraction"]), rel=0.02)
     gain = finding.evidence["expected_gain"]
     assert 1.0 < finding.expected_speedup == gain <= finding.evidence["upper_bound_speedup"]
-    assert run.summary["samples"] == 480 and run.summary["steps"] == 30
-    assert run.workload["loaders"][0]["wait_cpu_ratio"] > 0.5  # the main process built batches itself
+    assert loader["wait_cpu_ratio"] > 0.5  # on a core of its own, the main process built batches itself
 
     # Following the change makes the same loop measurably faster.
     before = run.summary["loop_time_s"]
-    after = loop_seconds(workload, DataLoader(**loader_kwargs(workload.loader, finding.change)))
-    assert after < 0.85 * before, f"{before:.2f}s -> {after:.2f}s with {finding.change}"
+    assert after is not None and after < 0.85 * before, f"{before:.2f}s -> {after:.2f}s with {finding.change}"
 
 
 def test_storage_bound_loader_gets_workers_beyond_the_core_count():
@@ -100,11 +149,16 @@ def test_healthy_loop_gets_no_loader_finding():
 
 def test_checkpoint_pauses_are_a_periodic_stall_not_a_loader_problem():
     run = watched(workloads.periodic_checkpoint())
-    assert "periodic-stall" in rules(run)
+    assert "periodic-stall" in rules(run), [f.title for f in run.findings]
     assert not rules(run) & LOADER_RULES
     stall = next(f for f in run.findings if f.rule == "periodic-stall")
     assert stall.evidence["period_steps"] == 10
     assert stall.evidence["stall_s"] == pytest.approx(0.12, abs=0.05)
+    # The checkpoint's seconds are the stall's, explained once: no loop-waits finding names them
+    # again, and where the stack samples between the steps saw the checkpoint, they say what it is.
+    assert "loop-waits" not in rules(run)
+    if any(wait["function"] == "checkpoint" for wait in run.workload["loop_waits"]):
+        assert stall.change["stall"] == "checkpoint"
 
 
 def test_a_pause_every_25_steps_after_a_slow_start_is_a_periodic_stall_not_a_starved_loader():
@@ -143,7 +197,9 @@ def test_keyboard_interrupt_restores_torch():
 
 
 def test_magic_names_the_loader_from_the_notebook_namespace(ip):
-    workload = workloads.cpu_heavy_transform()  # 30 steps, 1.2 s: enough to name a cause
+    # 30 steps sleeping 1.4 s on "storage": enough to name a cause, and the same cause (io-bound,
+    # with its loader code) whatever else holds the cores.
+    workload = workloads.slow_storage()
     ip.user_ns.update(my_loader=workload.loader, my_data=workload.loader.dataset, net=workload.model,
                       train=workload.train)
     result = ip.run_cell("%%gpuwatch --quiet\ntrain(my_loader)\n")
@@ -151,7 +207,8 @@ def test_magic_names_the_loader_from_the_notebook_namespace(ip):
     run = gpuwidget.last_run()
     assert run.workload["loaders"][0]["name"] == "my_loader"
     assert run.workload["model"]["name"] == "net"
-    finding = next(f for f in run.findings if f.rule == "dataloader-starved")
+    finding = next((f for f in run.findings if f.rule == "io-bound"), None)
+    assert finding is not None, [f.title for f in run.findings]
     assert finding.code.splitlines()[-1].startswith("my_loader = DataLoader(my_data, ")
     assert torch_is_untouched()
 

@@ -67,7 +67,9 @@ def rules(run: gpuwidget.Run) -> dict[str, Any]:
 
 
 def test_storage_bound_loader_on_a_busy_host_is_io_bound_with_contention_and_workers_beyond_the_cores(two_hogs):
-    workload = workloads.slow_storage(items=320, latency=0.006)
+    # 30 steps of 96 ms on "storage": long enough that starting the workers on cores the hogs (and
+    # whatever else runs) hold is not most of the loop they are to speed up.
+    workload = workloads.slow_storage(items=480, latency=0.006)
     run = watched(workload)
     found = rules(run)
     assert "io-bound" in found and "dataloader-cpu-bound" not in found, [dict(f.evidence) for f in run.findings]
@@ -82,7 +84,7 @@ def test_storage_bound_loader_on_a_busy_host_is_io_bound_with_contention_and_wor
     assert run.findings == sorted(run.findings, key=lambda f: -(f.expected_speedup or 0.0))
     assert contention.machine_level and not found["io-bound"].machine_level
     assert contention.expected_speedup == contention.evidence["speedup_without_contention"]
-    # The workers beyond the cores pay, hogs and all (1.35-2x on this short loop, where starting
+    # The workers beyond the cores pay, hogs and all (1.35-2x on a loop of 20 steps, where starting
     # 8 workers on contended cores is a good part of the time; 2.5-4x on longer ones).
     before = run.summary["loop_time_s"]
     after = loop_seconds(workload, DataLoader(**loader_kwargs(workload.loader, change)))

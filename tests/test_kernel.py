@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import pytest
 
 from support import cell_messages as run_cell
-from support import gpuwidget_kernel
+from support import gpuwidget_kernel, warmed_up
 
 pytestmark = pytest.mark.kernel
 
@@ -15,6 +15,7 @@ pytestmark = pytest.mark.kernel
 @pytest.fixture(scope="module")
 def kernel() -> Iterator[object]:
     with gpuwidget_kernel() as kc:
+        warmed_up(kc)
         yield kc
 
 
@@ -28,8 +29,10 @@ def test_live_updates_arrive_while_the_cell_runs_then_the_report_replaces_them(k
     updates = [t for t, m in of_type(messages, "comm_msg")
                if m["content"]["data"].get("method") in ("custom", "update")]
     idle_at = messages[-1][0]
-    # Updates start early and keep coming while the cell sleeps, not in one burst at the end.
-    assert updates and updates[0] < 1.5
+    # Updates start early and keep coming while the cell sleeps, not in one burst at the end. The
+    # first within a second of the cell's start (0.3-0.45 s at a load of 5-7 on this 2-core VM):
+    # the watch's own start-up, the live view's imports done by the extension's warm-up.
+    assert updates and updates[0] < 1.0, updates[:3]
     during = [t for t in updates if t < idle_at - 0.3]
     assert len({round(t, 1) for t in during}) >= 4
     assert max(during) - min(during) >= 1.0

@@ -11,7 +11,9 @@ import pytest
 
 from support import cell_messages, gpuwidget_kernel
 
-pytestmark = pytest.mark.kernel
+# Its own kernel, and nothing judged by time (what the panel and the Measure button send): the
+# parallel pass takes it (tests/conftest.py, ``untimed``).
+pytestmark = [pytest.mark.kernel, pytest.mark.untimed]
 
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 MEASURE = "application/vnd.gpuwidget.measure+json"
@@ -24,7 +26,7 @@ torch.set_num_threads(1)
 
 class Slow(Dataset):
     def __len__(self):
-        return 96
+        return 384  # 24 batches of 64 ms: past the evidence a cause needs (16 steady steps, 1 s)
     def __getitem__(self, i):
         time.sleep(0.004)
         return torch.zeros(8), 0
@@ -157,7 +159,7 @@ def test_measure_click_shows_progress_then_the_measured_table_under_the_offer(ke
     # A dataset long enough for the tuner's trials, a budget short enough for a test.
     reply, _ = run_cell(kernel, STARVED_LOADER + LONG_LOADER)
     assert reply["content"]["status"] == "ok"
-    _, messages = run_cell(kernel, "%%gpuwatch --no-live\nfor _, (x, y) in zip(range(6), train_loader):\n"
+    _, messages = run_cell(kernel, "%%gpuwatch --no-live\nfor _, (x, y) in zip(range(24), train_loader):\n"
                                    "    time.sleep(0.001)")
     offer = measure_offer(messages)
     token = offer["content"]["data"][MEASURE]["token"]
@@ -177,7 +179,7 @@ def test_measure_click_shows_progress_then_the_measured_table_under_the_offer(ke
     assert again["content"]["data"] == data
     # The loader gone: the button says what to do instead of failing.
     run_cell(kernel, "other_loader = DataLoader(Long(), batch_size=16)")
-    _, messages = run_cell(kernel, "%%gpuwatch --no-live\nfor _, (x, y) in zip(range(6), other_loader):\n"
+    _, messages = run_cell(kernel, "%%gpuwatch --no-live\nfor _, (x, y) in zip(range(24), other_loader):\n"
                                    "    time.sleep(0.001)")
     late = measure_offer(messages)["content"]["data"][MEASURE]["token"]
     run_cell(kernel, "del other_loader, x, y; import gc; gc.collect()")

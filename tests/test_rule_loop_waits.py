@@ -15,7 +15,9 @@ import pytest
 import torch
 
 import gpuwidget
-from gpuwidget.advice.rules import RULES, loop_waits
+from gpuwidget.advice.advisor import advise
+from gpuwidget.advice.evidence import MIN_CAUSE_LOOP_S, MIN_CAUSE_STEPS
+from gpuwidget.advice.rules import RULES, loop_waits, periodic_stall
 from gpuwidget.prefetch import THREAD_NAME, Prefetcher
 
 from frameworks import LOADER_RULES
@@ -201,14 +203,18 @@ SITE = {"function": "get_batch", "file": "/tmp/ipykernel_1/123.py", "line": 15, 
 
 
 def facts(share: float = 0.5, samples: int | None = None, loop_samples: int = 200, steps: int = 100,
-          **wait: Any) -> dict[str, Any]:
+          loop_s: float = 10.0, step_times: list[float] | None = None, **wait: Any) -> dict[str, Any]:
+    """One wait of ``share`` of a loop of ``steps`` optimizer steps, ``loop_s`` seconds (evenly, unless
+    ``step_times`` says otherwise)."""
     hits = round(share * loop_samples) if samples is None else samples
-    entry = {**SITE, "share": share, "seconds": share * 10.0, "samples": hits, "in_loader": 0.0,
+    entry = {**SITE, "share": share, "seconds": share * loop_s, "samples": hits, "in_loader": 0.0,
              "source": "time.sleep(storage_s)", "name": "get_batch", "generator": False, "copy": None,
              "called_from": {"function": "<module>", "file": "/tmp/ipykernel_1/456.py", "line": 4, "cell": 5}}
     entry.update(wait)
+    times = step_times if step_times is not None else [loop_s / steps] * steps
     return {"loop_waits": [entry], "stack_samples": {"basis": BETWEEN, "samples": loop_samples + 3,
-                                                     "loop_samples": loop_samples, "steps": steps, "loop_s": 10.0}}
+                                                     "loop_samples": loop_samples, "steps": steps, "loop_s": loop_s},
+            "training": {"optimizer_steps": len(times), "step_times": times}}
 
 
 def check(workload: dict[str, Any]) -> Any:
@@ -241,6 +247,73 @@ def test_the_lower_confidence_bound_is_wilsons():
 @pytest.mark.parametrize(("steps", "named"), [(loop_waits.MIN_STEPS - 1, False), (loop_waits.MIN_STEPS, True)])
 def test_too_few_steps_name_nothing(steps, named):
     assert (check(facts(steps=steps)) is not None) is named
+
+
+@pytest.mark.parametrize(("steps", "loop_s", "named"), [
+    (MIN_CAUSE_STEPS, MIN_CAUSE_LOOP_S, True),
+    (MIN_CAUSE_STEPS, 0.99 * MIN_CAUSE_LOOP_S, False),  # the steps, but under a second of them
+    (200, 0.99 * MIN_CAUSE_LOOP_S, False),
+])
+def test_a_loop_under_the_evidence_gate_names_nothing(steps, loop_s, named):
+    """As the loop's other causes: a wait is named from MIN_CAUSE_STEPS steady steps lasting MIN_CAUSE_LOOP_S."""
+    assert (check(facts(steps=steps, loop_s=loop_s)) is not None) is named
+    found = {f.rule for f in advise({}, facts(steps=steps, loop_s=loop_s), {})}  # type: ignore[arg-type]
+    assert ("watch-longer" in found) is not named and (loop_waits.RULE in found) is named
+
+
+# 200 steps of 20 ms with a stall of 60 ms more every 10 steps: 1.2 s of stalls in a 5.2 s loop (23.1%).
+STALLED = [0.08 if step % 10 == 9 else 0.02 for step in range(200)]
+STALL_SHARE = 1.2 / 5.2
+
+
+def stalled_facts(*waits: dict[str, Any], step_times: list[float] = STALLED) -> dict[str, Any]:
+    """The loop of STALLED (200 loop samples over 5.2 s) with ``waits``, given as function, name and samples."""
+    workload = facts(loop_s=sum(step_times), steps=len(step_times), step_times=step_times)
+    template = workload["loop_waits"][0]
+    workload["loop_waits"] = [{**template, **wait, "share": wait["samples"] / 200,
+                               "seconds": wait["samples"] / 200 * sum(step_times)} for wait in waits]
+    return workload
+
+
+def rules_of(workload: dict[str, Any]) -> dict[str, Any]:
+    return {f.rule: f for f in advise({}, workload, {})}  # type: ignore[arg-type]
+
+
+CHECKPOINT = {"function": "save_checkpoint", "name": "save_checkpoint", "line": 30}
+
+
+@pytest.mark.parametrize(("samples", "named"), [(57, False), (58, True)])
+def test_a_periodic_stalls_seconds_are_periodic_stalls_not_a_loop_wait(samples, named):
+    """A checkpoint every 10 steps is time between steps too: one explanation per measured second. The
+    stall holds a wait whose share's lower confidence bound is within the stalls' share (57 of 200
+    samples: 22.7% against 23.1%); a wait with more time than that (58: 23.2%) also waits elsewhere."""
+    assert periodic_stall.find(stalled_facts()).fraction == pytest.approx(STALL_SHARE)
+    assert loop_waits.share_lower_bound(57, 200) < STALL_SHARE < loop_waits.share_lower_bound(58, 200)
+    found = rules_of(stalled_facts({**CHECKPOINT, "samples": samples}))
+    assert found["periodic-stall"].change["stall"] == "checkpoint"  # the stall's kind, from the same samples
+    assert (loop_waits.RULE in found) is named
+
+
+def test_without_a_stall_the_same_wait_between_steps_is_a_loop_wait():
+    even = [sum(STALLED) / 200] * 200
+    found = rules_of(stalled_facts({**CHECKPOINT, "samples": 46}, step_times=even))
+    assert "periodic-stall" not in found and found[loop_waits.RULE].evidence["function"] == "save_checkpoint"
+
+
+def test_a_stall_without_a_telling_name_holds_the_largest_wait_and_a_per_step_one_is_still_named():
+    # dump() every 10 steps (its name says nothing) and get_batch() every step, both within the
+    # stall's share: the stall is one piece of work, the larger; get_batch's time is its own.
+    dump = {"function": "dump", "name": "dump", "line": 40, "samples": 46}
+    get_batch = {"samples": 30}
+    found = rules_of(stalled_facts(dump, get_batch))
+    assert found["periodic-stall"].change["stall"] == "unknown"
+    assert found[loop_waits.RULE].evidence["function"] == "get_batch"
+    # Larger than the stall can hold, a per-step wait beside a checkpoint is named, and the checkpoint is not.
+    found = rules_of(stalled_facts({**CHECKPOINT, "samples": 40}, {"samples": 80}))
+    assert found[loop_waits.RULE].evidence["function"] == "get_batch" and "periodic-stall" in found
+    stall = periodic_stall.find(stalled_facts())
+    assert loop_waits.stall_waits(stalled_facts({**CHECKPOINT, "samples": 40}, {"samples": 80})["loop_waits"],
+                                  stall, 200)[0]["function"] == "save_checkpoint"
 
 
 @pytest.mark.parametrize(("in_loader", "named"), [(0.49, True), (0.5, False)])

@@ -111,10 +111,21 @@ def test_interval_must_be_positive():
         Sampler([], Trace(), interval=0)
 
 
-def _burn(seconds: float) -> None:
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
+def _burn_until(stop: object) -> None:
+    while not stop.is_set():  # type: ignore[attr-defined]
         pass
+
+
+def _cpu_seconds(pid: int) -> float:
+    """The process's CPU time as the kernel counts it (nanoseconds in schedstat, else clock ticks)."""
+    try:
+        with open(f"/proc/{pid}/schedstat") as counters:
+            return int(counters.read().split()[0]) / 1e9
+    except OSError:
+        import psutil
+
+        times = psutil.Process(pid).cpu_times()
+        return times.user + times.system
 
 
 def test_host_source_reports_process_and_worker_cpu_in_si_units(monkeypatch):
@@ -123,18 +134,31 @@ def test_host_source_reports_process_and_worker_cpu_in_si_units(monkeypatch):
     source = HostSource()
     source.read()
     ctx = multiprocessing.get_context("fork")
-    worker = ctx.Process(target=_burn, args=(0.6,))
+    stop = ctx.Event()
+    worker = ctx.Process(target=_burn_until, args=(stop,))
     worker.start()
-    time.sleep(0.05)
-    source.read()
-    time.sleep(0.4)
-    values = source.read()
-    worker.join()
+    try:
+        time.sleep(0.05)
+        # The child's own CPU time and the clock on both sides of each reading: whatever share of a
+        # core a loaded host leaves it, the reading's rate lies between what those brackets allow.
+        cpu0, t0 = _cpu_seconds(worker.pid), time.perf_counter()
+        source.read()
+        cpu0_after, t0_after = _cpu_seconds(worker.pid), time.perf_counter()
+        time.sleep(0.4)
+        cpu1, t1 = _cpu_seconds(worker.pid), time.perf_counter()
+        values = source.read()
+        cpu1_after, t1_after = _cpu_seconds(worker.pid), time.perf_counter()
+    finally:
+        stop.set()
+        worker.join()
     assert 0 <= values["cpu.util"] <= 100
     assert values["proc.rss"] > 10 * 2**20  # bytes, not KB
     assert values["proc.workers"] >= 1
-    # The busy child used most of a core between the last two reads.
-    assert values["proc.workers_cpu"] > 50
+    # Percent of one core: the busy child's CPU seconds per wall second between the two readings, x 100.
+    least = 100 * (cpu1 - cpu0_after) / (t1_after - t0)
+    most = 100 * (cpu1_after - cpu0) / (t1 - t0_after)
+    assert most >= 10, "the child got next to no CPU: nothing to compare"
+    assert least - 2 <= values["proc.workers_cpu"] <= most + 2, (least, values["proc.workers_cpu"], most)
     assert values["mem.total"] > values["mem.used"] > 0
     assert f"cpu.core{os.cpu_count() - 1}.util" in values
     assert "disk.read" in values and values["disk.read"] >= 0

@@ -128,8 +128,10 @@ def healthy(items: int = 2048, batch: int = 64) -> Workload:
     return _bind("healthy in-memory loop", loader, model, _trainer(model), set())
 
 
-def periodic_checkpoint(items: int = 2048, batch: int = 32, every: int = 10, pause_s: float = 0.12) -> Workload:
-    """A healthy loop that saves a checkpoint every ``every`` steps, synchronously."""
+def periodic_checkpoint(items: int = 3200, batch: int = 32, every: int = 10, pause_s: float = 0.12) -> Workload:
+    """A healthy loop that saves a checkpoint every ``every`` steps, synchronously: 100 steps and 10
+    stalls by default, 1.2 s of them, past the evidence a loop cause needs (advice.evidence: 16 steady
+    steps lasting 1 s) however fast the steps between them are."""
     model = mlp(hidden=512, layers=2)
     data = TensorDataset(torch.randn(items, 256), torch.randint(0, 10, (items,)))
     loader = DataLoader(data, batch_size=batch, shuffle=True)

@@ -18,10 +18,10 @@ and what to add there. It never uses a name the user does not have.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import cast
 
 from gpuwidget.advice.loader import DEFAULT_PREFETCH
-from gpuwidget.facts import LoaderFacts, WorkloadFacts
+from gpuwidget.facts import LoaderChange, LoaderFacts, LoaderSettings, LoopWait, WorkloadFacts
 from gpuwidget.probes.constructor import constructor_call, constructor_keywords, defaults_hold
 from gpuwidget.probes.origin import call_with_keywords, location
 from gpuwidget.probes.origin import place as site_place
@@ -43,25 +43,26 @@ def model_code(name: str | None, statement: str, where: str = "apply it where yo
     return f"# No variable of yours holds the model: {where}.\n# {commented}"
 
 
-def speed_keywords(settings: Mapping[str, Any], change: Mapping[str, Any]) -> dict[str, Any]:
-    """The speed settings to write, valid for torch (no prefetch or persistence without workers)."""
-    merged = {**settings, **change}
+def speed_keywords(settings: LoaderSettings, change: LoaderChange) -> dict[str, int | bool | str]:
+    """The DataLoader keywords for speed to write, valid for torch (no prefetch or persistence without workers)."""
+    merged: LoaderSettings = {**settings, **change}
     workers = int(merged.get("num_workers") or 0)
-    keywords: dict[str, Any] = {"num_workers": workers}
+    keywords: dict[str, int | bool | str] = {"num_workers": workers}
     if merged.get("pin_memory"):
         keywords["pin_memory"] = True
     if workers > 0:
-        if merged.get("prefetch_factor") not in (None, DEFAULT_PREFETCH):
-            keywords["prefetch_factor"] = merged["prefetch_factor"]
+        prefetch = merged.get("prefetch_factor")
+        if prefetch is not None and prefetch != DEFAULT_PREFETCH:
+            keywords["prefetch_factor"] = prefetch
         if merged.get("persistent_workers"):
             keywords["persistent_workers"] = True
-        if merged.get("multiprocessing_context"):
-            keywords["multiprocessing_context"] = merged["multiprocessing_context"]
+        if context := merged.get("multiprocessing_context"):
+            keywords["multiprocessing_context"] = context
     return keywords
 
 
-def loader_code(loader: LoaderFacts | Mapping[str, Any], change: Mapping[str, Any],
-                workload: WorkloadFacts | Mapping[str, Any] | None = None) -> str:
+def loader_code(loader: LoaderFacts, change: LoaderChange,
+                workload: WorkloadFacts | None = None) -> str:
     """The snippet that applies ``change`` to ``loader`` (see the module docstring)."""
     frameworks = (workload or {}).get("frameworks") or {}
     name = loader.get("name")
@@ -88,7 +89,7 @@ class Unbuildable(Exception):
     ("its __init__ ...")."""
 
 
-def constructor_expression(ref: str, loader: LoaderFacts | Mapping[str, Any], change: Mapping[str, Any],
+def constructor_expression(ref: str, loader: LoaderFacts, change: LoaderChange,
                            dataset: str | None = None) -> str:
     """The call that builds the loader ``ref`` names again, with ``change`` applied: ``DataLoader(...)``,
     or its own class (by the user's name for it, else ``type(ref)``) called as its constructor takes
@@ -118,14 +119,14 @@ def constructor_expression(ref: str, loader: LoaderFacts | Mapping[str, Any], ch
     return f"{callee}({', '.join(parts)})"
 
 
-def dataloader_call(name: str, loader: LoaderFacts | Mapping[str, Any], change: Mapping[str, Any]) -> str:
+def dataloader_call(name: str, loader: LoaderFacts, change: LoaderChange) -> str:
     """``DataLoader(...)`` over the same dataset, sampling, batching and collation as the loader
     the user calls ``name``, with ``change`` applied (torch's class, whatever the loader's own)."""
-    settings = {**(loader.get("settings") or {}), "constructor": None}
+    settings: LoaderSettings = {**(loader.get("settings") or {}), "constructor": None}
     return constructor_expression(name, {**loader, "settings": settings}, change)
 
 
-def _arguments(ref: str, loader: LoaderFacts | Mapping[str, Any], change: Mapping[str, Any],
+def _arguments(ref: str, loader: LoaderFacts, change: LoaderChange,
                dataset: str | None) -> dict[str, str]:
     """DataLoader keyword -> expression, for the same dataset, sampling, batching and collation as
     the loader ``ref`` names, with ``change``'s speed settings. The sampler, batch sampler and
@@ -164,7 +165,7 @@ def _arguments(ref: str, loader: LoaderFacts | Mapping[str, Any], change: Mappin
     return arguments
 
 
-def _import_for(loader: LoaderFacts | Mapping[str, Any]) -> str:
+def _import_for(loader: LoaderFacts) -> str:
     """torch's DataLoader import, where the code calls torch's class (never over the user's own
     class of that name: torch_geometric's loader is called DataLoader too)."""
     return "" if (loader.get("settings") or {}).get("constructor") else f"{IMPORT}\n"
@@ -174,7 +175,7 @@ def _import_for(loader: LoaderFacts | Mapping[str, Any]) -> str:
 LOADER_HOOKS = ("train_dataloader", "val_dataloader", "test_dataloader", "predict_dataloader")
 
 
-def _hook_code(loader: LoaderFacts | Mapping[str, Any], change: Mapping[str, Any]) -> str | None:
+def _hook_code(loader: LoaderFacts, change: LoaderChange) -> str | None:
     """For a loader a method of the user's object built (a LightningModule's or datamodule's
     ``train_dataloader``, which the Trainer calls): that method replaced on the user's instance by
     one that builds the loader as theirs does and rebuilds it with the settings. The class stays
@@ -199,7 +200,7 @@ def _hook_code(loader: LoaderFacts | Mapping[str, Any], change: Mapping[str, Any
     ])
 
 
-def _class_instruction(loader: LoaderFacts | Mapping[str, Any], change: Mapping[str, Any], reason: str,
+def _class_instruction(loader: LoaderFacts, change: LoaderChange, reason: str,
                        name: str | None) -> str:
     """Comments only: the loader's own class cannot be built again with the change here, so say
     why and what to add where the loader is built."""
@@ -231,7 +232,7 @@ def _class_instruction(loader: LoaderFacts | Mapping[str, Any], change: Mapping[
     return "\n".join(lines)
 
 
-def _hf_code(change: Mapping[str, Any], frameworks: Mapping[str, str]) -> str:
+def _hf_code(change: LoaderChange, frameworks: Mapping[str, str]) -> str:
     fields = {HF_ARGUMENTS[key]: value for key, value in change.items() if key in HF_ARGUMENTS}
     keywords = ", ".join(f"{key}={value!r}" for key, value in fields.items())
     lines = ["# The Trainer builds this DataLoader from its TrainingArguments; set the loader's speed there",
@@ -243,13 +244,14 @@ def _hf_code(change: Mapping[str, Any], frameworks: Mapping[str, str]) -> str:
     return "\n".join(lines + [f"{target}.{key} = {value!r}" for key, value in fields.items()])
 
 
-def _accelerate_code(name: str, loader: LoaderFacts | Mapping[str, Any], change: Mapping[str, Any],
+def _accelerate_code(name: str, loader: LoaderFacts, change: LoaderChange,
                      accelerator: str | None) -> str:
     """Build the loader as it was before ``accelerator.prepare``, with the settings, and prepare it."""
     settings = loader.get("settings") or {}
-    inner = settings.get("inner_batching") or {}
-    if inner.get("plain_sampler") and not settings.get("iterable_dataset"):
-        plain = {**settings, "batch_sampler_given": False, "custom_sampler": False, **inner}
+    inner = settings.get("inner_batching")
+    if inner and inner.get("plain_sampler") and not settings.get("iterable_dataset"):
+        # its batching as torch's own BatchSampler's keywords (plain_sampler rides along unread)
+        plain = cast(LoaderSettings, {**settings, "batch_sampler_given": False, "custom_sampler": False, **inner})
         call = dataloader_call(name, {**loader, "settings": plain}, change)
     else:
         call = dataloader_call(name, loader, change)
@@ -260,7 +262,7 @@ def _accelerate_code(name: str, loader: LoaderFacts | Mapping[str, Any], change:
             f"{name} = {accelerator}.prepare({call})")
 
 
-def _where_built(loader: LoaderFacts | Mapping[str, Any], change: Mapping[str, Any]) -> str:
+def _where_built(loader: LoaderFacts, change: LoaderChange) -> str:
     """Comments only: no name of the user's holds the loader, so say where to change it."""
     settings = loader.get("settings") or {}
     keywords = speed_keywords(settings, change)
@@ -283,7 +285,7 @@ def _where_built(loader: LoaderFacts | Mapping[str, Any], change: Mapping[str, A
     return f"# This DataLoader is built {place}; build it there as\n#     {line}"
 
 
-def unsharded(loader: LoaderFacts | Mapping[str, Any], change: Mapping[str, Any]) -> bool:
+def unsharded(loader: LoaderFacts, change: LoaderChange) -> bool:
     """Workers in ``change`` would each yield every item of this IterableDataset (it does not
     shard with get_worker_info())."""
     settings = loader.get("settings") or {}
@@ -295,7 +297,7 @@ SHARDING_SENTENCE = (" Its IterableDataset does not split items between workers:
                      "torch.utils.data.get_worker_info() first, or every worker yields every sample.")
 
 
-def _duplicates_warning(loader: LoaderFacts | Mapping[str, Any], change: Mapping[str, Any]) -> str | None:
+def _duplicates_warning(loader: LoaderFacts, change: LoaderChange) -> str | None:
     """An IterableDataset that does not shard gives every worker all items: workers would
     repeat each sample, so the code shows the sharding first instead of adding workers."""
     if not unsharded(loader, change):
@@ -318,7 +320,7 @@ def _duplicates_warning(loader: LoaderFacts | Mapping[str, Any], change: Mapping
             f"#     ... DataLoader(..., num_workers={workers})")
 
 
-def cache_code(loader: LoaderFacts | Mapping[str, Any], builder: Mapping[str, Any] | None = None) -> str:
+def cache_code(loader: LoaderFacts, builder: LoopWait | None = None) -> str:
     """What to cache for a CPU-bound loader, in prose (comments): only the deterministic part
     of a sample (decoding, resizing), never the random augmentation applied after it.
 

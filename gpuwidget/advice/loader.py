@@ -8,14 +8,12 @@ gpuwidget.advice.code.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
 from gpuwidget.advice.evidence import enough_evidence
-from gpuwidget.facts import LoaderFacts, MachineFacts, Summary, WorkloadFacts
+from gpuwidget.facts import LoaderChange, LoaderFacts, LoaderSettings, MachineFacts, Summary, WorkloadFacts
 from gpuwidget.figures.summary import primary_loader
 from gpuwidget.figures.warmup import split_run
 from gpuwidget.probes.torch_data import CPU_SAMPLE_EVERY
@@ -107,8 +105,8 @@ class LoaderDiagnosis:
     num_workers: int
     usable_cpus: int
     workers_busy: float | None
-    change: dict[str, Any] = field(default_factory=dict)
-    evidence: dict[str, Any] = field(default_factory=dict)
+    change: LoaderChange = field(default_factory=lambda: LoaderChange())
+    evidence: dict[str, float] = field(default_factory=dict)  # the measured figures, by name
     # Kernel counters (None where the platform lacks them): share of wall time the builders
     # and the loop's thread were runnable but waiting for a core; cores other processes held.
     builder_delay: float | None = None
@@ -297,8 +295,8 @@ def _cause(busy: float | None, delay: float | None, host_saturated: bool, cpu_wo
     return "io" if busy <= idle and not host_saturated else "unknown"
 
 
-def _evidence(d: LoaderDiagnosis, host: float | None, wait_cpu: float | None) -> dict[str, Any]:
-    evidence: dict[str, Any] = {
+def _evidence(d: LoaderDiagnosis, host: float | None, wait_cpu: float | None) -> dict[str, float]:
+    evidence: dict[str, float] = {
         "data_wait_fraction": round(d.wait_fraction, 3),
         "wait_per_step_ms": round(1000 * d.wait_per_step, 2),
         "compute_per_step_ms": round(1000 * d.compute_per_step, 2),
@@ -340,7 +338,7 @@ def workers_needed(d: LoaderDiagnosis) -> int:
     return max(1, min(needed, cap))
 
 
-def expected_gain(d: LoaderDiagnosis, change: Mapping[str, Any], main_uses_cpu: bool = True) -> float:
+def expected_gain(d: LoaderDiagnosis, change: LoaderChange, main_uses_cpu: bool = True) -> float:
     """The speed-up ``change`` should bring: the step as measured (wait + compute) over the step
     with its workers, from the measured production and consumption times.
 
@@ -392,14 +390,14 @@ def workers_worth_it(d: LoaderDiagnosis, main_uses_cpu: bool = True) -> int:
     return needed if gains[needed] >= (1.0 - WORKER_GAIN_SLACK) * gains[best] else best
 
 
-def _uses_cuda(workload: Mapping[str, Any], machine: Mapping[str, Any]) -> bool:
+def _uses_cuda(workload: WorkloadFacts, machine: MachineFacts) -> bool:
     model = workload.get("model") or {}
     return "cuda" in (model.get("param_devices") or []) or bool(workload.get("cuda"))
 
 
-def _change(d: LoaderDiagnosis, settings: Mapping[str, Any], workload: Mapping[str, Any],
-            machine: Mapping[str, Any]) -> dict[str, Any]:
-    change: dict[str, Any] = {}
+def _change(d: LoaderDiagnosis, settings: LoaderSettings, workload: WorkloadFacts,
+            machine: MachineFacts) -> LoaderChange:
+    change: LoaderChange = {}
     workers = d.num_workers
     if not d.cpu_saturated:
         target = workers_worth_it(d, main_uses_cpu=not machine.get("gpus"))

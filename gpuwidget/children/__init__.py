@@ -17,14 +17,13 @@ reads what exited children left, closes and its directory is removed.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
 from typing import Any
 
 from gpuwidget.children.agent import register_after_fork, start_in_forked_child, unregister_after_fork
 from gpuwidget.children.channel import ChildChannel, ChildRecord
-from gpuwidget.children.protocol import ENV_VAR, INTERVAL_VAR
+from gpuwidget.children.protocol import ENV_VAR, INTERVAL_VAR, Identity
 from gpuwidget.children.ranks import job_summary, merge
-from gpuwidget.facts import Summary, WorkloadFacts
+from gpuwidget.facts import MachineFacts, Summary, WorkloadFacts
 from gpuwidget.trace import Trace
 
 __all__ = ["ENV_VAR", "ChildRecord", "ChildWatch"]
@@ -33,7 +32,7 @@ __all__ = ["ENV_VAR", "ChildRecord", "ChildWatch"]
 class ChildWatch:
     """The children side of one watch: channel, environment variable, after-fork hook."""
 
-    def __init__(self, trace: Trace, probes: Any = None, machine: Mapping[str, Any] | None = None) -> None:
+    def __init__(self, trace: Trace, probes: Any = None, machine: MachineFacts | None = None) -> None:
         self.probes = probes
         self.machine = machine  # NVML's GPUs, to number a child's GPU by its UUID
         self.channel = ChildChannel(trace)
@@ -85,7 +84,7 @@ def _after_fork_in_watch(watch: ChildWatch) -> None:
     start_in_forked_child()
 
 
-def _identity() -> dict[str, Any]:
+def _identity() -> Identity:
     from gpuwidget.children.agent import update_identity
 
     return update_identity({"pid": os.getpid(), "rank": None, "local_rank": None, "world_size": None})

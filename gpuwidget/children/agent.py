@@ -35,8 +35,18 @@ import threading
 from collections.abc import Mapping
 from typing import Any, cast
 
-from gpuwidget.children.protocol import ENV_VAR, FLUSH_INTERVAL_S, INTERVAL_VAR, encode, open_kind, stack_interval
+from gpuwidget.children.protocol import (
+    ENV_VAR,
+    FLUSH_INTERVAL_S,
+    INTERVAL_VAR,
+    Identity,
+    Progress,
+    encode,
+    open_kind,
+    stack_interval,
+)
 from gpuwidget.clock import now
+from gpuwidget.facts import MainThreadFigures
 from gpuwidget.probes import BETWEEN_STEPS_SPAN, DATA_WAIT_SPAN, STEP_SPAN, TRAIN_STEP_SPAN, Probes
 from gpuwidget.probes.stack import StackSampler
 from gpuwidget.sampler import set_tick_due
@@ -114,7 +124,7 @@ def physical_gpu(cuda_index: int, visible: str | None) -> int | None:
     return None
 
 
-def update_identity(ident: dict[str, Any]) -> dict[str, Any]:
+def update_identity(ident: Identity) -> Identity:
     """Fill in rank, world size and GPU as torch.distributed and CUDA know them now (else the launcher's env).
 
     Known values are kept: after ``destroy_process_group`` the rank is still the one it had.
@@ -126,7 +136,7 @@ def update_identity(ident: dict[str, Any]) -> dict[str, Any]:
             ident["rank"], ident["world_size"], ident["distributed"] = dist.get_rank(), dist.get_world_size(), True
     for key, name in (("rank", "RANK"), ("world_size", "WORLD_SIZE"), ("local_rank", "LOCAL_RANK")):
         if ident.get(key) is None:
-            ident[key] = _int(env.get(name))
+            ident[key] = _int(env.get(name))  # type: ignore[literal-required]
     torch = sys.modules.get("torch")
     with contextlib.suppress(Exception):
         if torch is not None and torch.cuda.is_initialized():
@@ -167,7 +177,7 @@ class ChildAgent:
         self.stack_trace = Trace(start_clock=0.0)
         self.stack = StackSampler(self.stack_trace, threading.main_thread().ident)
         self.stack_interval = stack_interval(os.environ.get(INTERVAL_VAR))
-        self.identity: dict[str, Any] = {"pid": self.pid, "ppid": os.getppid(), "rank": None, "local_rank": None,
+        self.identity: Identity = {"pid": self.pid, "ppid": os.getppid(), "rank": None, "local_rank": None,
                                          "world_size": None, "gpu": None, "distributed": False,
                                          "argv": [str(arg)[:200] for arg in sys.argv[:8]]}
         self._send_lock = threading.Lock()
@@ -278,17 +288,17 @@ class ChildAgent:
 
     # ----------------------------------------------------------------- data
 
-    def identify(self) -> dict[str, Any]:
+    def identify(self) -> Identity:
         return update_identity(self.identity)
 
-    def progress(self) -> dict[str, Any]:
+    def progress(self) -> Progress:
         figures = self.probes.progress()
         if figures is None:
             return {}
         steps, samples, wait_s, loop_s = figures
         return {"steps": steps, "samples": samples, "wait_s": wait_s, "loop_s": loop_s}
 
-    def trains(self, progress: Mapping[str, Any]) -> bool:
+    def trains(self, progress: Progress) -> bool:
         """Worth reporting: it iterated a DataLoader, or it is a rank of a process group."""
         return bool(progress.get("steps")) or bool(self.identity.get("distributed"))
 
@@ -324,7 +334,7 @@ class ChildAgent:
                    "workload": workload, "host": self.host(),
                    "cpu": cpu_seconds(live_children=True)})
 
-    def host(self) -> dict[str, Any]:
+    def host(self) -> MainThreadFigures:
         """The process's main thread over the agent's life: share of wall time on a core and waiting for one."""
         start, end = self._schedstat, read_schedstat(schedstat_path(self.pid))
         wall = now() - self._started
@@ -333,7 +343,7 @@ class ChildAgent:
         return {"cpu_fraction": (end[0] - start[0]) / wall, "run_delay_fraction": (end[1] - start[1]) / wall,
                 "cpu_count": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()}
 
-    def send(self, message: dict[str, Any]) -> None:
+    def send(self, message: Mapping[str, object]) -> None:
         data = encode(message)
         with self._send_lock:
             if self._retired:

@@ -22,10 +22,12 @@ import socket
 import tempfile
 import threading
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, cast
 
-from gpuwidget.children.protocol import decode_frames, open_kind
+from gpuwidget.children.protocol import Identity, Progress, decode_frames, open_kind
+from gpuwidget.facts import MainThreadFigures, ProcessCpu, WorkloadFacts
 from gpuwidget.probes import BETWEEN_STEPS_SPAN, DATA_WAIT_SPAN, STEP_SPAN, TRAIN_STEP_SPAN
 from gpuwidget.trace import Trace
 
@@ -48,15 +50,15 @@ class ChildRecord:
     """What one child process told the watch."""
 
     pid: int
-    identity: dict[str, Any] = field(default_factory=dict)
-    progress: dict[str, Any] = field(default_factory=dict)
+    identity: Identity = field(default_factory=lambda: Identity())
+    progress: Progress = field(default_factory=lambda: Progress())
     step_times: deque[float] = field(default_factory=lambda: deque(maxlen=STEP_HISTORY))
     wait_times: deque[float] = field(default_factory=lambda: deque(maxlen=STEP_HISTORY))
-    workload: dict[str, Any] | None = None
-    host: dict[str, Any] = field(default_factory=dict)
+    workload: WorkloadFacts | None = None
+    host: MainThreadFigures = field(default_factory=lambda: MainThreadFigures())
     finished: bool = False  # its final facts arrived (it exited normally)
     dropped_spans: int = 0
-    cpu: dict[str, float] = field(default_factory=dict)  # the latest protocol ``Cpu`` it sent
+    cpu: ProcessCpu = field(default_factory=lambda: ProcessCpu())  # the latest protocol ``Cpu`` it sent
 
     @property
     def rank(self) -> int | None:
@@ -181,12 +183,12 @@ class ChildChannel:
                     self.dropped_processes += 1
                     return
                 record = self.records[pid] = ChildRecord(pid)
-            record.identity.update({k: v for k, v in identity.items() if v is not None})
+            record.identity.update(cast(Identity, {k: v for k, v in identity.items() if v is not None}))
             if isinstance(message.get("progress"), dict) and message["progress"]:
                 record.progress = message["progress"]
             if isinstance(message.get("cpu"), dict):
-                record.cpu = {key: float(value) for key, value in message["cpu"].items()
-                              if isinstance(value, (int, float))}
+                record.cpu = cast(ProcessCpu, {key: float(value) for key, value in message["cpu"].items()
+                                               if isinstance(value, (int, float))})
             kind = message.get("kind")
             if kind == "spans":
                 record.dropped_spans = int(message.get("dropped_spans") or 0)
@@ -202,7 +204,7 @@ class ChildChannel:
                 raise ValueError("unknown kind")
         self._add_spans(record, spans)
 
-    def _add_spans(self, record: ChildRecord, spans: dict[str, Any]) -> None:
+    def _add_spans(self, record: ChildRecord, spans: Mapping[str, object]) -> None:
         origin = self.trace.start_clock
         attrs = {"pid": record.pid, "rank": record.rank}
         for kind in SPAN_KINDS:
@@ -241,9 +243,9 @@ class ChildChannel:
     def snapshot(self) -> list[ChildRecord]:
         """The records so far (copies of their mutable parts), by pid."""
         with self._lock:
-            return [replace(r, identity=dict(r.identity), progress=dict(r.progress),
+            return [replace(r, identity=r.identity.copy(), progress=r.progress.copy(),
                             step_times=deque(r.step_times, STEP_HISTORY), wait_times=deque(r.wait_times, STEP_HISTORY),
-                            host=dict(r.host), cpu=dict(r.cpu))
+                            host=r.host.copy(), cpu=r.cpu.copy())
                     for _, r in sorted(self.records.items())]
 
     def close(self) -> None:

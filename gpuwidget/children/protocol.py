@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import json
 import struct
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, TypedDict
 
 # Set by the watch while it runs (the socket's path); a Python process started with it loads
 # the probes (gpuwidget_children.pth). Nothing happens in a process without it.
@@ -56,6 +57,29 @@ MAX_MESSAGE_BYTES = 32 * 1024 * 1024
 OPEN_SUFFIX = ".open"
 
 
+class Identity(TypedDict, total=False):
+    """Who a child process is (``"id"`` of every message); None where unknown."""
+
+    pid: int
+    ppid: int
+    rank: int | None  # torch.distributed's rank, else the launcher's RANK
+    local_rank: int | None
+    world_size: int | None
+    gpu: int | None  # the driver's number of its CUDA device (after CUDA_VISIBLE_DEVICES)
+    gpu_uuid: str  # that device's UUID as torch gives it
+    distributed: bool  # it joined a process group
+    argv: list[str] | None  # its first arguments, each cut to 200 characters
+
+
+class Progress(TypedDict, total=False):
+    """The running totals of a child's busiest DataLoader (``"progress"``); empty before its first batch."""
+
+    steps: int
+    samples: int
+    wait_s: float  # seconds blocked in next()
+    loop_s: float  # seconds in the loop
+
+
 def open_kind(kind: str) -> str:
     """The key under which a span kind's still-open spans travel."""
     return kind + OPEN_SUFFIX
@@ -65,7 +89,7 @@ _HEADER = struct.Struct(">I")
 HEADER_BYTES = _HEADER.size
 
 
-def encode(message: dict[str, Any]) -> bytes:
+def encode(message: Mapping[str, object]) -> bytes:
     """One framed message; NaN and other non-JSON floats become null."""
     body = json.dumps(_plain(message), separators=(",", ":"), allow_nan=False, default=repr).encode()
     return _HEADER.pack(len(body)) + body

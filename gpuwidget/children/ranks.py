@@ -29,29 +29,39 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, cast
+from typing import cast
 
 from gpuwidget.children.channel import ChildRecord
-from gpuwidget.facts import RankEntry, Summary, WorkloadFacts, uuid_key
+from gpuwidget.children.protocol import Identity, Progress
+from gpuwidget.facts import (
+    LoaderFacts,
+    MachineFacts,
+    MainThreadFigures,
+    RankEntry,
+    Summary,
+    TrainedIn,
+    TrainingFacts,
+    WorkloadFacts,
+    uuid_key,
+)
 from gpuwidget.figures.summary import paired, percentiles, primary_loader, summarize, time_breakdown
 from gpuwidget.probes import STEP_SPAN, TRAIN_STEP_SPAN
 from gpuwidget.trace import Trace
 
 PER_STEP_LISTS = ("step_times", "wait_times", "step_ends")
-# A child's stack-sampler facts (probes.stack), carried to the workload of a run whose own process did not train.
-STACK_KEYS = ("loop_waits", "stack_samples")
 PUBLIC_KEYS = ("rank", "pid", "gpu", "steps", "samples_per_s", "data_wait_fraction",
                "step_time_p50_s", "step_time_p95_s")
 # Steps kept one by one per rank for the rank rules: enough for medians and a significance test
 # across steps, small enough that a saved run of eight ranks stays small.
 SERIES_STEPS = 1024
-NO_LOOP: dict[str, Any] = {"steps": 0, "samples_per_s": None, "data_wait_fraction": None, "step_time_p50_s": None,
+NO_LOOP: RankEntry = {"steps": 0, "samples_per_s": None, "data_wait_fraction": None, "step_time_p50_s": None,
            "step_time_p95_s": None, "step_times": [], "wait_times": []}
 
 
-def public(entries: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+def public(entries: Iterable[RankEntry]) -> list[RankEntry]:
     """``Run.ranks``: each entry reduced to the public keys."""
-    return [{key: entry.get(key) for key in PUBLIC_KEYS} for entry in entries if isinstance(entry, Mapping)]
+    return [cast(RankEntry, {key: entry.get(key) for key in PUBLIC_KEYS}) for entry in entries
+            if isinstance(entry, Mapping)]
 
 
 def per_step(step_times: Sequence[float], wait_times: Sequence[float]) -> tuple[list[float], list[float]]:
@@ -60,28 +70,28 @@ def per_step(step_times: Sequence[float], wait_times: Sequence[float]) -> tuple[
     return steps[-SERIES_STEPS:], waits[-SERIES_STEPS:]
 
 
-def loop_figures(workload: Mapping[str, Any] | None) -> dict[str, Any]:
+def loop_figures(workload: WorkloadFacts | None) -> RankEntry:
     """Steps, samples/s, data wait and step-time percentiles of a process's training loop, as the
     summary of a run of that process alone gives them, and its steps one by one."""
-    facts = cast(WorkloadFacts, workload or {})
-    summary = cast(Mapping[str, Any], summarize(Trace(), facts, duration_s=0.0))
+    facts: WorkloadFacts = workload or {}
+    summary = summarize(Trace(), facts, duration_s=0.0)
     if not summary.get("steps"):
-        return dict(NO_LOOP)
-    training = cast(Mapping[str, Any], facts).get("training") or {}
+        return NO_LOOP.copy()
+    training = facts.get("training") or {}
     if summary.get("step_source") == "optimizer" and training.get("step_times"):
         steps, waits = per_step(training["step_times"], [])
     else:
         loader = primary_loader(facts) or {}
         steps, waits = per_step(loader.get("step_times") or [], loader.get("wait_times") or [])
-    return {"steps": summary["steps"], "step_source": summary.get("step_source"),
+    return {"steps": summary.get("steps") or 0, "step_source": summary.get("step_source"),
             "samples_per_s": summary.get("samples_per_s"),
             "data_wait_fraction": summary.get("data_wait_fraction"),
             "step_time_p50_s": summary.get("step_time_p50"), "step_time_p95_s": summary.get("step_time_p95"),
             "loop_time_s": summary.get("loop_time_s") or 0.0, "step_times": steps, "wait_times": waits}
 
 
-def progress_figures(progress: Mapping[str, Any], step_times: Sequence[float],
-                     wait_times: Sequence[float] = ()) -> dict[str, Any]:
+def progress_figures(progress: Progress, step_times: Sequence[float],
+                     wait_times: Sequence[float] = ()) -> RankEntry:
     """The same figures from a child's last running totals (it died before sending its facts)."""
     loop_time = float(progress.get("loop_s") or 0.0)
     steps = int(progress.get("steps") or 0)
@@ -94,21 +104,21 @@ def progress_figures(progress: Mapping[str, Any], step_times: Sequence[float],
             "step_times": series, "wait_times": waits}
 
 
-def watch_gpu(identity: Mapping[str, Any], machine: Mapping[str, Any] | None) -> int | None:
+def watch_gpu(identity: Identity, machine: MachineFacts | None) -> int | None:
     """The process's GPU in the watch's numbering: by its device's UUID where NVML listed it, else as it said."""
     uuid = identity.get("gpu_uuid")
     if uuid:
         for gpu in (machine or {}).get("gpus") or []:
             if gpu.get("uuid") and gpu.get("index") is not None and uuid_key(gpu["uuid"]) == uuid_key(str(uuid)):
                 return int(gpu["index"])
-    gpu = identity.get("gpu")
-    return gpu if isinstance(gpu, int) else None
+    said = identity.get("gpu")
+    return said if isinstance(said, int) else None
 
 
-def child_entry(record: ChildRecord, machine: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
+def child_entry(record: ChildRecord, machine: MachineFacts | None = None) -> RankEntry | None:
     """The rank entry of one child, or None when it did not train (a launcher, a helper, a loader's worker)."""
     ident = record.identity
-    figures = loop_figures(record.workload) if record.workload is not None else dict(NO_LOOP)
+    figures = loop_figures(record.workload) if record.workload is not None else NO_LOOP.copy()
     if not figures["steps"]:
         figures = progress_figures(record.progress, record.step_times, record.wait_times)
     if not figures["steps"] and not ident.get("distributed"):
@@ -118,36 +128,36 @@ def child_entry(record: ChildRecord, machine: Mapping[str, Any] | None = None) -
             "pid": record.pid, "gpu": watch_gpu(ident, machine), **figures,
             "loaders": list(workload.get("loaders") or []), "model": workload.get("model"),
             "training": workload.get("training"),
-            "cuda": workload.get("cuda"), "host": dict(record.host), "cpu": dict(record.cpu),
+            "cuda": workload.get("cuda"), "host": record.host.copy(), "cpu": record.cpu.copy(),
             "finished": record.finished, "argv": ident.get("argv"),
-            # the process's stack samples: the workload's when it is the busiest (merge), then dropped
-            STACK_KEYS[0]: workload.get(STACK_KEYS[0]) or [], STACK_KEYS[1]: workload.get(STACK_KEYS[1]) or {}}
+            # the process's stack samples (probes.stack): the workload's when it is the busiest (merge)
+            "loop_waits": list(workload.get("loop_waits") or []), "stack_samples": workload.get("stack_samples") or {}}
 
 
-def own_entry(workload: WorkloadFacts, identity: Mapping[str, Any], summary_host: Mapping[str, Any]) -> dict[str, Any]:
+def own_entry(workload: WorkloadFacts, identity: Identity, summary_host: MainThreadFigures) -> RankEntry:
     """The watch's own process as a rank entry (only used when it trained)."""
     figures = loop_figures(workload)
     return {"rank": identity.get("rank"), "local_rank": identity.get("local_rank"),
             "world_size": identity.get("world_size"), "pid": os.getpid(), "gpu": identity.get("gpu"), **figures,
             "loaders": list(workload.get("loaders") or []), "model": workload.get("model"),
             "training": workload.get("training"),
-            "cuda": workload.get("cuda"), "host": dict(summary_host), "finished": True, "argv": None}
+            "cuda": workload.get("cuda"), "host": summary_host.copy(), "finished": True, "argv": None}
 
 
-def _order(entry: Mapping[str, Any]) -> tuple[bool, int, int]:
+def _order(entry: RankEntry) -> tuple[bool, int, int]:
     rank = entry.get("rank")
     return (rank is None, rank if isinstance(rank, int) else 0, int(entry.get("pid") or 0))
 
 
-def merge(workload: WorkloadFacts, records: Iterable[ChildRecord], identity: Mapping[str, Any],
-          machine: Mapping[str, Any] | None = None) -> WorkloadFacts:
+def merge(workload: WorkloadFacts, records: Iterable[ChildRecord], identity: Identity,
+          machine: MachineFacts | None = None) -> WorkloadFacts:
     """``workload`` with ``ranks``; the busiest child's loaders, model and CUDA facts if the watch's own
     process did not train (``trained_in`` then names that child)."""
-    merged = cast(dict[str, Any], dict(workload))
+    merged = workload.copy()
     children = sorted((entry for record in records if (entry := child_entry(record, machine)) is not None),
                       key=_order)
     own_trained = bool(loop_figures(workload)["steps"])
-    own = {**identity, "gpu": watch_gpu(identity, machine)}
+    own: Identity = {**identity, "gpu": watch_gpu(identity, machine)}
     entries = ([own_entry(workload, own, {})] if own_trained else []) + children
     if not entries:
         return workload
@@ -159,21 +169,23 @@ def merge(workload: WorkloadFacts, records: Iterable[ChildRecord], identity: Map
         merged["model"] = busiest["model"]
         merged["cuda"] = busiest["cuda"]
         merged["training"] = busiest.get("training")
-        for key in STACK_KEYS:
-            merged[key] = busiest[key]
+        merged["loop_waits"] = busiest.get("loop_waits") or []
+        merged["stack_samples"] = busiest.get("stack_samples") or {}
         merged["trained_in"] = {"pid": busiest["pid"], "rank": busiest["rank"]}
     for entry in entries:  # each keeps its top wait (the rank rules name it), the workload has the rest
         entry["loop_waits"] = list(entry.get("loop_waits") or [])[:1]
         entry.pop("stack_samples", None)
         # the entry has the percentiles: the per-step lists would only repeat them per rank
-        entry["loaders"] = [{key: value for key, value in loader.items() if key not in PER_STEP_LISTS}
+        entry["loaders"] = [cast(LoaderFacts, {key: value for key, value in loader.items()
+                                               if key not in PER_STEP_LISTS})
                             for loader in entry["loaders"]]
-        if entry.get("training"):  # a copy: the workload's own training facts keep their step times
-            entry["training"] = {key: value for key, value in entry["training"].items() if key not in PER_STEP_LISTS}
-    return cast(WorkloadFacts, merged)
+        if training := entry.get("training"):  # a copy: the workload's own training facts keep their step times
+            entry["training"] = cast(TrainingFacts, {key: value for key, value in training.items()
+                                                     if key not in PER_STEP_LISTS})
+    return merged
 
 
-def loop_totals(entry: Mapping[str, Any]) -> tuple[float, float]:
+def loop_totals(entry: RankEntry) -> tuple[float, float]:
     """(seconds in its loaders' loops, seconds blocked on data) of one process, every loader summed."""
     loaders = entry.get("loaders") or []
     if loaders:
@@ -186,14 +198,15 @@ def loop_totals(entry: Mapping[str, Any]) -> tuple[float, float]:
 def job_summary(summary: Summary, workload: WorkloadFacts, trace: Trace | None = None) -> Summary:
     """Each process's time over the run (from ``trace``, where its spans are); "this process" and the
     loop figures for the job when only children trained (module docstring)."""
-    listed = cast(list[RankEntry], cast(Mapping[str, Any], workload).get("ranks") or [])
+    listed = workload.get("ranks") or []
     duration = float(summary.get("duration_s") or 0.0)
     for entry in listed:
         own = entry.get("pid") == os.getpid()
         if own and not entry.get("host"):  # the watch's own: the host figures
             delay, cpu = summary.get("process_run_delay_mean"), summary.get("process_cpu_mean")
-            entry["host"] = {key: value / 100 for key, value in (("run_delay_fraction", delay),
-                                                                 ("cpu_fraction", cpu)) if value is not None}
+            entry["host"] = cast(MainThreadFigures, {key: value / 100 for key, value in (("run_delay_fraction", delay),
+                                                                                     ("cpu_fraction", cpu))
+                                                     if value is not None})
         if trace is not None and duration > 0:
             loop_s, wait_s = loop_totals(entry)
             kind = TRAIN_STEP_SPAN if entry.get("step_source") == "optimizer" else STEP_SPAN
@@ -201,7 +214,7 @@ def job_summary(summary: Summary, workload: WorkloadFacts, trace: Trace | None =
                                                      loop_s=loop_s, wait_s=wait_s, kind=kind)
     entries = [entry for entry in listed if entry.get("steps")]
     summary["training_processes"] = len(entries)
-    trained_in = cast(Mapping[str, Any], workload).get("trained_in")
+    trained_in = workload.get("trained_in")
     if not trained_in:
         return summary
     _training_processes_cpu(summary, entries, trained_in, duration)
@@ -220,7 +233,7 @@ def job_summary(summary: Summary, workload: WorkloadFacts, trace: Trace | None =
     return summary
 
 
-def _training_processes_cpu(summary: Summary, entries: Sequence[RankEntry], trained_in: Mapping[str, Any],
+def _training_processes_cpu(summary: Summary, entries: Sequence[RankEntry], trained_in: TrainedIn,
                             duration: float) -> None:
     """"This process" when only children trained: theirs, not the watch's (a launcher, gpuwatch itself).
 

@@ -10,7 +10,7 @@ the optimizer's counted step (:func:`training_figures`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any, cast
 
 import numpy as np
@@ -208,7 +208,7 @@ def loop_step_times(workload: WorkloadFacts | None) -> tuple[list[float], int]:
     loader = primary_loader(workload)
     if loader is not None and loader.get("steps"):
         return list(loader.get("step_times") or []), int(loader["steps"])
-    training = cast(Mapping[str, Any], workload or {}).get("training") or {}
+    training = (workload or {}).get("training") or {}
     times = list(training.get("step_times") or [])
     return times, int(training.get("optimizer_steps") or len(times))
 
@@ -348,6 +348,8 @@ def summarize(trace: Trace, workload: WorkloadFacts | None = None,
     loader = primary_loader(workload)
     loop_time = (loader or {}).get("loop_time_s") or 0.0
     training = (workload or {}).get("training") or {}
+    trained_in = (workload or {}).get("trained_in")
+    pid = trained_in.get("pid") if trained_in else None  # the process that trained (None: the watch's own)
     if loader is not None and loop_time > 0:
         summary["step_source"] = "dataloader"
         summary["loader"] = loader.get("name")
@@ -362,13 +364,11 @@ def summarize(trace: Trace, workload: WorkloadFacts | None = None,
         # Where the cell's time went (in the process that trained): blocked on data, the loop's
         # own work, before its first step, and the rest (evaluation outside a DataLoader, the end).
         loaders = (workload or {}).get("loaders") or []
-        pid = ((workload or {}).get("trained_in") or {}).get("pid")
         summary["time_breakdown"] = time_breakdown(
             duration, trace, pid, loop_s=sum(item.get("loop_time_s") or 0.0 for item in loaders),
             wait_s=sum(item.get("wait_total_s") or 0.0 for item in loaders))
     elif steps := optimizer_loop(training, workload):  # no DataLoader fed the loop: the optimizer's steps
         summary.update(steps)
-        pid = ((workload or {}).get("trained_in") or {}).get("pid")
         summary["time_breakdown"] = time_breakdown(duration, trace, pid, loop_s=steps.get("loop_time_s") or 0.0,
                                                    wait_s=0.0, kind=TRAIN_STEP_SPAN)
     else:

@@ -14,11 +14,12 @@ later in the run never is.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
+
+from gpuwidget.facts import LoaderFacts, WorkloadFacts
 
 # A step is slow when it takes more than WARMUP_FACTOR times the typical steady step and more than
 # WARMUP_MIN_S beyond it. The factor is periodic-stall's outlier ratio (rules.periodic_stall
@@ -121,8 +122,8 @@ def _all(times: np.ndarray) -> WarmupSplit:
     return WarmupSplit(len(times), float(times.sum()), len(times), all_warmup=True)
 
 
-def warmup_cause(split: WarmupSplit, workload: Mapping[str, Any] | None,
-                 loader: Mapping[str, Any] | None = None) -> str | None:
+def warmup_cause(split: WarmupSplit, workload: WorkloadFacts | None,
+                 loader: LoaderFacts | None = None) -> str | None:
     """What the warm-up was, where the facts say (else None: the panel says "warm-up").
 
     ``model.compiled`` -> compilation; CUDA first used inside the watched cell (its memory

@@ -35,11 +35,12 @@ import math
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from gpuwidget.clock import now
+from gpuwidget.facts import LoaderChange
 from gpuwidget.measure import stats
-from gpuwidget.measure.changes import check_change, describe, loader_part, model_part
+from gpuwidget.measure.changes import TrialChange, check_change, describe, loader_part, model_part
 from gpuwidget.measure.loss import StepLoss, resolve_loss
 from gpuwidget.measure.measurement import Measurement
 from gpuwidget.measure.preserve import preserved_state
@@ -140,8 +141,8 @@ def _empty_cache() -> None:
         torch.cuda.empty_cache()
 
 
-def _measure(subjects: Subjects, change: dict[str, Any], model_change: dict[str, Any],
-             loader_change: dict[str, Any], trains: bool, loaders: list[Any],
+def _measure(subjects: Subjects, change: TrialChange, model_change: TrialChange,
+             loader_change: LoaderChange, trains: bool, loaders: list[Any],
              step: Callable[[Any, Any], Any] | None, budget_s: float, started: float, progress: Progress | None,
              done: _Progress) -> None:
     deadline = started + budget_s
@@ -149,7 +150,7 @@ def _measure(subjects: Subjects, change: dict[str, Any], model_change: dict[str,
     if trains:
         unchanged, changed, numerics_batches = _model_sides(subjects, model_change, step, done)
         if loader is not None:
-            for side, settings in ((unchanged, {}), (changed, loader_change)):
+            for side, settings in ((unchanged, LoaderChange()), (changed, loader_change)):
                 side.loader, side.loader_change = loader, settings
             done.notes.append("fed by new loaders over the cell's dataset: the unchanged one as it is, the changed "
                               "one with " + describe(loader_change))
@@ -204,7 +205,7 @@ def _tell(progress: Progress | None, line: str, started: float) -> None:
         progress(line, now() - started)
 
 
-def _model_sides(subjects: Subjects, change: dict[str, Any], step: Callable[[Any, Any], Any] | None,
+def _model_sides(subjects: Subjects, change: TrialChange, step: Callable[[Any, Any], Any] | None,
                  done: _Progress) -> tuple[Side, Side, list[tuple[list[Any], int]]]:
     """The two sides, and the micro-batches and accumulation steps the numerics use on each."""
     import torch
@@ -267,7 +268,7 @@ def _model_sides(subjects: Subjects, change: dict[str, Any], step: Callable[[Any
             loss = StepLoss(loss.kind, loss.fn, loss.payload, compares=False, note=loss.note, lightning=loss.lightning)
             a.loss = b.loss = loss
     if "compile" in change:
-        mode = None if change["compile"] is True else change["compile"]
+        mode = None if change["compile"] is True else cast(str, change["compile"])  # False: check_change drops it
         b.compile_mode = change["compile"]
         if hasattr(model, "_orig_mod"):
             done.notes.append("the model is compiled already: the change compiles its copy once more")
@@ -415,7 +416,7 @@ def _peak_memory_ratio(a: Side, b: Side) -> float | None:
     return peaks[1] / peaks[0] if peaks[0] > 0 else None
 
 
-def _result(change: dict[str, Any], done: _Progress, budget_s: float, elapsed: float,
+def _result(change: TrialChange, done: _Progress, budget_s: float, elapsed: float,
             bound: float | None) -> Measurement:
     interval = stats.median_interval(done.ratios)
     rates = None

@@ -91,7 +91,7 @@ class BatchProbeResult:
         return (f"On {self.device}: batch {self.recommended} is where doubling stops paying "
                 f"(> {100 * MIN_GAIN:.0f}% more samples/s){needs}; {fits}.")
 
-    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, Any]:
+    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, str]:
         headers = ["batch", "samples/s", "peak memory", ""]
         rows = self._rows()
         text = [self._summary(), *self.notes, "", *text_table(headers, rows)]

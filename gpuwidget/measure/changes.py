@@ -34,13 +34,29 @@ Unknown keys and bad values raise ``ValueError`` (:func:`check_change`).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal, cast
+
+from gpuwidget.facts import LoaderChange
+
+if TYPE_CHECKING:
+    from gpuwidget.advice.finding import FindingChange
 
 AUTOCAST_DTYPES = ("bfloat16", "float16")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 LOADER_KEYS = ("num_workers", "pin_memory", "persistent_workers", "prefetch_factor")
 MODEL_KEYS = ("autocast", "tf32", "compile", "channels_last", "fused_optimizer", "batch_size")
 KEYS = MODEL_KEYS + LOADER_KEYS
+
+
+class TrialChange(LoaderChange, total=False):
+    """A change ``Run.measure`` takes (the module docstring says what each key does); the loader's keys are
+    :class:`~gpuwidget.facts.LoaderChange`'s, ``batch_size`` here the training step's batch."""
+
+    autocast: Literal["bfloat16", "float16"]
+    tf32: bool
+    compile: bool | str  # True or one of COMPILE_MODES
+    channels_last: bool
+    fused_optimizer: bool
 
 
 def _positive_int(value: Any) -> bool:
@@ -64,13 +80,13 @@ def _check_value(key: str, value: Any) -> str | None:
     return "a known key"
 
 
-def check_change(change: Any) -> dict[str, Any]:
+def check_change(change: object) -> TrialChange:
     """The change as a plain dict, or ``ValueError`` naming the first unknown key or bad value."""
     if not isinstance(change, Mapping):
         raise ValueError(f"a change is a dict such as {{'autocast': 'bfloat16'}}, not {type(change).__name__}")
     if not change:
         raise ValueError(f"the change is empty: give at least one of {', '.join(KEYS)}")
-    checked: dict[str, Any] = {}
+    checked: dict[str, object] = {}
     for key, value in change.items():
         if key not in KEYS:
             raise ValueError(f"unknown change key {key!r}: the keys are {', '.join(KEYS)}")
@@ -82,18 +98,18 @@ def check_change(change: Any) -> dict[str, Any]:
         checked.pop("compile")
     if checked.get("prefetch_factor") and checked.get("num_workers") == 0:
         raise ValueError("prefetch_factor needs num_workers > 0 (torch's DataLoader refuses it otherwise)")
-    return checked
+    return cast(TrialChange, checked)
 
 
-def loader_part(change: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in change.items() if k in LOADER_KEYS}
+def loader_part(change: LoaderChange) -> LoaderChange:
+    return cast(LoaderChange, {k: v for k, v in change.items() if k in LOADER_KEYS})
 
 
-def model_part(change: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in change.items() if k in MODEL_KEYS}
+def model_part(change: TrialChange) -> TrialChange:
+    return cast(TrialChange, {k: v for k, v in change.items() if k in MODEL_KEYS})
 
 
-def describe(change: Mapping[str, Any]) -> str:
+def describe(change: Mapping[str, object]) -> str:
     """``autocast=bfloat16 + compile`` for a table row or a plan."""
     parts = []
     for key, value in change.items():
@@ -104,14 +120,14 @@ def describe(change: Mapping[str, Any]) -> str:
 # --------------------------------------------------------------------------- a finding's change
 
 
-def finding_changes(rule: str, change: Mapping[str, Any]) -> list[dict[str, Any]]:
+def finding_changes(rule: str, change: FindingChange) -> list[TrialChange]:
     """The changes that try a finding's suggestion, the one its bound refers to first; [] when its
     change is not one a step can try (a launcher, an allocator setting, the machine's)."""
     if rule == "fp32-math":
         # Its bound is TF32's ratio over FP32; bfloat16 autocast is the larger change it also offers.
-        options: list[dict[str, Any]] = [{"tf32": True}]
+        options: list[TrialChange] = [{"tf32": True}]
         if change.get("autocast_dtype") in AUTOCAST_DTYPES:
-            options.append({"autocast": change["autocast_dtype"]})
+            options.append(cast(TrialChange, {"autocast": change["autocast_dtype"]}))
         return options
     if rule == "launch-bound":
         if change.get("compile_mode") in COMPILE_MODES:
@@ -119,7 +135,7 @@ def finding_changes(rule: str, change: Mapping[str, Any]) -> list[dict[str, Any]
         return [{"compile": True}] if change.get("torch_compile") else []
     if rule == "small-batch" and _positive_int(change.get("batch_size")):
         return [{"batch_size": change["batch_size"]}]
-    loader = {k: v for k, v in change.items() if k in LOADER_KEYS}
+    loader: dict[str, object] = {k: v for k, v in change.items() if k in LOADER_KEYS}
     if loader and not any(k in change for k in MODEL_KEYS if k != "batch_size"):
         try:
             return [check_change(loader)]

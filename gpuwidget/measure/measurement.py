@@ -5,9 +5,9 @@ from __future__ import annotations
 import html
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
-from gpuwidget.measure.changes import describe
+from gpuwidget.measure.changes import TrialChange, describe
 from gpuwidget.report import fmt_seconds, html_table, text_table
 
 # The numerics line says "loss within N%" up to this relative difference, else "loss differs by N%".
@@ -26,6 +26,30 @@ def fmt_share(value: float | None) -> str:
     return f"{percent:.2g}%" if percent < 1 else f"{percent:.1f}%" if percent < 10 else f"{percent:.0f}%"
 
 
+class SavedMeasurement(TypedDict):
+    """A Measurement as a saved run keeps it with its finding (:meth:`Measurement.to_dict`)."""
+
+    change: TrialChange
+    speedup: float | None
+    ci: list[float] | None
+    verdict: str
+    peak_memory_ratio: float | None
+    numerics: dict[str, float | None]
+    notes: list[str]
+    blocks: int
+    coverage: float | None
+    ratios: list[float]
+    elapsed_s: float
+    decided_s: float | None
+    compile_s: float | None
+    budget_s: float
+    device: str
+    loss: str
+    rates: list[float] | None
+    interrupted: bool
+    bound: float | None
+
+
 @dataclass
 class Measurement:
     """One change measured against the step as it is.
@@ -38,7 +62,7 @@ class Measurement:
     steps from the same state and batches (None where they cannot be compared); ``notes``.
     """
 
-    change: dict[str, Any]
+    change: TrialChange
     speedup: float | None
     ci: tuple[float, float] | None
     verdict: str
@@ -113,9 +137,9 @@ class Measurement:
 
     # ---------------------------------------------------------------- data
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> SavedMeasurement:
         return {
-            "change": dict(self.change), "speedup": self.speedup, "ci": list(self.ci) if self.ci else None,
+            "change": TrialChange(**self.change), "speedup": self.speedup, "ci": list(self.ci) if self.ci else None,
             "verdict": self.verdict, "peak_memory_ratio": self.peak_memory_ratio, "numerics": dict(self.numerics),
             "notes": list(self.notes), "blocks": self.blocks, "coverage": self.coverage, "ratios": list(self.ratios),
             "elapsed_s": self.elapsed_s, "decided_s": self.decided_s, "compile_s": self.compile_s,
@@ -144,7 +168,7 @@ class Measurement:
     HEADERS = ("change", "verdict", "speed-up", "95% interval", "samples/s", "peak memory", "loss diff",
                "grad diff", "blocks")
 
-    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, Any]:
+    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, str]:
         return {"text/plain": self.text(), "text/html": self._repr_html_()}
 
     def text(self) -> str:

@@ -15,13 +15,16 @@ from __future__ import annotations
 import html
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from gpuwidget.clock import now
-from gpuwidget.measure.changes import LOADER_KEYS, describe
+from gpuwidget.measure.changes import LOADER_KEYS, TrialChange, describe
 from gpuwidget.measure.measurement import Measurement, fmt_ratio, fmt_share
 from gpuwidget.measure.sides import MeasureError
 from gpuwidget.report import fmt_seconds, html_table, text_table
+
+if TYPE_CHECKING:
+    from gpuwidget.advice.finding import Finding
 
 # Seconds per measured change, and the tuner's share, when the caller gives no budget.
 PER_CHANGE_S = 15.0
@@ -33,7 +36,7 @@ class MeasuredChange:
     """One finding's change and what measuring it gave (or why it could not be measured)."""
 
     rule: str
-    change: dict[str, Any]
+    change: TrialChange
     measurement: Measurement | None = None
     error: str | None = None
     bound: float | None = None
@@ -51,7 +54,7 @@ class MeasurePlan:
     notes: list[str] = field(default_factory=list)
 
     @property
-    def chosen(self) -> tuple[dict[str, Any], Measurement] | None:
+    def chosen(self) -> tuple[TrialChange, Measurement] | None:
         """The change to adopt: the combination if it measured faster than the best single change's
         interval allows, else the fastest single change measured faster; None when nothing was faster."""
         faster = [i.measurement for i in self.items if i.measurement is not None and i.measurement.verdict == "faster"]
@@ -91,7 +94,7 @@ class MeasurePlan:
 
     HEADERS = ("finding", "change", "verdict", "measured", "95% interval", "bound", "loss diff")
 
-    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, Any]:
+    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, str]:
         rows = self.rows()
         chosen = self.chosen
         marks = [chosen is not None and row[1] == describe(chosen[0]) and row[2] == "faster" for row in rows]
@@ -130,7 +133,7 @@ def measure_findings(run: Any, budget_s: float | None = None, progress: Callable
     docstring). ``progress(line, elapsed_s)`` hears of each; ``tuner_progress`` is the tuner's callback."""
     budget = plan_budget(run) if budget_s is None else float(budget_s)
     started = now()
-    todo: list[tuple[Any, dict[str, Any]]] = [(f, c) for f in run.findings for c in f.trial_changes()]
+    todo: list[tuple[Finding, TrialChange]] = [(f, c) for f in run.findings for c in f.trial_changes()]
     tunes = _tunes(run)
     left = len(todo) + (1 if tunes else 0) + (1 if len(todo) >= 2 else 0)
     plan = MeasurePlan([], budget_s=budget)
@@ -189,7 +192,7 @@ def _together(run: Any, plan: MeasurePlan, share: Callable[[], float], progress:
             best[item.rule] = m
     if len(best) < 2 or any(i.measurement is not None and i.measurement.interrupted for i in plan.items):
         return None
-    merged: dict[str, Any] = {}
+    merged: dict[str, object] = {}
     for m in best.values():
         for key, value in m.change.items():
             if key in LOADER_KEYS and key in merged and merged[key] != value:
@@ -197,7 +200,7 @@ def _together(run: Any, plan: MeasurePlan, share: Callable[[], float], progress:
             merged.setdefault(key, value)
     label = f"together: {describe(merged)}"
     try:
-        return run.measure(merged, budget_s=share(), progress=_told(progress, label, started))
+        return run.measure(cast(TrialChange, merged), budget_s=share(), progress=_told(progress, label, started))
     except (MeasureError, ValueError) as exc:
         plan.notes.append(f"the changes together could not be measured: {exc}")
         return None

@@ -59,7 +59,7 @@ def _read(path: str, name: str) -> Any:
         return f"raises {type(exc).__name__}"
 
 
-def backend_flags() -> dict[str, Any]:
+def backend_flags() -> dict[str, object]:
     """Every switch this module knows, as read now (a read that raises reads as ``"raises RuntimeError"``)."""
     import torch
 

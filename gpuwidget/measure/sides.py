@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpuwidget.clock import now
+from gpuwidget.facts import LoaderChange
 from gpuwidget.measure import preserve
 from gpuwidget.measure.changes import loader_part
 from gpuwidget.measure.loss import ModelInputs, StepLoss
@@ -166,7 +167,7 @@ class Side:
     channels_last: bool = False
     call: Any = None  # what the loss calls: the module, or its compiled form
     loader: Any = None  # the user's loader, with loader_change: fed from a new one
-    loader_change: dict[str, Any] = field(default_factory=dict)
+    loader_change: LoaderChange = field(default_factory=lambda: LoaderChange())
     compile_mode: Any = None
     compiled: bool = False
     micro_batches: list[Any] = field(default_factory=list)
@@ -270,7 +271,7 @@ class Side:
     def _run_loader(self, steps: int) -> tuple[float, float]:
         from gpuwidget.measure.tuner import _candidate, _iterating, copies_per_batch
 
-        candidate = _candidate(self.loader, dict(self.loader_change))
+        candidate = _candidate(self.loader, self.loader_change.copy())
         workers = int(candidate.num_workers)
         warmup = max(1, LOADER_WARMUP_PER_WORKER * workers)
         copies = copies_per_batch(self.loader, workers)
@@ -320,7 +321,7 @@ class Side:
         return total
 
 
-def loader_side(label: str, loader: Any, change: dict[str, Any]) -> Side:
+def loader_side(label: str, loader: Any, change: LoaderChange) -> Side:
     """A side that only draws batches from a loader (no trained model was seen)."""
     import torch
 

@@ -12,7 +12,12 @@ import weakref
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from gpuwidget.facts import TrainingFacts
+
+if TYPE_CHECKING:
+    from gpuwidget.probes import WatchedObjects
 
 # Watches whose copied batch is kept for a later measurement (older ones let theirs go).
 KEEP_BATCHES = 4
@@ -45,8 +50,8 @@ class Subjects:
     batch_released: bool = False
 
     @classmethod
-    def from_watch(cls, objects: Mapping[str, Any], namespace: Mapping[str, Any] | None,
-                   training: Mapping[str, Any] | None) -> Subjects:
+    def from_watch(cls, objects: WatchedObjects, namespace: Mapping[str, Any] | None,
+                   training: TrainingFacts | None) -> Subjects:
         """From ``Probes.objects()``, the user's namespace and the run's training facts."""
         training = training or {}
         share = training.get("autocast_share") or 0.0

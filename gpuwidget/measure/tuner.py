@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import html
 import math
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -27,7 +27,7 @@ import psutil
 from gpuwidget.advice.code import loader_code
 from gpuwidget.advice.loader import diagnose, production_time
 from gpuwidget.clock import now
-from gpuwidget.facts import LoaderFacts, WorkloadFacts
+from gpuwidget.facts import LoaderChange, LoaderFacts, WorkloadFacts
 from gpuwidget.figures.summary import primary_loader
 from gpuwidget.measure.rng import preserved_rng
 from gpuwidget.probes.constructor import rebuild_loader
@@ -93,7 +93,7 @@ class _IndexedDataset:
 class Trial:
     """One candidate setting and what it measured."""
 
-    change: dict[str, Any]
+    change: LoaderChange
     batches_per_s: float = 0.0
     first_batch_s: float = 0.0
     cpu_percent: float = 0.0  # process tree, percent of one core, while timed
@@ -124,14 +124,14 @@ class TuneResult:
     elapsed_s: float
     facts: LoaderFacts = field(default_factory=LoaderFacts)  # the loader as the code line names it
     # Settings recommended without being timed (they do not change the steady rate).
-    extra: dict[str, Any] = field(default_factory=dict)
+    extra: LoaderChange = field(default_factory=lambda: LoaderChange())
     # The watched run's workload, for the code's framework names (trainer, accelerator).
     workload: WorkloadFacts = field(default_factory=WorkloadFacts)
     # The seconds announced before the first trial (TunePlan.estimate_s; None: a search within the budget).
     announced_s: float | None = None
 
     @property
-    def change(self) -> dict[str, Any]:
+    def change(self) -> LoaderChange:
         return {**self.chosen.change, **self.extra}
 
     @property
@@ -212,7 +212,7 @@ class TuneResult:
         return (f"{self.verdict()}{also}. {target}; {fmt_count(len(self.trials), 'setting')} timed in "
                 f"{fmt_seconds(self.elapsed_s)}{announced}.")
 
-    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, Any]:
+    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, str]:
         headers = ["setting", "batches/s", "vs as it is", "CPU", "memory", "first batch", ""]
         rows = self._rows()
         lines = [self._summary(), "", *text_table(headers, rows), "", self.code]
@@ -228,24 +228,26 @@ class TuneResult:
 class TunePlan:
     """The settings a tuning times, in order (the loader as it is first), and how long they take."""
 
-    changes: list[dict[str, Any]]
-    suggested: dict[str, Any] | None = None  # the one of ``changes`` a finding suggested
+    changes: list[LoaderChange]
+    suggested: LoaderChange | None = None  # the one of ``changes`` a finding suggested
     estimate_s: float | None = None  # None: a search, bounded only by the budget
 
 
-def suggestion_plan(workers_now: int, suggestion: Mapping[str, Any], cap: int) -> TunePlan:
+def suggestion_plan(workers_now: int, suggestion: LoaderChange, cap: int) -> TunePlan:
     """The loader as it is, the suggested worker count and its neighbours (5 -> 4, 5, 6), each with the
     suggestion's other timed settings; a count equal to the loader's own is the loader as it is."""
-    timed = {key: suggestion[key] for key in TIMED_KEYS if key in suggestion and key != "num_workers"}
+    given: dict[str, object] = dict(suggestion)
+    timed = {key: given[key] for key in TIMED_KEYS if key in given and key != "num_workers"}
     count = int(suggestion["num_workers"])
-    changes: list[dict[str, Any]] = [{}]
-    suggested: dict[str, Any] | None = None
+    changes: list[LoaderChange] = [{}]
+    suggested: LoaderChange | None = None
     for workers in sorted({max(0, count - 1), count, min(max(cap, count), count + 1)}):
         # prefetch_factor needs worker processes (DataLoader refuses it with none).
-        change = {"num_workers": workers, **({k: v for k, v in timed.items() if k != "prefetch_factor"}
-                                             if workers == 0 else timed)}
+        change = cast(LoaderChange, {"num_workers": workers,
+                                     **({k: v for k, v in timed.items() if k != "prefetch_factor"}
+                                        if workers == 0 else timed)})
         if workers == workers_now and len(change) == 1:
-            change = {}  # the loader as it is, timed already
+            change = LoaderChange()  # the loader as it is, timed already
         if change not in changes:
             changes.append(change)
         if workers == count:
@@ -253,7 +255,7 @@ def suggestion_plan(workers_now: int, suggestion: Mapping[str, Any], cap: int) -
     return TunePlan(changes, suggested)
 
 
-def plan_seconds(changes: list[dict[str, Any]], workers_now: int, batch_s: float, cores: int, io_bound: bool | None,
+def plan_seconds(changes: list[LoaderChange], workers_now: int, batch_s: float, cores: int, io_bound: bool | None,
                  batches: int | None = None) -> float:
     """How long timing ``changes`` takes, from ``batch_s``, the seconds one builder needs for a batch (the
     run's measured production time, advice.loader.production_time): each trial starts its workers, builds
@@ -349,7 +351,7 @@ def _check(loader: Any) -> None:
         raise TypeError(f"tune_loader needs a torch.utils.data.DataLoader, not {type(loader).__name__}")
 
 
-def _candidate(original: Any, change: dict[str, Any]) -> Any:
+def _candidate(original: Any, change: LoaderChange) -> Any:
     from torch.utils.data import DataLoader, IterableDataset
 
     kwargs = loader_kwargs(original, change)
@@ -406,7 +408,7 @@ def tune_loader(loader: Any, target_rate: float | None = None, budget_s: float =
                 name: str | None = None, progress: bool | TrialCallback | None = None,
                 io_bound: bool | None = None,
                 dataset_name: str | None = None, run_facts: LoaderFacts | None = None,
-                workload: WorkloadFacts | None = None, suggestion: Mapping[str, Any] | None = None,
+                workload: WorkloadFacts | None = None, suggestion: LoaderChange | None = None,
                 batch_s: float | None = None) -> TuneResult:
     """Measure DataLoader settings for ``loader`` and choose the cheapest that feeds the loop.
 
@@ -441,7 +443,7 @@ def tune_loader(loader: Any, target_rate: float | None = None, budget_s: float =
     cores = usable_cpu_count()
     cap = min(MAX_WORKERS, per_core * cores)
 
-    def measure(change: dict[str, Any], suggested: bool = False) -> Trial:
+    def measure(change: LoaderChange, suggested: bool = False) -> Trial:
         trial = _trial(loader, change, deadline)
         trial.suggested = suggested
         if told is not None:
@@ -476,7 +478,7 @@ def tune_loader(loader: Any, target_rate: float | None = None, budget_s: float =
                         _announce(told, announced, len(plan.changes))
             fastest = max((t for t in trials if not t.error), key=lambda t: t.batches_per_s)
     chosen = _choose(trials, target_rate, fastest, next((t for t in trials if t.suggested), None))
-    extra = {}
+    extra = LoaderChange()
     workers = chosen.change.get("num_workers", loader.num_workers)
     if chosen.change and workers and not loader.persistent_workers:
         # Workers otherwise restart (and re-import, re-open files) at every epoch.
@@ -505,7 +507,7 @@ def _length(loader: Any) -> int | None:
         return None
 
 
-def _trial(loader: Any, change: dict[str, Any], deadline: float) -> Trial:
+def _trial(loader: Any, change: LoaderChange, deadline: float) -> Trial:
     """Time one setting on a new loader built like ``loader``; a setting that fails is a Trial with
     its error, a dataset that raises or a loader with nothing to time a :class:`TuneError`."""
     trial = Trial(change)
@@ -549,7 +551,7 @@ def copies_per_batch(loader: Any, workers: int) -> int:
     return workers if shards_by_worker(loader.dataset, loader.worker_init_fn) is False else 1
 
 
-def search_workers(measure: Callable[[dict[str, Any]], Trial], workers_now: int, cap: int,
+def search_workers(measure: Callable[[LoaderChange], Trial], workers_now: int, cap: int,
                    target_rate: float | None, expired: Callable[[], bool]) -> tuple[list[Trial], Trial]:
     """The search over ``measure(change) -> Trial``: (every trial in order, the fastest).
 
@@ -559,7 +561,7 @@ def search_workers(measure: Callable[[dict[str, Any]], Trial], workers_now: int,
     """
     trials: list[Trial] = []
 
-    def run(change: dict[str, Any]) -> Trial:
+    def run(change: LoaderChange) -> Trial:
         trials.append(measure(change))
         return trials[-1]
 
@@ -610,7 +612,7 @@ def _choose(trials: list[Trial], target_rate: float | None, fastest: Trial, sugg
 
 def tune_for_run(run: Any, loader: Any, budget_s: float = DEFAULT_BUDGET_S,
                  progress: bool | TrialCallback | None = None,
-                 suggestion: Mapping[str, Any] | None = None) -> TuneResult:
+                 suggestion: LoaderChange | None = None) -> TuneResult:
     """Tune ``loader`` against what a watched run measured: its consumption rate, its cause, and the
     suggestion Measure continues (``suggestion``, else the first of the run's findings that changes
     ``num_workers``), timed with the time per batch the run measured."""
@@ -622,7 +624,7 @@ def tune_for_run(run: Any, loader: Any, budget_s: float = DEFAULT_BUDGET_S,
     diagnosis = diagnose(run.summary, run.workload, run.machine)
     io_bound = None if diagnosis is None or diagnosis.cause == "unknown" else diagnosis.cause == "io"
     if suggestion is None:
-        suggestion = next((dict(f.change) for f in run.findings or [] if "num_workers" in f.change), None)
+        suggestion = next((LoaderChange(**f.change) for f in run.findings or [] if "num_workers" in f.change), None)
     batch_s = production_time(diagnosis) if diagnosis is not None and diagnosis.wait_per_step > 0 else None
     return tune_loader(loader, target_rate=target, budget_s=budget_s, name=facts.get("name"),
                        dataset_name=facts.get("dataset_name"), progress=progress, io_bound=io_bound,

@@ -14,11 +14,14 @@ import sys
 import threading
 import weakref
 from collections.abc import Mapping
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from gpuwidget.clock import now
 from gpuwidget.facts import WorkloadFacts
 from gpuwidget.trace import Trace
+
+if TYPE_CHECKING:
+    from gpuwidget.probes.batch_capture import CapturedBatch
 
 log = logging.getLogger("gpuwidget")
 
@@ -27,6 +30,15 @@ DATA_WAIT_SPAN = "loader.wait"  # blocked in a DataLoader's next()
 STEP_SPAN = "step"  # from one next() to the following one
 TRAIN_STEP_SPAN = "train.step"  # one optimizer step of the trained model: from the previous one's end to its end
 BETWEEN_STEPS_SPAN = "train.between"  # from an optimizer step's end to the trained model's next training forward
+
+
+class WatchedObjects(TypedDict, total=False):
+    """The user's live objects the probes saw (:meth:`Probes.objects`), for measuring advice; nothing is copied."""
+
+    loaders: list[Any]  # DataLoaders, the one that fed the optimizer's steps first
+    model: Any  # the trained model, or None
+    optimizer: weakref.ref[Any] | None
+    batch: CapturedBatch | None  # a copy of one training forward's inputs
 
 
 class Probes:
@@ -118,7 +130,7 @@ class Probes:
                 steps.detach()
         self._data = self._model = self._cuda = self._steps = None
 
-    def objects(self) -> dict[str, Any]:
+    def objects(self) -> WatchedObjects:
         """The live loaders (the one that fed the optimizer's steps first, then the busiest) and the
         trained model the probes saw, for measuring advice; ``optimizer``: a weak reference to the
         optimizer the step probe counted (or None), ``batch``: the copy of one training forward's
@@ -156,7 +168,7 @@ class Probes:
     def facts(self, namespace: Mapping[str, Any] | None) -> WorkloadFacts:
         """WorkloadFacts as plain data: loaders, model, CUDA memory, torch version."""
         names = _names(namespace)
-        facts: dict[str, Any] = {"torch": None, "loaders": [], "model": None, "cuda": None, "training": None}
+        facts: WorkloadFacts = {"torch": None, "loaders": [], "model": None, "cuda": None, "training": None}
         if self._data is not None:
             from gpuwidget.probes import origin
 
@@ -176,7 +188,7 @@ class Probes:
             if probe is None:
                 continue
             try:
-                facts[key] = read(probe)
+                facts[key] = read(probe)  # type: ignore[literal-required]
             except Exception as exc:  # noqa: BLE001
                 self.errors.append(f"{key} facts unavailable ({type(probe).__name__}): {exc!r}")
         if self._stack is not None:
@@ -187,7 +199,7 @@ class Probes:
             self.errors.extend(error for error in self._stack.errors[:1] if error not in self.errors)
         if self.errors:
             facts["probe_errors"] = list(self.errors)
-        return cast(WorkloadFacts, facts)
+        return facts
 
 
 def _stack_sampler(trace: Trace) -> Any:

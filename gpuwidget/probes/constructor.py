@@ -19,10 +19,12 @@ import textwrap
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from functools import cache
-from typing import Any, cast
+from typing import Any, Generic, TypeVar, cast
 
-from gpuwidget.facts import LoaderConstructor
+from gpuwidget.facts import CodeSite, LoaderChange, LoaderConstructor
 from gpuwidget.probes.origin import call_arguments, code_location
+
+V = TypeVar("V")  # what a keyword argument is: a value, or the expression that gives it
 
 
 @cache
@@ -44,7 +46,7 @@ def constructor_facts(loader: Any) -> LoaderConstructor | None:
     cls = type(loader)
     if cls is DataLoader or not isinstance(loader, DataLoader):
         return None
-    facts: dict[str, Any] = {"class_name": cls.__name__}
+    facts: LoaderConstructor = {"class_name": cls.__name__}
     owners = [klass for klass in cls.__mro__ if "__init__" in vars(klass)]
     if owners[0] is DataLoader:
         positional, keyword_only = dataloader_parameters()
@@ -69,7 +71,7 @@ class _Unreadable(Exception):
     """The constructor's hand-over to DataLoader cannot be read; the message says why."""
 
 
-def _read_init(init: Any, loader: Any) -> dict[str, Any]:
+def _read_init(init: Any, loader: Any) -> LoaderConstructor:
     try:
         source = textwrap.dedent(inspect.getsource(init))
         function = ast.parse(source).body[0]
@@ -194,20 +196,20 @@ def _assigned_attributes(function: ast.FunctionDef | ast.AsyncFunctionDef, self_
 
 
 @dataclass
-class ConstructorCall:
+class ConstructorCall(Generic[V]):
     """A planned call of the loader's class: the dataset (positional, by a keyword, or left to the
     constructor), keyword arguments under the constructor's names, and its own parameters to read
     back from the old loader's attributes."""
 
     dataset: Any = None
     dataset_keyword: str | None = None  # None: positional (or "fixed": not passed)
-    keywords: dict[str, Any] = field(default_factory=dict)
+    keywords: dict[str, V] = field(default_factory=dict)
     attributes: dict[str, str] = field(default_factory=dict)  # parameter -> attribute of the old loader
     defaults: dict[str, int | None] = field(default_factory=dict)  # own parameters left to their default
 
 
-def constructor_call(constructor: LoaderConstructor | Mapping[str, Any] | None, arguments: Mapping[str, Any],
-                     changed: Collection[str]) -> ConstructorCall | str:
+def constructor_call(constructor: LoaderConstructor | None, arguments: Mapping[str, V],
+                     changed: Collection[str]) -> ConstructorCall[V] | str:
     """The call that builds the loader again with DataLoader ``arguments`` (``dataset`` included),
     or why the class cannot take them (a sentence starting "its __init__ ...").
 
@@ -223,7 +225,7 @@ def constructor_call(constructor: LoaderConstructor | Mapping[str, Any] | None, 
     if missing:
         listed = ", ".join(missing)
         return f"its __init__ needs {listed}, which no attribute of the loader keeps"
-    call = ConstructorCall(attributes=dict(constructor.get("attributes") or {}),
+    call: ConstructorCall[V] = ConstructorCall(attributes=dict(constructor.get("attributes") or {}),
                            defaults=dict(constructor.get("defaults") or {}))
     mode = constructor.get("dataset")
     if mode != "fixed":
@@ -236,13 +238,13 @@ def constructor_call(constructor: LoaderConstructor | Mapping[str, Any] | None, 
     return call
 
 
-def constructor_keywords(constructor: LoaderConstructor | Mapping[str, Any], arguments: Mapping[str, Any],
-                         changed: Collection[str]) -> dict[str, Any] | str:
+def constructor_keywords(constructor: LoaderConstructor, arguments: Mapping[str, V],
+                         changed: Collection[str]) -> dict[str, V] | str:
     """DataLoader ``arguments`` (but the dataset) under the names the constructor takes them by,
     or why it cannot take them (see :func:`constructor_call`)."""
     takes = constructor.get("keywords") or {}
     fixed = constructor.get("fixed") or []
-    keywords: dict[str, Any] = {}
+    keywords: dict[str, V] = {}
     for key, value in arguments.items():
         if key == "dataset":
             continue
@@ -257,8 +259,7 @@ def constructor_keywords(constructor: LoaderConstructor | Mapping[str, Any], arg
     return keywords
 
 
-def rebuild_loader(loader: Any, change: Mapping[str, Any] | None = None,
-                   built_at: Mapping[str, Any] | None = None) -> Any:
+def rebuild_loader(loader: Any, change: LoaderChange | None = None, built_at: CodeSite | None = None) -> Any:
     """A new loader of ``loader``'s own class over the same data, with ``change`` applied.
 
     Raises ``TypeError`` naming what the class's constructor lacks when it cannot take them, or
@@ -269,7 +270,7 @@ def rebuild_loader(loader: Any, change: Mapping[str, Any] | None = None,
 
     from gpuwidget.probes.torch_data import loader_kwargs
 
-    change = dict(change or {})
+    change = LoaderChange(**change) if change else LoaderChange()
     arguments = loader_kwargs(loader, change)
     constructor = constructor_facts(loader)
     if constructor is None:
@@ -287,7 +288,7 @@ def rebuild_loader(loader: Any, change: Mapping[str, Any] | None = None,
     return type(loader)(*positional, **keywords)
 
 
-def _non_default(arguments: dict[str, Any], loader: Any) -> dict[str, Any]:
+def _non_default(arguments: Mapping[str, object], loader: Any) -> dict[str, object]:
     """The DataLoader ``arguments`` a constructor must be given: those that differ from what
     DataLoader does by default, a plain sampler written as ``shuffle`` (a subclass seldom takes
     ``sampler=``, and a fresh RandomSampler draws the same order from the same RNG state)."""
@@ -297,7 +298,7 @@ def _non_default(arguments: dict[str, Any], loader: Any) -> dict[str, Any]:
     from gpuwidget.probes.torch_data import _plain_sampler as plain_sampler
 
     defaults = {name: p.default for name, p in inspect.signature(DataLoader.__init__).parameters.items()}
-    kept: dict[str, Any] = {}
+    kept: dict[str, object] = {}
     for key, value in arguments.items():
         if key == "sampler" and value is not None and plain_sampler(value):
             if isinstance(value, RandomSampler):
@@ -318,7 +319,7 @@ def _equal(value: Any, default: Any) -> bool:
         return False
 
 
-def defaults_hold(defaults: Mapping[str, int | None], built_at: Mapping[str, Any] | None, class_name: str) -> bool:
+def defaults_hold(defaults: Mapping[str, int | None], built_at: CodeSite | None, class_name: str) -> bool:
     """Did the call at ``built_at`` leave each of ``defaults`` (parameter -> its position among the
     constructor's parameters, None for keyword-only) to its default? False when it cannot be read."""
     if built_at is None:

@@ -17,7 +17,9 @@ import sys
 import weakref
 from collections.abc import Collection, Mapping
 from types import FrameType
-from typing import Any
+from typing import Any, TypedDict
+
+from gpuwidget.facts import CodeSite, LoaderSettings
 
 # Top-level packages of the frameworks that build or drive DataLoaders themselves.
 FRAMEWORKS = {"transformers": "transformers", "accelerate": "accelerate", "pytorch_lightning": "lightning",
@@ -38,7 +40,20 @@ FRAMEWORK_OBJECTS = {
 }
 
 
-def stack_origin(frame: FrameType | None, constructing: Any = None) -> dict[str, Any]:
+class Origin(TypedDict):
+    """Where on the stack an object (a DataLoader) was built or first iterated (:func:`stack_origin`)."""
+
+    site: CodeSite | None  # the innermost frame of the user's code
+    inner: list[str]  # frameworks between it and the object: they built it
+    outer: list[str]  # frameworks above it: they called the user's code
+    instance: weakref.ref[Any] | None  # the ``self`` of the site's method, weakly
+
+
+# What an object not seen being built or iterated has of an origin.
+NO_ORIGIN: Origin = {"site": None, "inner": [], "outer": [], "instance": None}
+
+
+def stack_origin(frame: FrameType | None, constructing: Any = None) -> Origin:
     """The innermost frame of user code above ``frame`` (file, function, line), the frameworks
     between it and ``frame`` (``inner``: they built the object) and those above it (``outer``:
     they called the user's code, as Lightning calls ``train_dataloader``).
@@ -48,7 +63,7 @@ def stack_origin(frame: FrameType | None, constructing: Any = None) -> dict[str,
     the call of the class is. ``instance`` is a weak reference to the ``self`` of the site's
     method (the LightningModule or datamodule whose ``train_dataloader`` built the loader), or None.
     """
-    site: dict[str, Any] | None = None
+    site: CodeSite | None = None
     instance: Any = None
     inner: list[str] = []
     outer: list[str] = []
@@ -91,7 +106,7 @@ def _self_of(frame: FrameType) -> Any:
         return None
 
 
-def user_names(loader: Any, names: Mapping[int, str], built: Mapping[str, Any] | None) -> dict[str, str]:
+def user_names(loader: Any, names: Mapping[int, str], built: Origin | None) -> dict[str, str]:
     """The user's names for what a rebuilt loader must keep: its class (a DataLoader subclass),
     its ``collate_fn``, ``batch_sampler`` and ``sampler``; and ``built_by``, the object whose method
     built it (``model`` for a LightningModule's ``train_dataloader``). Only those a name holds."""
@@ -102,7 +117,7 @@ def user_names(loader: Any, names: Mapping[int, str], built: Mapping[str, Any] |
                "collate_fn": getattr(loader, "collate_fn", None),
                "batch_sampler": getattr(loader, "batch_sampler", None),
                "sampler": getattr(loader, "sampler", None)}
-    reference = (built or {}).get("instance")
+    reference = (built or NO_ORIGIN).get("instance")
     objects["built_by"] = reference() if reference is not None else None
     for role, value in objects.items():
         name = names.get(id(value)) if value is not None else None
@@ -135,7 +150,7 @@ def _cell_file(file: str) -> bool:
     return file.startswith("<ipython-input-") or os.path.basename(os.path.dirname(file)).startswith("ipykernel_")
 
 
-def location(site: Mapping[str, Any]) -> str:
+def location(site: CodeSite) -> str:
     """Where code is, in the user's terms, the one way every finding, comment and table says it:
     ``cell In [7], line 26`` for a notebook cell (its number as the prompt shows it),
     ``data/loaders.py, line 12`` for a file (relative to the working directory). ``site`` has ``file``
@@ -153,7 +168,7 @@ def location(site: Mapping[str, Any]) -> str:
     return f"{where}, line {site.get('line')}"
 
 
-def place(site: Mapping[str, Any]) -> str:
+def place(site: CodeSite) -> str:
     """The site with its function: ``in make_loader() (loaders.py, line 12)``, ``in train() (cell In [5],
     line 3)``, or ``at line 3 of cell In [5]`` for a cell's or script's own top level."""
     if site.get("function") in ("<module>", None):
@@ -163,7 +178,7 @@ def place(site: Mapping[str, Any]) -> str:
 
 
 def history_site(namespace: Mapping[str, Any] | None, name: str,
-                 classes: Collection[str] = ()) -> dict[str, Any] | None:
+                 classes: Collection[str] = ()) -> CodeSite | None:
     """Where the notebook's latest cell assigning ``name`` at its top level built it with
     ``DataLoader(...)`` (or one of ``classes``): the site of a loader built before the watch began
     (the probe sees only those built during it). None outside IPython, when that cell assigned
@@ -206,12 +221,12 @@ def placed(loaders: list[Any], namespace: Mapping[str, Any] | None) -> list[Any]
     return loaders
 
 
-def owner(built: Mapping[str, Any] | None, iterated: Mapping[str, Any] | None) -> str | None:
+def owner(built: Origin | None, iterated: Origin | None) -> str | None:
     """The framework that owns the loader: "transformers", "accelerate", "lightning" or None."""
-    built_inner = (built or {}).get("inner") or []
-    built_outer = (built or {}).get("outer") or []
-    iterated_inner = (iterated or {}).get("inner") or []
-    iterated_outer = (iterated or {}).get("outer") or []
+    built_inner = (built or NO_ORIGIN).get("inner") or []
+    built_outer = (built or NO_ORIGIN).get("outer") or []
+    iterated_inner = (iterated or NO_ORIGIN).get("inner") or []
+    iterated_outer = (iterated or NO_ORIGIN).get("outer") or []
     if "transformers" in built_inner:
         return "transformers"
     if "accelerate" in built_inner or "accelerate" in iterated_inner:
@@ -273,7 +288,7 @@ def shards_by_worker(dataset: Any, worker_init_fn: Any = None) -> bool | None:
     return any("get_worker_info" in source for source in sources)
 
 
-def code_location(function: Any) -> dict[str, Any] | None:
+def code_location(function: Any) -> CodeSite | None:
     """file, function and first line of ``function``'s source, or None (built-in, C code)."""
     try:
         lines, line = inspect.getsourcelines(function)
@@ -286,7 +301,7 @@ def code_location(function: Any) -> dict[str, Any] | None:
             "cell": notebook_cell(file)}
 
 
-def dataset_facts(dataset: Any) -> dict[str, Any]:
+def dataset_facts(dataset: Any) -> LoaderSettings:
     """Where the dataset builds a sample, and which of its attributes hold per-sample transforms."""
     from torch.utils.data import IterableDataset
 
@@ -296,7 +311,7 @@ def dataset_facts(dataset: Any) -> dict[str, Any]:
             "dataset_transforms": transforms}
 
 
-def call_with_keywords(site: Mapping[str, Any], keywords: Mapping[str, Any],
+def call_with_keywords(site: CodeSite, keywords: Mapping[str, int | float | bool | str | None],
                        classes: Collection[str] = ()) -> str | None:
     """The source of the ``DataLoader(...)`` call (or of one of ``classes``, the loader's own class)
     at ``site`` with ``keywords`` set (added or replaced), as one line; None when the source cannot
@@ -309,7 +324,7 @@ def call_with_keywords(site: Mapping[str, Any], keywords: Mapping[str, Any],
     return ast.unparse(call)
 
 
-def call_arguments(site: Mapping[str, Any], classes: Collection[str] = ()) -> tuple[int, set[str]] | None:
+def call_arguments(site: CodeSite, classes: Collection[str] = ()) -> tuple[int, set[str]] | None:
     """(positional arguments, keyword names) of the loader's call at ``site``; None when it cannot
     be read or passes ``*args`` or ``**kwargs`` (which arguments they hold is not in the source)."""
     call = _call_at(site, classes)
@@ -318,7 +333,7 @@ def call_arguments(site: Mapping[str, Any], classes: Collection[str] = ()) -> tu
     return len(call.args), {k.arg for k in call.keywords if k.arg is not None}
 
 
-def _call_at(site: Mapping[str, Any], classes: Collection[str]) -> ast.Call | None:
+def _call_at(site: CodeSite, classes: Collection[str]) -> ast.Call | None:
     """The innermost call of ``DataLoader`` or one of ``classes`` on the line ``site`` names."""
     tree = parse_source(site["file"])
     if tree is None:

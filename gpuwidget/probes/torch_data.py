@@ -20,9 +20,10 @@ save a checkpoint is never mistaken for a starved loader. A *step* runs from the
 one ``next()`` to the start of the following one.
 
 The wrapper is on the loop's critical path, so per step it only reads the clock twice and
-appends one record of four numbers (the loader, start, end, samples) to a flat array of doubles:
-no object is kept per step, and the few attributes it touches are the loader's call count and
-the last loader to return. The sampler thread makes everything else of those records at each
+extends a flat list by one record of four numbers (the loader, start, end, samples): one C call,
+so a flush sees whole records, and about a tenth of what appending them to an ``array('d')``
+cost (each item there goes through an argument parser). The few attributes it touches are the
+loader's call count and the last loader to return. The sampler thread makes everything else of those records at each
 tick, with numpy, a tick's steps at once (:meth:`DataLoaderProbe.flush`): the step and wait
 spans, step and wait times, epochs, totals. The looping thread's CPU time and run delay behind
 ``wait_cpu_ratio`` and ``wait_delay_ratio`` are read on one step in :data:`CPU_SAMPLE_EVERY`
@@ -37,15 +38,14 @@ import contextlib
 import sys
 import threading
 import weakref
-from array import array
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, cast
 
 import numpy as np
 
 from gpuwidget.clock import now
-from gpuwidget.facts import LoaderFacts, LoaderSettings
+from gpuwidget.facts import LoaderChange, LoaderFacts, LoaderSettings
 from gpuwidget.probes import DATA_WAIT_SPAN, STEP_SPAN
 from gpuwidget.probes import origin as origins
 from gpuwidget.probes.constructor import constructor_facts
@@ -87,10 +87,15 @@ class LoaderStats:
         self.pending_start: float | None = None  # start of the step whose next() returned last
         self.step_times: deque[float] = deque(maxlen=STEP_HISTORY)
         self.wait_times: deque[float] = deque(maxlen=STEP_HISTORY)
-        self.built: dict[str, Any] | None = None  # origin.stack_origin where the loader was built
-        self.iterated: dict[str, Any] | None = None  # ... and where it was first iterated
+        self.built: origins.Origin | None = None  # origin.stack_origin where the loader was built
+        self.iterated: origins.Origin | None = None  # ... and where it was first iterated
         self.last_batch_samples = 0
-        self.exhausted = False  # the current iterator has raised StopIteration
+        self.stopped_at = -1  # `calls` when an iterator last raised StopIteration
+
+    @property
+    def exhausted(self) -> bool:
+        """The current iterator has raised StopIteration (no batch came since)."""
+        return self.stopped_at == self.calls
 
     @property
     def owner(self) -> str | None:
@@ -99,7 +104,8 @@ class LoaderStats:
     @property
     def fetches_ahead(self) -> bool:
         """accelerate drives this loader (its own, or the HF Trainer's): one batch ahead of the loop."""
-        return any("accelerate" in ((origin or {}).get("inner") or []) for origin in (self.built, self.iterated))
+        return any("accelerate" in ((origin or origins.NO_ORIGIN).get("inner") or [])
+                   for origin in (self.built, self.iterated))
 
     @property
     def loader(self) -> Any:
@@ -128,7 +134,7 @@ class LoaderStats:
             "step_times": list(self.step_times),
             "wait_times": list(self.wait_times),
             "owner": self.owner,
-            "built_at": (self.built or {}).get("site"),
+            "built_at": (self.built or origins.NO_ORIGIN).get("site"),
             "steps_fed": self.steps_fed,
             "user_names": origins.user_names(loader, names, self.built) if loader is not None else {},
         }
@@ -232,11 +238,11 @@ class DataLoaderProbe:
         self._by_iterator: weakref.WeakKeyDictionary[Any, LoaderStats] = weakref.WeakKeyDictionary()
         self._by_loader: dict[int, LoaderStats] = {}
         self.stats: list[LoaderStats] = []
-        self._originals: dict[str, Any] = {}
+        self._originals: dict[str, Callable[..., Any]] = {}  # DataLoader's own methods, to put back
         # loader -> where it was built (loaders built while the watch runs).
-        self._built: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
-        # RECORD doubles per next(), appended by the loop's thread, made into figures and spans by flush().
-        self._records = array("d")
+        self._built: weakref.WeakKeyDictionary[Any, origins.Origin] = weakref.WeakKeyDictionary()
+        # RECORD numbers per next(), put in by the loop's thread, made into figures and spans by flush().
+        self._records: list[float] = []
         self._flush_lock = threading.Lock()  # the sampler thread's ticks, and uninstall on the cell's
         # The loader whose next() returned last: an optimizer step that follows is fed by it.
         self.last: LoaderStats | None = None
@@ -254,10 +260,10 @@ class DataLoaderProbe:
         original_next = _BaseDataLoaderIter.__next__
         self._originals = {"init": original_init, "iter": original_iter, "next": original_next}
         probe = self
-        record = self._records.extend  # one C call per record: the sampler thread sees whole records
+        push = self._records.extend  # one C call per record (a tuple): the sampler thread sees whole records
         clock = now
         counters = thread_counters
-        samples_of = batch_samples
+        every = CPU_SAMPLE_EVERY
         cached_ref: Any = _DEAD  # the iterator of the last next(), and its loader's stats
         cached_stats: Any = None
 
@@ -279,8 +285,8 @@ class DataLoaderProbe:
             try:
                 batch = original_next(iterator)
             except StopIteration:
-                stats.exhausted = True
-                record((stats.slot, started, _STOPPED, 0.0))
+                stats.stopped_at = stats.calls
+                push((stats.slot, started, _STOPPED, 0))
                 raise
             ended = clock()
             cpu_ended, delay_ended = counters()
@@ -290,12 +296,13 @@ class DataLoaderProbe:
                 stats.wait_delay_total = (None if delay_ended is None or delay_started is None
                                           else stats.wait_delay_total + delay_ended - delay_started)
             stats.calls += 1
-            stats.exhausted = False
             probe.last = stats
-            record((stats.slot, started, ended, samples_of(batch)))
+            push((stats.slot, started, ended, batch_samples(batch)))
             return batch
 
         def __next__(iterator: Any) -> Any:
+            # The steady state, line by line as measured (benchmarks/probe_cost.py): the cached loader,
+            # one modulo, two clock reads, the batch's first dimension read inline, one list extend.
             nonlocal cached_ref, cached_stats
             if cached_ref() is iterator:
                 stats = cached_stats
@@ -305,21 +312,29 @@ class DataLoaderProbe:
                     stats = probe._register(iterator, None)
                 cached_ref, cached_stats = _weak(iterator) or _DEAD, stats
             calls = stats.calls
-            if calls % CPU_SAMPLE_EVERY == 1:  # never call 0: warm-up, worker start
+            if calls % every == 1:  # never call 0: warm-up, worker start
                 return sampled(iterator, stats)
             started = clock()
             try:
                 batch = original_next(iterator)
             except StopIteration:
-                stats.exhausted = True
-                record((stats.slot, started, _STOPPED, 0.0))
+                stats.stopped_at = calls
+                push((stats.slot, started, _STOPPED, 0))
                 raise
             ended = clock()
             stats.calls = calls + 1
-            if stats.exhausted:
-                stats.exhausted = False
             probe.last = stats
-            record((stats.slot, started, ended, samples_of(batch)))
+            kind = type(batch)
+            if kind is tuple or kind is list:  # batch_samples' usual case, without its call or getattr's
+                try:
+                    shape = batch[0].shape
+                except (AttributeError, IndexError):
+                    samples = batch_samples(batch)
+                else:
+                    samples = shape[0] if shape else 1
+            else:
+                samples = batch_samples(batch)
+            push((stats.slot, started, ended, samples))
             return batch
 
         __init__.__wrapped__ = original_init  # type: ignore[attr-defined]
@@ -355,8 +370,8 @@ class DataLoaderProbe:
             if not count:
                 return
             chunk = records[:count]
-            del records[:count]  # records appended meanwhile stay, whole, for the next flush
-            rows = np.frombuffer(chunk, dtype=np.float64).reshape(-1, RECORD)
+            del records[:count]  # records put in meanwhile stay, whole, for the next flush
+            rows = np.array(chunk, dtype=np.float64).reshape(-1, RECORD)
             origin = self.trace.start_clock
             steps, waits = _Spans(), _Spans()
             slots = rows[:, 0]
@@ -511,7 +526,7 @@ def _plain_sampler(sampler: Any) -> bool:
             and getattr(sampler, "generator", None) is None)
 
 
-def loader_kwargs(loader: Any, change: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def loader_kwargs(loader: Any, change: LoaderChange | None = None) -> dict[str, Any]:
     """Keyword arguments that rebuild ``loader`` (same dataset, sampling and collation),
     with ``change`` applied and made valid (no ``prefetch_factor`` or ``persistent_workers``
     without workers, as torch requires)."""

@@ -25,7 +25,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any, cast
 
 from gpuwidget.clock import now
-from gpuwidget.facts import CudaDeviceFacts, CudaFacts, ModelFacts
+from gpuwidget.facts import AutocastState, CudaDeviceFacts, CudaFacts, DdpFacts, ModelFacts
 
 TOP_LEVEL_CALLS = 16
 # Top-level calls looked at in all, trainable or not (transforms run per sample).
@@ -45,7 +45,7 @@ class ModelProbe:
         self._local = threading.local()
         self._seen = 0
         self._calls = 0
-        self._models: dict[int, dict[str, Any]] = {}
+        self._models: dict[int, ModelFacts] = {}
         self._objects: dict[int, Any] = {}
         self._versions: dict[int, int] = {}  # trainable parameters' version counters when first seen
         self._parallel: dict[int, ParallelWatch] = {}  # DDP / DataParallel wrappers seen, by id
@@ -173,14 +173,14 @@ class ModelProbe:
         key = self._main()
         if key is None:
             return None
-        facts = dict(self._models[key])
+        facts = self._models[key].copy()
         facts["name"] = names.get(key)
         parallel = self._parallel.get(key)
         facts["data_parallel"] = parallel is not None and parallel.kind == "DataParallel"
         if parallel is not None:
             facts.update(parallel.facts())
         facts.update(precision_settings())
-        return cast(ModelFacts, facts)
+        return facts
 
 
 # DDP's reducer records its timings on iterations 1-10 and then every 100th
@@ -203,10 +203,10 @@ class ParallelWatch:
         self.kind = kind
         self._module = weakref.ref(module)
         self._calls = 0
-        self._ddp: dict[str, Any] = {}
+        self._ddp: DdpFacts = {}
         self._handle: Any = None
         self._gpus = len(getattr(module, "device_ids", None) or [])
-        self._static: dict[str, Any] = {}
+        self._static: DdpFacts = {}
         if kind == "DistributedDataParallel":
             self._static = {"static_graph": bool(getattr(module, "static_graph", False))}
             self._handle = module.register_forward_pre_hook(self._count)
@@ -235,21 +235,21 @@ class ParallelWatch:
             self._handle.remove()
             self._handle = None
 
-    def facts(self) -> dict[str, Any]:
+    def facts(self) -> ModelFacts:
         if self.kind == "DataParallel":
             return {"data_parallel_gpus": self._gpus}
         module = self._module()
         if module is not None:
             with contextlib.suppress(Exception):  # the process group may be gone already
                 self._read(module)
-        return {"ddp": {**self._ddp, **self._static}} if self._ddp else {"ddp": dict(self._static)}
+        return {"ddp": {**self._ddp, **self._static}} if self._ddp else {"ddp": self._static.copy()}
 
 
-def ddp_logging_facts(data: Mapping[str, Any]) -> dict[str, Any]:
+def ddp_logging_facts(data: Mapping[str, object]) -> DdpFacts:
     """The numeric and boolean fields of DDP's logging data: times in ns as torch reports them
     (``avg_*`` are averages over the sampled iterations), sizes in bytes; absolute timestamps
     (``*_start``, ``*_end``) and strings (addresses, environment) are left out."""
-    facts: dict[str, Any] = {}
+    facts: dict[str, object] = {}
     for key, value in data.items():
         if key in DDP_LISTS and isinstance(value, str):
             facts[key] = [int(part) for part in value.replace(" ", "").split(",") if part.isdigit()]
@@ -258,7 +258,7 @@ def ddp_logging_facts(data: Mapping[str, Any]) -> dict[str, Any]:
         elif isinstance(value, (int, float)) and not isinstance(value, bool) \
                 and not key.endswith(("_start", "_end")):
             facts[key] = value
-    return facts
+    return cast(DdpFacts, facts)
 
 
 def _owner(module: Any, frame: Any) -> Any:
@@ -291,7 +291,7 @@ def _first_tensor(value: Any, depth: int = 0) -> Any:
     return None
 
 
-def _autocast_state(torch: Any, device_type: str) -> dict[str, Any]:
+def _autocast_state(torch: Any, device_type: str) -> AutocastState:
     try:
         enabled = bool(torch.is_autocast_enabled(device_type))
         dtype = str(torch.get_autocast_dtype(device_type)).replace("torch.", "") if enabled else None
@@ -305,7 +305,7 @@ def _autocast_state(torch: Any, device_type: str) -> dict[str, Any]:
 _LEGACY_MATMUL_NAMES = {"ieee": "highest", "tf32": "high", "bf16": "medium"}
 
 
-def precision_settings() -> dict[str, Any]:
+def precision_settings() -> ModelFacts:
     """Global float32 math settings: TF32 on Ampere+ makes FP32 matmuls and convolutions use Tensor Cores.
 
     PyTorch now documents ``torch.backends.cuda.matmul.fp32_precision`` and
@@ -324,8 +324,8 @@ def precision_settings() -> dict[str, Any]:
         cudnn = _read(lambda: getattr(backends.cudnn, "fp32_precision", "none"))
         matmul = _effective(_read(lambda: matmul_node.fp32_precision), generic)
         conv = _effective(_read(lambda: backends.cudnn.conv.fp32_precision), cudnn, generic)
-        facts: dict[str, Any] = {"tf32_api": "fp32_precision", "matmul_fp32_precision": matmul,
-                                 "conv_fp32_precision": conv}
+        facts: ModelFacts = {"tf32_api": "fp32_precision", "matmul_fp32_precision": matmul,
+                             "conv_fp32_precision": conv}
         if matmul is not None:
             facts["float32_matmul_precision"] = _LEGACY_MATMUL_NAMES.get(matmul, matmul)
             facts["cuda_matmul_allow_tf32"] = matmul != "ieee"
@@ -338,7 +338,7 @@ def precision_settings() -> dict[str, Any]:
                       ("cudnn_allow_tf32", lambda: bool(backends.cudnn.allow_tf32))):
         value = _read(read)
         if value is not None:
-            facts[key] = value
+            facts[key] = value  # type: ignore[literal-required]
     return facts
 
 

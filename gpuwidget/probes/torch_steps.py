@@ -18,9 +18,10 @@ Two spans come of it (``probes.TRAIN_STEP_SPAN`` and ``probes.BETWEEN_STEPS_SPAN
 * ``train.between``: from a step's end to the next training forward: where the loop fetched its
   next batch, logged, evaluated.
 
-On the loop's path each hook reads the clock and appends it to a flat array of doubles (a step's
-end as it is, a training forward negated: nothing is kept per step but 8 bytes); once the first
-steps are read and counted, the post hook takes a lean path of a few attribute updates. The
+On the loop's path each hook reads the clock and appends the reading to a flat list (a step's end
+as it is, a training forward negated: nothing is kept per step but that float); once the first
+steps are read and counted, both hooks are closures over what they touch and the post hook takes a
+lean path of a few attribute updates. The
 micro-benchmarks are ``benchmarks/step_probe_cost.py`` and ``benchmarks/probe_cost.py``, their
 figures in BENCHMARKS.md. :meth:`StepProbe.flush` makes spans of a tick's events at once, with
 numpy, on the sampler thread. The forward hook also counts calls made under
@@ -42,7 +43,6 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from array import array
 from collections import Counter, deque
 from typing import Any
 
@@ -84,7 +84,7 @@ class StepProbe:
         self._handles: list[Any] = []
         self._forward_handles: list[Any] = []
         # Clock readings appended by the hooks: a step's end as it is, a training forward's negated.
-        self._events = array("d")
+        self._events: list[float] = []
         self._lean = False  # past the first steps: the post hook's short path
         self._optimizer: Any = None  # the optimizer whose steps are counted
         self._overlap = -1  # how many of the trained model's parameters it holds (numel)
@@ -137,8 +137,29 @@ class StepProbe:
         # Bound once: the forward hook runs on every step.
         self._autocast_enabled, self._autocast_dtype = torch.is_autocast_enabled, torch.get_autocast_dtype
         self._grad_enabled = torch.is_grad_enabled
-        self._handles = [register_optimizer_step_post_hook(self._stepped)]
+        self._handles = [register_optimizer_step_post_hook(self._post_hook())]
         self.installed = True
+
+    def _post_hook(self) -> Any:
+        """torch's global optimizer post hook: the steady state inline, as a closure over what it touches
+        (a method looked up ``self._events.append`` and the clock on every step); the rest in :meth:`_stepped`."""
+        probe, push, clock, full = self, self._events.append, now, self._stepped
+
+        def stepped(optimizer: Any, args: Any, kwargs: Any) -> None:
+            if probe._lean and optimizer is probe._optimizer:  # the steady state: a few updates, no branch more
+                push(clock())
+                probe.steps += 1
+                probe._waiting = True
+                data = probe.data
+                if data is not None:
+                    last = data.last
+                    if last is not None:
+                        last.steps_fed += 1
+                        data.last = None
+                return
+            full(optimizer, args, kwargs)
+
+        return stepped
 
     def uninstall(self) -> None:
         """Remove every hook, leave a FLOP counter still entered, and make spans of what is queued."""
@@ -158,18 +179,7 @@ class StepProbe:
         self.installed = self._lean = False
 
     def _stepped(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        """After every ``optimizer.step()`` (torch's global post hook): the end of a training step."""
-        if self._lean and optimizer is self._optimizer:  # the steady state: a few updates, no branch more
-            self._events.append(now())
-            self.steps += 1
-            self._waiting = True
-            data = self.data
-            if data is not None:
-                last = data.last
-                if last is not None:
-                    last.steps_fed += 1
-                    data.last = None
-            return
+        """After every ``optimizer.step()`` but the steady state's (:meth:`_post_hook`): the end of a training step."""
         if optimizer is not self._optimizer:
             if id(optimizer) in self._judged and self._judged[id(optimizer)]() is optimizer:
                 return  # another optimizer, already judged not to count the steps
@@ -390,7 +400,7 @@ class StepProbe:
             return
         chunk = events[:count]
         del events[:count]  # events appended meanwhile stay for the next flush
-        readings = np.frombuffer(chunk, dtype=np.float64)
+        readings = np.array(chunk, dtype=np.float64)
         forward = readings < 0
         at = np.abs(readings) - self.trace.start_clock
         ends = np.flatnonzero(~forward)

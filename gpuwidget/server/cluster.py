@@ -29,13 +29,14 @@ import time
 import urllib.parse
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict, cast
 
 from jupyter_server.auth.decorator import authorized
 from tornado import web
 from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest, HTTPResponse
 
 from gpuwidget.server.handlers import _ApiHandler, seconds_argument
+from gpuwidget.server.protocol import ClusterGpu, ClusterHost, ClusterReply
 
 # Points per series the sidebar draws (an hour at Prometheus's usual 15 s scrape interval).
 TARGET_POINTS = 240
@@ -123,6 +124,20 @@ class PrometheusError(Exception):
 Fetch = Callable[[HTTPRequest], Awaitable[HTTPResponse]]
 
 
+class RangeSeries(TypedDict, total=False):
+    """One series of a Prometheus range query's ``matrix`` result (its JSON, read defensively)."""
+
+    metric: dict[str, str]  # its labels
+    values: list[list[Any]]  # [unix s, "value"] pairs, times ascending
+
+
+class _Gathered(ClusterGpu, total=False):
+    """A GPU's reply entry while its series are gathered: whose series it was read from, and dcgm's free memory."""
+
+    source: str  # "gpuwidget" or "dcgm"
+    _free: float | None
+
+
 def plan(window_s: float | None, step_s: float | None, now: float) -> tuple[float, float, float]:
     """(start, end, step): ``end`` on a multiple of the step (replies line up between refreshes)."""
     window = DEFAULT_WINDOW_S if window_s is None else min(max(window_s, MIN_STEP_S), MAX_WINDOW_S)
@@ -139,15 +154,15 @@ class Cluster:
     def __init__(self, config: PrometheusConfig | None, fetch: Fetch | None = None) -> None:
         self.config = config
         self._fetch = fetch
-        self._cache: dict[tuple[float, float, float], tuple[float, dict[str, Any]]] = {}
-        self._pending: dict[tuple[float, float, float], asyncio.Future[dict[str, Any]]] = {}
+        self._cache: dict[tuple[float, float, float], tuple[float, ClusterReply]] = {}
+        self._pending: dict[tuple[float, float, float], asyncio.Future[ClusterReply]] = {}
         self.queries_sent = 0
 
     @property
     def configured(self) -> bool:
         return self.config is not None and bool(self.config.url)
 
-    async def reply(self, window_s: float | None = None, step_s: float | None = None) -> dict[str, Any]:
+    async def reply(self, window_s: float | None = None, step_s: float | None = None) -> ClusterReply:
         if self.config is None or not self.config.url:
             return {"configured": False, "source": None, "error": None, "step_s": None, "start": None,
                     "end": None, "selector": None, "hosts": []}
@@ -164,10 +179,10 @@ class Cluster:
         self._cache = {key: (time.monotonic(), reply)}
         return reply
 
-    async def _build(self, start: float, end: float, step: float) -> dict[str, Any]:
+    async def _build(self, start: float, end: float, step: float) -> ClusterReply:
         config = self.config
         assert config is not None
-        reply: dict[str, Any] = {"configured": True, "source": None, "error": None, "step_s": step, "start": start,
+        reply: ClusterReply = {"configured": True, "source": None, "error": None, "step_s": step, "start": start,
                                  "end": end, "selector": config.selector, "hosts": []}
         jobs = [(source, query) for source, queries in SOURCES for query in queries]
         outcomes = await asyncio.gather(*(self._range(query, start, end, step) for _, query in jobs),
@@ -187,10 +202,10 @@ class Cluster:
             return reply
         sources = {gpu.pop("source") for gpu in gpus.values()}
         reply["source"] = "gpuwidget" if "gpuwidget" in sources else ("dcgm" if "dcgm" in sources else None)
-        hosts: dict[str, list[dict[str, Any]]] = {}
+        hosts: dict[str, list[ClusterGpu]] = {}
         for (host, _), gpu in sorted(gpus.items(), key=lambda item: (item[0][0], _gpu_order(item[1]["gpu"]))):
             hosts.setdefault(host, []).append(gpu)
-        reply["hosts"] = [{"host": host, "gpus": host_gpus} for host, host_gpus in hosts.items()]
+        reply["hosts"] = [ClusterHost(host=host, gpus=host_gpus) for host, host_gpus in hosts.items()]
         return reply
 
     async def _range(self, query: Query, start: float, end: float, step: float) -> bytes:
@@ -222,7 +237,7 @@ class Cluster:
 
 
 def _assemble(where: str, bodies: dict[tuple[str, str], bytes], start: float, step: float,
-              points: int) -> dict[tuple[str, str], dict[str, Any]]:
+              points: int) -> dict[tuple[str, str], _Gathered]:
     """Worker thread: the range queries' bodies -> each GPU's reply entry."""
     results = {}
     for (source, key), body in bodies.items():
@@ -231,7 +246,7 @@ def _assemble(where: str, bodies: dict[tuple[str, str], bytes], start: float, st
     return _gather(results, start, step, points)
 
 
-def _matrix(where: str, body: bytes) -> list[dict[str, Any]]:
+def _matrix(where: str, body: bytes) -> list[RangeSeries]:
     try:
         parsed = json.loads(body)
         if parsed.get("status") != "success" or parsed["data"]["resultType"] != "matrix":
@@ -239,7 +254,7 @@ def _matrix(where: str, body: bytes) -> list[dict[str, Any]]:
         result = parsed["data"]["result"]
         if not isinstance(result, list):
             raise ValueError("result is not a list")
-        return result
+        return cast(list[RangeSeries], result)
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise PrometheusError(f"{where} did not answer like Prometheus's query API ({exc})") from None
 
@@ -259,10 +274,10 @@ def _refusal(where: str, code: int, response: HTTPResponse | None) -> str:
     return f"Prometheus at {where} answered HTTP {code}" + (f": {detail}" if detail else "")
 
 
-def _gather(results: dict[tuple[str, str], tuple[Query, list[dict[str, Any]]]], start: float, step: float,
-            points: int) -> dict[tuple[str, str], dict[str, Any]]:
+def _gather(results: dict[tuple[str, str], tuple[Query, list[RangeSeries]]], start: float, step: float,
+            points: int) -> dict[tuple[str, str], _Gathered]:
     """(host, GPU key) -> the GPU's reply entry (plus its ``source``), gpuwidget's series first."""
-    gpus: dict[tuple[str, str], dict[str, Any]] = {}
+    gpus: dict[tuple[str, str], _Gathered] = {}
     by_uuid: dict[str, tuple[str, str]] = {}
     for source, queries in SOURCES:
         taken: set[tuple[str, str]] = set()  # GPUs this source reports
@@ -312,7 +327,7 @@ def _gather(results: dict[tuple[str, str], tuple[Query, list[dict[str, Any]]]], 
     return gpus
 
 
-def _identity(labels: dict[str, Any]) -> str:
+def _identity(labels: dict[str, str]) -> str:
     """Which GPU a series is of: its UUID, and for a MIG instance (both exporters label it with its GPU's
     UUID) the GPU instance id after it; "" without a UUID."""
     uuid = labels.get("UUID") or ""
@@ -320,8 +335,8 @@ def _identity(labels: dict[str, Any]) -> str:
     return f"{uuid}/GI{instance}" if uuid and instance else uuid
 
 
-def _holders(gpus: dict[tuple[str, str], dict[str, Any]], by_uuid: dict[str, tuple[str, str]],
-             series_list: list[dict[str, Any]], start: float, step: float, points: int) -> None:
+def _holders(gpus: dict[tuple[str, str], _Gathered], by_uuid: dict[str, tuple[str, str]],
+             series_list: list[RangeSeries], start: float, step: float, points: int) -> None:
     """Each GPU's holder: the notebook (else kernel) holding most of its memory at the newest point."""
     best: dict[tuple[str, str], tuple[float, str]] = {}
     for series in series_list:

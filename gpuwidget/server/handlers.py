@@ -25,6 +25,7 @@ from tornado.websocket import WebSocketHandler
 
 from gpuwidget.server.monitor import Monitor
 from gpuwidget.server.outbox import Outbox
+from gpuwidget.server.protocol import DevicesReply, SnapshotReply
 from gpuwidget.server.static import AUTH_RESOURCE
 
 log = logging.getLogger("gpuwidget")
@@ -61,7 +62,7 @@ class _MonitorHandler(web.RequestHandler):
     async def in_thread(self, function: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(None, function, *args)
 
-    async def devices(self) -> dict[str, Any]:
+    async def devices(self) -> DevicesReply:
         """The /devices payload: NVML's start-up in a worker thread the first time, the cached facts after."""
         known = self.monitor.known_devices
         return known if known is not None else await self.in_thread(self.monitor.devices)
@@ -85,7 +86,8 @@ class DevicesHandler(_ApiHandler):
     @authorized
     async def get(self) -> None:
         cluster = self.settings.get("gpuwidget_cluster")
-        await self.finish(json.dumps({**await self.devices(), "cluster": bool(cluster and cluster.configured)}))
+        reply: DevicesReply = {**await self.devices(), "cluster": bool(cluster and cluster.configured)}
+        await self.finish(json.dumps(reply))
 
 
 class SnapshotHandler(_ApiHandler):
@@ -98,14 +100,15 @@ class SnapshotHandler(_ApiHandler):
         if not monitor.running:
             await self.in_thread(monitor.read_once)
         now = time.time()
-        await self.finish(json.dumps({
+        reply: SnapshotReply = {
             "devices": devices,
             "history": await self.in_thread(monitor.history, window),
             "latest": monitor.latest(),
             "processes": monitor.processes(),
             "stalled": monitor.stalled(now),
             "stale": monitor.stale(now),
-        }))
+        }
+        await self.finish(json.dumps(reply))
 
 
 class StreamHandler(WebSocketMixin, WebSocketHandler, JupyterHandler, _MonitorHandler):  # type: ignore[misc]

@@ -64,15 +64,16 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Literal
 
 import psutil
 from prometheus_client import REGISTRY
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import CollectorRegistry
 
-from gpuwidget.kernelstatus import read_status, status_path
+from gpuwidget.kernelstatus import KernelStatus, read_status, status_path
 from gpuwidget.server.monitor import Monitor
+from gpuwidget.server.protocol import DeviceInfo, ProcessesMessage
 from gpuwidget.sources.cgroup import CgroupLimits, CgroupUsage, read_limits, read_usage
 
 log = logging.getLogger("gpuwidget")
@@ -113,7 +114,7 @@ HOST_GAUGES: list[tuple[str, str, str, float]] = [
     ("mem.used", "gpuwidget_host_memory_used_bytes", "The node's memory in use, bytes.", 1.0),
     ("mem.total", "gpuwidget_host_memory_total_bytes", "The node's memory, bytes.", 1.0),
 ]
-KERNEL_FIGURES: list[tuple[str, str, str]] = [
+KERNEL_FIGURES: list[tuple[Literal["data_wait_fraction", "samples_per_s", "steps"], str, str]] = [
     ("data_wait_fraction", "gpuwidget_kernel_data_wait_ratio",
      "Running or last watched cell: share of its loop blocked waiting for data, 0..1."),
     ("samples_per_s", "gpuwidget_kernel_samples_per_second", "Running or last watched cell: samples per second."),
@@ -211,8 +212,8 @@ class GpuWidgetCollector:
                              if value is not None}
         self._limits: tuple[float, CgroupLimits] | None = None
         self._usage: tuple[float, CgroupUsage] | None = None
-        self._processes: tuple[str, dict[str, Any]] | None = None  # (the monitor's text, parsed)
-        self._status_cache: dict[int, tuple[tuple[int, int], dict[str, Any] | None]] = {}
+        self._processes: tuple[str, ProcessesMessage] | None = None  # (the monitor's text, parsed)
+        self._status_cache: dict[int, tuple[tuple[int, int], KernelStatus | None]] = {}
         self._started_at: dict[int, float | None] = {}  # pid -> process start (unix s)
         self._lock = threading.Lock()
 
@@ -292,13 +293,13 @@ class GpuWidgetCollector:
                     families[name].add_sample(name + "_total", labels, value)
         return True
 
-    def _devices(self) -> list[tuple[dict[str, Any], dict[str, str]]]:
+    def _devices(self) -> list[tuple[DeviceInfo, dict[str, str]]]:
         known = self.monitor.known_devices
         if not known:
             return []
         return [(device, self._gpu_labels(device)) for device in known.get("devices") or []]
 
-    def _gpu_labels(self, device: dict[str, Any]) -> dict[str, str]:
+    def _gpu_labels(self, device: DeviceInfo) -> dict[str, str]:
         """The labels the GPU's own exporter gives it: AMD's device-metrics-exporter's for an AMD GPU,
         dcgm-exporter's otherwise (a MIG instance named by its GPU's index, UUID and model, and its GPU
         instance id and profile)."""
@@ -372,15 +373,16 @@ class GpuWidgetCollector:
         for gpu_id, rows in (table.get("gpus") or {}).items():
             for row in rows:
                 kernel_id = row.get("kernel_id")
-                if kernel_id and row.get("memory") is not None and gpu_id in devices:
+                row_bytes = row.get("memory")
+                if kernel_id and row_bytes is not None and gpu_id in devices:
                     key = (kernel_id, row.get("notebook"), gpu_id)
-                    held[key] = held.get(key, 0.0) + float(row["memory"])
+                    held[key] = held.get(key, 0.0) + float(row_bytes)
         family = families["kernel_mem"]
         for (kernel_id, notebook, gpu_id), memory in held.items():
             labels = {"kernel_id": kernel_id, "notebook": (notebook or "") if allowed else "", **devices[gpu_id]}
             family.add_sample(family.name, labels, memory)
 
-    def _status(self, directory: str, pid: int) -> dict[str, Any] | None:
+    def _status(self, directory: str, pid: int) -> KernelStatus | None:
         """The kernel's status file, re-read only when it changed (a stat per scrape otherwise)."""
         path = status_path(directory, pid)
         try:

@@ -47,13 +47,24 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import psutil
 
 from gpuwidget import heap
 from gpuwidget.sampler import Sampler
+from gpuwidget.server.protocol import (
+    DeviceInfo,
+    DevicesReply,
+    History,
+    Latest,
+    ProcessesMessage,
+    ProcessInfo,
+    Reading,
+    StaleDevices,
+    StalledSource,
+)
 from gpuwidget.sources.base import Source
 from gpuwidget.sources.gpu import NO_GPU, GpuDescription, GpuSource, GpuSources, open_gpu_sources
 from gpuwidget.sources.host import HostSource
@@ -145,7 +156,7 @@ class _Stale:
     source: str
     hung: bool
     t: float | None
-    values: dict[str, float]
+    values: dict[str, Reading]
 
 
 @dataclass
@@ -201,13 +212,13 @@ class Monitor:
         self._sources_lock = threading.Lock()
         self._sampler: Sampler | None = None
         self._sources: MonitorSources | None = None
-        self._devices: dict[str, Any] | None = None
+        self._devices: DevicesReply | None = None
         # The shared history message, the build under way, and the newest sample messages sent to
         # everyone as (row number, wall time, text): what a reused history is followed by.
         self._history: _History | None = None
         self._history_build: asyncio.Future[_History] | None = None
         self._recent_samples: deque[tuple[int, float, str]] = deque(maxlen=HISTORY_CATCH_UP_ROWS)
-        self._hello: tuple[dict[str, Any], str] | None = None
+        self._hello: tuple[DevicesReply, str] | None = None
         # One thread builds histories, one at a time: a build peaks at ~25 MB of temporaries, and
         # builds spread over the loop's default executor left that much in each thread's malloc
         # arena (+70 MB of server RSS after 50 tabs reconnected for 3 s, not handed back).
@@ -223,7 +234,7 @@ class Monitor:
         self._hung: list[Source] = []
         # Devices whose readings stopped (by id), and each device's newest values (wall time, values).
         self._stale: dict[str, _Stale] = {}
-        self._last_values: dict[str, tuple[float, dict[str, float]]] = {}
+        self._last_values: dict[str, tuple[float, dict[str, Reading]]] = {}
         # What each GPU source reads (by id(source)), known once the devices were described.
         self._covered: dict[int, _Covered] = {}
 
@@ -322,7 +333,7 @@ class Monitor:
                 t, values = self._last_values.get(device, (None, {}))
                 self._stale[device] = _Stale(label, named in (None, device), t, values)
 
-    def stalled(self, at: float | None = None) -> list[dict[str, Any]]:
+    def stalled(self, at: float | None = None) -> list[StalledSource]:
         """Each source that stopped answering: its label, seconds since then (to ``at``, default now), when,
         and the devices whose readings stopped with it."""
         end = time.time() if at is None else at
@@ -330,7 +341,7 @@ class Monitor:
                  "devices": [device for device, stale in self._stale.items() if stale.source == label]}
                 for label, since in self._stalled.items()]
 
-    def stale(self, at: float | None = None) -> dict[str, Any]:
+    def stale(self, at: float | None = None) -> StaleDevices:
         """Each device whose readings stopped: the source that stopped (its label), whether this device is
         the one that stopped answering, the wall time of its last values, their age (to ``at``, default
         now), and the values themselves."""
@@ -382,11 +393,11 @@ class Monitor:
     # ------------------------------------------------------------- data
 
     @property
-    def known_devices(self) -> dict[str, Any] | None:
+    def known_devices(self) -> DevicesReply | None:
         """The /devices payload if :meth:`devices` has built it (then reading it costs nothing), else None."""
         return self._devices
 
-    def devices(self) -> dict[str, Any]:
+    def devices(self) -> DevicesReply:
         """Static facts (the /devices payload). Blocking the first time (the drivers' start-up): call it in a thread."""
         sources = self._ensure_sources()
         with self._sources_lock:
@@ -398,7 +409,7 @@ class Monitor:
                 "gpu_found": gpus.found,
                 "message": None if gpus.found else gpus.message or NO_GPU,
                 "devices": [
-                    {key: device.get(key) for key in DEVICE_KEYS}
+                    cast(DeviceInfo, {key: device.get(key) for key in DEVICE_KEYS})
                     # a hung GPU's device stays listed: the sidebar shows its last values, greyed
                     for source in gpus.sources for device in self._cover(source) if not device.get("lost")
                 ],
@@ -415,7 +426,7 @@ class Monitor:
                                              tuple(int(device.get("index") or 0) for device in devices))
         return devices
 
-    def history(self, window_s: float | None = None) -> dict[str, Any]:
+    def history(self, window_s: float | None = None) -> History:
         """The last ``window_s`` seconds (at most the history kept), reduced for plotting."""
         t, columns = self._history_frame(window_s)
         return {"t": t, "columns": {name: _for_plot(values) for name, values in columns.items()}}
@@ -430,7 +441,7 @@ class Monitor:
             return [], {}
         return np.round(self.trace.start_wall + frame.t, 3).tolist(), frame.mean
 
-    def latest(self) -> dict[str, Any]:
+    def latest(self) -> Latest:
         last = self.trace.last()
         if last is None:
             return {"t": None, "values": {}}
@@ -527,8 +538,8 @@ class Monitor:
     def processes_text(self) -> str:
         return self._processes_text
 
-    def processes(self) -> dict[str, Any]:
-        return json.loads(self._processes_text)
+    def processes(self) -> ProcessesMessage:
+        return cast(ProcessesMessage, json.loads(self._processes_text))
 
     def read_once(self) -> None:
         """A synchronous reading (for a snapshot when no subscriber keeps the sampler running).
@@ -570,7 +581,7 @@ class Monitor:
         if t is None or devices is None:
             return
         ids = {device["id"] for device in devices["devices"]}
-        newest: dict[str, dict[str, float]] = {}
+        newest: dict[str, dict[str, Reading]] = {}
         for name, value in values.items():
             device = name.partition(".")[0]
             if device in ids and value is not None:
@@ -591,8 +602,8 @@ class Monitor:
         self._processes_text = _message("processes", t=t, gpus=gpus)
         return self._processes_text
 
-    def _describe_process(self, pid: int, memory: int | None, host_pid: bool = False) -> dict[str, Any]:
-        row: dict[str, Any] = {"pid": pid, "memory": memory, "user": ANOTHER_USER, "name": None,
+    def _describe_process(self, pid: int, memory: int | None, host_pid: bool = False) -> ProcessInfo:
+        row: ProcessInfo = {"pid": pid, "memory": memory, "user": ANOTHER_USER, "name": None,
                                "kernel_id": None, "notebook": None}
         if host_pid:  # a local process with the same number would be a stranger's, or the user's by chance
             row["user"] = HOST_PID_USER

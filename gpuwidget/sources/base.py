@@ -19,9 +19,18 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypedDict, runtime_checkable
 
 log = logging.getLogger("gpuwidget")
+
+
+class SavedSourceError(TypedDict):
+    """A :class:`SourceError` as a saved run keeps it (``Run.sampler["source_errors"]``)."""
+
+    source: str
+    message: str
+    device: str | None
+    time: float | None
 
 
 @dataclass(frozen=True)
@@ -33,7 +42,7 @@ class SourceError:
     device: str | None = None
     time: float | None = None
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> SavedSourceError:
         return {"source": self.source, "message": self.message, "device": self.device, "time": self.time}
 
 

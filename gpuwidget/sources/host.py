@@ -81,6 +81,14 @@ class _ProcessTotals:
     workers_delay: float | None
 
 
+class HostDescription(MachineFacts, total=False):
+    """What :meth:`HostSource.describe` says: its machine facts, and the CPUs this process's affinity allows."""
+
+    name: str
+    available: bool
+    cpu_affinity: int
+
+
 class HostSource:
     """Reads the host and the current process tree; one batched psutil pass per tick."""
 
@@ -116,7 +124,7 @@ class HostSource:
         # Prime the CPU counters so the first read reports utilisation since construction.
         self._read_cpu({})
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> HostDescription:
         return {"name": self.name, "available": True, "cpu_affinity": len(self._affinity), **self.machine_facts()}
 
     def machine_facts(self) -> MachineFacts:

@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, TypedDict
 
 import numpy as np
 
 from gpuwidget.clock import now
 from gpuwidget.sources.base import SourceError
 from gpuwidget.trace import Trace
+
+
+class ReplayDescription(TypedDict):
+    name: str
+    available: bool
+    rows: int  # the recorded trace's rows
+    recorded: dict[str, Any]  # the recorded trace's meta, as it was saved
 
 
 class ReplaySource:
@@ -48,7 +55,7 @@ class ReplaySource:
     def finished(self) -> bool:
         return not self._loop and self._position >= len(self._t)
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> ReplayDescription:
         return {"name": self.name, "available": True, "rows": len(self._t), "recorded": self._meta}
 
     def read(self) -> dict[str, float]:

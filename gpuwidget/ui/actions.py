@@ -23,7 +23,7 @@ import html
 import secrets
 import weakref
 from collections import OrderedDict
-from typing import Any
+from typing import Any, TypedDict
 
 MIME = "application/vnd.gpuwidget.measure+json"
 # What a front-end sends to serve a click (labextension/src/measure.ts builds the same line).
@@ -40,6 +40,17 @@ LOADER_GONE_NOTE = "The loader no longer exists: run the watched cell again to m
 MODEL_GONE_NOTE = "The trained model no longer exists: run the watched cell again to measure its changes."
 
 _offers: OrderedDict[str, MeasureOffer] = OrderedDict()
+
+
+class OfferData(TypedDict):
+    """The button's output under :data:`MIME` (labextension/src/measure.ts ``parseOffer`` reads it)."""
+
+    version: int  # 1
+    token: str  # 32 hex digits: the offer :func:`measure` serves
+    display_id: str  # the measured table is shown under it
+    kernel: str  # this kernel's message session ('' outside a kernel)
+    label: str
+    budget_s: int  # the seconds measuring will take (plan_budget), which the button announces
 
 
 def _note_bundle(text: str) -> dict[str, str]:
@@ -67,11 +78,11 @@ class MeasureOffer:
         self.display_id = f"gpuwidget-measure-{self.token}"
         self._loader = weakref.ref(loader) if loader is not None else None
 
-    def bundle(self) -> dict[str, Any]:
+    def bundle(self) -> dict[str, OfferData | str]:
         from gpuwidget.measure.plan import plan_budget
 
         label = getattr(self.run, "label", "") or "the watched cell"
-        offer = {"version": 1, "token": self.token, "display_id": self.display_id,
+        offer: OfferData = {"version": 1, "token": self.token, "display_id": self.display_id,
                  "kernel": kernel_session(), "label": label, "budget_s": round(plan_budget(self.run))}
         return {MIME: offer, **_note_bundle(FALLBACK_NOTE)}
 
@@ -92,7 +103,7 @@ class MeasureOffer:
             return None
         return LOADER_GONE_NOTE if self._loader is not None else MODEL_GONE_NOTE
 
-    def measure(self) -> tuple[str, dict[str, Any]]:
+    def measure(self) -> tuple[str, dict[str, str]]:
         """Measure every finding's change; ``(status, bundle)``: ``measured`` (the table), ``failed`` (why;
         a click may try again) or ``gone`` (nothing left to measure)."""
         from gpuwidget.measure.plan import measure_findings, plan_budget

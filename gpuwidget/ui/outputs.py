@@ -103,7 +103,7 @@ class CellOutputs:
             stream.flush()
 
 
-def end_live_view(outputs: CellOutputs | None, handle: Any, bundle: dict[str, Any]) -> bool:
+def end_live_view(outputs: CellOutputs | None, handle: Any, bundle: dict[str, str]) -> bool:
     """Put the panel (``bundle``) where the live view's output ``handle`` was, leaving no empty output:
     in its place, or after the cell's text written again (:class:`CellOutputs`). False where neither
     can be done: the caller empties the live view's output and shows the panel below."""

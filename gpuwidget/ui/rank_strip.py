@@ -32,7 +32,7 @@ import numpy as np
 
 from gpuwidget.advice.rules import rank_straggler
 from gpuwidget.advice.rules._ranks import rank_label
-from gpuwidget.facts import WorkloadFacts
+from gpuwidget.facts import RankEntry, WorkloadFacts
 from gpuwidget.probes import DATA_WAIT_SPAN, STEP_SPAN
 from gpuwidget.report import fmt_fraction, fmt_seconds
 from gpuwidget.trace import Trace
@@ -110,7 +110,7 @@ class _Window:
 class _Process:
     __slots__ = ("pid", "rank", "own", "batches", "steps", "waits", "p50", "changed")
 
-    def __init__(self, pid: int | None, own: bool) -> None:
+    def __init__(self, pid: int, own: bool) -> None:
         self.pid = pid
         self.rank: int | None = None
         self.own = own
@@ -120,7 +120,7 @@ class _Process:
         self.p50: float | None = None
         self.changed = True
 
-    def entry(self) -> dict[str, Any]:
+    def entry(self) -> RankEntry:
         """The window's figures as a rank entry (the keys ``run.ranks`` has, which the rule reads)."""
         steps = self.steps
         wait = min(1.0, self.waits.total / steps.total) if steps.total > 0 else None

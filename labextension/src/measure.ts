@@ -28,14 +28,11 @@ export const MEASURE_RANK = -20;
 export const GONE_NOTE =
   'Measure needs the kernel that ran this cell: run it again or use %%gpuwatch --tune.';
 
-export const BUTTON_LABEL = 'Measure the suggested settings';
+export const BUTTON_LABEL = 'Measure the suggested changes';
 
 /** While the notebook's kernel cannot say who it is yet, it is asked again this often. */
 const CHECK_RETRY_MS = 1000;
 const CHECK_RETRIES = 60;
-
-const HINT =
-  'Times candidate DataLoader settings on this loader in the kernel that ran the cell (about 20 s); the table replaces this button.';
 
 /** What the kernel put in the output. */
 export interface IMeasureOffer {
@@ -45,6 +42,22 @@ export interface IMeasureOffer {
   /** The kernel's message session when it showed the button ('' if unknown). */
   kernel: string;
   label: string;
+  /** Seconds the measuring will take, as the kernel planned it (null: it did not say). */
+  budgetS: number | null;
+}
+
+/** "about 45 s", "about 2 min": how long a click takes, as the offer announced it. */
+export function aboutDuration(seconds: number): string {
+  return seconds < 90
+    ? `about ${Math.max(1, Math.round(seconds))} s`
+    : `about ${Math.round(seconds / 60)} min`;
+}
+
+/** What the button does, and for how long (the offer's `budget_s`). */
+export function hintText(offer: IMeasureOffer): string {
+  const howLong =
+    offer.budgetS === null ? '' : ` (${aboutDuration(offer.budgetS)})`;
+  return `Measures the suggested changes in the kernel that ran the cell${howLong}; the table replaces this button.`;
 }
 
 /** The offer in an output's data, or null when it is not one this version understands. */
@@ -63,11 +76,16 @@ export function parseOffer(value: unknown): IMeasureOffer | null {
   }
   const text = (key: string) =>
     typeof offer[key] === 'string' ? (offer[key] as string) : '';
+  const budget = offer.budget_s;
   return {
     token: offer.token,
     displayId: text('display_id'),
     kernel: text('kernel'),
-    label: text('label')
+    label: text('label'),
+    budgetS:
+      typeof budget === 'number' && Number.isFinite(budget) && budget > 0
+        ? budget
+        : null
   };
 }
 
@@ -127,7 +145,7 @@ export class MeasureView extends Panel {
     this._options = options;
     this.addClass('gpuwidget-measure');
     this.node.setAttribute('role', 'group');
-    this.node.setAttribute('aria-label', 'Measure the suggested settings');
+    this.node.setAttribute('aria-label', BUTTON_LABEL);
 
     const head = new Widget();
     head.addClass('gpuwidget-measure-head');
@@ -135,12 +153,12 @@ export class MeasureView extends Panel {
     this.button.type = 'button';
     this.button.className = 'gpuwidget-measure-button';
     this.button.textContent = BUTTON_LABEL;
-    this.button.title = HINT;
     const hintId = `gpuwidget-measure-hint-${options.offer.token}`;
     const hint = document.createElement('span');
     hint.id = hintId;
     hint.className = 'gpuwidget-measure-hint';
-    hint.textContent = HINT;
+    hint.textContent = hintText(options.offer);
+    this.button.title = hint.textContent;
     this.button.setAttribute('aria-describedby', hintId);
     this.button.addEventListener('click', () => void this.measure());
     this.status = document.createElement('div');

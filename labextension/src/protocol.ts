@@ -68,6 +68,12 @@ export interface IDeviceInfo {
   /** A MIG instance's GPU instance id and profile (dcgm-exporter's GPU_I_ID, GPU_I_PROFILE). */
   gpu_instance_id?: number | null;
   mig_profile?: string | null;
+  /** An AMD GPU's compute and memory partition modes ("SPX", "NPS1"), a partition's number on its GPU. */
+  compute_partition?: string | null;
+  memory_partition?: string | null;
+  partition_id?: number | null;
+  /** The board's serial number (AMD's device-metrics exporter labels series with it). */
+  serial?: string | null;
   /** SM activity is read (GPM: Hopper and newer): the busy figure is `sm_active`, not `util`. */
   gpm?: boolean;
   /**
@@ -104,6 +110,8 @@ export interface IDevicesReply {
 export interface IStalledSource {
   source: string;
   since_s: number;
+  /** When it stopped answering (absent from older servers). */
+  at?: number;
   /** The devices whose readings stopped with it (absent from older servers). */
   devices?: string[];
 }
@@ -177,13 +185,26 @@ export interface IProcessesMessage {
 export type ServerMessage =
   IHelloMessage | IHistoryMessage | ISampleMessage | IProcessesMessage;
 
+/** The newest row of the server's readings (`t` null before the first one). */
+export interface ILatest {
+  t: number | null;
+  values: Record<string, Reading>;
+}
+
+/** Every column over the snapshot's window, reduced for plotting (the status bar does not read it). */
+export interface IHistory {
+  t: number[];
+  columns: Columns;
+}
+
 /** The body of `GET /snapshot?window=S`: what the status bar polls while the sidebar is closed. */
 export interface ISnapshotReply {
   devices: IDevicesReply;
-  latest: { t: number | null; values: Record<string, Reading> };
+  latest: ILatest;
   processes: IProcessesMessage | null;
   stalled: IStalledSource[];
   stale: StaleDevices;
+  history?: IHistory;
 }
 
 /** One GPU of the cluster as `GET /cluster` describes it (values aligned with the reply's times). */

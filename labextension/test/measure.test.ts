@@ -13,6 +13,8 @@ import {
   CallEnd,
   GONE_NOTE,
   IKernelLink,
+  aboutDuration,
+  hintText,
   IMeasureOffer,
   IOutputMsg,
   MEASURE_MIME,
@@ -30,7 +32,8 @@ const OFFER = {
   token: TOKEN,
   display_id: `gpuwidget-measure-${TOKEN}`,
   kernel: 'kernel-session-1',
-  label: 'cell 3'
+  label: 'cell 3',
+  budget_s: 45
 };
 const TABLE = {
   'text/html': "<div class='gpuwidget-tune'>table</div>",
@@ -115,7 +118,8 @@ describe('parseOffer and measureCode', () => {
       token: TOKEN,
       displayId: OFFER.display_id,
       kernel: 'kernel-session-1',
-      label: 'cell 3'
+      label: 'cell 3',
+      budgetS: 45
     });
     for (const token of [
       "x'); import os; os.system('id'); ('",
@@ -127,6 +131,26 @@ describe('parseOffer and measureCode', () => {
     }
     expect(parseOffer({ ...OFFER, version: 2 })).toBeNull();
     expect(parseOffer('text')).toBeNull();
+  });
+
+  it('takes the time the kernel announced, and no time where it said none', () => {
+    for (const budget of [undefined, null, 0, -5, NaN, Infinity, '45']) {
+      expect(parseOffer({ ...OFFER, budget_s: budget })?.budgetS).toBeNull();
+    }
+    const offer = parseOffer({ ...OFFER, budget_s: 150 })!;
+    expect(hintText(offer)).toBe(
+      'Measures the suggested changes in the kernel that ran the cell (about 3 min); the table replaces this button.'
+    );
+    expect(hintText({ ...offer, budgetS: null })).toBe(
+      'Measures the suggested changes in the kernel that ran the cell; the table replaces this button.'
+    );
+    expect([0.2, 20, 89, 90, 120].map(aboutDuration)).toEqual([
+      'about 1 s',
+      'about 20 s',
+      'about 89 s',
+      'about 2 min',
+      'about 2 min'
+    ]);
   });
 
   it('runs the same line as gpuwidget.ui.actions.CALL', () => {
@@ -148,7 +172,10 @@ describe('MeasureView', () => {
     const hint = document.getElementById(
       button.getAttribute('aria-describedby')!
     );
-    expect(hint?.textContent).toContain('about 20 s');
+    expect(hint?.textContent).toBe(
+      'Measures the suggested changes in the kernel that ran the cell (about 45 s); the table replaces this button.'
+    );
+    expect(button.title).toBe(hint?.textContent);
     expect(view.status.getAttribute('role')).toBe('status');
     button.focus();
     expect(document.activeElement).toBe(button);

@@ -46,13 +46,18 @@ def test_measure_saved_reopened_and_clicked(lab, page):
     run_all_cells(page)
     button = page.locator(f"{NOTEBOOK} .gpuwidget-measure button")
     button.wait_for(timeout=120_000)
-    assert button.inner_text() == "Measure the suggested settings"
-    assert "about 20 s" in page.locator(f"#{button.get_attribute('aria-describedby')}").inner_text()
+    assert button.inner_text() == "Measure the suggested changes"
+    hint = page.locator(f"#{button.get_attribute('aria-describedby')}").inner_text()
 
     # Saved right after the watched cell (as an autosave would): the offer, its fallback, no widget.
     saved = save(page, path)
     mimes = {mime for output in watched_outputs(saved) for mime in output.get("data", {})}
     assert MEASURE_MIME in mimes and "text/html" in mimes
+    # The hint announces the time the kernel planned for measuring this run's changes.
+    [offer] = [output["data"][MEASURE_MIME] for output in watched_outputs(saved)
+               if MEASURE_MIME in output.get("data", {})]
+    assert 0 < offer["budget_s"] < 90  # said in seconds (from 90 s on, in minutes)
+    assert hint.startswith("Measures the suggested changes") and f"(about {offer['budget_s']} s)" in hint
     assert "application/vnd.jupyter.widget-view+json" not in json.dumps(saved)
 
     # Reopened once that kernel is gone: a note where the button was, and no widget error.

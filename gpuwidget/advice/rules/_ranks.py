@@ -6,20 +6,20 @@ import math
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import cast
 
-from gpuwidget.facts import ModelFacts, Summary, WorkloadFacts
+from gpuwidget.facts import ModelFacts, RankEntry, Summary, WorkloadFacts
 from gpuwidget.figures.summary import paired
 
 
-def ranks(workload: WorkloadFacts) -> list[dict[str, Any]]:
-    """``workload["ranks"]``: one dict per training process (the kernel's own included when it
-    trained), as the child probes report them; empty for a single-process run."""
-    listed = cast(Mapping[str, Any], workload).get("ranks") or []
-    return [dict(rank) for rank in listed if isinstance(rank, Mapping)]
+def ranks(workload: WorkloadFacts) -> list[RankEntry]:
+    """``workload["ranks"]``: one entry per training process (the kernel's own included when it
+    trained), as the child probes report them (copies); empty for a single-process run."""
+    listed = workload.get("ranks") or []
+    return [cast(RankEntry, dict(rank)) for rank in listed if isinstance(rank, Mapping)]
 
 
-def rank_label(rank: dict[str, Any]) -> str:
+def rank_label(rank: RankEntry) -> str:
     """``rank 1`` where torch.distributed (or the launcher) numbered it, else ``pid 4242``."""
     if rank.get("rank") is not None:
         return f"rank {rank['rank']}"
@@ -84,7 +84,7 @@ def mad(values: Sequence[float]) -> float:
     return median(abs(value - middle) for value in values)
 
 
-def step_jitter_s(timed: Iterable[Mapping[str, Any]]) -> float:
+def step_jitter_s(timed: Iterable[RankEntry]) -> float:
     """The ranks' step-to-step jitter: the largest MAD of their steady step times (0 where none is known)."""
     return max([mad(series[0]) for rank in timed if (series := step_series(rank)) is not None], default=0.0)
 
@@ -113,7 +113,7 @@ def steady(values: Sequence[float]) -> list[float]:
     return [float(value) for value in values[skip:]]
 
 
-def step_series(rank: Mapping[str, Any]) -> tuple[list[float], list[float]] | None:
+def step_series(rank: RankEntry) -> tuple[list[float], list[float]] | None:
     """A rank's steady (step seconds, data-wait seconds) pairs, or None with under :data:`MIN_STEPS` of them."""
     steps, waits = paired(rank.get("step_times") or [], rank.get("wait_times") or [])
     steps, waits = steady(steps), steady(waits)
@@ -166,7 +166,7 @@ class DdpTiming:
     exposed_s: float  # all-reduce time after backward had finished
 
 
-def ddp_timings(rank: Mapping[str, Any], typical_only: bool = True) -> list[DdpTiming]:
+def ddp_timings(rank: RankEntry, typical_only: bool = True) -> list[DdpTiming]:
     """A rank's DDP figures that describe a typical step of its run; all of them where its steps are not
     known one by one (a single process's summary).
 
@@ -175,7 +175,7 @@ def ddp_timings(rank: Mapping[str, Any], typical_only: bool = True) -> list[DdpT
     the all-reduce after it) took longer than the rank's median step and :data:`NOISE_MULTIPLE` times
     its jitter was no typical step of the run, and is not taken as evidence of one.
     """
-    ddp = (rank.get("model") or {}).get("ddp")
+    ddp = cast(Mapping[str, int], (rank.get("model") or {}).get("ddp"))  # its times under torch's names, in ns
     if not ddp:
         return []
     timings = []

@@ -18,8 +18,6 @@ gpuwidget.advice.evidence; the severity follows the share of time lost.
 
 from __future__ import annotations
 
-from typing import Any
-
 from gpuwidget.advice.evidence import MIN_CAUSE_LOOP_S, loop_evidence
 from gpuwidget.advice.finding import Finding, Severity
 from gpuwidget.advice.loader import CONTENTION_DELAY_FRACTION, LoaderDiagnosis, contended, diagnose
@@ -73,7 +71,7 @@ def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> F
     if not named:
         return None
     others = others or 0.0
-    evidence: dict[str, Any] = {"other_cpu_cores": round(others, 2)}
+    evidence: dict[str, object] = {"other_cpu_cores": round(others, 2)}
     bound = None
     if lost is not None:
         evidence["run_delay_fraction"] = round(lost, 3)

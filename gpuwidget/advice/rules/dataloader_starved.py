@@ -10,7 +10,7 @@ Thresholds live in gpuwidget.advice.loader.
 from __future__ import annotations
 
 from gpuwidget.advice.code import SHARDING_SENTENCE, loader_code, unsharded
-from gpuwidget.advice.finding import Finding
+from gpuwidget.advice.finding import Finding, FindingChange
 from gpuwidget.advice.loader import diagnose
 from gpuwidget.facts import MachineFacts, Summary, WorkloadFacts
 from gpuwidget.report import fmt_count, fmt_seconds
@@ -45,7 +45,7 @@ def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> F
         suggestion=(f"Each step waited {fmt_seconds(d.wait_per_step)} for a batch and then computed for "
                     f"{fmt_seconds(d.compute_per_step)}. " + _sentence("; ".join(parts))
                     + (SHARDING_SENTENCE if unsharded(d.loader, change) else "")),
-        change=change,
+        change=FindingChange(**change),
         code=loader_code(d.loader, change, workload),
         expected_speedup=round(d.gain, 2),
     )

@@ -24,10 +24,10 @@ setting removes, and is not named.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TypedDict, cast
 
 from gpuwidget.advice.code import model_code
-from gpuwidget.advice.finding import Finding
+from gpuwidget.advice.finding import Finding, FindingChange
 from gpuwidget.advice.rules._ranks import (
     ddp_timings,
     processes_with_models,
@@ -36,7 +36,7 @@ from gpuwidget.advice.rules._ranks import (
     step_jitter_s,
 )
 from gpuwidget.advice.rules.rank_straggler import find as find_straggler
-from gpuwidget.facts import DdpFacts, MachineFacts, ModelFacts, Summary, WorkloadFacts
+from gpuwidget.facts import DdpFacts, MachineFacts, ModelFacts, RankEntry, Summary, WorkloadFacts
 
 RULE = "ddp-communication"
 # All-reduce left exposed after backward, as a share of the step, worth saying: PyTorch's profiler
@@ -86,7 +86,7 @@ def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> F
     accumulate = min(MAX_ACCUMULATION, max(2, math.ceil(share / ACCUMULATION_TARGET_SHARE)))
     step, exposed = figures["step_s"], figures["exposed_s"]
     exposed_ms, step_ms = exposed * 1e3, step * 1e3
-    evidence: dict[str, Any] = {
+    evidence: dict[str, object] = {
         "judged": figures["who"], "world_size": ddp.get("world_size"),
         "exposed_comm_ms": round(exposed_ms, 2), "step_time_ms": round(step_ms, 2),
         "exposed_comm_share": round(share, 3),
@@ -120,23 +120,37 @@ def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> F
     )
 
 
+class DdpFigures(TypedDict):
+    """One process's all-reduce per step, as judged (:func:`_figures`): seconds, and its buckets' sizes."""
+
+    ddp: DdpFacts
+    who: str
+    exposed_s: float  # all-reduce after backward had finished
+    step_s: float
+    exposed_share: float  # exposed_s / step_s
+    noise_s: float  # the ranks' step jitter
+    buckets: int
+    mean_bucket_bytes: float
+    total_bytes: int
+
+
 def _processes(summary: Summary, workload: WorkloadFacts) -> list[tuple[ModelFacts, float | None, str, float | None]]:
     """(model, median step s, who, exposed all-reduce s) of every process whose DDP model the probes saw:
     the smallest of DDP's figures that describe a typical step of it (None: none does)."""
     listed = [rank for rank in ranks(workload) if (rank.get("model") or {}).get("ddp")]
     if not listed and (workload.get("model") or {}).get("ddp"):
-        listed = [{"model": workload.get("model"), "step_time_p50_s": summary.get("step_time_p50")}]
+        listed = [RankEntry(model=workload.get("model"), step_time_p50_s=summary.get("step_time_p50"))]
     found: list[tuple[ModelFacts, float | None, str, float | None]] = []
     for rank in listed:
         timings = ddp_timings(rank)
         who = rank_label(rank) if "pid" in rank or "rank" in rank else "this process"
-        found.append((rank["model"], rank.get("step_time_p50_s"), who,
+        found.append((cast(ModelFacts, rank["model"]), rank.get("step_time_p50_s"), who,
                       min(timing.exposed_s for timing in timings) if timings else None))
     return found
 
 
 def _figures(ddp: DdpFacts | None, step_s: float | None, who: str, noise_s: float,
-             exposed: float | None) -> dict[str, Any] | None:
+             exposed: float | None) -> DdpFigures | None:
     """Per-step figures of one process, in seconds; None without DDP's timings."""
     if ddp is None or exposed is None:
         return None
@@ -153,15 +167,15 @@ def _figures(ddp: DdpFacts | None, step_s: float | None, who: str, noise_s: floa
             "total_bytes": total}
 
 
-def _capped(figures: dict[str, Any], most_s: float) -> dict[str, Any]:
+def _capped(figures: DdpFigures, most_s: float) -> DdpFigures:
     """The figures with the exposed all-reduce no longer than ``most_s`` (the rest is explained elsewhere)."""
     exposed = max(0.0, min(figures["exposed_s"], most_s))
     return {**figures, "exposed_s": exposed, "exposed_share": exposed / figures["step_s"]}
 
 
-def _changes(ddp: DdpFacts, figures: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+def _changes(ddp: DdpFacts, figures: DdpFigures) -> tuple[FindingChange, list[str]]:
     """The DDP(...) keywords to change, and why, in figures."""
-    keywords: dict[str, Any] = {}
+    keywords: FindingChange = {}
     reasons: list[str] = []
     cap_mb = int(ddp.get("bucket_cap_bytes", 0)) / 2**20
     if figures["buckets"] > 1 and figures["mean_bucket_bytes"] < SMALL_BUCKET_BYTES and cap_mb < DEFAULT_BUCKET_CAP_MB:
@@ -185,7 +199,7 @@ def _changes(ddp: DdpFacts, figures: dict[str, Any]) -> tuple[dict[str, Any], li
     return keywords, reasons
 
 
-def _code(name: str | None, keywords: dict[str, Any], accumulate: int) -> str:
+def _code(name: str | None, keywords: FindingChange, accumulate: int) -> str:
     listed = "".join(f", {key}={value!r}" for key, value in keywords.items())
     lines = ["from torch.nn.parallel import DistributedDataParallel",
              model_code(name, "{model} = DistributedDataParallel({model}.module, device_ids={model}.device_ids"

@@ -14,8 +14,6 @@ Tensor Core dtype (``flops_dtype``), that settles it.
 
 from __future__ import annotations
 
-from typing import Any
-
 from gpuwidget.advice.finding import Finding
 from gpuwidget.advice.rules._gpu import busy, capability, gpu_measured, model_name, model_on_cuda
 from gpuwidget.facts import MachineFacts, ModelFacts, Summary, WorkloadFacts
@@ -67,7 +65,7 @@ def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> F
     bound = 1.0 / (1.0 - share * (1.0 - 1.0 / ratio))
     name = model_name(workload)
     conv_off = model.get("cudnn_allow_tf32") is False
-    evidence: dict[str, Any] = {
+    evidence: dict[str, object] = {
         "param_dtypes": dtypes, "autocast": False, "autocast_share": round(under_autocast, 2),
         "capability": f"{cap[0]}.{cap[1]}",
         "float32_matmul_precision": model.get("float32_matmul_precision"),

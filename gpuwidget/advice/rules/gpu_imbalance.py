@@ -76,7 +76,7 @@ def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> F
 def _idle_gpus_no_rank_uses(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> list[int]:
     """With several ranks, each on a GPU: the visible GPUs none of them used that stayed idle."""
     training = ranks(workload)
-    used = {int(rank["gpu"]) for rank in training if rank.get("gpu") is not None}
+    used = {int(gpu) for rank in training if (gpu := rank.get("gpu")) is not None}
     if len(training) < 2 or not used:
         return []
     by_gpu = summary.get("gpu_busy_by_gpu") or {}
@@ -87,7 +87,7 @@ def _idle_gpus_no_rank_uses(summary: Summary, workload: WorkloadFacts, machine: 
 
 def _unranked_finding(unranked: list[int], workload: WorkloadFacts, by_gpu: dict[str, float]) -> Finding:
     training = ranks(workload)
-    used = sorted({int(rank["gpu"]) for rank in training if rank.get("gpu") is not None})
+    used = sorted({int(gpu) for rank in training if (gpu := rank.get("gpu")) is not None})
     count = len(used) + len(unranked)
     listed = ", ".join(map(str, unranked))
     return Finding(

@@ -13,7 +13,7 @@ storage, or be cached after the first epoch. Thresholds live in gpuwidget.advice
 from __future__ import annotations
 
 from gpuwidget.advice.code import SHARDING_SENTENCE, loader_code, unsharded
-from gpuwidget.advice.finding import Finding
+from gpuwidget.advice.finding import Finding, FindingChange
 from gpuwidget.advice.loader import diagnose
 from gpuwidget.facts import MachineFacts, Summary, WorkloadFacts
 from gpuwidget.report import fmt_count, fmt_fraction
@@ -46,7 +46,7 @@ def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> F
                     f"{'hides' if workers == 1 else 'hide'} them; copying the data to local disk or memory, or "
                     "caching samples after the first epoch, removes them."
                     + (SHARDING_SENTENCE if unsharded(d.loader, d.change) else "")),
-        change=dict(d.change),
+        change=FindingChange(**d.change),
         code=loader_code(d.loader, d.change, workload),
         expected_speedup=round(d.gain, 2),
     )

@@ -10,10 +10,8 @@ steps (CUDA graphs, ``mode="reduce-overhead"``) or a larger batch per launch cut
 
 from __future__ import annotations
 
-from typing import Any
-
 from gpuwidget.advice.code import model_code
-from gpuwidget.advice.finding import Finding
+from gpuwidget.advice.finding import Finding, FindingChange
 from gpuwidget.advice.loader import STARVED_WAIT_FRACTION
 from gpuwidget.advice.rules._gpu import (
     SM_ACTIVE_LOW_PERCENT,
@@ -51,7 +49,7 @@ def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> F
     if compiled:
         code = "import torch\n" + model_code(
             name, '{model} = torch.compile({model}._orig_mod, mode="reduce-overhead")  # CUDA graphs')
-        change: dict[str, Any] = {"compile_mode": "reduce-overhead"}
+        change: FindingChange = {"compile_mode": "reduce-overhead"}
     else:
         code = "import torch\n" + model_code(name, "{model} = torch.compile({model})")
         change = {"torch_compile": True}

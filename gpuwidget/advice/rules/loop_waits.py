@@ -24,23 +24,29 @@ while the loop waits (workers, CPU, sleeping) and change the loader's settings, 
 thread around a loader. So a function whose samples fall mostly inside ``loader.wait`` spans
 (``in_loader`` at least :data:`IN_LOADER_MAX`) is never named here, whatever its share, and without
 optimizer steps (the samples' basis is ``loader.wait`` itself) this rule stays silent: each measured
-second gets one explanation. So is a wait that periodic stalls hold (``periodic_stall.explains``: an
-evaluation or a checkpoint every N steps): periodic-stall names it, with the advice for its kind; and
-the wait of a straggling rank that the others wait for (rank-straggler names it, with the rank).
-Time between steps outside ``next()`` (a batch function of the user's,
-copies, logging) is this rule's, beside a DataLoader as well as without one.
+second gets one explanation. Nor is the wait of a straggling rank that the others wait for
+(rank-straggler names it, with the rank). Time between steps outside ``next()`` (a batch function of
+the user's, copies, logging) is this rule's, beside a DataLoader as well as without one.
+
+How it sits with ``periodic-stall``: a checkpoint or an evaluation every N steps is also time between
+steps, and that rule names it from the step times, as a stall with its period. Its seconds are that
+rule's (:func:`stall_waits`: the function the stall spends them in; an evaluation is also the model
+run between steps, ``periodic_stall.wait_kind``), and this rule names only waits
+the stall cannot hold. Like the loop's other causes, nothing is named from a loop shorter than
+the evidence gate (gpuwidget.advice.evidence: MIN_CAUSE_STEPS steady steps, MIN_CAUSE_LOOP_S).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from gpuwidget.advice.evidence import MIN_CAUSE_STEPS
-from gpuwidget.advice.finding import Finding
+from gpuwidget.advice.evidence import MIN_CAUSE_STEPS, enough_evidence
+from gpuwidget.advice.finding import Finding, FindingChange
 from gpuwidget.advice.loader import STARVED_WAIT_FRACTION
 from gpuwidget.advice.rules import periodic_stall, rank_straggler
+from gpuwidget.advice.rules.periodic_stall import PeriodicStall
 from gpuwidget.facts import LoopWait, MachineFacts, StackFacts, Summary, WorkloadFacts
 from gpuwidget.probes.origin import location as origin_location
 from gpuwidget.probes.origin import place as origin_place
@@ -69,18 +75,20 @@ PREFETCH_IMPORT = "from gpuwidget.prefetch import Prefetcher"
 
 def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> Finding | None:
     stack = workload.get("stack_samples") or {}
-    if (stack.get("steps") or 0) < MIN_STEPS:
+    if (stack.get("steps") or 0) < MIN_STEPS or not enough_evidence(workload):
         return None
     loop_samples = int(stack.get("loop_samples") or 0)
-    stall = periodic_stall.check(summary, workload, machine)
+    waits = [wait for wait in workload.get("loop_waits") or [] if (wait.get("in_loader") or 0.0) < IN_LOADER_MAX]
+    stall = periodic_stall.find(workload)
+    stalls = stall_waits(waits, stall, loop_samples) if stall is not None else []
     straggler = rank_straggler.find(workload)
     straggling = straggler[1][straggler[0].index].get("loop_waits") if straggler is not None else None
-    for wait in workload.get("loop_waits") or []:
-        if stall is not None and periodic_stall.explains(wait, stall):
+    for wait in waits:
+        if any(wait is theirs for theirs in stalls):
             continue  # a periodic evaluation or checkpoint: periodic-stall's seconds and advice
         if straggling and same_site(wait, straggling[0]):
             continue  # what a straggling rank does that the others wait for: rank-straggler's
-        if (wait.get("in_loader") or 0.0) < IN_LOADER_MAX and named(wait, loop_samples):
+        if named(wait, loop_samples):
             return _finding(wait, stack)
     return None
 
@@ -88,6 +96,21 @@ def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> F
 def same_site(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
     """Two loop waits name the same function and line."""
     return all(a.get(key) == b.get(key) for key in ("function", "file", "line"))
+
+
+def stall_waits(waits: Sequence[LoopWait], stall: PeriodicStall, loop_samples: int) -> list[LoopWait]:
+    """The waits that are a periodic stall's own time, which periodic-stall explains (see the module docstring).
+
+    A wait can be the stall's when the stall's seconds can hold it: the lower end of its share's
+    confidence interval is at most the stalls' share of the loop. Of those, the ones whose function
+    says what the stall is (a checkpoint's, an evaluation's: periodic_stall.wait_kind) are; without
+    such a name, the largest one is: each stall is one piece of work between two steps.
+    """
+    holdable = sorted((wait for wait in waits
+                       if share_lower_bound(int(wait.get("samples") or 0), loop_samples) <= stall.fraction),
+                      key=lambda wait: int(wait.get("samples") or 0), reverse=True)
+    kinds = [wait for wait in holdable if periodic_stall.wait_kind(wait) is not None]
+    return kinds or holdable[:1]
 
 
 def named(wait: LoopWait | Mapping[str, Any], loop_samples: int) -> bool:
@@ -129,7 +152,7 @@ def _finding(wait: LoopWait, stack: StackFacts) -> Finding:
                       "before the loop (they must fit in the GPU's memory), and the line copies nothing.")
         code = (f"# {tensors} are the same tensors at every step: move them to the device once, before the loop\n"
                 f"# (the copy {place} then returns them as they are).\n{copy['once']}")
-        change: dict[str, Any] = {"move_to_device_once": list(copy.get("tensors") or [])}
+        change: FindingChange = {"move_to_device_once": list(copy.get("tensors") or [])}
         gain = removal_bound
     elif copy.get("tensors"):
         title = f"The loop waits for copies to the device {place} {fmt_fraction(share)} of the time"

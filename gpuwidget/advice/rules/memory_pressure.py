@@ -8,8 +8,6 @@ batch or sequence fails. PyTorch's allocator documentation recommends
 
 from __future__ import annotations
 
-from typing import Any
-
 from gpuwidget.advice.finding import Finding
 from gpuwidget.advice.rules._gpu import gpu_measured
 from gpuwidget.facts import MachineFacts, Summary, WorkloadFacts
@@ -33,7 +31,7 @@ def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> F
     ]
     if (peak is None or peak < NEAR_LIMIT_FRACTION) and not fragmented:
         return None
-    evidence: dict[str, Any] = {"peak_gpu_mem_fraction": None if peak is None else round(peak, 3)}
+    evidence: dict[str, object] = {"peak_gpu_mem_fraction": None if peak is None else round(peak, 3)}
     if fragmented:
         d = fragmented[0]
         evidence.update(peak_allocated=d["peak_allocated"], peak_reserved=d["peak_reserved"],

@@ -9,7 +9,7 @@ also starved, dataloader-starved already carries this change.
 from __future__ import annotations
 
 from gpuwidget.advice.code import loader_code
-from gpuwidget.advice.finding import Finding
+from gpuwidget.advice.finding import Finding, FindingChange
 from gpuwidget.advice.loader import STARVED_WAIT_FRACTION
 from gpuwidget.advice.rules._gpu import gpu_measured, model_on_cuda
 from gpuwidget.facts import MachineFacts, Summary, WorkloadFacts
@@ -26,7 +26,7 @@ def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> F
         return None
     if (summary.get("data_wait_fraction") or 0.0) >= STARVED_WAIT_FRACTION:
         return None
-    change = {"pin_memory": True}
+    change: FindingChange = {"pin_memory": True}
     name = loader.get("name") or "loader"
     return Finding(
         rule=RULE,

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, cast
 
 import numpy as np
@@ -59,9 +60,6 @@ LARGE_STALL_SHARE = 0.25
 MIN_STALL_FRACTION = 0.05
 # Suggest doing the periodic work this many times less often.
 CHECKPOINT_SPACING = 5
-# A loop wait (probes.stack) fits in the stalls when its seconds are at most this many times theirs: the
-# samples are statistical (a few hundred samples: +-10%), the stalls' extra time is over the median step.
-STALL_HOLDS = 1.25
 # A loop wait whose samples were mostly (this share) inside torch's work ran the model between steps.
 IN_MODEL_SHARE = 0.5
 
@@ -180,7 +178,8 @@ def large_stalls(slow: Sequence[int], step_times: Sequence[float], median: float
 def wait_kind(wait: Mapping[str, Any]) -> str | None:
     """"checkpoint" or "evaluation" where a loop wait's function or file says so, or, for an evaluation,
     where its samples were mostly inside torch's work between steps (the model ran outside a training
-    step: probes.stack's ``in_model``); else None."""
+    step: probes.stack's ``in_model``); else None (also what loop-waits reads to leave a stall's own
+    waits to this rule)."""
     function, file = str(wait.get("function") or "").lower(), str(wait.get("file") or "").lower()
     if any(mark in function for mark in CHECKPOINT_MARKS) or any(
             file.endswith(name) or f"/{name}/" in file for name in CHECKPOINT_FILES):
@@ -188,17 +187,6 @@ def wait_kind(wait: Mapping[str, Any]) -> str | None:
     if any(mark in function for mark in EVALUATION_MARKS) or float(wait.get("in_model") or 0.0) >= IN_MODEL_SHARE:
         return "evaluation"
     return None
-
-
-def explains(wait: Mapping[str, Any], finding: Finding) -> bool:
-    """The stalls of ``finding`` hold this loop wait (``loop-waits`` then leaves its seconds to them: one
-    explanation per measured second): its seconds fit in the stalls' extra time, and it is the kind of
-    work the stalls were measured to be (any, where their kind was not measured)."""
-    stalls_s = float(finding.evidence["stall_s"]) * int(finding.evidence["stalls"])
-    if float(wait.get("seconds") or 0.0) > STALL_HOLDS * stalls_s:
-        return False
-    kind = finding.change.get("stall")
-    return kind == "unknown" or wait_kind(wait) == kind
 
 
 def stall_site(workload: WorkloadFacts, kind: str | None) -> str | None:
@@ -211,7 +199,7 @@ def stall_site(workload: WorkloadFacts, kind: str | None) -> str | None:
     return place(max(waits, key=lambda wait: float(wait.get("seconds") or 0.0)))
 
 
-def stall_kind(workload: WorkloadFacts, stalls: int, steps: int) -> tuple[str | None, dict[str, Any]]:
+def stall_kind(workload: WorkloadFacts, stalls: int, steps: int) -> tuple[str | None, dict[str, float]]:
     """"checkpoint", "evaluation" or None (not measured), and the measurement that says so."""
     waits = cast(Mapping[str, Any], workload).get("loop_waits") or []
     seconds = {"checkpoint": 0.0, "evaluation": 0.0}
@@ -232,7 +220,33 @@ def stall_kind(workload: WorkloadFacts, stalls: int, steps: int) -> tuple[str | 
     return None, {}
 
 
-def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> Finding | None:
+@dataclass(frozen=True)
+class PeriodicStall:
+    """A periodic stall as measured over the loop's steady steps (what :func:`check` names)."""
+
+    stalls: int  # stalls counted (consecutive slow steps are one)
+    period: int  # steps
+    agreement: float  # share of the gaps between stalls agreeing with the period
+    extra_s: float  # seconds the slow steps took beyond the median step: the stalls' own time
+    loop_s: float  # seconds of the steady steps
+    median: float  # the median steady step, seconds
+    warmup_steps: int
+
+    @property
+    def fraction(self) -> float:
+        """The stalls' share of the loop's steady time."""
+        return self.extra_s / self.loop_s if self.loop_s > 0 else 0.0
+
+    @property
+    def stall_s(self) -> float:
+        """Seconds one stall took beyond the usual step."""
+        return self.extra_s / self.stalls
+
+
+def find(workload: WorkloadFacts) -> PeriodicStall | None:
+    """The periodic stall of the loop's steady steps, or None: none regular enough, costing less than
+    MIN_STALL_FRACTION of the loop, or a loop too short to name a cause (advice.evidence). Also what
+    loop-waits reads to leave a stall's seconds to this rule."""
     times, steps = loop_step_times(workload)
     if not times or not enough_evidence(workload):
         return None
@@ -246,22 +260,28 @@ def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> F
     if not candidates:
         return None
     (stalls, period, agreement), slow = max(candidates, key=lambda candidate: candidate[0][2])
-    extra = float(sum(step_times[i] - median for i in slow))
-    loop = float(sum(step_times))
-    fraction = extra / loop if loop > 0 else 0.0
-    if fraction < MIN_STALL_FRACTION:
+    stall = PeriodicStall(stalls=len(stalls), period=period, agreement=agreement,
+                          extra_s=float(sum(step_times[i] - median for i in slow)), loop_s=float(sum(step_times)),
+                          median=median, warmup_steps=split.steps)
+    return stall if stall.fraction >= MIN_STALL_FRACTION else None
+
+
+def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> Finding | None:
+    found = find(workload)
+    if found is None:
         return None
-    stall = extra / len(stalls)
-    kind, measured = stall_kind(workload, len(stalls), steps)
+    period, median, fraction, stall = found.period, found.median, found.fraction, found.stall_s
+    steps = loop_step_times(workload)[1]
+    kind, measured = stall_kind(workload, found.stalls, steps)
     every = period * CHECKPOINT_SPACING
     model = model_name(workload) or "model"
-    evidence = {"period_steps": period, "stalls": len(stalls), "stall_s": round(stall, 3),
+    evidence = {"period_steps": period, "stalls": found.stalls, "stall_s": round(stall, 3),
                 "median_step_s": round(median, 4), "stall_fraction": round(fraction, 3),
-                "period_agreement": round(agreement, 2), **measured}
-    if split.steps:
-        evidence["warmup_steps"] = split.steps
+                "period_agreement": round(found.agreement, 2), **measured}
+    if found.warmup_steps:
+        evidence["warmup_steps"] = found.warmup_steps
     site = stall_site(workload, kind)
-    seen = (f"{len(stalls)} steps took {fmt_seconds(stall)} longer than the usual {fmt_seconds(median)}, about "
+    seen = (f"{found.stalls} steps took {fmt_seconds(stall)} longer than the usual {fmt_seconds(median)}, about "
             f"every {period} steps: {fmt_fraction(fraction)} of the loop. That is the loop's own work, not data "
             "loading" + (f" ({site})" if site else ""))
     if kind == "evaluation":

@@ -34,8 +34,8 @@ slowdowns (NVML, per GPU), or its host run delay (waiting for a core).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 from gpuwidget.advice.finding import Finding
 from gpuwidget.advice.loader import CONTENTION_DELAY_FRACTION
@@ -43,6 +43,7 @@ from gpuwidget.advice.rules._ranks import (
     MIN_EXTRA_S,
     MIN_EXTRA_SHARE,
     NOISE_MULTIPLE,
+    Exceeds,
     ddp_timings,
     median,
     rank_label,
@@ -52,7 +53,7 @@ from gpuwidget.advice.rules._ranks import (
     worst,
 )
 from gpuwidget.advice.rules.gpu_throttled import THROTTLED_SHARE
-from gpuwidget.facts import MachineFacts, Summary, WorkloadFacts
+from gpuwidget.facts import LoaderFacts, MachineFacts, RankEntry, Summary, WorkloadFacts
 from gpuwidget.probes.origin import place as site_place
 
 RULE = "rank-straggler"
@@ -81,10 +82,10 @@ class Straggler:
     measured: str  # what differs: "data wait", "forward and backward (DDP)", "step time"
     mine_s: float
     others_s: float
-    evidence: dict[str, Any] = field(default_factory=dict)
+    evidence: Mapping[str, object] = field(default_factory=dict)
 
 
-def find(workload: WorkloadFacts) -> tuple[Straggler, list[dict[str, Any]]] | None:
+def find(workload: WorkloadFacts) -> tuple[Straggler, list[RankEntry]] | None:
     """The straggler with its measured evidence, and the ranks compared; None where none is measured.
 
     ``ddp-communication`` calls it too: the seconds the other ranks wait for a straggler are this
@@ -104,7 +105,7 @@ def find(workload: WorkloadFacts) -> tuple[Straggler, list[dict[str, Any]]] | No
     return (found, entries) if found is not None else None
 
 
-def synchronous(entries: list[dict[str, Any]]) -> bool:
+def synchronous(entries: list[RankEntry]) -> bool:
     """Every rank trains a DistributedDataParallel model: they meet in its all-reduce every step, whatever
     their step-time medians say on a busy host."""
     return all((entry.get("model") or {}).get("ddp") for entry in entries)
@@ -118,7 +119,7 @@ def _by_data_wait(waits: list[list[float]], job_step: float) -> Straggler | None
                      _sign_test(compared))
 
 
-def _by_ddp_compute(entries: list[dict[str, Any]], job_step: float) -> Straggler | None:
+def _by_ddp_compute(entries: list[RankEntry], job_step: float) -> Straggler | None:
     # Both of DDP's figures (average and latest sample) must describe typical steps on every rank.
     timings = [{timing.which: timing for timing in ddp_timings(entry)} for entry in entries]
     if any(set(timing) != {"average", "latest"} for timing in timings):
@@ -140,7 +141,7 @@ def _by_ddp_compute(entries: list[dict[str, Any]], job_step: float) -> Straggler
                       "others_waited_ms": round(waited * 1e3, 2)})
 
 
-def _by_own_time(entries: list[dict[str, Any]], steps: list[float], waits: list[float],
+def _by_own_time(entries: list[RankEntry], steps: list[float], waits: list[float],
                  job_step: float) -> Straggler | None:
     """The rank whose own time per step outside the collective (step less data wait less the all-reduce
     DDP measured after its backward) exceeds every other rank's, in DDP's average and latest sample."""
@@ -170,7 +171,7 @@ def _by_own_time(entries: list[dict[str, Any]], steps: list[float], waits: list[
                       "others_waited_ms": round(waited * 1e3, 2)})
 
 
-def stalled_s(rank: dict[str, Any]) -> float:
+def stalled_s(rank: RankEntry) -> float:
     """Seconds per step a rank's stack samples put in its top wait outside the model's work (0: none)."""
     wait = next(iter(rank.get("loop_waits") or []), None)
     return float(wait.get("share") or 0.0) * float(rank.get("step_time_p50_s") or 0.0) if wait else 0.0
@@ -187,7 +188,7 @@ def _by_step_time(series: list[list[float]], steps: list[float]) -> Straggler | 
                                          "relative_score": round(compared.others_s / compared.median_s, 3)})
 
 
-def _sign_test(compared: Any) -> dict[str, Any]:
+def _sign_test(compared: Exceeds) -> dict[str, float]:
     return {"steps_compared": compared.steps, "steps_above_others": compared.above,
             "p_value": float(f"{compared.p_value:.3g}")}
 
@@ -208,7 +209,7 @@ def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> F
     others_wait = median(wait for index, wait in enumerate(waits) if index != straggler.index)
     cause, evidence_cause, advice = _cause(rank, waits[straggler.index], others_wait, extra, summary, timed,
                                            straggler.measured)
-    evidence: dict[str, Any] = {
+    evidence: dict[str, object] = {
         "straggler": rank.get("rank"), "pid": rank.get("pid"), "gpu": rank.get("gpu"),
         "ranks": len(timed), "lockstep": lockstep, "measured": straggler.measured,
         "extra_ms": round(extra * 1e3, 2),
@@ -238,11 +239,11 @@ def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> F
     )
 
 
-def _cause(rank: dict[str, Any], wait: float, others_wait: float, extra: float, summary: Summary,
-           timed: list[dict[str, Any]], measured: str) -> tuple[str, dict[str, Any], str]:
+def _cause(rank: RankEntry, wait: float, others_wait: float, extra: float, summary: Summary,
+           timed: list[RankEntry], measured: str) -> tuple[str, dict[str, object], str]:
     """(cause, its evidence, what to do), from what was measured for this rank."""
     if extra > 0 and wait - others_wait >= CAUSE_SHARE * extra:
-        loader: dict[str, Any] = next(iter(rank.get("loaders") or []), {})
+        loader: LoaderFacts = next(iter(rank.get("loaders") or []), LoaderFacts())
         workers = (loader.get("settings") or {}).get("num_workers")
         name = f" ({loader['name']})" if loader.get("name") else ""
         return ("its data loader", {"data_wait_ms": round(wait * 1e3, 2), "num_workers": workers,
@@ -284,10 +285,10 @@ def _cause(rank: dict[str, Any], wait: float, others_wait: float, extra: float, 
             "what it is given (shard size, sequence lengths, a different GPU model) and profile that rank.")
 
 
-def _code(who: str, cause: str, rank: dict[str, Any]) -> str:
+def _code(who: str, cause: str, rank: RankEntry) -> str:
     lines = [f"# {who} is the straggler ({cause})."]
     if cause == "its data loader":
-        loader: dict[str, Any] = next(iter(rank.get("loaders") or []), {})
+        loader: LoaderFacts = next(iter(rank.get("loaders") or []), LoaderFacts())
         workers = int((loader.get("settings") or {}).get("num_workers") or 0)
         lines += ["# In the training script, give every rank's DataLoader more workers, e.g.",
                   f"#     DataLoader(dataset, ..., num_workers={max(2, workers * 2)}, persistent_workers=True)",

@@ -11,7 +11,7 @@ import math
 
 from gpuwidget.advice.code import loader_code
 from gpuwidget.advice.evidence import enough_evidence
-from gpuwidget.advice.finding import Finding
+from gpuwidget.advice.finding import Finding, FindingChange
 from gpuwidget.advice.loader import STARVED_WAIT_FRACTION
 from gpuwidget.advice.rules._gpu import SM_ACTIVE_LOW_PERCENT, busy, gpu_measured, gpu_speedup_bound
 from gpuwidget.advice.rules.launch_bound import PEGGED_PROCESS_PERCENT  # there, launch-bound names the cause
@@ -49,7 +49,7 @@ def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> F
         return None
     factor = 2 ** max(1, int(math.log2(TARGET_MEMORY_FRACTION / max(memory, 1e-3))))
     new_batch = max(8, int(batch * factor) // 8 * 8)
-    change = {"batch_size": new_batch}
+    change: FindingChange = {"batch_size": new_batch}
     sm = worked.signal == "sm_active"
     idle_what = "GPU's SMs" if sm else "GPU"
     busy_what = "GPU's SMs were active" if sm else "GPU ran a kernel"

@@ -44,7 +44,7 @@ class DeviceInfo:
     gpu_instance_id: int | None = None  # a MIG instance's GPU instance id (dcgm-exporter's GPU_I_ID)
     mig_profile: str | None = None  # a MIG instance's profile, "3g.40gb" (dcgm-exporter's GPU_I_PROFILE)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         return asdict(self)
 
 
