@@ -4,6 +4,7 @@ pasted in the user's namespace and keeps the samples, and the probes see the rea
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
@@ -13,6 +14,9 @@ from gpuwidget.advice.code import loader_code
 from gpuwidget.figures.summary import primary_loader
 
 import frameworks
+
+# Where the findings say the framework helpers are: relative to the working directory, as the user sees it.
+FRAMEWORKS = os.path.relpath(frameworks.__file__)
 
 CASES = {case.name: case for case in frameworks.cases()}
 WORKER_CHANGE = {"num_workers": 2, "persistent_workers": True}
@@ -92,7 +96,7 @@ def test_loader_built_in_a_function_is_changed_where_it_is_built(ran):
     loader = primary_loader(run.workload)
     assert loader["name"] is None and loader["built_at"]["file"].endswith("frameworks.py")
     code = loader_code(loader, WORKER_CHANGE, run.workload)
-    assert "make_loader() (frameworks.py, line " in code
+    assert f"make_loader() ({FRAMEWORKS}, line " in code
     assert "num_workers=2, persistent_workers=True)" in code and "shuffle=True" in code
 
 
@@ -109,7 +113,7 @@ def test_lightning_loader_is_changed_by_a_train_dataloader_the_trainer_calls(ran
     assert f"{instance}.train_dataloader = types.MethodType(faster_train_dataloader, {instance})" in code
     assert ("return DataLoader(loader.dataset, batch_size=8, shuffle=True, num_workers=2, persistent_workers=True)"
             in code)
-    assert f"instead of {method} (frameworks.py, line " in code
+    assert f"instead of {method} ({FRAMEWORKS}, line " in code
 
 
 def test_cpu_bound_code_caches_before_the_random_augmentation(ran):
@@ -117,7 +121,7 @@ def test_cpu_bound_code_caches_before_the_random_augmentation(ran):
 
     _, run = ran("torchvision-style transforms")
     code = cache_code(primary_loader(run.workload))
-    assert "Images.__getitem__ (frameworks.py" in code and "before self.transform" in code
+    assert f"Images.__getitem__ ({FRAMEWORKS}, line " in code and "before self.transform" in code
 
 
 def test_tqdm_pass_is_one_epoch(ran):
@@ -228,7 +232,7 @@ def test_tuner_code_for_a_loader_no_name_holds_says_where_it_is_built(ran):
 
     namespace, run = ran("loader from an imported function")
     result = tune_for_run(run, eval("make_loader(train_ds)", namespace), budget_s=3)
-    assert "make_loader() (frameworks.py, line " in result.code and "loader =" not in result.code
+    assert f"make_loader() ({FRAMEWORKS}, line " in result.code and "loader =" not in result.code
 
 
 def test_tuner_code_for_a_lightning_loader_replaces_train_dataloader(ran):
