@@ -161,7 +161,8 @@ def test_nanogpt_waiting_on_storage_in_get_batch_is_named_under_gpuwatch(tmp_pat
     found = finding(run, "loop-waits")
     assert found is not None, run.workload.get("loop_waits")
     # nanoGPT fetches the next batch between a micro-step's forward and its backward: inside the step.
-    assert found.evidence["function"] == "get_batch" and found.evidence["line"] == STORAGE_LINE, found.evidence
+    assert found.evidence["function"] == "get_batch", found.evidence
+    assert found.evidence["at"].endswith(f"nanogpt_train.py, line {STORAGE_LINE}"), found.evidence
     assert found.code.endswith("get_batch = Prefetcher(get_batch)")
     parts = run.summary["time_breakdown"]  # the optimizer's steps split the training process's time
     assert sum(parts.values()) == pytest.approx(run.summary["duration_s"], abs=1e-6)
@@ -246,7 +247,8 @@ def test_word_language_model_with_its_manual_sgd_update_is_not_counted_yet(tmp_p
 # ------------------------------------------------------------------ HF run_clm_no_trainer: tokenizing in collate_fn
 
 HF = SCRIPTS / "run_clm_no_trainer.py"
-HF_ARGS = ["--num_texts", "100", "--tokenizer_work", "300"]
+# 140 steps: past the evidence gate (a second of steady steps: advice.evidence) on an idle host too.
+HF_ARGS = ["--num_texts", "150", "--tokenizer_work", "300"]
 # The functions of the script's collate path: its collate_fn and the slow tokenizer it calls.
 COLLATE_PATH = {"collate_fn", "ByteTokenizer.__call__", "ByteTokenizer.__call__.<genexpr>"}
 
