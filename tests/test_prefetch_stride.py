@@ -8,6 +8,7 @@ import threading
 import time
 from collections import deque
 
+import pytest
 import torch
 
 from gpuwidget.prefetch import Prefetcher, _Call, next_call
@@ -36,6 +37,7 @@ def test_a_constant_step_of_an_integer_argument_is_predicted_other_arguments_kep
     assert next_call(flags).args == (False,)  # booleans are no step
 
 
+@pytest.mark.serial  # judges the overlap's time
 def test_a_reader_advancing_by_bptt_is_fetched_ahead_with_the_same_batches_and_faster():
     plain_calls: list[tuple[int, int]] = []
     plain = make_reader(0.01, plain_calls)
