@@ -18,6 +18,11 @@ starved case, hogs included; advice >= 0.9 of the sweep's best; no loader findin
 healthy loop.
 
     .venv/bin/python benchmarks/advice_wild.py [--quick] [--json PATH]
+
+With ``--real-scripts``: well-known public training scripts in their own shapes instead (loops that
+fetch their own batches, a DDP job, the warm-up cases): benchmarks/_real_scripts.py.
+
+    .venv/bin/python benchmarks/advice_wild.py --real-scripts [--quick] [--json PATH]
 """
 
 from __future__ import annotations
@@ -143,8 +148,29 @@ def all_of(name: str, hits: int, total: int) -> dict[str, Any]:
                    target_shown="all")
 
 
+def real_scripts(args: Any) -> None:
+    import _real_scripts
+
+    info = print_header("Advice on real public training scripts: steps, cause, code as pasted, gain")
+    rows = _real_scripts.run_all(args.quick)
+    print()
+    print("| " + " | ".join(_real_scripts.HEADERS) + " |")
+    print("|" + "---|" * len(_real_scripts.HEADERS))
+    for row in rows:
+        print("| " + " | ".join(_real_scripts.format_row(row)) + " |")
+    print()
+    codes = [row["code"] for row in rows if row["code"] != "-"]
+    verdicts = [all_of("right cause (none critical on a steady loop)", sum(row["right"] for row in rows), len(rows)),
+                all_of(".code runs as pasted", codes.count("ok"), len(codes))]
+    write_json(args.json, {"machine": info, "results": rows, "verdicts": verdicts})
+
+
 def main() -> None:
-    args = parse_args(__doc__.splitlines()[0])
+    args = parse_args(__doc__.splitlines()[0], [("--real-scripts", {"action": "store_true",
+                                                                      "help": "the real public scripts instead"})])
+    if args.real_scripts:
+        real_scripts(args)
+        return
     info = print_header("Advice on real frameworks: code runs as pasted, samples kept, cause, gain")
     torch.set_num_threads(1)
     # 64 steps an epoch: short next to real training, long enough that starting 8 workers

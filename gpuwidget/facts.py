@@ -220,13 +220,16 @@ class HostCopy(TypedDict, total=False):
 
 
 class LoopWait(CodeSite, total=False):
-    """A function the loop waited in between steps (``probes.stack``): stack samples of the watched
-    thread inside ``train.between`` spans (without optimizer steps: inside ``loader.wait``)."""
+    """A function the loop waited in (``probes.stack``): stack samples of the watched thread inside
+    ``train.between`` spans or, inside ``train.step``, in a function of the user's outside torch's
+    work (without optimizer steps: inside ``loader.wait``)."""
 
     share: float  # of the loop's samples (0-1): the share of the loop's time spent waiting there
     seconds: float  # share x the loop's time (the loop spans' total)
     samples: int  # stack samples there
     in_loader: float  # share of those samples inside a DataLoader's next() (0-1)
+    in_model: float  # share of those samples inside torch's work (a model's forward between steps: 0-1)
+    in_loop: bool  # the function is the loop's own (the one calling the model, backward, the optimizer)
     source: str | None  # the line's text, stripped
     called_from: CodeSite  # the outermost frame of the user's code: the cell's (or script's) line
     name: str | None  # the user's name for the function, an assignment target ("get_batch", "batcher.next")
@@ -277,6 +280,9 @@ class RankEntry(TypedDict, total=False):
     local_rank: int | None
     world_size: int | None
     loop_time_s: float  # seconds in its training loop
+    step_source: str | None  # "dataloader" or "optimizer": which steps its figures count (the summary's)
+    loop_waits: list[LoopWait]  # its stack samples' top wait (probes.stack), where it sampled any
+    stack_samples: StackFacts  # a child's stack sampler, until merged (children.ranks.merge: then the workload's)
     # Its steps one by one, the latest ranks.SERIES_STEPS: seconds per step, and of each the
     # seconds blocked on data (same length, same order)
     step_times: list[float]
@@ -452,10 +458,14 @@ class Summary(TypedDict, total=False):
     loader: str | None  # the primary loader's name
     steps: int | None
     samples: int | None
-    samples_per_s: float | None
+    samples_per_s: float | None  # over the steady steps (the warm-up's left out: figures.summary.steady_headline)
     steps_per_s: float
     loop_time_s: float  # seconds inside the primary loader's loop
-    data_wait_fraction: float | None  # share of loop_time_s blocked in next()
+    data_wait_fraction: float | None  # share of the steady steps' time blocked in next()
+    # The same three over every step, the warm-up's included, where a warm-up was split off.
+    samples_per_s_with_warmup: float
+    steps_per_s_with_warmup: float
+    data_wait_fraction_with_warmup: float
     step_time_p50: float | None  # seconds
     step_time_p95: float | None
     step_time_p99: float | None

@@ -2,7 +2,10 @@
 
 ``get_batch = Prefetcher(get_batch)`` is what the ``loop-waits`` finding offers when the loop
 waits in a function of the user's between steps: each call returns the batch fetched while the
-previous step computed, and starts fetching the next one with the same arguments. Storage
+previous step computed, and starts fetching the next one with the same arguments, or, where the
+last three calls moved integer arguments by the same step (``get_batch(train_data, i)`` with ``i``
+advancing by ``bptt``, as PyTorch's word-language-model example reads its data), with those
+arguments moved by that step once more. Storage
 reads, network, ``time.sleep`` and torch's C code release the GIL, so the fetch overlaps the
 loop's step; Python work inside the function shares the interpreter with the loop and overlaps
 less. A generator function (``for x, y in batches():``) gets an iterator that pulls one item ahead.
@@ -36,6 +39,7 @@ import inspect
 import random
 import sys
 import threading
+from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -62,6 +66,7 @@ class Prefetcher:
         self._executor: ThreadPoolExecutor | None = None
         self._ahead: _Ahead | None = None
         self._spares: list[tuple[_Call, _Outcome]] = []
+        self._calls: deque[_Call] = deque(maxlen=3)  # the latest calls, for an argument's step
         self._lock = threading.Lock()
         self._closed = False
 
@@ -71,8 +76,10 @@ class Prefetcher:
         call = _Call(args, kwargs)
         with self._lock:
             outcome = self._take(call)
+            self._calls.append(call)
             if outcome.error is None and not self._closed:
-                self._ahead = _Ahead(call, self._worker().submit(_run, self.function, call))
+                following = next_call(self._calls)
+                self._ahead = _Ahead(following, self._worker().submit(_run, self.function, following))
         return outcome.result()
 
     def close(self) -> None:
@@ -157,6 +164,37 @@ class _Call:
             _same(value, other.kwargs[key]) for key, value in self.kwargs.items())
 
     __hash__ = None  # type: ignore[assignment]
+
+
+def next_call(calls: deque[_Call]) -> _Call:
+    """The call expected after the latest of ``calls``: the same arguments, or, where the last three calls
+    moved integer arguments by the same step and kept every other one, those moved by it once more."""
+    latest = calls[-1]
+    if len(calls) < 3:
+        return latest
+    first, second = _step(calls[-3], calls[-2]), _step(calls[-2], latest)
+    if first is None or first != second:
+        return latest
+    args = tuple(value + first[0][index] if index in first[0] else value for index, value in enumerate(latest.args))
+    kwargs = {key: value + first[1][key] if key in first[1] else value for key, value in latest.kwargs.items()}
+    return _Call(args, kwargs)
+
+
+def _step(a: _Call, b: _Call) -> tuple[dict[int, int], dict[str, int]] | None:
+    """How ``b``'s integer arguments differ from ``a``'s (by position, by keyword), where every other
+    argument is the same and at least one integer moved; else None."""
+    if len(a.args) != len(b.args) or a.kwargs.keys() != b.kwargs.keys():
+        return None
+    moved: tuple[dict[int, int], dict[str, int]] = ({}, {})
+    pairs: list[tuple[int, Any, Any, Any]] = [(0, index, x, b.args[index]) for index, x in enumerate(a.args)]
+    pairs += [(1, key, x, b.kwargs[key]) for key, x in a.kwargs.items()]
+    for where, key, x, y in pairs:
+        if _same(x, y):
+            continue
+        if type(x) is not int or type(y) is not int:  # bool is not a step
+            return None
+        moved[where][key] = y - x  # type: ignore[index]
+    return moved if moved[0] or moved[1] else None
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -253,6 +253,12 @@ class Sampler:
         del self.stats.errors[:-100]
 
 
+def set_tick_due(value: float | None) -> None:
+    """Mark when the tick this thread runs now was due (None: no tick), for a thread that ticks listeners
+    on a cadence of its own (a child process's agent samples its stack so)."""
+    _due.value = value
+
+
 def tick_due() -> float | None:
     """When the sampler tick running on this thread was due, on the clock of ``gpuwidget.clock.now``;
     None outside a sampler thread's ticks. A listener that needs the GIL (the stack sampler) gets it

@@ -388,6 +388,15 @@ def test_the_loops_own_line_is_named_as_a_comment():
     assert found.expected_speedup == pytest.approx(2.0)
 
 
+def test_the_loops_own_function_is_never_wrapped_in_a_prefetcher():
+    # word_language_model's loop is train(): once get_batch is prefetched, a fetch slower than the step
+    # still waits at train()'s own line; train is the loop, not a batch function to call ahead.
+    found = check(facts(function="train", name="train", line=194, in_loop=True,
+                        source="data, targets = get_batch(train_data, i)"))
+    assert found.change == {} and "Prefetcher" not in found.code and "the loop's own line" in found.suggestion
+    exec(found.code, {})
+
+
 def test_a_function_no_name_holds_is_named_where_it_is():
     found = check(facts(name=None, file="src/data.py", cell=None, function="Reader.read"))
     # The file as the user knows it, relative to the working directory: its folder too.

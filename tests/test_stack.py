@@ -16,6 +16,7 @@ import threading
 import time
 import weakref
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -47,8 +48,15 @@ def parked_here(started: threading.Event, release: threading.Event) -> None:
     release.wait()  # the line a sample of the parked thread names
 
 
-def calls_parked(started: threading.Event, release: threading.Event) -> None:
-    parked_here(started, release)  # the outermost frame of the user's on the parked thread
+def calls_parked(started: threading.Event, release: threading.Event, via: Any = None) -> None:
+    (via or parked_here)(started, release)  # the outermost frame of the user's on the parked thread
+
+
+class ParksInForward(torch.nn.Module):
+    """A module whose forward parks: the thread is inside torch's work (a module call) while it waits."""
+
+    def forward(self, started: threading.Event, release: threading.Event) -> None:
+        parked_here(started, release)
 
 
 PARKED_LINE = parked_here.__code__.co_firstlineno + 2
@@ -56,10 +64,12 @@ CALLER_LINE = calls_parked.__code__.co_firstlineno + 1
 
 
 @contextlib.contextmanager
-def parked_thread() -> Iterator[threading.Thread]:
-    """A thread waiting in ``parked_here`` (called from ``calls_parked``) until the block ends."""
+def parked_thread(in_forward: bool = False) -> Iterator[threading.Thread]:
+    """A thread waiting in ``parked_here`` (called from ``calls_parked``; ``in_forward``: through a
+    module's forward, torch's work) until the block ends."""
     started, release = threading.Event(), threading.Event()
-    thread = threading.Thread(target=calls_parked, args=(started, release), name="parked")
+    via = ParksInForward() if in_forward else None
+    thread = threading.Thread(target=calls_parked, args=(started, release, via), name="parked")
     thread.start()
     started.wait(5)
     try:
@@ -82,11 +92,11 @@ def sample_between(sampler: StackSampler, trace: Trace, kinds: tuple[str, ...]) 
 
 def test_a_sample_inside_train_between_names_the_function_the_thread_waits_in():
     trace = Trace()
-    with parked_thread() as thread:
+    with parked_thread(in_forward=True) as thread:
         sampler = StackSampler(trace, thread.ident)
         for _ in range(3):
             sample_between(sampler, trace, (TRAIN_STEP_SPAN, BETWEEN_STEPS_SPAN))
-        for _ in range(2):  # computing: in a step, not between steps
+        for _ in range(2):  # computing: in a step, in torch's work (the model's forward), not between steps
             sample_between(sampler, trace, (TRAIN_STEP_SPAN,))
         sampler.tick()  # after the last step: not in the loop
         waits, stack = sampler.facts({"parked_here": parked_here})
@@ -195,12 +205,100 @@ def test_without_optimizer_steps_samples_are_attributed_to_the_loaders_waits():
 
 def test_optimizer_steps_are_the_basis_wherever_they_exist_beside_a_dataloader():
     trace = Trace()
-    with parked_thread() as thread:
+    with parked_thread(in_forward=True) as thread:
         sampler = StackSampler(trace, thread.ident)
         sample_between(sampler, trace, (STEP_SPAN, DATA_WAIT_SPAN, TRAIN_STEP_SPAN))  # computing, by the optimizer
         sample_between(sampler, trace, (STEP_SPAN, TRAIN_STEP_SPAN, BETWEEN_STEPS_SPAN))
         waits, stack = sampler.facts()
     assert stack["basis"] == BETWEEN_STEPS_SPAN and waits[0]["share"] == 0.5 and waits[0]["in_loader"] == 0.0
+
+
+def test_a_wait_inside_the_step_outside_torchs_work_is_a_wait_as_nanogpts_fetch_after_forward_is():
+    # nanoGPT fetches the next batch between a micro-step's forward and its backward: inside train.step.
+    trace = Trace()
+    with parked_thread() as thread:
+        sampler = StackSampler(trace, thread.ident)
+        for _ in range(3):
+            sample_between(sampler, trace, (TRAIN_STEP_SPAN,))
+        waits, stack = sampler.facts({"parked_here": parked_here})
+    assert stack["basis"] == BETWEEN_STEPS_SPAN and stack["loop_samples"] == 3
+    [wait] = waits
+    assert (wait["function"], wait["samples"], wait["share"]) == ("parked_here", 3, 1.0)
+
+
+def test_inside_the_step_the_loops_own_line_and_torchs_work_are_the_step_not_waits():
+    trace = Trace()
+    with parked_thread(in_forward=True) as thread:  # in a module's forward
+        sampler = StackSampler(trace, thread.ident)
+        sample_between(sampler, trace, (TRAIN_STEP_SPAN,))
+        in_forward, _ = sampler.facts()
+    started, release = threading.Event(), threading.Event()
+    own_line = threading.Thread(target=parked_here, args=(started, release))  # the only frame of the user's
+    own_line.start()
+    started.wait(5)
+    try:
+        sampler = StackSampler(trace, own_line.ident)
+        sample_between(sampler, trace, (TRAIN_STEP_SPAN,))
+        loop_line, stack = sampler.facts()
+    finally:
+        release.set()
+        own_line.join(5)
+    assert in_forward == [] and loop_line == [] and stack["loop_samples"] == 1
+
+
+def loop_like(events: list[tuple[threading.Event, threading.Event]]) -> None:
+    """A training loop's shape: a call into torch's work (a module's forward), a helper it calls
+    (a fetch), then a line of its own (a progress bar, ``loss.item()``), each parked in turn."""
+    ParksInForward()(*events[0])
+    parked_here(*events[1])
+    events[2][0].set()
+    events[2][1].wait()  # the loop's own line
+
+
+def runs_loop_like(events: list[tuple[threading.Event, threading.Event]]) -> None:
+    loop_like(events)  # as %run or a script's main() calls the loop: a frame of the user's above it
+
+
+def test_inside_the_step_a_line_of_the_loop_that_calls_torchs_work_is_the_step_not_a_wait():
+    trace = Trace()
+    events = [(threading.Event(), threading.Event()) for _ in range(3)]
+    thread = threading.Thread(target=runs_loop_like, args=(events,))
+    thread.start()
+    try:
+        sampler = StackSampler(trace, thread.ident)
+        for started, release in events:
+            started.wait(5)
+            for _ in range(2):
+                sample_between(sampler, trace, (TRAIN_STEP_SPAN,))
+            release.set()
+        waits, stack = sampler.facts()
+    finally:
+        for _, release in events:
+            release.set()
+        thread.join(5)
+    assert stack["loop_samples"] == 6
+    # In the forward: torch's work. In parked_here: a wait. On loop_like's own line: the loop's code
+    # (it called into torch's work), so the step's own, although a frame of the user's is above it.
+    assert [(wait["function"], wait["samples"]) for wait in waits] == [("parked_here", 2)]
+
+
+def test_a_step_sample_read_late_between_steps_is_not_a_wait_inside_the_step(monkeypatch):
+    # Due while the step computed, read once the loop released the GIL in the next step's fetch: where
+    # the stack was read is not where the thread was when the sample was due.
+    trace = Trace()
+    with parked_thread() as thread:
+        sampler = StackSampler(trace, thread.ident)
+        due = now()
+        monkeypatch.setattr(stack_module, "tick_due", lambda: due)
+        step_start = due - trace.start_clock - 0.01
+        time.sleep(0.003)
+        sampler.tick()  # read 3 ms after it was due
+        read_at = trace.now()
+        trace.add_span(TRAIN_STEP_SPAN, step_start, due - trace.start_clock + 0.001)  # ended 1 ms after due
+        trace.add_span(BETWEEN_STEPS_SPAN, due - trace.start_clock + 0.001, read_at + 0.001)
+        trace.add_span(TRAIN_STEP_SPAN, due - trace.start_clock + 0.001, read_at + 0.002)
+        waits, stack = sampler.facts()
+    assert stack["loop_samples"] == 1 and waits == []
 
 
 def test_samples_of_a_loop_that_never_had_steps_stay_bounded_and_report_nothing():
@@ -443,3 +541,22 @@ def test_the_step_probes_real_spans_attribute_a_slow_batch_function():
     assert run.workload["stack_samples"]["basis"] == "train.between"
     assert run.workload["loop_waits"][0]["function"] == "next_batch"
     assert any(f.rule == "loop-waits" for f in run.findings)
+
+
+class Tokenizer:
+    def __call__(self, text: str) -> str:
+        return "".join(ch for ch in text)
+
+
+def test_a_generator_expression_is_named_by_the_function_around_it_a_nested_function_by_its_own():
+    from gpuwidget.probes.stack import code_site
+
+    codes = Tokenizer.__call__.__code__.co_consts
+    genexpr = next(const for const in codes if isinstance(const, type(parked_here.__code__)))
+
+    def collate_fn(batch: list[Any]) -> list[Any]:
+        return batch
+
+    assert code_site(genexpr, 1)["function"] == "Tokenizer.__call__.<genexpr>"
+    assert code_site(collate_fn.__code__, 1)["function"] == "collate_fn"
+    assert code_site(parked_here.__code__, 1)["function"] == "parked_here"

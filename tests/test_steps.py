@@ -349,3 +349,33 @@ def test_a_get_batch_script_under_gpuwatch_counts_the_training_processs_steps(tm
     assert run.workload["training"]["optimizer_steps"] == 30 and run.workload["trained_in"]
     assert "no training loop seen" not in result.stdout
     assert len(run.trace.spans(TRAIN_STEP_SPAN)) == 30
+
+
+def test_a_batch_taken_to_read_its_size_each_epoch_is_no_step_of_the_loop():
+    """PyTorch's DDP tutorial reads ``len(next(iter(loader))[0])`` at each epoch's start: 3 epochs of
+    20 steps take 63 batches and train on 60."""
+    loader = DataLoader(TensorDataset(torch.randn(80, 16), torch.randint(0, 4, (80,))), batch_size=4)
+    model = Student()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gpuwidget.watch(quiet=True, interval=0.1) as run:
+        for _epoch in range(3):
+            assert len(next(iter(loader))[0]) == 4
+            for x, y in loader:
+                nn.functional.cross_entropy(model(x), y).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+    assert run.workload["loaders"][0]["steps"] == 63 and run.workload["loaders"][0]["steps_fed"] == 60
+    assert run.summary["steps"] == 60 and run.summary["optimizer_steps"] == 60
+
+
+@pytest.mark.parametrize(("batches", "fed", "optimizer_steps", "steps"), [
+    (63, 60, 60, 60),  # a batch read for its size at each of 3 epochs' starts
+    (90, 88, 90, 90),  # accelerate's loader reads one ahead: each epoch's last batch is seen to feed none
+    (40, 10, 10, 40),  # gradient accumulation over 4 batches: the steps are the batches
+    (50, 50, 0, 50),  # no optimizer stepped
+])
+def test_the_loops_steps_are_the_optimizers_where_it_takes_one_batch_per_step(batches, fed, optimizer_steps, steps):
+    from gpuwidget.figures.summary import loop_steps
+
+    loader = {"steps": batches, "steps_fed": fed}
+    assert loop_steps(loader, {"optimizer_steps": optimizer_steps}) == steps  # type: ignore[arg-type, typeddict-item]

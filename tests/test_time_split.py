@@ -84,3 +84,39 @@ def test_a_step_left_open_is_not_computing():
     trace.add_span(STEP_SPAN, 0.0, 10.0, {"pid": 4242})
     assert time_breakdown(10.0, trace, None, loop_s=8.0, wait_s=0.2)["compute_s"] == pytest.approx(0.8)
     assert time_breakdown(10.0, trace, 4242, loop_s=10.0, wait_s=0.0)["compute_s"] == pytest.approx(10.0)
+
+
+def test_a_loop_without_a_dataloader_is_split_by_its_optimizer_steps():
+    """nanoGPT's shape: batches from a function, an optimizer step each; set-up before, a pause after."""
+    model = torch.nn.Linear(8, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    data = torch.randn(64, 8)
+    with gpuwidget.watch(display=False) as run:
+        time.sleep(0.2)  # set-up before the first step
+        for index in range(40):
+            model(data[index % 8:index % 8 + 8]).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            burn_cpu(0.002)
+        time.sleep(0.3)  # saving, tear-down
+    summary = run.summary
+    assert summary["step_source"] == "optimizer" and summary["steps"] == 40
+    parts = summary["time_breakdown"]
+    assert sum(parts.values()) == pytest.approx(summary["duration_s"], abs=1e-9)
+    assert parts["compute_s"] == pytest.approx(summary["loop_time_s"], rel=0.05) and parts["data_wait_s"] == 0.0
+    assert parts["compute_s"] >= 39 * 0.002
+    assert parts["before_loop_s"] >= 0.2 and parts["after_loop_s"] >= 0.3
+
+
+def test_a_childs_optimizer_loop_is_split_by_its_own_train_step_spans():
+    from gpuwidget.children.ranks import job_summary
+    from gpuwidget.probes import TRAIN_STEP_SPAN
+
+    trace = Trace()
+    for index in range(100):  # a child's 100 steps of 10 ms from 2 s to 3 s
+        trace.add_spans(TRAIN_STEP_SPAN, [(2.0 + index * 0.01, 2.0 + (index + 1) * 0.01)], {"pid": 4242})
+    entry = {"pid": 4242, "steps": 100, "step_source": "optimizer", "loop_time_s": 1.0, "loaders": []}
+    job_summary({"duration_s": 4.0}, {"ranks": [entry]}, trace)  # type: ignore[typeddict-item]
+    parts = entry["time_breakdown"]
+    assert parts == pytest.approx({"data_wait_s": 0.0, "compute_s": 1.0, "before_loop_s": 2.0, "after_loop_s": 1.0,
+                                   "other_s": 0.0})

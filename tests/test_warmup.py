@@ -229,3 +229,27 @@ def test_workers_starting_are_named_as_the_warm_up():
                                                                                        layers=1))
     assert run.summary["warmup_steps"] >= 1 and run.summary["warmup_cause"] == "worker start-up"
     assert run.summary["warmup_s"] >= run.workload["loaders"][0]["wait_times"][0]
+
+
+def test_the_headline_rates_leave_the_warm_up_out_and_keep_it_beside_them():
+    """Four compiling steps of 0.3 s before 146 steps of 3 ms: the loop runs at 333 steps/s, not 98."""
+    from gpuwidget.figures.summary import summarize
+    from gpuwidget.trace import Trace
+
+    times = [0.3] * 4 + [0.003] * 146
+    waits = [0.05] * 4 + [0.0003] * 146
+    loader = {"name": "loader", "steps": 150, "samples": 1200, "loop_time_s": sum(times), "wait_total_s": sum(waits),
+              "compute_total_s": sum(times) - sum(waits), "step_times": times, "wait_times": waits, "settings": {}}
+    summary = summarize(Trace(), {"loaders": [loader]}, duration_s=2.0)  # type: ignore[typeddict-item]
+    assert summary["warmup_steps"] == 4
+    assert summary["steps_per_s"] == pytest.approx(1 / 0.003, rel=1e-6)
+    assert summary["samples_per_s"] == pytest.approx(8 / 0.003, rel=1e-6)
+    assert summary["data_wait_fraction"] == pytest.approx(0.1, rel=1e-6)
+    assert summary["steps_per_s_with_warmup"] == pytest.approx(150 / sum(times))
+    assert summary["data_wait_fraction_with_warmup"] == pytest.approx(sum(waits) / sum(times))
+    training = {"optimizer_steps": 150, "loop_s": sum(times), "step_times": times, "samples_per_step": 8}
+    optimizer = summarize(Trace(), {"training": training}, duration_s=2.0)  # type: ignore[typeddict-item]
+    assert optimizer["step_source"] == "optimizer" and optimizer["samples_per_s"] == pytest.approx(8 / 0.003)
+    every = summarize(Trace(), {"loaders": [{**loader, "step_times": [0.3] * 150, "wait_times": [0.0] * 150,
+                                             "loop_time_s": 45.0}]}, duration_s=50.0)  # type: ignore[typeddict-item]
+    assert "samples_per_s_with_warmup" not in every  # no warm-up split off: the figures are every step's

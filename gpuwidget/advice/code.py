@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from typing import cast
 
 from gpuwidget.advice.loader import DEFAULT_PREFETCH
-from gpuwidget.facts import LoaderChange, LoaderFacts, LoaderSettings, WorkloadFacts
+from gpuwidget.facts import LoaderChange, LoaderFacts, LoaderSettings, LoopWait, WorkloadFacts
 from gpuwidget.probes.constructor import constructor_call, constructor_keywords, defaults_hold
 from gpuwidget.probes.origin import call_with_keywords, location
 from gpuwidget.probes.origin import place as site_place
@@ -320,9 +320,19 @@ def _duplicates_warning(loader: LoaderFacts, change: LoaderChange) -> str | None
             f"#     ... DataLoader(..., num_workers={workers})")
 
 
-def cache_code(loader: LoaderFacts) -> str:
+def cache_code(loader: LoaderFacts, builder: LoopWait | None = None) -> str:
     """What to cache for a CPU-bound loader, in prose (comments): only the deterministic part
-    of a sample (decoding, resizing), never the random augmentation applied after it."""
+    of a sample (decoding, resizing), never the random augmentation applied after it.
+
+    ``builder``: the loop wait (probes.stack) inside the loader's ``next()`` where its batches were
+    measured being built. Where that is not the dataset's ``__getitem__`` (a ``collate_fn`` that
+    tokenizes, a sampler), the code names it instead: that is where the CPU went."""
+    if builder is not None and not str(builder.get("function") or "").endswith("__getitem__"):
+        share = float(builder.get("share") or 0.0)
+        return "\n".join([
+            f"# The batches are built {site_place(builder)}: {100 * share:.0f}% of the loop's time (stack samples),",
+            "# on the CPUs that are already busy. Do that work once, ahead of training (tokenize or decode the",
+            "# whole dataset once and keep the result, as datasets' map() does), or make it cheaper."])
     settings = loader.get("settings") or {}
     dataset = settings.get("dataset_type") or "the dataset"
     where = settings.get("dataset_code") or {}

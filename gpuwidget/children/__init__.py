@@ -21,7 +21,7 @@ from typing import Any
 
 from gpuwidget.children.agent import register_after_fork, start_in_forked_child, unregister_after_fork
 from gpuwidget.children.channel import ChildChannel, ChildRecord
-from gpuwidget.children.protocol import ENV_VAR, Identity
+from gpuwidget.children.protocol import ENV_VAR, INTERVAL_VAR, Identity
 from gpuwidget.children.ranks import job_summary, merge
 from gpuwidget.facts import MachineFacts, Summary, WorkloadFacts
 from gpuwidget.trace import Trace
@@ -37,8 +37,12 @@ class ChildWatch:
         self.machine = machine  # NVML's GPUs, to number a child's GPU by its UUID
         self.channel = ChildChannel(trace)
         self._previous = os.environ.get(ENV_VAR)
+        self._previous_interval = os.environ.get(INTERVAL_VAR)
         self._closed = False
         os.environ[ENV_VAR] = self.channel.path
+        interval = trace.meta.get("interval")
+        if interval:  # the children sample their stacks as often as the watch samples
+            os.environ[INTERVAL_VAR] = repr(float(interval))
         register_after_fork(self, _after_fork_in_watch)
 
     def close(self) -> None:
@@ -47,10 +51,11 @@ class ChildWatch:
             return
         self._closed = True
         if os.environ.get(ENV_VAR) == self.channel.path:
-            if self._previous is None:
-                os.environ.pop(ENV_VAR, None)
-            else:
-                os.environ[ENV_VAR] = self._previous
+            for name, previous in ((ENV_VAR, self._previous), (INTERVAL_VAR, self._previous_interval)):
+                if previous is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = previous
         unregister_after_fork(self)
         self.channel.close()
 

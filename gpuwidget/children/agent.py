@@ -11,6 +11,11 @@ daemon thread sends what they queued every :data:`~gpuwidget.children.protocol.F
 (``facts``). It connects only once it has something to say: a process that never iterates a
 DataLoader nor joins a process group sends nothing.
 
+The same thread samples the process's main thread's stack (:class:`~gpuwidget.probes.stack.StackSampler`,
+at the watch's interval, :data:`~gpuwidget.children.protocol.INTERVAL_VAR`) against a Trace of its
+own that receives the process's spans as they are sent: its ``loop_waits`` and ``stack_samples``
+go with its facts, as a watch's own do.
+
 DataLoader worker processes are not training processes: an agent that finds itself in one
 (multiprocessing's current process runs torch's ``_worker_loop``, or torch's worker info is
 set) removes its probes and stops without sending anything.
@@ -30,10 +35,21 @@ import threading
 from collections.abc import Mapping
 from typing import Any, cast
 
-from gpuwidget.children.protocol import ENV_VAR, FLUSH_INTERVAL_S, Identity, Progress, encode, open_kind
+from gpuwidget.children.protocol import (
+    ENV_VAR,
+    FLUSH_INTERVAL_S,
+    INTERVAL_VAR,
+    Identity,
+    Progress,
+    encode,
+    open_kind,
+    stack_interval,
+)
 from gpuwidget.clock import now
 from gpuwidget.facts import MainThreadFigures
-from gpuwidget.probes import Probes
+from gpuwidget.probes import BETWEEN_STEPS_SPAN, DATA_WAIT_SPAN, STEP_SPAN, TRAIN_STEP_SPAN, Probes
+from gpuwidget.probes.stack import StackSampler
+from gpuwidget.sampler import set_tick_due
 from gpuwidget.sources.schedstat import read_schedstat, schedstat_path
 from gpuwidget.trace import Trace
 
@@ -43,6 +59,8 @@ SEND_TIMEOUT_S = 10.0
 MAX_PENDING_SPANS = 100_000
 # multiprocessing finalizers run from the highest priority down; any value >= 0 runs at exit.
 EXIT_PRIORITY = 50
+# The span kinds the stack sampler attributes its samples to (probes.stack).
+STACK_SPAN_KINDS = (STEP_SPAN, DATA_WAIT_SPAN, TRAIN_STEP_SPAN, BETWEEN_STEPS_SPAN)
 
 _agent: ChildAgent | None = None
 
@@ -154,6 +172,11 @@ class ChildAgent:
         self.pid = os.getpid()
         self.buffer = SpanBuffer()
         self.probes = Probes(cast(Trace, self.buffer))
+        # The stack sampler reads spans from a Trace: this one gets the spans as they are sent, on the
+        # shared clock (start 0), so samples and spans compare as in the watch's own process.
+        self.stack_trace = Trace(start_clock=0.0)
+        self.stack = StackSampler(self.stack_trace, threading.main_thread().ident)
+        self.stack_interval = stack_interval(os.environ.get(INTERVAL_VAR))
         self.identity: Identity = {"pid": self.pid, "ppid": os.getppid(), "rank": None, "local_rank": None,
                                          "world_size": None, "gpu": None, "distributed": False,
                                          "argv": [str(arg)[:200] for arg in sys.argv[:8]]}
@@ -186,7 +209,16 @@ class ChildAgent:
         util.Finalize(None, self.finish, exitpriority=EXIT_PRIORITY)
 
     def _loop(self) -> None:
-        while not self._stop.wait(FLUSH_INTERVAL_S):
+        due = now() + self.stack_interval
+        next_flush = now() + FLUSH_INTERVAL_S
+        while not self._stop.wait(max(0.0, due - now())):
+            self._sample_stack(due)
+            due += self.stack_interval
+            if due < now():  # far behind (the process was stopped, the host overloaded): start again
+                due = now() + self.stack_interval
+            if now() < next_flush:
+                continue
+            next_flush = now() + FLUSH_INTERVAL_S
             # A DataLoader's worker; or the watch has ended (its socket is gone): a forkserver or a
             # pool started during the watch outlives it, and so do the processes it starts later.
             if is_loader_worker() or not os.path.exists(self.address):
@@ -197,6 +229,13 @@ class ChildAgent:
             except Exception:  # noqa: BLE001 - the watch is gone or broken: stop quietly
                 self.retire()
                 return
+
+    def _sample_stack(self, due: float) -> None:
+        set_tick_due(due)
+        try:
+            self.stack.tick()  # never raises
+        finally:
+            set_tick_due(None)
 
     def finish(self) -> None:
         """At exit: the last spans and the process's facts (once; nothing from a DataLoader worker)."""
@@ -227,6 +266,7 @@ class ChildAgent:
         self._stop.set()
         with contextlib.suppress(Exception):
             self.probes.uninstall()
+        self.stack.close()
         self._unwrap_destroy()
         with self._send_lock:
             if self._sock is not None:
@@ -266,6 +306,9 @@ class ChildAgent:
         """Send the spans queued since the last flush, with the running figures."""
         self.probes.poll()
         spans = self.buffer.take()
+        for kind in STACK_SPAN_KINDS:  # open steps (``open_kind``) decide no sample
+            if spans.get(kind):
+                self.stack_trace.add_spans(kind, spans[kind])
         progress = self.progress()
         identity = self.identify()
         key = (tuple(sorted(progress.items())), identity["rank"], identity["gpu"])
@@ -282,8 +325,13 @@ class ChildAgent:
             return
         main = sys.modules.get("__main__")
         namespace = vars(main) if main is not None else None
+        workload = cast(dict[str, Any], self.probes.facts(namespace))
+        try:  # (the sampler takes no more samples after: the loop has ended)
+            workload["loop_waits"], workload["stack_samples"] = self.stack.facts(namespace)
+        except Exception as exc:  # noqa: BLE001 - the facts go without them
+            workload.setdefault("probe_errors", []).append(f"loop_waits unavailable (StackSampler): {exc!r}")
         self.send({"kind": "facts", "id": identity, "progress": progress, "final": final,
-                   "workload": self.probes.facts(namespace), "host": self.host(),
+                   "workload": workload, "host": self.host(),
                    "cpu": cpu_seconds(live_children=True)})
 
     def host(self) -> MainThreadFigures:

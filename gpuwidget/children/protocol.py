@@ -34,6 +34,23 @@ from typing import Any, TypedDict
 ENV_VAR = "GPUWIDGET_CHILDREN"
 # How often a child sends its spans: often enough for the live view, rare enough to cost nothing.
 FLUSH_INTERVAL_S = 0.3
+# Set beside ENV_VAR: the watch's sampling interval (seconds), at which a child samples its main
+# thread's stack (probes.stack); a child without it samples at DEFAULT_STACK_INTERVAL_S.
+INTERVAL_VAR = "GPUWIDGET_CHILDREN_INTERVAL"
+DEFAULT_STACK_INTERVAL_S = 0.25
+# Never faster than the watch allows (options.py: 0.01 s), never slower than a flush.
+MIN_STACK_INTERVAL_S = 0.01
+
+
+def stack_interval(value: str | None) -> float:
+    """The child's stack-sampling interval from :data:`INTERVAL_VAR`'s value."""
+    try:
+        interval = float(value) if value else DEFAULT_STACK_INTERVAL_S
+    except ValueError:
+        interval = DEFAULT_STACK_INTERVAL_S
+    if interval != interval:  # NaN
+        interval = DEFAULT_STACK_INTERVAL_S
+    return min(FLUSH_INTERVAL_S, max(MIN_STACK_INTERVAL_S, interval))
 # A larger message is a broken or hostile peer: its connection is closed.
 MAX_MESSAGE_BYTES = 32 * 1024 * 1024
 

@@ -12,7 +12,8 @@ run's duration), its CPU seconds, ``loaders`` (without the per-step lists), ``mo
 ``finished`` (False: it was killed or crashed, and its figures are those it last sent).
 
 When the watch's own process did not train (a launcher, ``subprocess.run``, ``gpuwatch``)
-the workload's loaders, model and CUDA facts are the busiest child's (the one with the most
+the workload's loaders, model, CUDA facts, training steps and stack samples (``loop_waits``) are
+the busiest child's (the one with the most
 time in its loop), so the rules judge that process as they would judge the notebook's own
 loop, and "this process" is the training processes: ``process_cpu_mean`` their CPU summed
 (all their threads, over the run), ``workers_cpu_mean`` their loader workers' (over each one's
@@ -44,6 +45,7 @@ from gpuwidget.facts import (
     uuid_key,
 )
 from gpuwidget.figures.summary import paired, percentiles, primary_loader, summarize, time_breakdown
+from gpuwidget.probes import STEP_SPAN, TRAIN_STEP_SPAN
 from gpuwidget.trace import Trace
 
 PER_STEP_LISTS = ("step_times", "wait_times", "step_ends")
@@ -81,7 +83,8 @@ def loop_figures(workload: WorkloadFacts | None) -> RankEntry:
     else:
         loader = primary_loader(facts) or {}
         steps, waits = per_step(loader.get("step_times") or [], loader.get("wait_times") or [])
-    return {"steps": summary.get("steps") or 0, "samples_per_s": summary.get("samples_per_s"),
+    return {"steps": summary.get("steps") or 0, "step_source": summary.get("step_source"),
+            "samples_per_s": summary.get("samples_per_s"),
             "data_wait_fraction": summary.get("data_wait_fraction"),
             "step_time_p50_s": summary.get("step_time_p50"), "step_time_p95_s": summary.get("step_time_p95"),
             "loop_time_s": summary.get("loop_time_s") or 0.0, "step_times": steps, "wait_times": waits}
@@ -126,7 +129,9 @@ def child_entry(record: ChildRecord, machine: MachineFacts | None = None) -> Ran
             "loaders": list(workload.get("loaders") or []), "model": workload.get("model"),
             "training": workload.get("training"),
             "cuda": workload.get("cuda"), "host": record.host.copy(), "cpu": record.cpu.copy(),
-            "finished": record.finished, "argv": ident.get("argv")}
+            "finished": record.finished, "argv": ident.get("argv"),
+            # the process's stack samples (probes.stack): the workload's when it is the busiest (merge)
+            "loop_waits": list(workload.get("loop_waits") or []), "stack_samples": workload.get("stack_samples") or {}}
 
 
 def own_entry(workload: WorkloadFacts, identity: Identity, summary_host: MainThreadFigures) -> RankEntry:
@@ -164,8 +169,13 @@ def merge(workload: WorkloadFacts, records: Iterable[ChildRecord], identity: Ide
         merged["model"] = busiest["model"]
         merged["cuda"] = busiest["cuda"]
         merged["training"] = busiest.get("training")
+        merged["loop_waits"] = busiest.get("loop_waits") or []
+        merged["stack_samples"] = busiest.get("stack_samples") or {}
         merged["trained_in"] = {"pid": busiest["pid"], "rank": busiest["rank"]}
-    for entry in entries:  # the entry has the percentiles: the per-step lists would only repeat them per rank
+    for entry in entries:  # each keeps its top wait (the rank rules name it), the workload has the rest
+        entry["loop_waits"] = list(entry.get("loop_waits") or [])[:1]
+        entry.pop("stack_samples", None)
+        # the entry has the percentiles: the per-step lists would only repeat them per rank
         entry["loaders"] = [cast(LoaderFacts, {key: value for key, value in loader.items()
                                                if key not in PER_STEP_LISTS})
                             for loader in entry["loaders"]]
@@ -199,8 +209,9 @@ def job_summary(summary: Summary, workload: WorkloadFacts, trace: Trace | None =
                                                      if value is not None})
         if trace is not None and duration > 0:
             loop_s, wait_s = loop_totals(entry)
+            kind = TRAIN_STEP_SPAN if entry.get("step_source") == "optimizer" else STEP_SPAN
             entry["time_breakdown"] = time_breakdown(duration, trace, None if own else entry.get("pid"),
-                                                     loop_s=loop_s, wait_s=wait_s)
+                                                     loop_s=loop_s, wait_s=wait_s, kind=kind)
     entries = [entry for entry in listed if entry.get("steps")]
     summary["training_processes"] = len(entries)
     trained_in = workload.get("trained_in")

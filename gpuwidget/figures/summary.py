@@ -11,6 +11,7 @@ the optimizer's counted step (:func:`training_figures`).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any, cast
 
 import numpy as np
 
@@ -26,7 +27,7 @@ from gpuwidget.facts import (
 )
 from gpuwidget.figures.warmup import WarmupSplit, split_run, warmup_cause
 from gpuwidget.peaks import chip, peak_flops
-from gpuwidget.probes import DATA_WAIT_SPAN, STEP_SPAN
+from gpuwidget.probes import DATA_WAIT_SPAN, STEP_SPAN, TRAIN_STEP_SPAN
 from gpuwidget.trace import Trace, gpu_indices
 
 # A GPU is idle below this busy figure (SM activity where GPM has it, else utilisation); a gap must
@@ -60,6 +61,10 @@ ENERGY_MIN_COVERAGE = 0.5
 # sanity check, feeds none; half leaves room for a loop whose epochs alternate with an evaluation
 # on another loader that happens to end right before a step.
 FED_SHARE = 0.5
+# A loop takes one batch per optimizer step when at least this share of its batches fed one: the rest
+# were taken and not trained on (a batch read for its size at each epoch's start is 1 in 32 of a small
+# epoch); gradient accumulation over 2 batches or more feeds at most half of them.
+ONE_BATCH_PER_STEP = 0.9
 
 
 def primary_loader(workload: WorkloadFacts | None) -> LoaderFacts | None:
@@ -79,6 +84,20 @@ def primary_loader(workload: WorkloadFacts | None) -> LoaderFacts | None:
     return max(loaders, key=lambda loader: loader.get("loop_time_s") or 0.0, default=None)
 
 
+def loop_steps(loader: LoaderFacts, training: TrainingFacts) -> int:
+    """The loop's steps: its loader's batches, or, where nearly every batch fed an optimizer step
+    (:data:`ONE_BATCH_PER_STEP`: one batch per step), the optimizer's steps: a batch only looked at
+    (``next(iter(loader))`` for its size, as PyTorch's DDP tutorial does each epoch) is no step of the
+    loop. (Not the batches that fed a step: accelerate's loader reads one batch ahead, so the last
+    batch of each epoch is seen to feed none.) With gradient accumulation the steps stay the batches
+    (``optimizer_steps`` counts the updates)."""
+    batches, fed = int(loader.get("steps") or 0), int(loader.get("steps_fed") or 0)
+    optimizer_steps = int(training.get("optimizer_steps") or 0)
+    if optimizer_steps and fed >= ONE_BATCH_PER_STEP * batches:
+        return min(batches, optimizer_steps)
+    return batches
+
+
 def optimizer_loop(training: TrainingFacts, workload: WorkloadFacts | None = None) -> Summary:
     """The loop figures from the optimizer's steps, for a loop no DataLoader fed: steps, their rate,
     samples (the trained model's input's first dimension per step), and the steady steps' percentiles
@@ -93,7 +112,36 @@ def optimizer_loop(training: TrainingFacts, workload: WorkloadFacts | None = Non
                         "loop_time_s": loop, "samples": per_step * steps if per_step else None,
                         "samples_per_s": per_step * steps_per_s if per_step else None, "data_wait_fraction": None}
     figures.update(step_figures(training.get("step_times") or [], steps, workload))
+    steady_headline(figures, training.get("step_times") or [], None, steps)
     return figures
+
+
+def steady_headline(summary: Summary, step_times: Sequence[float], wait_times: Sequence[float] | None,
+                    steps: int) -> None:
+    """The headline rates over the steady steps where a warm-up was split off (``warmup_steps``):
+    ``samples_per_s`` and ``steps_per_s`` over the loop's time less the warm-up's, and
+    ``data_wait_fraction`` over the steady steps' waits where every step's times are kept. The
+    figures with the warm-up stay beside them (``*_with_warmup``): four compiling steps of 0.3 s in
+    150 steps of 3 ms would put a loop at a third of its speed. A run that is all warm-up keeps them."""
+    warm = int(summary.get("warmup_steps") or 0)
+    loop = float(summary.get("loop_time_s") or 0.0)
+    steady_s = loop - float(summary.get("warmup_s") or 0.0)
+    if not warm or summary.get("all_warmup") or warm >= steps or steady_s <= 0 or loop <= 0:
+        return
+    share = (steps - warm) / steps  # of the samples and steps: the warm-up's batches are of the same size
+    figures = cast(dict[str, Any], summary)
+    for key in ("samples_per_s", "steps_per_s"):
+        value = figures.get(key)
+        if value:
+            figures[f"{key}_with_warmup"] = value
+            figures[key] = float(value) * loop * share / steady_s
+    waits, times = list(wait_times or []), list(step_times)
+    overall = summary.get("data_wait_fraction")
+    if overall is not None and len(times) == steps and len(waits) >= steps:
+        steady_times = sum(times[warm:])
+        if steady_times > 0:
+            summary["data_wait_fraction_with_warmup"] = overall
+            summary["data_wait_fraction"] = sum(waits[warm:steps]) / steady_times
 
 
 def steady_step_times(training: TrainingFacts) -> list[float]:
@@ -181,20 +229,26 @@ def covered(intervals: Sequence[tuple[float, float]], lo: float, hi: float) -> f
     return total
 
 
-def process_steps(trace: Trace, pid: int | None) -> tuple[list[tuple[float, float]], float, bool]:
-    """One process's kept step spans (``pid`` None: the watch's own, which carry no pid): the closed
-    ones, the seconds of all of them (an open one too: a loop left early, an iterator left
+def process_steps(trace: Trace, pid: int | None,
+                  kind: str = STEP_SPAN) -> tuple[list[tuple[float, float]], float, bool]:
+    """One process's kept step spans of ``kind`` (``pid`` None: the watch's own, which carry no pid): the
+    closed ones, the seconds of all of them (an open one too: a loop left early, an iterator left
     unfinished), and whether the trace still holds every step span it was given."""
-    every = trace.spans(STEP_SPAN)
-    stats = trace.span_stats(STEP_SPAN)
+    every = trace.spans(kind)
+    stats = trace.span_stats(kind)
     complete = stats is None or stats.count == len(every)
     spans = [span for span in every if span.attrs.get("pid") == pid]
     closed = [(span.start, span.end) for span in spans if not span.attrs.get("open")]
     return closed, sum(span.duration for span in spans), complete
 
 
-def time_breakdown(duration: float, trace: Trace, pid: int | None, loop_s: float, wait_s: float) -> TimeBreakdown:
+def time_breakdown(duration: float, trace: Trace, pid: int | None, loop_s: float, wait_s: float,
+                   kind: str = STEP_SPAN) -> TimeBreakdown:
     """Where one process's time went, in parts that sum to ``duration``.
+
+    The steps are the DataLoader's (``step`` spans) or, for a loop no DataLoader fed (``step_source``
+    "optimizer"), the optimizer's (``kind`` ``train.step``; ``loop_s`` their total, ``wait_s`` 0: no
+    data wait is measured there).
 
     ``loop_s`` and ``wait_s`` are the process's loaders' exact totals (every loader summed). The
     loop's seconds are the time its steps cover, each second once: a loader iterated inside
@@ -206,7 +260,7 @@ def time_breakdown(duration: float, trace: Trace, pid: int | None, loop_s: float
     tear-down, a process group's end); "other" is then the gaps between steps (evaluation outside
     a DataLoader, between epochs).
     """
-    closed, kept_s, complete = process_steps(trace, pid)
+    closed, kept_s, complete = process_steps(trace, pid, kind)
     loop = min(duration, covered(closed, 0.0, duration) + max(0.0, loop_s - kept_s))
     wait = min(loop, max(0.0, wait_s))
     parts: TimeBreakdown = {"data_wait_s": wait, "compute_s": loop - wait, "other_s": duration - loop}
@@ -294,26 +348,29 @@ def summarize(trace: Trace, workload: WorkloadFacts | None = None,
     loader = primary_loader(workload)
     loop_time = (loader or {}).get("loop_time_s") or 0.0
     training = (workload or {}).get("training") or {}
+    trained_in = (workload or {}).get("trained_in")
+    pid = trained_in.get("pid") if trained_in else None  # the process that trained (None: the watch's own)
     if loader is not None and loop_time > 0:
         summary["step_source"] = "dataloader"
         summary["loader"] = loader.get("name")
-        summary["steps"] = loader["steps"]
+        summary["steps"] = batches = loop_steps(loader, training)
         summary["samples"] = loader["samples"] or None
         summary["samples_per_s"] = loader["samples"] / loop_time if loader["samples"] else None
-        summary["steps_per_s"] = loader["steps"] / loop_time
+        summary["steps_per_s"] = batches / loop_time
         summary["loop_time_s"] = loop_time
         summary["data_wait_fraction"] = loader["wait_total_s"] / loop_time
         summary.update(step_figures(loader.get("step_times") or [], loader["steps"], workload, loader))
+        steady_headline(summary, loader.get("step_times") or [], loader.get("wait_times"), loader["steps"])
         # Where the cell's time went (in the process that trained): blocked on data, the loop's
         # own work, before its first step, and the rest (evaluation outside a DataLoader, the end).
         loaders = (workload or {}).get("loaders") or []
-        trained_in = (workload or {}).get("trained_in")
-        pid = trained_in.get("pid") if trained_in else None
         summary["time_breakdown"] = time_breakdown(
             duration, trace, pid, loop_s=sum(item.get("loop_time_s") or 0.0 for item in loaders),
             wait_s=sum(item.get("wait_total_s") or 0.0 for item in loaders))
     elif steps := optimizer_loop(training, workload):  # no DataLoader fed the loop: the optimizer's steps
         summary.update(steps)
+        summary["time_breakdown"] = time_breakdown(duration, trace, pid, loop_s=steps.get("loop_time_s") or 0.0,
+                                                   wait_s=0.0, kind=TRAIN_STEP_SPAN)
     else:
         summary.update({"steps": None, "samples": None, "samples_per_s": None, "data_wait_fraction": None})
     summary.update(training_figures(workload, machine))

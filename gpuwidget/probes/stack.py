@@ -19,6 +19,15 @@ the loop had is reported: with optimizer steps, samples inside ``train.step`` sp
 also inside a DataLoader's ``next()`` is counted as such, so the rules can leave those waits to
 the DataLoader's own measurements.
 
+A loop can also wait inside its step: nanoGPT's ``train.py`` fetches the next batch between a
+micro-step's forward and its backward. With optimizer steps, a sample inside ``train.step`` is a
+wait too when the thread was outside torch's work (no frame of torch's own code on its stack but
+the DataLoader's: not in the model's forward, backward, optimizer step or loss) and in a function the
+loop's own code called: a line of the loop itself (``loss.item()`` on a GPU, a progress bar) is the
+step's own. The loop's code is the one that calls into torch's work most often in the samples inside
+the steps (the outermost frame of the user's just outside a frame of torch's: the line calling
+``model(x)``, ``loss.backward()``, ``optimizer.step()``).
+
 Cost: one sample walks the watched thread's frames once (a cached verdict per code object) and
 places the few pending samples in the new spans by bisection; reading the new spans from the Trace
 is the part that grows with the step rate (tens of nanoseconds a span). BENCHMARKS.md ("Stack
@@ -76,6 +85,9 @@ COPY_METHODS = ("to", "cuda")
 
 # A sample: (trace time, location). Location: (innermost user code, its line, outermost user code,
 # its line), or None when no frame of the user's was on the stack.
+# torch's packages whose frames are not the step's work: a DataLoader's next() is a wait (the
+# DataLoader rules judge it), gpuwidget's own frames are nobody's work.
+NOT_TORCH_WORK = ("torch.utils.data",)
 Location = tuple[CodeType, int, CodeType, int]
 _ELSEWHERE: Any = None  # the bucket for locations beyond MAX_LOCATIONS
 
@@ -112,6 +124,14 @@ def is_user_frame(frame: FrameType) -> bool:
     return not file.startswith(_LIBRARY_PREFIXES)
 
 
+def is_torch_work(frame: FrameType) -> bool:
+    """The frame is torch's own code doing the step's work (a module's forward, autograd, an
+    optimizer, a loss), not a DataLoader's ``next()`` (:data:`NOT_TORCH_WORK`)."""
+    name = frame.f_globals.get("__name__")
+    return (isinstance(name, str) and (name == "torch" or name.startswith("torch."))
+            and not name.startswith(NOT_TORCH_WORK))
+
+
 class _Basis:
     """Samples attributed against one pair of span kinds: the loop's steps and the waits inside them."""
 
@@ -120,13 +140,16 @@ class _Basis:
         self.wait_kind = wait_kind
         self.inside_kind = inside_kind  # also counted: waits inside spans of this kind
         self.kinds = (loop_kind, wait_kind, *([inside_kind] if inside_kind else []))
-        # [time, location, in a wait span, in an inside span]
+        # [time, location, in a wait span, in an inside span, outside torch's work in a function of the
+        #  user's, when it was read, read inside a wait span]
         self.pending: deque[list[Any]] = deque(maxlen=MAX_PENDING)
         self.loop_spans = 0
+        self.callers: Counter[CodeType] = Counter()  # the user's code calling into torch's work, in the steps
         self._held: list[Any] = []  # the loop spans of the last call, deciding samples at the next
         self.loop_samples = 0
         self.waits: Counter[Location | None] = Counter()
         self.inside: Counter[Location | None] = Counter()
+        self.working: Counter[Location | None] = Counter()  # of the waits, those inside torch's work
 
     def take(self, new: Mapping[str, list[Any]]) -> None:
         """Mark the pending samples with the spans recorded since the last call (``new``, by kind);
@@ -140,6 +163,7 @@ class _Basis:
         waits = new.get(self.wait_kind)
         if waits:
             self._mark(waits, 2)
+            self._mark(waits, 6, at=5)
         inside = new.get(self.inside_kind) if self.inside_kind is not None else None
         if inside:
             self._mark(inside, 3)
@@ -148,38 +172,56 @@ class _Basis:
             self.loop_spans += len(loop)
             self._held = loop
 
+    def loop_code(self) -> CodeType | None:
+        """The loop's own code: the user's code seen calling into torch's work most often in the steps."""
+        return self.callers.most_common(1)[0][0] if self.callers else None
+
     def flush(self) -> None:
         """Decide the samples the loop spans read last decide."""
         held, self._held = self._held, []
         if held:
             self._decide(held)
 
-    def add(self, t: float, location: Location | None) -> None:
-        self.pending.append([t, location, False, False])
+    def add(self, t: float, location: Location | None, off_step: bool = False, read: float | None = None,
+            caller: CodeType | None = None, working: bool = False) -> None:
+        # off_step counts only with optimizer steps (the loader basis's steps are next() to next()).
+        self.pending.append([t, location, False, False, off_step and self.inside_kind is not None,
+                             t if read is None else read, False, caller, working])
 
-    def _mark(self, spans: list[Any], slot: int) -> None:
+    def _mark(self, spans: list[Any], slot: int, at: int = 0) -> None:
+        """Mark ``slot`` of the pending samples whose time ``at`` (0: due, 5: read) falls in ``spans``."""
         # Wait spans do not nest: the first to end started first (the next few cover an overlap).
         earliest = min(span[0] for span in spans[:OVERLAP_SCAN])
-        for sample in reversed(self.pending):  # newest first: only the last few can fall in new spans
-            if sample[0] < earliest:
+        for sample in reversed(self.pending):  # newest first (due and read times both grow): the last few
+            if sample[at] < earliest:
                 break
-            if not sample[slot] and _inside(spans, sample[0]):
+            if not sample[slot] and _inside(spans, sample[at]):
                 sample[slot] = True
 
     def _decide(self, spans: list[Any]) -> None:
         last_end = spans[-1][1]
         pending = self.pending
+        loop_code = self.loop_code()  # once per call: the samples it decides come from a few ticks
         while pending and pending[0][0] <= last_end:
-            t, location, waiting, inside = pending.popleft()
-            if not _inside(spans, t):
+            t, location, waiting, inside, off_step, read, read_waiting, caller, working = pending.popleft()
+            span = _containing(spans, t)
+            if span is None:
                 continue
             self.loop_samples += 1
-            if waiting:
+            if caller is not None:
+                self.callers[caller] += 1
+            # A wait inside the step only where the stack was read inside the same step and not between
+            # steps: a read late for the GIL shows where the loop released it next, maybe the next fetch.
+            if off_step and (read_waiting or read > span[1] or location[0] is loop_code):
+                off_step = False
+            if waiting or off_step:
                 if location not in self.waits and len(self.waits) >= MAX_LOCATIONS:
                     location = _ELSEWHERE
                 self.waits[location] += 1
                 if inside:
                     self.inside[location] += 1
+                if working:
+                    self.working[location] += 1
 
 
 _ATTRS = operator.itemgetter(2)
@@ -191,8 +233,13 @@ def _span_end(span: Any) -> float:
 
 def _inside(spans: list[Any], t: float) -> bool:
     """``t`` falls in one of ``spans`` (ordered by end)."""
+    return _containing(spans, t) is not None
+
+
+def _containing(spans: list[Any], t: float) -> Any:
+    """The first of ``spans`` (ordered by end) that ``t`` falls in, or None."""
     first = bisect.bisect_left(spans, t, key=_span_end)
-    return any(span[0] <= t for span in spans[first:first + OVERLAP_SCAN])
+    return next((span for span in spans[first:first + OVERLAP_SCAN] if span[0] <= t), None)
 
 
 class StackSampler:
@@ -216,7 +263,7 @@ class StackSampler:
         self.late_max_s = LATE_SWITCHES * sys.getswitchinterval()
         self.ticks = 0
         self.cpu_s = 0.0
-        self._user: dict[int, tuple[CodeType, bool]] = {}  # id(code) -> (code, is the user's)
+        self._user: dict[int, tuple[CodeType, bool, bool]] = {}  # id(code) -> (code, the user's, torch's work)
         self.errors: list[str] = []
         self._lock = threading.Lock()
         self._closed = False
@@ -263,7 +310,7 @@ class StackSampler:
             self.dropped += 1
             return
         self.late_s += reading - due
-        self._sample(due - self.trace.start_clock)
+        self._sample(due - self.trace.start_clock, reading - self.trace.start_clock)
 
     def _take_spans(self) -> None:
         """The spans of each kind recorded since the last tick, read once for both bases: this
@@ -279,21 +326,27 @@ class StackSampler:
         for basis in bases:
             basis.take(new)
 
-    def _sample(self, t: float) -> None:
+    def _sample(self, t: float, read: float | None = None) -> None:
         frame = sys._current_frames().get(self.thread_id)
         inner: FrameType | None = None
         outer: FrameType | None = None
         cache = self._user
         depth = 0
+        working = below_torch = False
+        caller: CodeType | None = None
         while frame is not None and depth < MAX_DEPTH:
             code = frame.f_code
             known = cache.get(id(code))
             if known is None or known[0] is not code:
-                known = cache[id(code)] = (code, is_user_frame(frame))
+                known = cache[id(code)] = (code, is_user_frame(frame), is_torch_work(frame))
             if known[1]:
                 if inner is None:
                     inner = frame
                 outer = frame
+                if below_torch:  # the user's frame calling into torch's work (through any library)
+                    caller, below_torch = code, False
+            elif known[2]:
+                working = below_torch = True
             frame = frame.f_back
             depth += 1
         location: Location | None = None
@@ -301,7 +354,9 @@ class StackSampler:
             location = (inner.f_code, inner.f_lineno or 0, outer.f_code, outer.f_lineno or 0)
         self.samples += 1
         self.recent.append((t, location))
-        self.optimizer.add(t, location)
+        # Outside torch's work, in a function the loop called: a wait inside the step (module docstring).
+        off_step = not working and location is not None and location[0] is not location[2]
+        self.optimizer.add(t, location, off_step, read, caller, working)
         self.loader.add(t, location)
 
     # ----------------------------------------------------------------- facts, after the watch
@@ -323,26 +378,30 @@ class StackSampler:
                              "dropped": self.dropped}
         if not basis.loop_samples:
             return [], stack
-        by_code: dict[CodeType, list[Any]] = {}  # code -> [samples, inside, Counter(line), Counter(outer)]
+        # code -> [samples, inside, Counter(line), Counter(outer), in torch's work]
+        by_code: dict[CodeType, list[Any]] = {}
         for location, count in basis.waits.items():
             if location is None:
                 continue
             code, line, outer_code, outer_line = location
-            entry = by_code.setdefault(code, [0, 0, Counter(), Counter()])
+            entry = by_code.setdefault(code, [0, 0, Counter(), Counter(), 0])
             entry[0] += count
             entry[1] += basis.inside.get(location, 0)
+            entry[4] += basis.working.get(location, 0)
             entry[2][line] += count
             entry[3][(outer_code, outer_line)] += count
         ranked = sorted(by_code.items(), key=lambda item: item[1][0], reverse=True)[:LOOP_WAITS]
         names = namespace or {}
+        loop_code = basis.loop_code() if basis is self.optimizer else None
         waits: list[LoopWait] = []
-        for code, (count, inside, lines, outers) in ranked:
+        for code, (count, inside, lines, outers, working) in ranked:
             line = lines.most_common(1)[0][0]
             outer_code, outer_line = outers.most_common(1)[0][0]
             share = count / basis.loop_samples
             wait: LoopWait = {**code_site(code, line), "share": share, "seconds": share * loop_s,
                               # Without optimizer steps the waits are a DataLoader's next() itself.
                               "samples": count, "in_loader": inside / count if basis.inside_kind else 1.0,
+                              "in_model": working / count, "in_loop": code is loop_code,
                               "source": _line_text(code.co_filename, line),
                               "called_from": code_site(outer_code, outer_line),
                               "name": user_name(code, names), "generator": bool(code.co_flags & CO_GENERATOR),
@@ -356,8 +415,13 @@ class StackSampler:
 
 def code_site(code: CodeType, line: int) -> CodeSite:
     """``code`` at ``line`` as the user knows it: the function's name, the file relative to the
-    working directory (a cell keeps IPython's file) and the cell's number where it is a cell."""
-    function = getattr(code, "co_qualname", code.co_name).rsplit("<locals>.", 1)[-1]
+    working directory (a cell keeps IPython's file) and the cell's number where it is a cell. A
+    function defined inside another goes by its own name (``collate_fn``); a generator expression or
+    a lambda by the function around it (``ByteTokenizer.__call__.<genexpr>``)."""
+    scopes = getattr(code, "co_qualname", code.co_name).split("<locals>.")
+    function = scopes[-1]
+    if function.startswith("<") and len(scopes) > 1:
+        function = scopes[-2].rstrip(".") + "." + function
     file = code.co_filename
     cell = notebook_cell(file)
     return {"function": function, "file": file if cell is not None else display_path(file), "line": line,

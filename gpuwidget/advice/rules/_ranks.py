@@ -166,7 +166,7 @@ class DdpTiming:
     exposed_s: float  # all-reduce time after backward had finished
 
 
-def ddp_timings(rank: RankEntry) -> list[DdpTiming]:
+def ddp_timings(rank: RankEntry, typical_only: bool = True) -> list[DdpTiming]:
     """A rank's DDP figures that describe a typical step of its run; all of them where its steps are not
     known one by one (a single process's summary).
 
@@ -188,7 +188,7 @@ def ddp_timings(rank: RankEntry) -> list[DdpTiming]:
                             - int(ddp.get(f"{prefix}backward_compute_comm_overlap_time") or 0)) * NS)
         timings.append(DdpTiming(which, compute, exposed))
     series = step_series(rank)
-    if series is None:
+    if series is None or not typical_only:
         return timings
     typical = median(series[0]) + NOISE_MULTIPLE * mad(series[0])
     return [timing for timing in timings if timing.compute_s + timing.exposed_s <= typical]

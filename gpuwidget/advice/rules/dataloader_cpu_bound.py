@@ -11,10 +11,18 @@ from __future__ import annotations
 from gpuwidget.advice.code import cache_code
 from gpuwidget.advice.finding import Finding
 from gpuwidget.advice.loader import diagnose
-from gpuwidget.facts import MachineFacts, Summary, WorkloadFacts
+from gpuwidget.advice.rules.loop_waits import IN_LOADER_MAX
+from gpuwidget.facts import LoopWait, MachineFacts, Summary, WorkloadFacts
 from gpuwidget.report import fmt_count, fmt_percent
 
 RULE = "dataloader-cpu-bound"
+
+
+def batch_builder(workload: WorkloadFacts) -> LoopWait | None:
+    """The function the stack samples found the loop in while it waited inside the loader's ``next()``
+    (the share loop-waits leaves to the DataLoader rules): where the main process built its batches."""
+    return next((wait for wait in workload.get("loop_waits") or []
+                 if float(wait.get("in_loader") or 0.0) >= IN_LOADER_MAX and not wait.get("in_loop")), None)
 
 
 def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> Finding | None:
@@ -35,6 +43,6 @@ def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> F
                     "samples, preprocess once ahead of training, or run the augmentations on the GPU "
                     "(torchvision transforms v2 on batched tensors, or NVIDIA DALI)."),
         change={},
-        code=cache_code(d.loader),
+        code=cache_code(d.loader, batch_builder(workload)),
         expected_speedup=round(d.expected_speedup, 2),
     )

@@ -1,10 +1,11 @@
-"""loop-waits: the training loop waits in one function of the user's between optimizer steps.
+"""loop-waits: the training loop waits in one function of the user's, outside the model's work.
 
 The evidence is a statistical profile (``probes.stack``): the watched thread's stack, sampled at
 each sampler tick, inside ``train.between`` spans (an optimizer step's end to the trained model's
-next forward: where the loop fetches its next batch, logs, evaluates), as a share of the samples
-inside the loop's steps. The function is named where the user wrote it ("get_batch() (cell In [7],
-line 26)"), with the change that fits what it does:
+next forward: where the loop fetches its next batch, logs, evaluates) and, inside the step, in a
+function the loop called outside torch's work (nanoGPT fetches its next batch between a forward and
+its backward), as a share of the samples inside the loop's steps. The function is named where the
+user wrote it ("get_batch() (cell In [7], line 26)"), with the change that fits what it does:
 
 * its line copies the same host tensors to the device at every step (``X.to(device)`` of a tensor
   the loop never reassigns): move them once, before the loop (the copies go entirely: at most
@@ -23,12 +24,14 @@ while the loop waits (workers, CPU, sleeping) and change the loader's settings, 
 thread around a loader. So a function whose samples fall mostly inside ``loader.wait`` spans
 (``in_loader`` at least :data:`IN_LOADER_MAX`) is never named here, whatever its share, and without
 optimizer steps (the samples' basis is ``loader.wait`` itself) this rule stays silent: each measured
-second gets one explanation. Time between steps outside ``next()`` (a batch function of the user's,
-copies, logging) is this rule's, beside a DataLoader as well as without one.
+second gets one explanation. Nor is the wait of a straggling rank that the others wait for
+(rank-straggler names it, with the rank). Time between steps outside ``next()`` (a batch function of
+the user's, copies, logging) is this rule's, beside a DataLoader as well as without one.
 
 How it sits with ``periodic-stall``: a checkpoint or an evaluation every N steps is also time between
 steps, and that rule names it from the step times, as a stall with its period. Its seconds are that
-rule's (:func:`stall_waits`: the function the stall spends them in), and this rule names only waits
+rule's (:func:`stall_waits`: the function the stall spends them in; an evaluation is also the model
+run between steps, ``periodic_stall.wait_kind``), and this rule names only waits
 the stall cannot hold. Like the loop's other causes, nothing is named from a loop shorter than
 the evidence gate (gpuwidget.advice.evidence: MIN_CAUSE_STEPS steady steps, MIN_CAUSE_LOOP_S).
 """
@@ -42,7 +45,7 @@ from typing import Any
 from gpuwidget.advice.evidence import MIN_CAUSE_STEPS, enough_evidence
 from gpuwidget.advice.finding import Finding, FindingChange
 from gpuwidget.advice.loader import STARVED_WAIT_FRACTION
-from gpuwidget.advice.rules import periodic_stall
+from gpuwidget.advice.rules import periodic_stall, rank_straggler
 from gpuwidget.advice.rules.periodic_stall import PeriodicStall
 from gpuwidget.facts import LoopWait, MachineFacts, StackFacts, Summary, WorkloadFacts
 from gpuwidget.probes.origin import location as origin_location
@@ -78,10 +81,21 @@ def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> F
     waits = [wait for wait in workload.get("loop_waits") or [] if (wait.get("in_loader") or 0.0) < IN_LOADER_MAX]
     stall = periodic_stall.find(workload)
     stalls = stall_waits(waits, stall, loop_samples) if stall is not None else []
+    straggler = rank_straggler.find(workload)
+    straggling = straggler[1][straggler[0].index].get("loop_waits") if straggler is not None else None
     for wait in waits:
-        if not any(wait is theirs for theirs in stalls) and named(wait, loop_samples):
+        if any(wait is theirs for theirs in stalls):
+            continue  # a periodic evaluation or checkpoint: periodic-stall's seconds and advice
+        if straggling and same_site(wait, straggling[0]):
+            continue  # what a straggling rank does that the others wait for: rank-straggler's
+        if named(wait, loop_samples):
             return _finding(wait, stack)
     return None
+
+
+def same_site(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    """Two loop waits name the same function and line."""
+    return all(a.get(key) == b.get(key) for key in ("function", "file", "line"))
 
 
 def stall_waits(waits: Sequence[LoopWait], stall: PeriodicStall, loop_samples: int) -> list[LoopWait]:
@@ -120,11 +134,12 @@ def _finding(wait: LoopWait, stack: StackFacts) -> Finding:
     share = float(wait["share"])
     place = origin_place(wait)
     function = wait.get("function") or "<module>"
-    own_line = function == "<module>"
+    own_line = function == "<module>" or bool(wait.get("in_loop"))  # a line of the loop itself
     name = None if own_line else wait.get("name")
     copy = wait.get("copy") or {}
     source = wait.get("source")
-    measured = (f"Between optimizer steps the loop spent {fmt_fraction(share)} of its time "
+    measured = (f"Outside the model's forward, backward and optimizer step the loop spent {fmt_fraction(share)} "
+                f"of its time "
                 f"({fmt_seconds(wait.get('seconds'))} of {fmt_seconds(stack.get('loop_s'))}) "
                 f"{place}" + (f": `{source}`" if source else "")
                 + f" ({wait.get('samples')} of {stack.get('loop_samples')} stack samples).")
@@ -151,7 +166,7 @@ def _finding(wait: LoopWait, stack: StackFacts) -> Finding:
         change = {"pin_memory": True, "non_blocking": True} if rewritten else {"prefetch": name}
         gain = overlap_bound
     elif name:
-        title = f"The loop waits {place} {fmt_fraction(share)} of the time, between steps"
+        title = f"The loop waits {place} {fmt_fraction(share)} of the time, outside the model's work"
         suggestion = (f"{measured} Fetch the next batch while the step computes: Prefetcher runs {function}() "
                       "one call ahead on a background thread and returns the same batches in the same order. "
                       "It gains where the function waits (storage, network, sleeping, torch's C code); Python "
@@ -161,10 +176,10 @@ def _finding(wait: LoopWait, stack: StackFacts) -> Finding:
         gain = overlap_bound
     else:
         where = "the loop's own line" if own_line else f"{function}(), which no name of yours holds,"
-        title = f"The loop waits {place} {fmt_fraction(share)} of the time, between steps"
+        title = f"The loop waits {place} {fmt_fraction(share)} of the time, outside the model's work"
         suggestion = (f"{measured} That is {where}: do it less often, or off the loop's thread, or ahead of "
                       "the step that needs it.")
-        code = (f"# The loop waits {place} between optimizer steps, {fmt_fraction(share)} of its time"
+        code = (f"# The loop waits {place} outside the model's work, {fmt_fraction(share)} of its time"
                 + (f":\n#     {source}" if source else ".")
                 + "\n# Do it less often (every N steps), on a background thread, or before the loop.")
         change = {}

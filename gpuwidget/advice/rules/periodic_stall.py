@@ -60,6 +60,8 @@ LARGE_STALL_SHARE = 0.25
 MIN_STALL_FRACTION = 0.05
 # Suggest doing the periodic work this many times less often.
 CHECKPOINT_SPACING = 5
+# A loop wait whose samples were mostly (this share) inside torch's work ran the model between steps.
+IN_MODEL_SHARE = 0.5
 
 # What a stall's stack samples (loop_waits) say it is: a function whose name holds one of these
 # (lower case), or a file of a serialisation library. Names, not paths: a path holds the user's
@@ -174,13 +176,17 @@ def large_stalls(slow: Sequence[int], step_times: Sequence[float], median: float
 
 
 def wait_kind(wait: Mapping[str, Any]) -> str | None:
-    """"checkpoint" or "evaluation" by a loop wait's function and file (its stack samples), or None
-    (also what loop-waits reads to leave a stall's own waits to this rule)."""
+    """"checkpoint" or "evaluation" where a loop wait's function or file says so, or, for an evaluation,
+    where its samples were mostly inside torch's work between steps (the model ran outside a training
+    step: probes.stack's ``in_model``); else None (also what loop-waits reads to leave a stall's own
+    waits to this rule)."""
     function, file = str(wait.get("function") or "").lower(), str(wait.get("file") or "").lower()
     if any(mark in function for mark in CHECKPOINT_MARKS) or any(
             file.endswith(name) or f"/{name}/" in file for name in CHECKPOINT_FILES):
         return "checkpoint"
-    return "evaluation" if any(mark in function for mark in EVALUATION_MARKS) else None
+    if any(mark in function for mark in EVALUATION_MARKS) or float(wait.get("in_model") or 0.0) >= IN_MODEL_SHARE:
+        return "evaluation"
+    return None
 
 
 def stall_site(workload: WorkloadFacts, kind: str | None) -> str | None:

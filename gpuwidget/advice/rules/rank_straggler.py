@@ -15,6 +15,14 @@ where that was measured, step by step or by DDP itself, never from a difference 
   average *and* in its latest sample, both describing typical steps of every rank
   (``_ranks.ddp_timings``), while every other rank's all-reduce ran at least that long
   past its backward (they were measured waiting for it);
+- its own time per step outside the collective: its median step less its data wait and less the
+  all-reduce DDP measured after its backward (the time it waited for the others), compared the same
+  way, and confirmed by its stack samples (``loop_waits``: a wait outside the model's work taking
+  more of its steps than the others' do, by a part of that extra time). This is where a rank's work
+  outside the forward and backward shows (a slower node's Python, a fetch of its own, logging on one
+  rank): the others wait for it in the all-reduce. DDP times a step or a few, and which rank reaches
+  the all-reduce last varies from step to step on a symmetric job, so DDP's figures alone are no
+  evidence of it;
 - ranks that do not synchronise (independent processes: no DDP model, and median step times apart
   by more than ``LOCKSTEP_TOLERANCE``) waited for nobody: their step times compare as they are, with the same
   tests, and the rank must also score under ``RELATIVE_SCORE`` against the others.
@@ -46,6 +54,7 @@ from gpuwidget.advice.rules._ranks import (
 )
 from gpuwidget.advice.rules.gpu_throttled import THROTTLED_SHARE
 from gpuwidget.facts import LoaderFacts, MachineFacts, RankEntry, Summary, WorkloadFacts
+from gpuwidget.probes.origin import place as site_place
 
 RULE = "rank-straggler"
 # NVIDIA's straggler detection (nvidia-resiliency-ext) scores a rank's performance relative to the best
@@ -59,6 +68,8 @@ CRITICAL_BOUND = 1.5
 # A measured cause is named when it accounts for at least this share of the straggler's extra time
 # (the rest is noise of a shared machine or unmeasured work); the suggestion says how much it explains.
 CAUSE_SHARE = 1 / 3
+# What was measured, where it is the rank's own time outside the collective (the others' wait, DDP's figures).
+OWN_TIME = "own time outside the all-reduce (DDP)"
 
 
 @dataclass
@@ -86,7 +97,9 @@ def find(workload: WorkloadFacts) -> tuple[Straggler, list[RankEntry]] | None:
     entries = [rank for rank, _ in timed]
     steps = [median(series[0]) for _, series in timed]
     if synchronous(entries) or max(steps) <= min(steps) * (1 + LOCKSTEP_TOLERANCE):
-        found = _by_data_wait([series[1] for _, series in timed], max(steps)) or _by_ddp_compute(entries, max(steps))
+        waits = [series[1] for _, series in timed]
+        found = (_by_data_wait(waits, max(steps)) or _by_ddp_compute(entries, max(steps))
+                 or _by_own_time(entries, steps, [median(wait) for wait in waits], max(steps)))
     else:
         found = _by_step_time([series[0] for _, series in timed], steps)
     return (found, entries) if found is not None else None
@@ -126,6 +139,42 @@ def _by_ddp_compute(entries: list[RankEntry], job_step: float) -> Straggler | No
                      {"ddp_compute_ms_by_sample": {which: round(mine[which].compute_s * 1e3, 2)
                                                    for which in ("average", "latest")},
                       "others_waited_ms": round(waited * 1e3, 2)})
+
+
+def _by_own_time(entries: list[RankEntry], steps: list[float], waits: list[float],
+                 job_step: float) -> Straggler | None:
+    """The rank whose own time per step outside the collective (step less data wait less the all-reduce
+    DDP measured after its backward) exceeds every other rank's, in DDP's average and latest sample."""
+    # Every one of DDP's figures: a rank that waits for a straggler spends its whole step in the
+    # all-reduce, and its sampled steps then read as longer than typical; the stack samples confirm below.
+    timings = [{timing.which: timing for timing in ddp_timings(entry, typical_only=False)} for entry in entries]
+    shown = [which for which in ("average", "latest") if all(which in timing for timing in timings)]
+    if not shown:
+        return None
+    # DDP's figures are of a few sampled steps, the median of all of them: the difference can be under 0.
+    own = [{which: max(0.0, steps[i] - waits[i] - min(steps[i], timings[i][which].exposed_s)) for which in shown}
+           for i in range(len(entries))]
+    index = max(range(len(own)), key=lambda i: own[i][shown[0]])
+    others = [i for i in range(len(own)) if i != index]
+    extra = min(own[index][which] - max(own[i][which] for i in others) for which in shown)
+    if extra < max(MIN_EXTRA_S, MIN_EXTRA_SHARE * job_step, NOISE_MULTIPLE * step_jitter_s(entries)):
+        return None
+    waited = min(min(steps[i], timing.exposed_s) for i in others for timing in timings[i].values())
+    if waited < extra:
+        return None  # the others were not measured waiting that long for it
+    stalled = [stalled_s(entry) for entry in entries]
+    if stalled[index] - max(stalled[i] for i in others) < max(MIN_EXTRA_S, CAUSE_SHARE * extra):
+        return None  # its own stack samples do not show it doing more outside the model's work
+    return Straggler(index, extra, job_step, OWN_TIME, own[index][shown[0]],
+                     median(own[i][shown[0]] for i in others),
+                     {"own_ms_by_sample": {which: round(own[index][which] * 1e3, 2) for which in shown},
+                      "others_waited_ms": round(waited * 1e3, 2)})
+
+
+def stalled_s(rank: RankEntry) -> float:
+    """Seconds per step a rank's stack samples put in its top wait outside the model's work (0: none)."""
+    wait = next(iter(rank.get("loop_waits") or []), None)
+    return float(wait.get("share") or 0.0) * float(rank.get("step_time_p50_s") or 0.0) if wait else 0.0
 
 
 def _by_step_time(series: list[list[float]], steps: list[float]) -> Straggler | None:
@@ -170,6 +219,7 @@ def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> F
     }
     what = {"data wait": "it waits {mine} per step for data",
             "forward and backward (DDP)": "its forward and backward take {mine} per step",
+            OWN_TIME: "it spends {mine} per step outside the all-reduce",
             "step time": "its steps take {mine}"}[straggler.measured]
     measured = what.format(mine=f"{straggler.mine_s * 1e3:.1f} ms")
     waiting = (f"the other {len(timed) - 1} rank(s) wait about {extra * 1e3:.1f} ms per step for it in the "
@@ -190,7 +240,7 @@ def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> F
 
 
 def _cause(rank: RankEntry, wait: float, others_wait: float, extra: float, summary: Summary,
-           timed: list[RankEntry], measured: str) -> tuple[str, dict[str, float | None], str]:
+           timed: list[RankEntry], measured: str) -> tuple[str, dict[str, object], str]:
     """(cause, its evidence, what to do), from what was measured for this rank."""
     if extra > 0 and wait - others_wait >= CAUSE_SHARE * extra:
         loader: LoaderFacts = next(iter(rank.get("loaders") or []), LoaderFacts())
@@ -202,6 +252,16 @@ def _cause(rank: RankEntry, wait: float, others_wait: float, extra: float, summa
                 f"on the others ({(wait - others_wait) * 1e3:.1f} of its {extra * 1e3:.1f} ms extra): give its loader "
                 f"more workers (num_workers={workers} now) or check that its shard "
                 "is not larger or slower to read than the others' (storage, sample sizes).")
+    stalled = next(iter(rank.get("loop_waits") or []), None)
+    if stalled is not None and extra > 0 and stalled_s(rank) >= CAUSE_SHARE * extra:
+        place = site_place(stalled)
+        seconds = stalled_s(rank)
+        measured_wait = {key: stalled.get(key) for key in ("function", "file", "line", "share")}
+        return (f"it waits {place}", {"loop_wait": measured_wait, "loop_wait_ms": round(seconds * 1e3, 2)},
+                f"Its stack samples put {seconds * 1e3:.1f} ms of each step {place}"
+                + (f" (`{stalled['source']}`)" if stalled.get("source") else "")
+                + ", outside the model's work: that is what the others wait for. Make that rank do less there, "
+                "or do it on every rank alike, off the step (a background thread, every N steps).")
     gpu = rank.get("gpu")
     throttled = (summary.get("gpu_throttle_fraction_by_gpu") or {}).get(str(gpu)) if gpu is not None else None
     if throttled is not None and throttled >= THROTTLED_SHARE:
