@@ -28,3 +28,15 @@ def test_without_a_measured_builder_or_in_getitem_the_dataset_is_named():
     # The loop's own line calling next() (its samples in the loader's own code) builds nothing itself.
     loop_line = {**COLLATE, "function": "main", "in_loop": True}
     assert batch_builder({"loop_waits": [loop_line, COLLATE]}) is COLLATE  # type: ignore[typeddict-item]
+
+
+def test_a_helper_the_dataset_calls_under_the_default_collate_is_the_datasets_work():
+    # CpuHeavyDataset.__getitem__ calls burn(): the samples find burn(), but with torch's default collate
+    # the batch is the dataset's samples stacked, so the dataset is what to cache.
+    loader = {"settings": {**LOADER["settings"], "collate_fn": "default_collate", "default_collate": True}}
+    helper = {**COLLATE, "function": "burn", "line": 22}
+    code = cache_code(loader, helper)  # type: ignore[arg-type]
+    assert code.startswith("# Each sample is rebuilt every epoch in TextBlocks.__getitem__ (train.py, line 40).")
+    assert "burn" not in code
+    custom = {"settings": {**LOADER["settings"], "collate_fn": "collate_fn", "default_collate": False}}
+    assert "built in collate_fn() (train.py, line 136)" in cache_code(custom, COLLATE)  # type: ignore[arg-type]

@@ -326,14 +326,18 @@ def cache_code(loader: LoaderFacts, builder: LoopWait | None = None) -> str:
 
     ``builder``: the loop wait (probes.stack) inside the loader's ``next()`` where its batches were
     measured being built. Where that is not the dataset's ``__getitem__`` (a ``collate_fn`` that
-    tokenizes, a sampler), the code names it instead: that is where the CPU went."""
-    if builder is not None and not str(builder.get("function") or "").endswith("__getitem__"):
+    tokenizes, a sampler), the code names it instead: that is where the CPU went. With torch's default
+    collate the batches are the dataset's samples stacked, so a helper the samples were found in (a
+    decode function ``__getitem__`` calls) is the dataset's work, and the dataset is named."""
+    settings = loader.get("settings") or {}
+    dataset_builds = settings.get("default_collate") is True
+    if (builder is not None and not dataset_builds
+            and not str(builder.get("function") or "").endswith("__getitem__")):
         share = float(builder.get("share") or 0.0)
         return "\n".join([
             f"# The batches are built {site_place(builder)}: {100 * share:.0f}% of the loop's time (stack samples),",
             "# on the CPUs that are already busy. Do that work once, ahead of training (tokenize or decode the",
             "# whole dataset once and keep the result, as datasets' map() does), or make it cheaper."])
-    settings = loader.get("settings") or {}
     dataset = settings.get("dataset_type") or "the dataset"
     where = settings.get("dataset_code") or {}
     place = f" ({location(where)})" if where else ""
