@@ -532,8 +532,9 @@ def test_the_step_probes_real_spans_attribute_a_slow_batch_function():
         time.sleep(0.004)
         return data[torch.randint(len(data), (32,))]
 
+    # 300 steps of at least 4 ms: past the evidence gate's second of steady steps on any machine.
     with gpuwidget.watch(quiet=True, interval=0.01) as run:
-        for _ in range(150):
+        for _ in range(300):
             loss = model(next_batch()).pow(2).mean()
             optimizer.zero_grad()
             loss.backward()
