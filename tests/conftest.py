@@ -56,6 +56,14 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.serial)
 
 
+def environ_now() -> dict[str, str]:
+    """The environment as it is, copied at once: iterating os.environ itself raises if another thread
+    (a library's, in the same worker) sets a variable meanwhile; its underlying dict copies atomically."""
+    data = os.environ._data.copy()  # type: ignore[attr-defined]
+    return {os.environ.decodekey(key): os.environ.decodevalue(value)  # type: ignore[attr-defined]
+            for key, value in data.items()}
+
+
 @pytest.fixture(autouse=True)
 def nothing_left_behind() -> Iterator[None]:
     """Every test starts with no run in the session's history and must end with no sampler thread,
@@ -63,7 +71,7 @@ def nothing_left_behind() -> Iterator[None]:
     before and torn down after every other fixture of the test: what is left here was leaked)."""
     session._last_run = None
     session._runs_by_source.clear()
-    environ = {key: value for key, value in os.environ.items() if key != PYTEST_VARIABLE}
+    environ = {key: value for key, value in environ_now().items() if key != PYTEST_VARIABLE}
     yield
     leftover = sampler_threads()
     for thread in leftover:
@@ -71,8 +79,9 @@ def nothing_left_behind() -> Iterator[None]:
     patched = sorted(name for name, function in PYNVML_FUNCTIONS.items() if getattr(pynvml, name) is not function)
     for name in patched:  # put back, so one leak fails one test, not every GPU test after it
         setattr(pynvml, name, PYNVML_FUNCTIONS[name])
-    changed = sorted(key for key in {*environ, *(key for key in os.environ if key.startswith(OURS))}
-                     if environ.get(key) != os.environ.get(key))
+    now = environ_now()
+    changed = sorted(key for key in {*environ, *(key for key in now if key.startswith(OURS))}
+                     if environ.get(key) != now.get(key))
     for key in changed:
         if key in environ:
             os.environ[key] = environ[key]
