@@ -98,13 +98,13 @@ class MeasureOffer:
         """Why nothing is left to measure, or None: neither the loader nor the model lives, or only the
         model does and every change the findings would try is a loader setting (the cell's loader
         rebound since, as a tutorial does before its next watched cell)."""
-        from gpuwidget.measure.changes import LOADER_KEYS
+        from gpuwidget.measure.changes import model_part
 
         subjects = getattr(self.run, "subjects", None)
         loader_alive = self._loader is not None and self._loader() is not None
         model_alive = subjects is not None and subjects.model is not None
         changes = [change for finding in getattr(self.run, "findings", []) for change in finding.trial_changes()]
-        loader_only = bool(changes) and all(set(change) <= set(LOADER_KEYS) for change in changes)
+        loader_only = bool(changes) and not any(model_part(change) for change in changes)
         if loader_alive or (model_alive and not loader_only):
             return None
         return LOADER_GONE_NOTE if self._loader is not None else MODEL_GONE_NOTE
