@@ -141,19 +141,34 @@ def tick_due_at(due: float) -> Iterator[None]:
         sampler_module._due.value = None
 
 
-def test_a_sample_is_timed_by_when_its_tick_was_due_even_when_its_span_reached_the_trace_first():
+def test_a_sample_is_timed_by_when_its_tick_was_due_and_placed_only_where_it_was_read_inside_the_wait():
+    """A tick due inside a wait but read after the wait ended (another thread held the GIL) counts as
+    waiting, by its due time, but at no location: the stack read then shows where the loop went next
+    (under %run in a kernel, the model's forward line took the collate_fn's waits)."""
     trace = Trace()
     with parked_thread() as thread:
         sampler = StackSampler(trace, thread.ident)
         start, due = trace.now(), now()
         time.sleep(0.003)  # the tick comes late (the loop held the GIL)...
         end = trace.now()
-        trace.add_span(BETWEEN_STEPS_SPAN, start, end)  # ...after the spans around its due time were recorded
+        trace.add_span(BETWEEN_STEPS_SPAN, start, end)  # ...after the wait around its due time had ended
         trace.add_span(TRAIN_STEP_SPAN, start, end)
         with tick_due_at(due):
             sampler.tick()
+        late_waits, late = sampler.facts()
+
+        sampler = StackSampler(trace, thread.ident)
+        start, due = trace.now(), now()
+        time.sleep(0.003)
+        with tick_due_at(due):
+            sampler.tick()  # read late too, but while the wait still lasts
+        end = trace.now()
+        trace.add_span(BETWEEN_STEPS_SPAN, start, end)
+        trace.add_span(TRAIN_STEP_SPAN, start, end)
         waits, stack = sampler.facts()
-    assert stack["loop_samples"] == 1 and waits[0]["share"] == 1.0 and stack["late_ms"] >= 3
+    assert late["loop_samples"] == 1 and late["unplaced"] == 1 and late_waits == [] and late["late_ms"] >= 3
+    assert stack["loop_samples"] == 1 and stack["unplaced"] == 0 and waits[0]["share"] == 1.0
+    assert waits[0]["function"] == "parked_here" and stack["late_ms"] >= 3
 
 
 def test_a_tick_read_long_after_it_was_due_is_not_sampled():

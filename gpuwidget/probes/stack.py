@@ -150,6 +150,7 @@ class _Basis:
         self.waits: Counter[Location | None] = Counter()
         self.inside: Counter[Location | None] = Counter()
         self.working: Counter[Location | None] = Counter()  # of the waits, those inside torch's work
+        self.unplaced = 0  # of the waits, those read after their wait had ended: where, unknown
 
     def take(self, new: Mapping[str, list[Any]]) -> None:
         """Mark the pending samples with the spans recorded since the last call (``new``, by kind);
@@ -214,6 +215,11 @@ class _Basis:
             # steps: a read late for the GIL shows where the loop released it next, maybe the next fetch.
             if off_step and (read_waiting or read > span[1] or location[0] is loop_code):
                 off_step = False
+            if waiting and not read_waiting:
+                # Due inside a wait but read after it (another thread had the GIL first): the stack
+                # then shows where the loop went next (its forward, often), not where it waited.
+                self.unplaced += 1
+                location = None
             if waiting or off_step:
                 if location not in self.waits and len(self.waits) >= MAX_LOCATIONS:
                     location = _ELSEWHERE
@@ -357,7 +363,7 @@ class StackSampler:
         # Outside torch's work, in a function the loop called: a wait inside the step (module docstring).
         off_step = not working and location is not None and location[0] is not location[2]
         self.optimizer.add(t, location, off_step, read, caller, working)
-        self.loader.add(t, location)
+        self.loader.add(t, location, read=read)
 
     # ----------------------------------------------------------------- facts, after the watch
 
@@ -375,7 +381,7 @@ class StackSampler:
                              "steps": basis.loop_spans, "loop_s": loop_s,
                              "tick_us": 1e6 * self.cpu_s / self.ticks if self.ticks else 0.0,
                              "late_ms": 1e3 * self.late_s / self.samples if self.samples else 0.0,
-                             "dropped": self.dropped}
+                             "dropped": self.dropped, "unplaced": basis.unplaced}
         if not basis.loop_samples:
             return [], stack
         # code -> [samples, inside, Counter(line), Counter(outer), in torch's work]
