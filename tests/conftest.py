@@ -14,6 +14,7 @@ beside it judges time either, so the load it makes changes no test's result.
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import Iterator
 
 import pynvml
@@ -44,6 +45,14 @@ SERIAL_FIXTURES = ("one_torch_thread", "ip")
 
 # Kernels, notebooks or the in-process shell, but no judgement of time: the parallel pass takes them.
 UNTIMED_MARKER = "untimed"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # A suite started in the background by a non-interactive shell (`make test &`, nohup, some CI
+    # runners) inherits SIGINT ignored, and Python then leaves it ignored: Ctrl-C would reach no test.
+    # The tests of Ctrl-C need it as a terminal gives it (Python's own handler, KeyboardInterrupt).
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
