@@ -26,8 +26,8 @@ class GpuWatchMagics(Magics):
 
     @cell_magic
     def gpuwatch(self, line: str, cell: str) -> Any:
-        """%%gpuwatch [--interval S] [--gpus 0,1] [--view V] [--no-live] [--no-advice] [--tune] [--save PATH]
-                   [--quiet] [--price P]
+        """%%gpuwatch [--interval S] [--gpus 0,1] [--view V] [--no-live] [--no-advice] [--tune] [--budget S]
+                   [--save PATH] [--quiet] [--price P]
 
         Watch the GPU(s), the host and the workload while the cell runs: a live plot
         under the cell, and when it ends a summary of where the time went. The cell
@@ -44,6 +44,8 @@ class GpuWatchMagics(Magics):
           --no-advice    summary figures only, no findings
           --tune         after the cell, measure its loader's settings (at most 20 s) and every
                          finding's change in its own training step (15 s each, then together)
+          --budget S     the seconds --tune and the panel's Measure take in all, instead of what
+                         they announce (1 to 3600; shorter: fewer repeats, wider intervals)
           --save PATH    also write the run to PATH (.json, .html or .csv)
           --quiet        show nothing; the run is still recorded
           --price P      what one GPU-hour costs (any currency): the report shows the cell's cost

@@ -27,6 +27,9 @@ VIEWS = ("auto", "bokeh", "static", "none")
 # ``GpuWidget.gpu_hour_price`` sets it for the kernels it starts (they inherit its environment), and a
 # user may set it in theirs. In whatever currency the user thinks in; the report shows the number.
 PRICE_ENV = "GPUWIDGET_GPU_HOUR_PRICE"
+# --budget: the seconds --tune and the panel's Measure take, instead of what the plan announces.
+MIN_BUDGET_S = 1.0
+MAX_BUDGET_S = 3600.0
 
 
 class OptionError(ValueError):
@@ -46,6 +49,7 @@ class SavedOptions(TypedDict, total=False):
     save: str | None
     quiet: bool
     price: float | None
+    budget: float | None
 
 
 @dataclass(frozen=True)
@@ -65,6 +69,7 @@ class WatchOptions:
     save: str | None = None
     quiet: bool = False
     price: float | None = None  # per GPU-hour: the summary's cost and idle_cost
+    budget: float | None = None  # seconds for --tune and Measure (None: what measure.plan.plan_budget announces)
 
     def __post_init__(self) -> None:
         if not self.live:
@@ -90,12 +95,14 @@ class WatchOptions:
 def make_options(interval: float | str = DEFAULT_INTERVAL_S, gpus: Sequence[int] | str | None = None,
                  live: bool = True, advice: bool = True, tune: bool = False,
                  save: str | Path | None = None, quiet: bool = False, view: str = "auto",
-                 price: float | str | None = None) -> WatchOptions:
+                 price: float | str | None = None, budget: float | str | None = None) -> WatchOptions:
     """Validate and normalise options; raises :class:`OptionError` with a one-line reason.
 
-    ``price`` (per GPU-hour) defaults to :data:`PRICE_ENV` in the environment, where set.
+    ``price`` (per GPU-hour) defaults to :data:`PRICE_ENV` in the environment, where set. ``budget``:
+    the seconds ``--tune`` and the panel's Measure button take (their default, what they announce).
     """
     return WatchOptions(
+        budget=_budget(budget),
         price=_price(price),
         interval=_interval(interval),
         gpus=_gpus(gpus),
@@ -177,6 +184,19 @@ def _price(value: float | str | None) -> float | None:
     return price
 
 
+def _budget(value: float | str | None) -> float | None:
+    """``--budget``: seconds, :data:`MIN_BUDGET_S` to :data:`MAX_BUDGET_S`; None for the plan's own."""
+    if value is None:
+        return None
+    try:
+        seconds = float(value) if not isinstance(value, bool) else math.nan
+    except (TypeError, ValueError):
+        seconds = math.nan
+    if not MIN_BUDGET_S <= seconds <= MAX_BUDGET_S:  # (NaN fails both)
+        raise OptionError(f"--budget: expected seconds from {MIN_BUDGET_S:g} to {MAX_BUDGET_S:g}, got {value!r}")
+    return seconds
+
+
 def _save(value: str | Path | None) -> str | None:
     """The file to save to, checked now: a bad path is reported before the cell runs, not after it."""
     if value is None:
@@ -206,6 +226,7 @@ def _parser() -> _Parser:
     parser.add_argument("--save", default=None)
     parser.add_argument("--quiet", action="store_true")
     parser.add_argument("--price", default=None)
+    parser.add_argument("--budget", default=None)
     return parser
 
 

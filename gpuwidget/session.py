@@ -510,7 +510,8 @@ def watch(*, label: str = "", display: bool | None = None, **options: Any) -> It
 
     Takes the same options as ``%%gpuwatch``: ``interval``, ``gpus``, ``view``
     (``"auto"``, ``"bokeh"``, ``"static"``, ``"none"``; ``live=False`` is ``view="none"``),
-    ``advice``, ``tune``, ``save``, ``quiet``, ``price`` (per GPU-hour: the run's cost and idle cost).
+    ``advice``, ``tune``, ``budget`` (seconds for ``tune`` and Measure), ``save``, ``quiet``, ``price``
+    (per GPU-hour: the run's cost and idle cost).
     Bad options raise ``ValueError`` before anything starts.
     """
     caller = sys._getframe(2)  # the `with` statement's frame (1 is contextlib's __enter__)

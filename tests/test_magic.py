@@ -73,6 +73,9 @@ def test_keyboard_interrupt_is_recorded_then_propagates(ip):
         ("--save run.txt", "--save: use a .json, .html or .csv file name"),
         ("--interval", "expected one argument"),
         ("--gpus '0", "cannot parse options"),
+        ("--tune --budget 0", "--budget: expected seconds from 1 to 3600, got '0'"),
+        ("--tune --budget soon", "--budget: expected seconds from 1 to 3600, got 'soon'"),
+        ("--tune --budget inf", "--budget: expected seconds from 1 to 3600"),
     ],
 )
 def test_bad_options_raise_usage_error_and_run_nothing(ip, line, reason):

@@ -12,6 +12,7 @@ from torch import nn
 import gpuwidget
 from gpuwidget.advice.finding import Finding
 from gpuwidget.measure.plan import measure_findings, plan_budget
+from gpuwidget.options import WatchOptions, make_options
 from gpuwidget.report import finding_html, finding_text
 
 import workloads
@@ -124,15 +125,34 @@ def test_the_budget_announced_is_the_one_given_to_the_measurement():
     assert plan.budget_s == 15.0 and plan.elapsed_s <= 15.0 * 1.2
 
 
+def test_a_budget_the_user_chose_is_the_one_announced_and_kept_with_the_run():
+    run = with_findings(trained_mlp(), SMALL_BATCH)
+    run.subjects.loader_refs = []
+    run.options = make_options(budget="8")
+    assert plan_budget(run) == 8.0  # the offer's "about 8 s", --tune's and Measure's budget
+    assert WatchOptions.from_dict(run.options.to_dict()).budget == 8.0  # saved with the run
+    run.findings = []
+    assert plan_budget(run) == 0.0  # nothing to measure: still nothing, whatever the budget
+
+
 @pytest.mark.slow
-def test_gpuwatch_tune_measures_the_loader_and_every_finding_in_the_cells_own_loop(ip):
+def test_gpuwatch_tune_measures_the_loader_and_every_finding_in_the_cells_own_loop_within_its_budget(ip):
     workload = workloads.cpu_heavy_transform(items=320)
     ip.user_ns.update(train_loader=workload.loader, train_ds=workload.loader.dataset, train=workload.train)
-    result = ip.run_cell("%%gpuwatch --tune --quiet\ntrain(train_loader)\n")
+    result = ip.run_cell("%%gpuwatch --tune --budget 15 --quiet\ntrain(train_loader)\n")
     assert result.success
     run = gpuwidget.last_run()
     plan = run.measured
     assert plan is not None and run.tuning is plan.tuning and plan.tuning is not None
+    # --budget: the plan's time in all, told in its summary (the default would be 35 s and more here).
+    assert plan.budget_s == 15.0 and plan.elapsed_s <= 15.0 * 1.5, (plan.budget_s, plan.elapsed_s)
+    assert "of a 15.0 s budget" in plan.summary()
+    # The tuner searched the cell's own loader, by its name, against the rate the loop consumed.
+    tuning = run.tuning
+    assert tuning.name == "train_loader"
+    loader = run.workload["loaders"][0]
+    assert tuning.target_rate == pytest.approx(loader["steps"] / loader["compute_total_s"])
+    assert tuning.code.splitlines()[-1].startswith("train_loader = DataLoader(train_ds, ")
     loader_findings = [f for f in run.findings if f.trial_changes()]
     assert [item.change for item in plan.items] == [c for f in loader_findings for c in f.trial_changes()]
     for item in plan.items:  # the loader's settings fed the cell's own model step

@@ -12,7 +12,6 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
-import gpuwidget
 from gpuwidget.measure.batch_probe import SizeTrial, _recommend, probe_batch_size, search_sizes
 from gpuwidget.measure.tuner import Trial, TuneError, _choose, search_workers, tune_loader
 
@@ -159,17 +158,7 @@ def test_interrupting_the_tuner_leaves_no_worker_processes():
     assert no_new_children(before)
 
 
-def test_gpuwatch_tune_measures_the_cells_loader(ip):
-    workload = workloads.cpu_heavy_transform(items=320)
-    ip.user_ns.update(train_loader=workload.loader, train_ds=workload.loader.dataset, train=workload.train)
-    result = ip.run_cell("%%gpuwatch --tune --quiet\ntrain(train_loader)\n")
-    assert result.success
-    run = gpuwidget.last_run()
-    assert run.tuning is not None
-    assert run.tuning.name == "train_loader"
-    assert run.tuning.target_rate == pytest.approx(
-        run.workload["loaders"][0]["steps"] / run.workload["loaders"][0]["compute_total_s"])
-    assert run.tuning.code.splitlines()[-1].startswith("train_loader = DataLoader(train_ds, ")
+# %%gpuwatch --tune on the cell's own loader: tests/test_measure_plan.py (the loader and every finding).
 
 
 # --------------------------------------------------------------------------- the batch-size probe

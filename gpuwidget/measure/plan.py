@@ -119,10 +119,14 @@ class MeasurePlan:
 
 
 def plan_budget(run: Any) -> float:
-    """The seconds :func:`measure_findings` will take for ``run`` when given no budget (what a button announces)."""
+    """The seconds :func:`measure_findings` will take for ``run`` when given no budget (what a button
+    announces): the run's ``--budget`` where it set one, else :data:`TUNER_S` for the loader and
+    :data:`PER_CHANGE_S` per change (and one more for the best set together); 0 with nothing to measure."""
     changes = sum(len(f.trial_changes()) for f in run.findings)
     tuner = TUNER_S if _tunes(run) else 0.0
-    return tuner + PER_CHANGE_S * (changes + (1 if changes >= 2 else 0))
+    planned = tuner + PER_CHANGE_S * (changes + (1 if changes >= 2 else 0))
+    chosen = getattr(getattr(run, "options", None), "budget", None)
+    return float(chosen) if planned and chosen else planned
 
 
 def _tunes(run: Any) -> bool:

@@ -22,7 +22,9 @@ import shutil
 import time
 from pathlib import Path
 
+import nbformat
 import pytest
+import test_notebooks
 
 from conftest import open_notebook, wait_for
 
@@ -49,7 +51,7 @@ PROGRESS_JS = """() => {
 
 CELLS_JS = """() => [...window.jupyterapp.shell.currentWidget.model.cells]
   .filter(cell => cell.type === 'code')
-  .map(cell => ({source: cell.sharedModel.getSource(), outputs: cell.outputs.toJSON()}))"""
+  .map(cell => ({id: cell.id, source: cell.sharedModel.getSource(), outputs: cell.outputs.toJSON()}))"""
 
 
 # Mark the notebook's cells by index (the test's own attribute), run one, and read where it stands.
@@ -78,6 +80,16 @@ def run_cell_by_cell(page, name: str, after_cell) -> list[dict]:
     state = page.evaluate(PROGRESS_JS)
     assert state["waiting"] == 0, f"{name}: {state['waiting']} code cell(s) never ran"
     return page.evaluate(CELLS_JS)
+
+
+def as_notebook(cells: list[dict]):
+    """The page's code cells as nbformat's (the shape tests/test_notebooks.py reads): a stream's text
+    joined where the page keeps it as lines."""
+    for code_cell in cells:
+        for output in code_cell["outputs"]:
+            if isinstance(output.get("text"), list):
+                output["text"] = "".join(output["text"])
+    return nbformat.from_dict({"cells": [{"cell_type": "code", **code_cell} for code_cell in cells]})
 
 
 def is_panel(output: dict) -> bool:
@@ -208,6 +220,8 @@ def test_tutorials_run_clean_in_the_browser(lab, page):
         for table, panel in zip(tables, offered):
             measure_tells_the_suggestion(name, table, panel)
             no_bad_words(name, table)
+        if name == "02-data-starvation.ipynb" and test_notebooks.browser_runs_02():
+            test_notebooks.check_02(as_notebook(cells))  # its one run in make test: checked here
         # The live plot's page side and the Measure button rendered without errors.
         assert "Error displaying widget" not in page.locator(".jp-NotebookPanel:not(.lm-mod-hidden)").inner_text()
         page.evaluate("""async () => {
