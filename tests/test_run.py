@@ -148,7 +148,7 @@ def test_run_options_are_watch_options_saved_as_plain_data(tmp_path):
     run = Run(trace=trace, options=options, finished=True)
     assert run.to_dict()["options"] == {"interval": 0.5, "gpus": [0, 1], "live": True, "view": "auto",
                                         "advice": False, "tune": False, "save": None, "quiet": False,
-                                        "price": None}
+                                        "price": None, "budget": None}
     loaded = Run.load(run.save(tmp_path / "run.json"))
     assert loaded.options == options
     assert "main cause: advice off (--no-advice)" in loaded._repr_mimebundle_()["text/plain"]
