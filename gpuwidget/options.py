@@ -167,6 +167,14 @@ def _gpus(value: Sequence[int] | str | None) -> tuple[int, ...] | None:
     return tuple(out)
 
 
+def _number(value: object) -> float:
+    """``value`` as a float, NaN where it is none (a bool, text that is no number): the checks then fail."""
+    try:
+        return float(value) if not isinstance(value, bool) else math.nan  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return math.nan
+
+
 def _price(value: float | str | None) -> float | None:
     """``--price``: a positive, finite number per GPU-hour; unset, :data:`PRICE_ENV`'s value (or none)."""
     where = "--price"
@@ -175,10 +183,7 @@ def _price(value: float | str | None) -> float | None:
         if value is None:
             return None
         where = f"{PRICE_ENV} (the environment's GPU-hour price)"
-    try:
-        price = float(value) if not isinstance(value, bool) else math.nan
-    except (TypeError, ValueError):
-        price = math.nan
+    price = _number(value)
     if not math.isfinite(price) or price <= 0:
         raise OptionError(f"{where}: expected a positive price per GPU-hour like 2.5, got {value!r}")
     return price
@@ -188,10 +193,7 @@ def _budget(value: float | str | None) -> float | None:
     """``--budget``: seconds, :data:`MIN_BUDGET_S` to :data:`MAX_BUDGET_S`; None for the plan's own."""
     if value is None:
         return None
-    try:
-        seconds = float(value) if not isinstance(value, bool) else math.nan
-    except (TypeError, ValueError):
-        seconds = math.nan
+    seconds = _number(value)
     if not MIN_BUDGET_S <= seconds <= MAX_BUDGET_S:  # (NaN fails both)
         raise OptionError(f"--budget: expected seconds from {MIN_BUDGET_S:g} to {MAX_BUDGET_S:g}, got {value!r}")
     return seconds

@@ -9,7 +9,6 @@ checked in its executed outputs: the rule ids in the panels that watched cells l
 from __future__ import annotations
 
 import importlib.util
-import os
 import re
 from pathlib import Path
 
@@ -134,8 +133,9 @@ def test_01_quickstart_shows_the_panel_and_saves_and_compares_runs(tmp_path):
 def browser_runs_02() -> bool:
     """tests/ui/test_tutorials.py runs tutorial 02 in JupyterLab and Chromium and checks there what
     :func:`check_02` checks: where it can, that is the one run of 02 (30 s of one core's work fewer)."""
-    chromium = Path(os.environ.get("GPUWIDGET_CHROMIUM", "/usr/bin/chromium"))
-    return chromium.exists() and importlib.util.find_spec("playwright") is not None
+    from ui.conftest import CHROMIUM  # where the browser tests find Chromium
+
+    return Path(CHROMIUM).exists() and importlib.util.find_spec("playwright") is not None
 
 
 def test_02_data_starvation_names_the_starved_loader_and_the_storage_wait(tmp_path):
