@@ -248,7 +248,7 @@ class StackFacts(TypedDict, total=False):
     tick_us: float  # mean CPU time of one sample and its attribution, microseconds (sampler thread)
     late_ms: float  # mean delay from a tick's due time to its sample (waiting for the GIL), milliseconds
     dropped: int  # ticks not sampled: read too long after they were due (probes.stack.LATE_SWITCHES)
-    unplaced: int  # waits (in loop_samples) read after their wait had ended: counted, but at no location
+    unplaced: int  # waits (in loop_samples) read after their wait had ended: shared out among the placed ones
 
 
 class ProcessCpu(TypedDict, total=False):

@@ -79,13 +79,16 @@ class Sampler:
     """Reads ``sources`` every ``interval`` seconds into ``trace`` on a daemon thread."""
 
     def __init__(self, sources: Sequence[Source], trace: Trace, interval: float = 0.1,
-                 listeners: Sequence[Listener] = ()) -> None:
+                 listeners: Sequence[Listener] = (), first: Sequence[Listener] = ()) -> None:
         if not (interval > 0 and math.isfinite(interval)):
             raise ValueError(f"interval must be a positive number of seconds, not {interval!r}")
         self.sources = list(sources)
         self.trace = trace
         self.interval = interval
         self.listeners = list(listeners)
+        # Called at the start of each tick, before any source is read (reading them takes a while):
+        # what must see the moment the tick was due, the stack sampler's sample.
+        self.first = list(first)
         self.stats = SamplerStats()
         self._stop = threading.Event()
         self._started = False
@@ -167,6 +170,7 @@ class Sampler:
     def _tick(self, owner: threading.Thread | None) -> bool:
         """One row; False when ``owner`` was replaced meanwhile (its reading is discarded)."""
         cpu_before = time.thread_time()
+        self._call(self.first)
         values: dict[str, float] = {}
         for source in self.sources:
             if source in self._dropped:
@@ -183,14 +187,17 @@ class Sampler:
             self.trace.append(self.trace.now(), values)
         except Exception as exc:  # noqa: BLE001
             self._record(f"trace append failed: {exc!r}")
-        for listener in self.listeners:
+        self._call(self.listeners)
+        self.stats.ticks += 1
+        self.stats.cpu_time_s += time.thread_time() - cpu_before
+        return True
+
+    def _call(self, listeners: list[Listener]) -> None:
+        for listener in listeners:
             try:
                 listener(self.trace)
             except Exception as exc:  # noqa: BLE001
                 self._record(f"listener {listener!r} failed: {exc!r}")
-        self.stats.ticks += 1
-        self.stats.cpu_time_s += time.thread_time() - cpu_before
-        return True
 
     def _run(self) -> None:
         with self._lock:  # start() or the watchdog records this thread as the reader first

@@ -152,7 +152,8 @@ class Watch:
                 if self._live is not None:
                     listeners.append(self._live.on_tick)
                     self._record_outputs()
-            self._sampler = Sampler(self._sources, trace, self.options.interval, listeners)
+            self._sampler = Sampler(self._sources, trace, self.options.interval, listeners,
+                                    first=[self._probes.sample])
             self._started = now()
             trace.start_clock = self._started
             self._children = _watch_children(trace, self._probes, machine)

@@ -192,19 +192,26 @@ def own_step(case: Case, change: dict[str, Any]) -> tuple[Callable[[], None], in
     return step, samples
 
 
-def own_ratio(case: Case, change: dict[str, Any], steps: int = 15) -> float:
+def own_ratio(case: Case, change: dict[str, Any], steps: int = 15, least_s: float = 0.3,
+              most: int = 500) -> float:
     """Throughput changed / unchanged from interleaved steps, each side's fastest (its own cost; the slower
-    ones carry the machine's load)."""
+    ones carry the machine's load): at least ``steps`` a side and ``least_s`` of them, at most ``most``.
+    Fifteen fast steps were too few on a loaded host: one side's fastest of them read 1.28x the other's
+    on a change that does nothing on the CPU (8 tries); a hundred read within 1.5%."""
     unchanged, samples_a = own_step(case, {})
     changed, samples_b = own_step(case, change)
     for step in (unchanged, changed, unchanged, changed):
         step()
     best = {"a": math.inf, "b": math.inf}
-    for _ in range(steps):
+    spent = {"a": 0.0, "b": 0.0}
+    taken = 0
+    while taken < most and (taken < steps or min(spent.values()) < least_s):
         for key, step in (("a", unchanged), ("b", changed)):
             began = time.perf_counter()
             step()
-            best[key] = min(best[key], time.perf_counter() - began)
+            took = time.perf_counter() - began
+            best[key], spent[key] = min(best[key], took), spent[key] + took
+        taken += 1
     return (samples_b / best["b"]) / (samples_a / best["a"])
 
 
@@ -243,10 +250,14 @@ def test_every_change_is_measured_on_a_copy_with_numerics(case, change):
     skipped = any("GradScaler skipped" in note for note in measured.notes)
     if not skipped:
         assert loss_diff < (0.05 if "autocast" in change or "batch_size" in change else 1e-3)
-    if "tf32" in change or "channels_last" in change and case.name != "conv":
+    no_op = "tf32" in change or "channels_last" in change and case.name != "conv"
+    if no_op:
         assert loss_diff == 0.0 and grad_diff == 0.0  # nothing changed on the CPU
     assert measured.peak_memory_ratio is None and any("peak memory" in n for n in measured.notes)
-    assert_verdict_agrees(measured, own_ratio(case, change))
+    if not no_op:
+        # Against a change that does nothing, the test's timing and the measurement both time noise: a 95%
+        # interval then excludes 1 now and then by design (tests/test_measure_stats.py keeps that under 5%).
+        assert_verdict_agrees(measured, own_ratio(case, change))
     # Renders like the tuner's results.
     bundle = measured._repr_mimebundle_()
     assert measured.verdict in bundle["text/plain"] and "gpuwidget-measurement" in bundle["text/html"]

@@ -17,7 +17,15 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import gpuwidget
 from gpuwidget.advice.rules import data_parallel, ddp_communication, gpu_imbalance, rank_straggler
-from gpuwidget.advice.rules._ranks import MIN_EXTRA_S, SIGNIFICANCE, binomial_tail, worst
+from gpuwidget.advice.rules._ranks import (
+    MIN_EXTRA_S,
+    SIGNIFICANCE,
+    binomial_tail,
+    ddp_timings,
+    median,
+    step_series,
+    worst,
+)
 from gpuwidget.advice.rules.rank_straggler import RELATIVE_SCORE
 from gpuwidget.children.ranks import loop_figures
 from gpuwidget.probes.torch_model import ddp_logging_facts
@@ -27,6 +35,8 @@ pytestmark = pytest.mark.serial
 
 NO_GPU: dict[str, Any] = {"gpus": [], "usable_cpus": 2}
 FOUR_GPUS: dict[str, Any] = {"gpus": [{"index": i, "name": "NVIDIA H100"} for i in range(4)], "usable_cpus": 32}
+# The tiny-bucket model: a layer's weight and bias, (64 * 64 + 64) * 4 bytes, fill a bucket of 0.01 MB.
+WIDTH, LAYERS = 64, 36
 SLOW_ITEM_S = 0.002  # the straggler's loader: 2 ms per sample, 4 per batch
 
 
@@ -65,10 +75,12 @@ def train_ranks(rank: int, world: int, port: int, results: Any) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        wide = torch.nn.Sequential(*[torch.nn.Linear(128, 128) for _ in range(12)])
+        wide = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
         model = torch.nn.parallel.DistributedDataParallel(wide, bucket_cap_mb=0.01)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-        loader = DataLoader(TensorDataset(torch.randn(1280, 128)), batch_size=32)
+        # 110 steps: DDP times iterations 1 to 10 and every 100th, so the latest figure is of step 100,
+        # not of the start-up (gpuwidget.advice.rules._ranks.ddp_timings)
+        loader = DataLoader(TensorDataset(torch.randn(110 * 8, WIDTH)), batch_size=8)
         with gpuwidget.watch(quiet=True) as tiny_buckets:
             for (x,) in loader:
                 model(x).sum().backward()
@@ -105,8 +117,8 @@ def test_ddp_facts_keep_torchs_numeric_fields_and_bucket_lists(gloo_ranks):
     assert gloo_ranks["tiny_buckets"][0]["model"]["class"] == "DistributedDataParallel"
     assert ddp["world_size"] == 2 and ddp["rank"] == 0
     assert ddp["bucket_cap_bytes"] == int(0.01 * 2**20)
-    assert len(ddp["rebuilt_bucket_sizes"]) == 12  # one (128x128 + 128) * 4 bytes layer per bucket
-    assert all(size == (128 * 128 + 128) * 4 for size in ddp["rebuilt_bucket_sizes"])
+    assert len(ddp["rebuilt_bucket_sizes"]) == LAYERS  # one (WIDTH x WIDTH + WIDTH) * 4 bytes layer per bucket
+    assert all(size == (WIDTH * WIDTH + WIDTH) * 4 for size in ddp["rebuilt_bucket_sizes"])
     assert ddp["avg_backward_comm_time"] > 0 and ddp["avg_backward_compute_time"] > 0
     assert ddp["gradient_as_bucket_view"] is False and ddp["static_graph"] is False
     assert not any(key.endswith(("_start", "_end")) for key in ddp)
@@ -125,9 +137,11 @@ def test_ddp_logging_facts_parse_torchs_strings():
 def test_tiny_ddp_buckets_are_named_with_the_bucket_cap_and_accumulation(gloo_ranks):
     workload = {"model": None, "loaders": [], "ranks": gloo_ranks["tiny_buckets"]}
     finding = ddp_communication.check({}, workload, NO_GPU)
-    assert finding is not None and finding.rule == "ddp-communication"
+    assert finding is not None and finding.rule == "ddp-communication", [
+        (median(step_series(rank)[0]), ddp_timings(rank, typical_only=False), ddp_timings(rank))
+        for rank in gloo_ranks["tiny_buckets"]]
     evidence = finding.evidence
-    assert evidence["buckets"] == 12 and evidence["world_size"] == 2
+    assert evidence["buckets"] == LAYERS and evidence["world_size"] == 2
     assert evidence["exposed_comm_share"] >= ddp_communication.EXPOSED_COMM_SHARE
     assert finding.change["bucket_cap_mb"] == 25 and finding.change["gradient_as_bucket_view"] is True
     assert finding.change["static_graph"] is True and finding.change["no_sync_accumulation_steps"] >= 2

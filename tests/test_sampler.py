@@ -93,6 +93,29 @@ def test_failing_source_and_listener_never_raise_and_the_run_goes_on():
     assert trace.stats("fake.reads").count >= 2
 
 
+def test_the_first_listeners_run_before_any_source_is_read_and_the_others_after_the_row():
+    """What must see the moment a tick was due (the stack sampler's sample) comes before the sources,
+    which take milliseconds on a busy host or with many GPUs; a failing one is recorded, like the others."""
+    order: list[str] = []
+
+    class Slow(CountingSource):
+        def read(self) -> dict[str, float]:
+            order.append("source")
+            return super().read()
+
+    def first(_trace: Trace) -> None:
+        order.append("first")
+        if len(order) == 1:
+            raise ValueError("first broke")
+
+    sampler = Sampler([Slow(delay=0.002)], Trace(), interval=0.01, listeners=[lambda _t: order.append("after")],
+                      first=[first])
+    sampler.tick()
+    sampler.tick()
+    assert order == ["first", "source", "after"] * 2
+    assert any("first broke" in e for e in sampler.stats.errors)
+
+
 def test_stop_returns_within_one_interval_and_leaves_no_thread():
     import threading
 

@@ -171,6 +171,30 @@ def test_a_sample_is_timed_by_when_its_tick_was_due_and_placed_only_where_it_was
     assert waits[0]["function"] == "parked_here" and stack["late_ms"] >= 3
 
 
+def test_waits_read_too_late_to_place_are_shared_out_among_the_waits_read_in_time():
+    """Two ticks due in waits, one read after its wait had ended: both are waiting, and the one read
+    inside its wait says where the loop waits: the location's share is both of them, not one."""
+    trace = Trace()
+    with parked_thread() as thread:
+        sampler = StackSampler(trace, thread.ident)
+        start, due = trace.now(), now()
+        end = trace.now()
+        trace.add_span(BETWEEN_STEPS_SPAN, start, end)
+        trace.add_span(TRAIN_STEP_SPAN, start, end)
+        with tick_due_at(due):
+            sampler.tick()  # read after its wait ended: unplaced
+        start, due = trace.now(), now()
+        with tick_due_at(due):
+            sampler.sample()  # read inside it: placed...
+            sampler.tick()  # ...and the tick that follows only reads the spans
+        end = trace.now()
+        trace.add_span(BETWEEN_STEPS_SPAN, start, end)
+        trace.add_span(TRAIN_STEP_SPAN, start, end)
+        waits, stack = sampler.facts()
+    assert stack["samples"] == 2 and stack["loop_samples"] == 2 and stack["unplaced"] == 1
+    assert [(wait["function"], wait["samples"], wait["share"]) for wait in waits] == [("parked_here", 1, 1.0)]
+
+
 def test_a_tick_read_long_after_it_was_due_is_not_sampled():
     trace = Trace()
     with parked_thread() as thread:

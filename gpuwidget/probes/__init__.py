@@ -56,6 +56,11 @@ class Probes:
         # The watched thread's stack at each tick (probes.stack): the thread building the probes is the cell's.
         self._stack = _stack_sampler(trace)
 
+    def sample(self, _trace: Trace | None = None) -> None:
+        """The watched thread's stack, first thing on a sampler tick (before the sources are read)."""
+        if self._stack is not None:
+            self._stack.sample()
+
     def poll(self, _trace: Trace | None = None) -> None:
         """Install the probes once torch is importable without importing it ourselves; once
         installed, move what they queued into the Trace.

@@ -273,25 +273,41 @@ class StackSampler:
         self.errors: list[str] = []
         self._lock = threading.Lock()
         self._closed = False
+        self._sampled = False  # this tick's sample was taken (sample()) before its sources were read
+
+    def sample(self) -> None:
+        """Take this tick's sample now: called first on a sampler tick, before its sources are read (on a
+        busy host or with many GPUs that takes milliseconds, and the stack would show where the loop
+        went meanwhile); the tick's :meth:`tick` then reads the new spans. Never raises."""
+        self._sampled = self._locked(sample=True, spans=False)
 
     def tick(self) -> None:
-        """Take one sample, then read the new spans; never raises (a listener of the sampler)."""
+        """Take one sample unless :meth:`sample` took this tick's, then read the new spans; never raises
+        (a listener of the sampler)."""
+        sample, self._sampled = not self._sampled, False
+        if self._locked(sample=sample, spans=True):
+            self.ticks += 1
+
+    def _locked(self, sample: bool, spans: bool) -> bool:
+        """The sample and/or the spans, under the lock; False where nothing was done."""
         if self._closed or threading.get_ident() == self.thread_id:
-            return  # the watched thread itself (the watch's first poll) has nothing to sample
+            return False  # the watched thread itself (the watch's first poll) has nothing to sample
         started = time.thread_time()
         with self._lock:
             if self._closed:
-                return
+                return False
             try:
                 # The sample first: a span that ends after its due time may reach the Trace before it
                 # is read (the read comes late), and must find it pending.
-                self._sample_when_due()
-                self._take_spans()
+                if sample:
+                    self._sample_when_due()
+                if spans:
+                    self._take_spans()
             except Exception as exc:  # noqa: BLE001 - a sample lost is no reason to disturb the run
                 if len(self.errors) < 10:
                     self.errors.append(f"stack sample failed: {exc!r}")
-        self.ticks += 1
         self.cpu_s += time.thread_time() - started
+        return True
 
     def close(self) -> None:
         """Attribute what the last spans decide and take no more samples; safe to call twice."""
@@ -396,6 +412,10 @@ class StackSampler:
             entry[4] += basis.working.get(location, 0)
             entry[2][line] += count
             entry[3][(outer_code, outer_line)] += count
+        # A wait read after it had ended is timed (its tick was due inside it) but not placed: the waits
+        # read in time say where the waits were, and the unplaced ones are shared out as they are.
+        waited = sum(basis.waits.values())
+        placed_share = (waited - basis.unplaced) / waited if waited > basis.unplaced else 1.0
         ranked = sorted(by_code.items(), key=lambda item: item[1][0], reverse=True)[:LOOP_WAITS]
         names = namespace or {}
         loop_code = basis.loop_code() if basis is self.optimizer else None
@@ -403,7 +423,7 @@ class StackSampler:
         for code, (count, inside, lines, outers, working) in ranked:
             line = lines.most_common(1)[0][0]
             outer_code, outer_line = outers.most_common(1)[0][0]
-            share = count / basis.loop_samples
+            share = count / placed_share / basis.loop_samples
             wait: LoopWait = {**code_site(code, line), "share": share, "seconds": share * loop_s,
                               # Without optimizer steps the waits are a DataLoader's next() itself.
                               "samples": count, "in_loader": inside / count if basis.inside_kind else 1.0,
