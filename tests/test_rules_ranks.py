@@ -522,3 +522,27 @@ def test_from_a_four_gpu_trace_the_throttled_ranks_gpu_and_the_gpus_no_rank_used
     straggler = findings["rank-straggler"]
     assert straggler.change == {"rank": 1, "cause": "its GPU 1 slowed its clocks"}
     assert findings["gpu-imbalance"].evidence["gpus_no_rank_used"] == [2, 3]
+
+
+def test_a_stragglers_own_time_is_judged_by_its_typical_figures_when_its_average_is_start_up():
+    """Rank 1 spends 9 ms of each 13 ms step outside the model's work (its stack samples), and rank 0
+    waits for it in the all-reduce. Rank 1's DDP average is of the start-up, when it waited 12 ms for
+    rank 0 to start: no typical step of its run. Its latest figure is, and names it (in CI, the
+    average alone had kept the real torchrun straggler of tests/test_real_scripts.py unnamed)."""
+    def entry(rank: int, average_ms: tuple[float, float], latest_ms: tuple[float, float]) -> dict[str, Any]:
+        ddp = {"avg_forward_compute_time": 0, "avg_backward_compute_time": int(average_ms[0] * 1e6),
+               "avg_backward_comm_time": int(average_ms[1] * 1e6),
+               "forward_compute_time": 0, "backward_compute_time": int(latest_ms[0] * 1e6),
+               "backward_comm_time": int(latest_ms[1] * 1e6)}
+        return {**synthetic_rank(rank, 13.0), "model": {"ddp": ddp}}
+
+    waiting, straggling = entry(0, (2.4, 10.6), (0.9, 11.0)), entry(1, (2.0, 12.0), (1.3, 0.8))
+    assert [t.which for t in ddp_timings(straggling)] == ["latest"]  # its average: 14 ms of a 13 ms step
+    assert rank_straggler.check({}, {"ranks": [waiting, straggling]}, NO_GPU) is None  # no stack evidence
+    straggling["loop_waits"] = [{"function": "log_metrics", "file": "train.py", "line": 40, "share": 0.7}]
+    finding = rank_straggler.check({}, {"ranks": [waiting, straggling]}, NO_GPU)
+    assert finding is not None and finding.evidence["straggler"] == 1
+    assert finding.evidence["measured"] == rank_straggler.OWN_TIME
+    assert finding.evidence["own_ms_by_sample"] == {"latest": 12.2}
+    assert finding.evidence["extra_ms"] == pytest.approx(12.2 - 2.0)  # its 12.2 ms against rank 0's 2.0
+    assert "log_metrics" in finding.change["cause"]

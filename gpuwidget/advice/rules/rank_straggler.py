@@ -17,12 +17,13 @@ where that was measured, step by step or by DDP itself, never from a difference 
   past its backward (they were measured waiting for it);
 - its own time per step outside the collective: its median step less its data wait and less the
   all-reduce DDP measured after its backward (the time it waited for the others), compared the same
-  way, and confirmed by its stack samples (``loop_waits``: a wait outside the model's work taking
-  more of its steps than the others' do, by a part of that extra time). This is where a rank's work
-  outside the forward and backward shows (a slower node's Python, a fetch of its own, logging on one
-  rank): the others wait for it in the all-reduce. DDP times a step or a few, and which rank reaches
-  the all-reduce last varies from step to step on a symmetric job, so DDP's figures alone are no
-  evidence of it;
+  way in those of its figures that describe typical steps of it (its average is mostly start-up, when
+  it may have waited for the others to start), and confirmed by its stack samples (``loop_waits``: a
+  wait outside the model's work taking more of its steps than the others' do, by a part of that extra
+  time). This is where a rank's work outside the forward and backward shows (a slower node's Python,
+  a fetch of its own, logging on one rank): the others wait for it in the all-reduce. DDP times a
+  step or a few, and which rank reaches the all-reduce last varies from step to step on a symmetric
+  job, so DDP's figures alone are no evidence of it;
 - ranks that do not synchronise (independent processes: no DDP model, and median step times apart
   by more than ``LOCKSTEP_TOLERANCE``) waited for nobody: their step times compare as they are, with the same
   tests, and the rank must also score under ``RELATIVE_SCORE`` against the others.
@@ -144,22 +145,31 @@ def _by_ddp_compute(entries: list[RankEntry], job_step: float) -> Straggler | No
 def _by_own_time(entries: list[RankEntry], steps: list[float], waits: list[float],
                  job_step: float) -> Straggler | None:
     """The rank whose own time per step outside the collective (step less data wait less the all-reduce
-    DDP measured after its backward) exceeds every other rank's, in DDP's average and latest sample."""
-    # Every one of DDP's figures: a rank that waits for a straggler spends its whole step in the
-    # all-reduce, and its sampled steps then read as longer than typical; the stack samples confirm below.
-    timings = [{timing.which: timing for timing in ddp_timings(entry, typical_only=False)} for entry in entries]
-    shown = [which for which in ("average", "latest") if all(which in timing for timing in timings)]
-    if not shown:
+    DDP measured after its backward) exceeds every other rank's, in each of DDP's figures (average,
+    latest) that describe a typical step of it."""
+    # The others' figures all count: a rank that waits for a straggler spends its whole step in the
+    # all-reduce, and its sampled steps then read as longer than typical. The straggler's own only where
+    # typical: its average is mostly start-up, when it may have waited for the others to start.
+    every = [{timing.which: timing for timing in ddp_timings(entry, typical_only=False)} for entry in entries]
+    known = [which for which in ("average", "latest") if all(which in timing for timing in every)]
+    if not known:
         return None
     # DDP's figures are of a few sampled steps, the median of all of them: the difference can be under 0.
-    own = [{which: max(0.0, steps[i] - waits[i] - min(steps[i], timings[i][which].exposed_s)) for which in shown}
+    own = [{which: max(0.0, steps[i] - waits[i] - min(steps[i], every[i][which].exposed_s)) for which in known}
            for i in range(len(entries))]
-    index = max(range(len(own)), key=lambda i: own[i][shown[0]])
+
+    def compared(index: int) -> tuple[float, list[str]]:
+        typical = {timing.which for timing in ddp_timings(entries[index])}
+        shown = [which for which in known if which in typical] or known
+        others = [i for i in range(len(own)) if i != index]
+        return min(own[index][which] - max(own[i][which] for i in others) for which in shown), shown
+
+    index = max(range(len(own)), key=lambda i: compared(i)[0])
+    extra, shown = compared(index)
     others = [i for i in range(len(own)) if i != index]
-    extra = min(own[index][which] - max(own[i][which] for i in others) for which in shown)
     if extra < max(MIN_EXTRA_S, MIN_EXTRA_SHARE * job_step, NOISE_MULTIPLE * step_jitter_s(entries)):
         return None
-    waited = min(min(steps[i], timing.exposed_s) for i in others for timing in timings[i].values())
+    waited = min(min(steps[i], every[i][which].exposed_s) for i in others for which in shown)
     if waited < extra:
         return None  # the others were not measured waiting that long for it
     stalled = [stalled_s(entry) for entry in entries]
