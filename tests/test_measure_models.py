@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 import gpuwidget
+from gpuwidget.measure.ab import MIN_BLOCKS
 from gpuwidget.measure.preserve import backend_flags
 from gpuwidget.measure.sides import MeasureError
 
@@ -254,7 +255,9 @@ def test_every_change_is_measured_on_a_copy_with_numerics(case, change):
     if no_op:
         assert loss_diff == 0.0 and grad_diff == 0.0  # nothing changed on the CPU
     assert measured.peak_memory_ratio is None and any("peak memory" in n for n in measured.notes)
-    if not no_op:
+    if "tf32" in change:
+        assert measured.verdict == "no difference"  # the sides ran the same code on the CPU, whatever the timing
+    elif not no_op:
         # Against a change that does nothing, the test's timing and the measurement both time noise: a 95%
         # interval then excludes 1 now and then by design (tests/test_measure_stats.py keeps that under 5%).
         assert_verdict_agrees(measured, own_ratio(case, change))
@@ -268,6 +271,7 @@ def test_tf32_on_the_cpu_is_an_a_a_test_and_no_difference():
     case = mlp_case()
     measured = case.run.measure({"tf32": True}, budget_s=6)
     assert measured.verdict == "no difference", measured.text()
+    assert measured.blocks == MIN_BLOCKS and measured.elapsed_s < 6  # six blocks of the machine's noise, then done
     assert any("on the CPU it changes nothing" in note for note in measured.notes)
 
 

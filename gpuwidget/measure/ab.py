@@ -18,7 +18,11 @@ In order:
 3. ABBA blocks (unchanged, changed, changed, unchanged runs) until the budget is spent, or, from
    :data:`DECIDE_BLOCKS` blocks on, once the interval is within ±:data:`TARGET_HALF_WIDTH` and decides
    (gpuwidget.measure.stats); at least :data:`MIN_BLOCKS` blocks are run even when the compilation
-   spent the budget (the notes say by how much it ran over), but never past twice the budget;
+   spent the budget (the notes say by how much it ran over), but never past twice the budget. A change
+   that does nothing on this device (TF32 off CUDA, the autocast the loop already ran under) runs the
+   same code on both sides: it stops at :data:`MIN_BLOCKS`, whose interval is the machine's timing
+   noise, and its verdict is "no difference" where the numerics agree (a noisy host would otherwise
+   call it faster or slower up to one time in twenty);
 4. peak memory, on CUDA: one step each with the peak counter reset.
 
 Ctrl-C (KeyboardInterrupt) ends it where it is: the copies are dropped, the state is put back, and
@@ -85,6 +89,9 @@ class _Progress:
     loss: str = ""
     interrupted: bool = False
     step_s: dict[str, float] = field(default_factory=dict)  # each side's last numerics step, for the run size
+    # Every key of the change does nothing on this device (TF32 off CUDA, the loop's own autocast): the
+    # sides run the same code, so any difference their timing shows is the machine's noise.
+    inert: bool = False
 
 
 def measure_change(subjects: Subjects, change: Any, budget_s: float = DEFAULT_BUDGET_S,
@@ -149,6 +156,7 @@ def _measure(subjects: Subjects, change: TrialChange, model_change: TrialChange,
     loader = loaders[0] if loader_change else None
     if trains:
         unchanged, changed, numerics_batches = _model_sides(subjects, model_change, step, done)
+        done.inert = done.inert and not loader_change
         if loader is not None:
             for side, settings in ((unchanged, LoaderChange()), (changed, loader_change)):
                 side.loader, side.loader_change = loader, settings
@@ -230,14 +238,18 @@ def _model_sides(subjects: Subjects, change: TrialChange, step: Callable[[Any, A
     observed = captured.samples or 1
     user_autocast = subjects.autocast_dtype
     new_autocast = change.get("autocast", user_autocast)
+    inert = set()
     if "autocast" in change and change["autocast"] == user_autocast:
         done.notes.append(f"the loop already ran under {user_autocast} autocast: the change is the loop as it is")
+        inert.add("autocast")
     a = Side("unchanged", a_module, a_optimizer, loss, device, rows=observed, autocast=user_autocast,
              scaler=_scaler(user_autocast, device), call=a_module)
     b = Side("changed", b_module, b_optimizer, loss, device, rows=observed, autocast=new_autocast,
              scaler=_scaler(new_autocast, device), call=b_module, tf32=change.get("tf32"))
     if "tf32" in change and device.type != "cuda":
         done.notes.append("TF32 switches CUDA's matmuls and convolutions: on the CPU it changes nothing")
+        inert.add("tf32")
+    done.inert = bool(change) and set(change) <= inert
     if change.get("channels_last"):
         if not any(p.ndim == 4 for p in b_module.parameters()):
             done.notes.append("channels_last: the model has no 4-d weights (convolutions): nothing changes")
@@ -392,8 +404,9 @@ def _blocks(a: Side, b: Side, sizes: list[int], step_times: list[float], started
         if interval is not None:
             _tell(progress, f"{len(done.ratios)} blocks: {interval.median:.2f}x [{interval.low:.2f}, "
                             f"{interval.high:.2f}], {verdict}", started)
-        if stats.may_stop(done.ratios, DECIDE_BLOCKS, TARGET_HALF_WIDTH):
-            break
+        if stats.may_stop(done.ratios, DECIDE_BLOCKS, TARGET_HALF_WIDTH) or (done.inert and
+                                                                            len(done.ratios) >= MIN_BLOCKS):
+            break  # an inert change: six blocks show the machine's noise, and more decide nothing
     spent = now() - started
     if spent > budget_s * 1.05:
         done.notes.append(f"ran {spent - budget_s:.1f} s past the {budget_s:.0f} s budget to measure "
@@ -426,11 +439,17 @@ def _result(change: TrialChange, done: _Progress, budget_s: float, elapsed: floa
     if interval is not None and interval.coverage < stats.CONFIDENCE:
         done.notes.append(f"only {interval.blocks} block(s): the interval is their range, "
                           f"{100 * interval.coverage:.0f}% coverage, not 95%")
+    verdict = stats.verdict(interval)
+    if done.inert and done.numerics["loss_rel_diff"] in (None, 0.0):
+        if verdict != "no difference":
+            done.notes.append(f"the sides ran the same code: their timing's {verdict} interval is this "
+                              "machine's noise, not the change's")
+        verdict = "no difference"
     return Measurement(
         change=change,
         speedup=interval.median if interval else None,
         ci=(interval.low, interval.high) if interval else None,
-        verdict=stats.verdict(interval),
+        verdict=verdict,
         peak_memory_ratio=done.peak_memory_ratio,
         numerics=done.numerics,
         notes=done.notes,

@@ -56,7 +56,8 @@ class Measurement:
 
     ``speedup``: the median over ABBA blocks of the changed step's throughput (samples/s) over the
     unchanged one's; ``ci``: its 95% interval (gpuwidget.measure.stats: the sign-test interval for a
-    median); ``verdict``: ``"faster"``, ``"slower"`` or ``"no difference"``, from the interval;
+    median); ``verdict``: ``"faster"``, ``"slower"`` or ``"no difference"``, from the interval
+    (always "no difference" for a change that runs the same code on this device, gpuwidget.measure.ab);
     ``peak_memory_ratio``: the changed step's peak memory over the unchanged one's (CUDA's peak
     counter; None on the CPU); ``numerics``: ``loss_rel_diff`` and ``grad_rel_diff`` after the same
     steps from the same state and batches (None where they cannot be compared); ``notes``.
