@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 from collections.abc import Iterator
 
 import pynvml
@@ -108,6 +109,12 @@ def _ipython_session():
 
     shell = start_ipython()
     shell.run_line_magic("load_ext", "gpuwidget")
+    # The extension imports the live view's libraries on a thread (gpuwidget._warm_up), done by the time
+    # a user runs the next cell. Here the next test would start meanwhile, and pytest's log capture
+    # iterates the loggers while bokeh's imports add theirs ("dictionary changed size during iteration").
+    for thread in threading.enumerate():
+        if thread.name == "gpuwidget-warm-up":
+            thread.join(60)
     return shell
 
 
@@ -127,3 +134,4 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
