@@ -98,6 +98,11 @@ def load_ipython_extension(ipython: Any) -> None:
         _warm_up()
 
 
+# The thread _warm_up imports on: a caller that must not race its imports (they add modules and
+# loggers) joins it by this name.
+WARM_UP_THREAD = "gpuwidget-warm-up"
+
+
 def _warm_up() -> None:
     """Import the live view's libraries in the background, so the first watched cell
     shows its plot without waiting for bokeh's import (about a second)."""
@@ -114,7 +119,7 @@ def _warm_up() -> None:
         except Exception:  # noqa: BLE001, S110 - the watch imports them again and reports failures
             pass
 
-    threading.Thread(target=imports, name="gpuwidget-warm-up", daemon=True).start()
+    threading.Thread(target=imports, name=WARM_UP_THREAD, daemon=True).start()
 
 
 def unload_ipython_extension(ipython: Any) -> None:

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 import pynvml
 import pytest
 
-from gpuwidget import session
+from gpuwidget import WARM_UP_THREAD, session
 
 from support import sampler_threads
 
@@ -113,7 +113,7 @@ def _ipython_session():
     # a user runs the next cell. Here the next test would start meanwhile, and pytest's log capture
     # iterates the loggers while bokeh's imports add theirs ("dictionary changed size during iteration").
     for thread in threading.enumerate():
-        if thread.name == "gpuwidget-warm-up":
+        if thread.name == WARM_UP_THREAD:
             thread.join(60)
     return shell
 

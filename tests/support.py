@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from gpuwidget import WARM_UP_THREAD
 from gpuwidget.sampler import THREAD_NAME
 
 
@@ -104,7 +105,7 @@ def warmed_up(kc: Any, timeout: float = 60) -> None:
     after loading the extension; a cell run at once waits for the imports instead (about a second
     of CPU: bokeh's and jupyter_bokeh's)."""
     reply = kc.execute_interactive("import threading as _t\n[thread.join() for thread in _t.enumerate() "
-                                   "if thread.name == 'gpuwidget-warm-up']\ndel _t", timeout=timeout)
+                                   f"if thread.name == {WARM_UP_THREAD!r}]\ndel _t", timeout=timeout)
     assert reply["content"]["status"] == "ok"
 
 
