@@ -154,6 +154,9 @@ class DdpFacts(TypedDict, total=False):
     has_sync_bn: bool
     has_rebuilt_buckets: bool
     static_graph: bool  # the wrapper's static_graph (not in the logging data)
+    # The latest-iteration figures of each read of the logging data (not in it): iteration and the four
+    # times above under their names, for the most recent sampled iterations the probe saw (oldest first)
+    iterations: list[dict[str, int]]
 
 
 # The main model (most parameters) from its first forward passes (``probes.torch_model``).

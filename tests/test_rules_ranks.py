@@ -37,6 +37,7 @@ NO_GPU: dict[str, Any] = {"gpus": [], "usable_cpus": 2}
 FOUR_GPUS: dict[str, Any] = {"gpus": [{"index": i, "name": "NVIDIA H100"} for i in range(4)], "usable_cpus": 32}
 # The tiny-bucket model: a layer's weight and bias, (64 * 64 + 64) * 4 bytes, fill a bucket of 0.01 MB.
 WIDTH, LAYERS = 64, 36
+TINY_BUCKET_STEPS = 510
 SLOW_ITEM_S = 0.002  # the straggler's loader: 2 ms per sample, 4 per batch
 
 
@@ -78,9 +79,9 @@ def train_ranks(rank: int, world: int, port: int, results: Any) -> None:
         wide = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
         model = torch.nn.parallel.DistributedDataParallel(wide, bucket_cap_mb=0.01)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-        # 110 steps: DDP times iterations 1 to 10 and every 100th, so the latest figure is of step 100,
-        # not of the start-up (gpuwidget.advice.rules._ranks.ddp_timings)
-        loader = DataLoader(TensorDataset(torch.randn(110 * 8, WIDTH)), batch_size=8)
+        # 510 steps: DDP times iterations 1 to 10 (start-up) and every 100th, so steps 100 to 500
+        # are the typical steps it timed (gpuwidget.advice.rules._ranks.typical_ddp_step)
+        loader = DataLoader(TensorDataset(torch.randn(TINY_BUCKET_STEPS * 8, WIDTH)), batch_size=8)
         with gpuwidget.watch(quiet=True) as tiny_buckets:
             for (x,) in loader:
                 model(x).sum().backward()
@@ -215,6 +216,55 @@ def single_process_group():
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     yield
     dist.destroy_process_group()
+
+
+def test_the_probe_keeps_every_iteration_ddp_timed_through_a_long_watch(single_process_group):
+    # The model probe's global hooks leave after its first calls; the DDP wrapper's own counter stays
+    # and reads DDP's figures on its sampled iterations (1-10, then every 100th) until the watch ends.
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4))
+    with gpuwidget.watch(quiet=True) as run:
+        for _ in range(310):
+            model(torch.randn(2, 4)).sum().backward()
+    iterations = run.workload["model"]["ddp"]["iterations"]
+    assert [sample["iteration"] for sample in iterations] == [*range(1, 11), 100, 200, 300]
+    assert all(sample["backward_compute_time"] > 0 for sample in iterations)
+    assert model._forward_pre_hooks == {}  # the watch removed its counter
+
+
+def test_ddp_communication_judges_the_median_of_the_iterations_ddp_timed_after_start_up():
+    def iteration(number: int, exposed_ms: float, compute_ms: float = 3.0) -> dict[str, int]:
+        return {"iteration": number, "forward_compute_time": int(compute_ms * 1e6) // 3,
+                "backward_compute_time": int(compute_ms * 1e6) * 2 // 3,
+                "backward_comm_time": int(exposed_ms * 1e6), "backward_compute_comm_overlap_time": 0}
+
+    ranks = [ddp_rank(rank, 10.0, 0.5, jitter=0.02) for rank in (0, 1)]  # average and latest: 0.5 ms, 5%
+    assert ddp_communication.check({}, {"ranks": ranks}, NO_GPU) is None
+    # Start-up iterations of 6 ms (the other rank still starting) do not count, nor a preempted one
+    # (20 ms: longer than a typical step); the steady ones of 1.5, 3 and 4 ms do, and their median, 3 ms
+    # of the 10 ms step, is named.
+    for entry in ranks:
+        entry["model"]["ddp"]["iterations"] = [*(iteration(n, 6.0) for n in range(1, 11)), iteration(100, 1.5),
+                                               iteration(200, 20.0), iteration(300, 3.0), iteration(400, 4.0)]
+    finding = ddp_communication.check({}, {"ranks": ranks}, NO_GPU)
+    assert finding is not None and finding.evidence["exposed_comm_ms"] == pytest.approx(3.0)
+    # Two steady iterations are too few: DDP's average and latest figures are judged (5%: not named).
+    for entry in ranks:
+        del entry["model"]["ddp"]["iterations"][-2:]
+    assert ddp_communication.check({}, {"ranks": ranks}, NO_GPU) is None
+
+
+def test_an_all_reduce_timed_past_the_median_step_counts_for_the_step_less_its_compute():
+    # Steps of 10 ms whose MAD is 0.95 ms; DDP timed 10.5 ms of all-reduce after 1 ms of compute on its
+    # steady iterations (typical: within three MADs of the median step). A typical step waits at most
+    # the step less that compute.
+    ranks = [ddp_rank(rank, 10.0, 0.5, jitter=0.38) for rank in (0, 1)]
+    for entry in ranks:
+        entry["model"]["ddp"]["iterations"] = [
+            {"iteration": n, "forward_compute_time": 300_000, "backward_compute_time": 700_000,
+             "backward_comm_time": 10_500_000, "backward_compute_comm_overlap_time": 0} for n in (100, 200, 300)]
+    finding = ddp_communication.check({}, {"ranks": ranks}, NO_GPU)
+    assert finding is not None
+    assert finding.evidence["exposed_comm_ms"] == pytest.approx(finding.evidence["step_time_ms"] - 1.0)
 
 
 def test_ddp_communication_code_runs_as_pasted_and_rewraps_the_users_model(single_process_group):

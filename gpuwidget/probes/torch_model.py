@@ -68,12 +68,17 @@ class ModelProbe:
         self.installed = True
 
     def uninstall(self) -> None:
+        self._unhook()
+        for watch in self._parallel.values():
+            watch.remove()
+
+    def _unhook(self) -> None:
+        """Remove the global forward hooks; the DDP wrappers' own counters stay until :meth:`uninstall`
+        (one hook on one module, read on DDP's sampled iterations the whole watch through)."""
         for handle in self._handles:
             handle.remove()
         self._handles = []
         self.installed = False
-        for watch in self._parallel.values():
-            watch.remove()
 
     def _before(self, module: Any, args: tuple[Any, ...]) -> None:
         depth = getattr(self._local, "depth", 0)
@@ -85,7 +90,7 @@ class ModelProbe:
     def _after(self, module: Any, args: tuple[Any, ...], output: Any) -> None:
         self._local.depth = max(0, getattr(self._local, "depth", 1) - 1)
         if (self._seen >= TOP_LEVEL_CALLS or self._calls >= MAX_CALLS) and self._local.depth == 0:
-            self.uninstall()
+            self._unhook()
 
     def _look(self, module: Any, args: tuple[Any, ...]) -> None:
         import torch
@@ -188,6 +193,11 @@ class ModelProbe:
 # data is read again on those forward calls, so its averages survive a model freed before the watch ends.
 DDP_READ_EVERY = 100
 DDP_EARLY_READS = 12
+# Each read's latest-iteration figures are kept too (``DdpFacts.iterations``), the most recent this many:
+# one iteration is a noisy figure of a typical step, the median of several is not.
+DDP_KEPT_ITERATIONS = 32
+DDP_ITERATION_KEYS = ("iteration", "forward_compute_time", "backward_compute_time", "backward_comm_time",
+                      "backward_compute_comm_overlap_time")
 # _get_ddp_logging_data() keys that are 0/1 flags, kept as bool.
 DDP_FLAGS = ("gradient_as_bucket_view", "find_unused_parameters", "broadcast_buffers", "has_sync_bn",
              "has_rebuilt_buckets", "is_multi_device_module")
@@ -204,6 +214,7 @@ class ParallelWatch:
         self._module = weakref.ref(module)
         self._calls = 0
         self._ddp: DdpFacts = {}
+        self._iterations: list[dict[str, int]] = []  # DDP's figures of each sampled iteration read
         self._handle: Any = None
         self._gpus = len(getattr(module, "device_ids", None) or [])
         self._static: DdpFacts = {}
@@ -229,6 +240,10 @@ class ParallelWatch:
 
     def _read(self, module: Any) -> None:
         self._ddp = ddp_logging_facts(module._get_ddp_logging_data())
+        figures = cast(Mapping[str, int], self._ddp)
+        latest = {key: int(figures.get(key) or 0) for key in DDP_ITERATION_KEYS}
+        if latest["iteration"] > (self._iterations[-1]["iteration"] if self._iterations else 0):
+            self._iterations = [*self._iterations, latest][-DDP_KEPT_ITERATIONS:]
 
     def remove(self) -> None:
         if self._handle is not None:
@@ -242,7 +257,9 @@ class ParallelWatch:
         if module is not None:
             with contextlib.suppress(Exception):  # the process group may be gone already
                 self._read(module)
-        return {"ddp": {**self._ddp, **self._static}} if self._ddp else {"ddp": self._static.copy()}
+        if not self._ddp:
+            return {"ddp": self._static.copy()}
+        return {"ddp": {**self._ddp, **self._static, "iterations": list(self._iterations)}}
 
 
 def ddp_logging_facts(data: Mapping[str, object]) -> DdpFacts:

@@ -76,6 +76,11 @@ SIGNIFICANCE = 1e-3
 # beyond this many times the ranks' step-to-step jitter (the largest median absolute deviation of
 # their steady step times; three of them are about two standard deviations of normal noise).
 NOISE_MULTIPLE = 3.0
+# Sampled DDP iterations of typical steps whose median stands for a typical step's all-reduce
+# (``typical_ddp_step``); with fewer, DDP's average and latest figures do. DDP's first ten sampled
+# iterations are start-up (the ranks still arriving, buckets rebuilt) and do not count.
+MIN_DDP_ITERATIONS = 3
+DDP_STARTUP_ITERATIONS = 10
 
 
 def mad(values: Sequence[float]) -> float:
@@ -161,7 +166,7 @@ def binomial_tail(k: int, n: int) -> float:
 class DdpTiming:
     """One of DDP's figures for a rank (its average over the sampled iterations, or its latest sample)."""
 
-    which: str  # "average" or "latest"
+    which: str  # "average", "latest" or "iteration N"
     compute_s: float  # forward + backward compute (no waiting for the other ranks)
     exposed_s: float  # all-reduce time after backward had finished
 
@@ -178,17 +183,45 @@ def ddp_timings(rank: RankEntry, typical_only: bool = True) -> list[DdpTiming]:
     ddp = cast(Mapping[str, int], (rank.get("model") or {}).get("ddp"))  # its times under torch's names, in ns
     if not ddp:
         return []
-    timings = []
-    for which, prefix in (("average", "avg_"), ("latest", "")):
-        if not ddp.get(f"{prefix}backward_comm_time") and not ddp.get(f"{prefix}backward_compute_time"):
-            continue
-        compute = (int(ddp.get(f"{prefix}forward_compute_time") or 0)
-                   + int(ddp.get(f"{prefix}backward_compute_time") or 0)) * NS
-        exposed = max(0.0, (int(ddp.get(f"{prefix}backward_comm_time") or 0)
-                            - int(ddp.get(f"{prefix}backward_compute_comm_overlap_time") or 0)) * NS)
-        timings.append(DdpTiming(which, compute, exposed))
+    timings = [timing for which, prefix in (("average", "avg_"), ("latest", ""))
+               if (timing := _ddp_timing(which, ddp, prefix)) is not None]
+    return _typical(rank, timings) if typical_only else timings
+
+
+def ddp_iterations(rank: RankEntry) -> list[DdpTiming]:
+    """DDP's figures of each sampled iteration after start-up (:data:`DDP_STARTUP_ITERATIONS`) the probe
+    read (``DdpFacts.iterations``) that describe a typical step of the rank (as :func:`ddp_timings`
+    judges them), oldest first."""
+    ddp = (rank.get("model") or {}).get("ddp") or {}
+    timings = [timing for sample in ddp.get("iterations") or []
+               if int(sample.get("iteration") or 0) > DDP_STARTUP_ITERATIONS
+               and (timing := _ddp_timing(f"iteration {sample.get('iteration')}", sample, "")) is not None]
+    return _typical(rank, timings)
+
+
+def typical_ddp_step(rank: RankEntry) -> DdpTiming | None:
+    """DDP's figures of a typical step of a rank: its typical sampled iteration of median all-reduce after
+    backward where there are :data:`MIN_DDP_ITERATIONS` of them, else the one of its typical average and
+    latest figures with the smaller all-reduce (None: no figure describes a typical step)."""
+    iterations = sorted(ddp_iterations(rank), key=lambda timing: timing.exposed_s)
+    if len(iterations) >= MIN_DDP_ITERATIONS:
+        return iterations[(len(iterations) - 1) // 2]
+    return min(ddp_timings(rank), key=lambda timing: timing.exposed_s, default=None)
+
+
+def _ddp_timing(which: str, figures: Mapping[str, int], prefix: str) -> DdpTiming | None:
+    if not figures.get(f"{prefix}backward_comm_time") and not figures.get(f"{prefix}backward_compute_time"):
+        return None
+    compute = (int(figures.get(f"{prefix}forward_compute_time") or 0)
+               + int(figures.get(f"{prefix}backward_compute_time") or 0)) * NS
+    exposed = max(0.0, (int(figures.get(f"{prefix}backward_comm_time") or 0)
+                        - int(figures.get(f"{prefix}backward_compute_comm_overlap_time") or 0)) * NS)
+    return DdpTiming(which, compute, exposed)
+
+
+def _typical(rank: RankEntry, timings: list[DdpTiming]) -> list[DdpTiming]:
     series = step_series(rank)
-    if series is None or not typical_only:
+    if series is None:
         return timings
     typical = median(series[0]) + NOISE_MULTIPLE * mad(series[0])
     return [timing for timing in timings if timing.compute_s + timing.exposed_s <= typical]

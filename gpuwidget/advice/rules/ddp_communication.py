@@ -14,8 +14,9 @@ straggler itself waits only for the transfer. Where ``rank-straggler`` measured 
 straggler is judged, and never for more than the step less the straggler's extra time: each measured
 second has one explanation.
 
-DDP times its all-reduce on a sample of iterations (the first ten, then every hundredth), so each
-figure is a step or a few, and only figures of typical steps count (``_ranks.ddp_timings``). An
+DDP times its all-reduce on a sample of iterations (the first ten, then every hundredth). The probe
+keeps each sampled iteration's figures, and a typical step's all-reduce is the median of those that
+describe typical steps (``_ranks.typical_ddp_step``); one iteration alone is a noisy figure. An
 exposed all-reduce within the ranks' own step-to-step jitter (``SKEW_MULTIPLE`` times
 ``_ranks.step_jitter_s``) is the early rank waiting for the late one's random delay, which no bucket
 setting removes, and is not named.
@@ -29,11 +30,12 @@ from typing import TypedDict, cast
 from gpuwidget.advice.code import model_code
 from gpuwidget.advice.finding import Finding, FindingChange
 from gpuwidget.advice.rules._ranks import (
-    ddp_timings,
+    DdpTiming,
     processes_with_models,
     rank_label,
     ranks,
     step_jitter_s,
+    typical_ddp_step,
 )
 from gpuwidget.advice.rules.rank_straggler import find as find_straggler
 from gpuwidget.facts import DdpFacts, MachineFacts, ModelFacts, RankEntry, Summary, WorkloadFacts
@@ -63,11 +65,11 @@ NS = 1e-9
 
 def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> Finding | None:
     processes = _processes(summary, workload)
-    if any(exposed is None for _, _, _, exposed in processes):
+    if any(timing is None for _, _, _, timing in processes):
         return None  # a rank whose DDP figures describe no typical step: nothing to judge it by
     step_jitter = step_jitter_s(ranks(workload))
-    judged = [figures for figures in (_figures(model.get("ddp"), step, who, step_jitter, exposed)
-                                      for model, step, who, exposed in processes) if figures is not None]
+    judged = [figures for figures in (_figures(model.get("ddp"), step, who, step_jitter, timing)
+                                      for model, step, who, timing in processes) if figures is not None]
     straggler = find_straggler(workload)
     if straggler is not None:  # the others' waiting is the straggler's; it waited for nobody
         found, timed = straggler
@@ -134,30 +136,33 @@ class DdpFigures(TypedDict):
     total_bytes: int
 
 
-def _processes(summary: Summary, workload: WorkloadFacts) -> list[tuple[ModelFacts, float | None, str, float | None]]:
-    """(model, median step s, who, exposed all-reduce s) of every process whose DDP model the probes saw:
-    the smallest of DDP's figures that describe a typical step of it (None: none does)."""
+def _processes(summary: Summary, workload: WorkloadFacts
+               ) -> list[tuple[ModelFacts, float | None, str, DdpTiming | None]]:
+    """(model, median step s, who, DDP's figures of a typical step) of every process whose DDP model the
+    probes saw (``_ranks.typical_ddp_step``; None: no figure describes a typical step)."""
     listed = [rank for rank in ranks(workload) if (rank.get("model") or {}).get("ddp")]
     if not listed and (workload.get("model") or {}).get("ddp"):
         listed = [RankEntry(model=workload.get("model"), step_time_p50_s=summary.get("step_time_p50"))]
-    found: list[tuple[ModelFacts, float | None, str, float | None]] = []
+    found: list[tuple[ModelFacts, float | None, str, DdpTiming | None]] = []
     for rank in listed:
-        timings = ddp_timings(rank)
         who = rank_label(rank) if "pid" in rank or "rank" in rank else "this process"
-        found.append((cast(ModelFacts, rank["model"]), rank.get("step_time_p50_s"), who,
-                      min(timing.exposed_s for timing in timings) if timings else None))
+        found.append((cast(ModelFacts, rank["model"]), rank.get("step_time_p50_s"), who, typical_ddp_step(rank)))
     return found
 
 
 def _figures(ddp: DdpFacts | None, step_s: float | None, who: str, noise_s: float,
-             exposed: float | None) -> DdpFigures | None:
+             timing: DdpTiming | None) -> DdpFigures | None:
     """Per-step figures of one process, in seconds; None without DDP's timings."""
-    if ddp is None or exposed is None:
+    if ddp is None or timing is None:
         return None
+    exposed = timing.exposed_s
     if step_s and exposed >= step_s:
-        return None  # more all-reduce than its median step holds: no figure of a typical step
-    own = (int(ddp.get("avg_forward_compute_time", 0)) + int(ddp.get("avg_backward_compute_time", 0))) * NS
-    step = step_s if step_s else own + exposed
+        # More all-reduce than its median step holds (a sampled iteration DDP timed past its steps'
+        # median, on a busy host): a typical step waits at most the step less its compute.
+        exposed = step_s - timing.compute_s
+        if exposed <= 0:
+            return None
+    step = step_s if step_s else timing.compute_s + exposed
     if step <= 0:
         return None
     sizes = list(ddp.get("rebuilt_bucket_sizes") or ddp.get("bucket_sizes") or [])
