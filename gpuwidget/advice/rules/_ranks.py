@@ -164,7 +164,8 @@ def binomial_tail(k: int, n: int) -> float:
 
 @dataclass(frozen=True)
 class DdpTiming:
-    """One of DDP's figures for a rank (its average over the sampled iterations, or its latest sample)."""
+    """One of DDP's figures for a rank: its average over the sampled iterations, its latest sample, or one
+    sampled iteration the probe read."""
 
     which: str  # "average", "latest" or "iteration N"
     compute_s: float  # forward + backward compute (no waiting for the other ranks)
