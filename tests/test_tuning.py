@@ -11,6 +11,7 @@ import psutil
 import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
+from torch.utils.data._utils import MP_STATUS_CHECK_INTERVAL
 
 from gpuwidget.measure.batch_probe import SizeTrial, _recommend, probe_batch_size, search_sizes
 from gpuwidget.measure.tuner import Trial, TuneError, _choose, search_workers, tune_loader
@@ -24,7 +25,12 @@ def children() -> set[int]:
     return {p.pid for p in psutil.Process().children(recursive=True)}
 
 
-def no_new_children(before: set[int], timeout: float = 5.0) -> bool:
+# torch's DataLoader gives each worker MP_STATUS_CHECK_INTERVAL (5 s) to exit before it terminates it:
+# on a busy host the workers of an interrupted trial are gone within that per worker, not within 5 s.
+CHILDREN_GONE_S = 4 * MP_STATUS_CHECK_INTERVAL
+
+
+def no_new_children(before: set[int], timeout: float = CHILDREN_GONE_S) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if not children() - before:
