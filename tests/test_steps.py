@@ -38,6 +38,16 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tens
     optimizer.step()
 
 
+def token_model() -> tuple[nn.Module, torch.Tensor]:
+    return nn.Sequential(nn.Embedding(50, 16), nn.Flatten(), nn.Linear(16 * 8, 50)), torch.randint(0, 50, (5000,))
+
+
+def token_batch(tokens: torch.Tensor, sleep_s: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    starts = torch.randint(0, len(tokens) - 9, (12,))
+    time.sleep(sleep_s)  # the storage read
+    return torch.stack([tokens[i:i + 8] for i in starts]), tokens[starts + 8]
+
+
 def nothing_left() -> None:
     assert not optim_module._global_optimizer_post_hooks and not optim_module._global_optimizer_pre_hooks
     assert not nn_module._global_forward_pre_hooks and not nn_module._global_forward_hooks
@@ -46,19 +56,11 @@ def nothing_left() -> None:
 
 def test_a_get_batch_loop_without_a_dataloader_counts_its_optimizer_steps():
     """nanoGPT's shape: random slices of a token array, 'storage' that takes 4 ms per batch."""
-    tokens = torch.randint(0, 50, (5000,))
-    model = nn.Sequential(nn.Embedding(50, 16), nn.Flatten(), nn.Linear(16 * 8, 50))
+    model, tokens = token_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-
-    def get_batch() -> tuple[torch.Tensor, torch.Tensor]:
-        starts = torch.randint(0, len(tokens) - 9, (12,))
-        time.sleep(0.004)  # the storage read
-        x = torch.stack([tokens[i:i + 8] for i in starts])
-        return x, tokens[starts + 8]
-
     with gpuwidget.watch(quiet=True, interval=0.1) as run:
         for _ in range(40):
-            train_step(model, optimizer, *get_batch())
+            train_step(model, optimizer, *token_batch(tokens, sleep_s=0.004))
     summary = run.summary
     assert summary["step_source"] == "optimizer" and summary["steps"] == 40
     assert summary["samples"] == 40 * 12
@@ -262,16 +264,6 @@ def test_an_inference_loop_keeps_the_busiest_loader():
 
 
 # ------------------------------------------------------------------ a manual update: steps from backward passes
-
-
-def token_model() -> tuple[nn.Module, torch.Tensor]:
-    return nn.Sequential(nn.Embedding(50, 16), nn.Flatten(), nn.Linear(16 * 8, 50)), torch.randint(0, 50, (5000,))
-
-
-def token_batch(tokens: torch.Tensor, sleep_s: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
-    starts = torch.randint(0, len(tokens) - 9, (12,))
-    time.sleep(sleep_s)  # the storage read
-    return torch.stack([tokens[i:i + 8] for i in starts]), tokens[starts + 8]
 
 
 def manual_sgd(model: nn.Module, x: torch.Tensor, y: torch.Tensor, lr: float = 0.1) -> None:

@@ -148,8 +148,12 @@ class ModelProbe:
 
     def _training_call(self, torch: Any, key: int, module: Any) -> None:
         if self.on_training_call is not None and torch.is_grad_enabled():
-            entries = [entry for entry in (ref() for ref in self._entries.get(key, [])) if entry is not None]
-            self.on_training_call(key, module, entries or [module], self._first_call.get(key, 0.0))
+            self.on_training_call(key, module, self._live_entries(key, module), self._first_call.get(key, 0.0))
+
+    def _live_entries(self, key: int, module: Any) -> list[Any]:
+        """The modules called top-level for the model ``key`` that are still alive, else the model itself."""
+        entries = [entry for entry in (ref() for ref in self._entries.get(key, [])) if entry is not None]
+        return entries or [module]
 
     def _trained(self, key: int) -> bool:
         """Its trainable parameters were updated in place since it was first seen."""
@@ -165,8 +169,7 @@ class ModelProbe:
             module = ref()
             if module is None:
                 continue
-            entries = [entry for entry in (ref() for ref in self._entries.get(key, [])) if entry is not None]
-            yield key, module, entries or [module], self._first_call.get(key, 0.0)
+            yield key, module, self._live_entries(key, module), self._first_call.get(key, 0.0)
 
     def _main(self) -> int | None:
         """The model the stepped optimizer trains; else the trained module with the most parameters;

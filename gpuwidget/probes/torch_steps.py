@@ -232,14 +232,7 @@ class StepProbe:
             self._counted_pending = False
             self._counted_end = ended
         self._events.append(ended)
-        if self._sampling:
-            self._end_sampled_step()
-        if self._early and not self._sampling and self._counter is None and self._flops_settled:
-            self._hook(early=False)  # samples read, FLOPs counted: the lean hook from now on
-        data = self.data
-        if data is not None and data.last is not None:
-            data.last.steps_fed += 1
-            data.last = None
+        self._step_ended()
 
     def _forward(self, module: Any, args: Any, kwargs: Any) -> None:
         """Before each top-level forward of the trained model in the first steps: it also reads the
@@ -363,10 +356,15 @@ class StepProbe:
         self._events.append(ended)
         if self._held and self.steps >= BACKWARD_STEPS_HELD:
             self._count_held()  # no gradient accumulation this long: these are the loop's steps
+        self._step_ended()
+
+    def _step_ended(self) -> None:
+        """After a step's end (an optimizer step, or a backward pass where none steps): its samples, the
+        lean hook once the first steps are read, and the batch that fed it."""
         if self._sampling:
             self._end_sampled_step()
         if self._early and not self._sampling and self._counter is None and self._flops_settled:
-            self._hook(early=False)
+            self._hook(early=False)  # samples read, FLOPs counted: the lean hook from now on
         data = self.data
         last = None if data is None else data.last
         if last is None:
