@@ -13,6 +13,7 @@ beside it judges time either, so the load it makes changes no test's result.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import signal
 import threading
@@ -48,12 +49,42 @@ SERIAL_FIXTURES = ("one_torch_thread", "ip")
 UNTIMED_MARKER = "untimed"
 
 
+# A test still running this long after pytest-timeout's own limit is hung where that limit cannot
+# act: its signal handler needs the GIL, and a deadlock that holds the GIL (CPython gh-106883, see
+# gpuwidget.probes.stack) never gives it back, so the run went on to CI's limit. faulthandler's
+# watchdog is a C thread that needs no GIL: it prints every thread's stack and ends the process,
+# a failed run (xdist reports a worker lost) instead of a silent one.
+HUNG_MARGIN_S = 120
+_real_stderr: int | None = None  # pytest's capture replaces fd 2 during a test; the dump must be seen
+
+
 def pytest_configure(config: pytest.Config) -> None:
+    global _real_stderr
+    _real_stderr = os.dup(2)  # capture is suspended while plugins configure: this is the terminal or CI log
     # A suite started in the background by a non-interactive shell (`make test &`, nohup, some CI
     # runners) inherits SIGINT ignored, and Python then leaves it ignored: Ctrl-C would reach no test.
     # The tests of Ctrl-C need it as a terminal gives it (Python's own handler, KeyboardInterrupt).
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def time_limit_s(item: pytest.Item) -> float:
+    """pytest-timeout's limit for this test: its ``timeout`` marker's, else the configured one."""
+    marker = item.get_closest_marker("timeout")
+    if marker is not None and marker.args:
+        return float(marker.args[0])
+    return float(item.config.getini("timeout") or 0)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    limit = time_limit_s(item)
+    if limit > 0 and _real_stderr is not None:
+        faulthandler.dump_traceback_later(limit + HUNG_MARGIN_S, exit=True, file=_real_stderr)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

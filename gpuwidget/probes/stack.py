@@ -43,6 +43,7 @@ import ast
 import bisect
 import builtins
 import copy
+import gc
 import linecache
 import operator
 import os
@@ -91,6 +92,15 @@ NOT_TORCH_WORK = ("torch.utils.data",)
 Location = tuple[CodeType, int, CodeType, int]
 _ELSEWHERE: Any = None  # the bucket for locations beyond MAX_LOCATIONS
 
+# CPython 3.11 before 3.11.9 can deadlock in sys._current_frames() (CPython gh-106883): it holds the
+# runtime's list of threads locked while it makes frame objects, a garbage collection can start
+# there (3.11 collects inside an allocation) and run finalizers, and a finalizer that lets go of
+# the GIL lets a thread that is starting or ending take the GIL and then wait for that lock, forever.
+# A sampler thread hung so beside a `Thread.start()` in the test suite. CPython's fix turns the
+# collector off for the call; the sampler does the same where the fix is missing (3.12 collects
+# only between bytecodes, never inside the call).
+FRAMES_NEED_COLLECTOR_OFF = (3, 11) <= sys.version_info[:3] < (3, 11, 9)
+
 
 def _library_prefixes() -> tuple[str, ...]:
     """Folders whose files are not the user's: the standard library and installed packages."""
@@ -110,6 +120,20 @@ def _library_prefixes() -> tuple[str, ...]:
 
 
 _LIBRARY_PREFIXES = _library_prefixes()
+
+
+def thread_frame(thread_id: int) -> FrameType | None:
+    """The current frame of the thread with this ``threading.get_ident()``, None when it has none;
+    without the deadlock of :data:`FRAMES_NEED_COLLECTOR_OFF`."""
+    if not FRAMES_NEED_COLLECTOR_OFF or not gc.isenabled():
+        return sys._current_frames().get(thread_id)
+    # Left off where it was off. Another thread turning it off within this call is undone (CPython's
+    # own fix has the same window, between its check and its call).
+    gc.disable()
+    try:
+        return sys._current_frames().get(thread_id)
+    finally:
+        gc.enable()
 
 
 def is_user_frame(frame: FrameType) -> bool:
@@ -349,7 +373,7 @@ class StackSampler:
             basis.take(new)
 
     def _sample(self, t: float, read: float | None = None) -> None:
-        frame = sys._current_frames().get(self.thread_id)
+        frame = thread_frame(self.thread_id)
         inner: FrameType | None = None
         outer: FrameType | None = None
         cache = self._user
