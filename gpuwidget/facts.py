@@ -284,7 +284,7 @@ class RankEntry(TypedDict, total=False):
     local_rank: int | None
     world_size: int | None
     loop_time_s: float  # seconds in its training loop
-    step_source: str | None  # "dataloader", "optimizer" or "backward": which steps its figures count (the summary's)
+    step_source: str | None  # "dataloader" or "optimizer": which steps its figures count (the summary's)
     loop_waits: list[LoopWait]  # its stack samples' top wait (probes.stack), where it sampled any
     stack_samples: StackFacts  # a child's stack sampler, until merged (children.ranks.merge: then the workload's)
     # Its steps one by one, the latest ranks.SERIES_STEPS: seconds per step, and of each the
@@ -306,7 +306,7 @@ class TrainingFacts(TypedDict, total=False):
     """The training loop as its optimizer steps tell it (``probes.torch_steps.StepProbe``), whatever
     feeds it: a DataLoader, a generator, ``get_batch``. Times are on the trace's clock (seconds)."""
 
-    optimizer_steps: int  # optimizer.step() calls of the trained model's optimizer (its backward passes: step_source)
+    optimizer_steps: int  # optimizer.step() calls of the trained model's optimizer
     step_times: list[float]  # seconds per optimizer step, the latest STEP_HISTORY of them
     step_ends: list[float]  # trace-clock time of each of those steps' end, same length (warm-up split)
     forward_calls: int  # top-level forward calls of the trained model (after its optimizer was known)
@@ -321,7 +321,7 @@ class TrainingFacts(TypedDict, total=False):
     between_s: float  # seconds in train.between spans (a step's end to the next training forward)
     loop_s: float  # seconds from the first train.step span's start to the last one's end
     spanned_steps: int  # steps with a train.step span in loop_s (a first step seen before its model has none)
-    step_source: str  # "optimizer": the optimizer's steps; "backward": the model's backward passes (no optimizer)
+    step_source: str  # "optimizer": the steps are the optimizer's
     model_class: str | None  # the trained model's class (the module whose parameters the optimizer holds)
     device_type: str | None  # where its parameters are ("cuda", "cpu")
 
@@ -539,9 +539,7 @@ class Summary(TypedDict, total=False):
     cost: float
     idle_cost: float
     # The training loop's steps as the optimizer counted them (summary.training_figures):
-    # "dataloader" (the primary loader's batches), "optimizer" (its step() calls) or "backward" (no
-    # optimizer: the model's backward passes)
-    step_source: str
+    step_source: str  # "dataloader" (the primary loader's batches) or "optimizer" (its step() calls)
     optimizer_steps: int  # optimizer.step() calls of the trained model's optimizer
     flops_per_step: float  # FLOPs of one training step (forward and backward), FlopCounterMode's count
     flops_dtype: str  # the dtype the counted matmuls ran in: "fp8", "bf16", "fp16", "tf32", "fp32"

@@ -235,7 +235,7 @@ def main_cause(run: Run) -> str:
         top = run.findings[0]
         return NOTHING_TO_GAIN_CAUSE if top.nothing_to_gain else cause_line(top)
     if run.summary.get("steps") is None:
-        return "no training loop seen (no DataLoader was iterated, no optimizer stepped, no backward pass ran)"
+        return "no training loop seen (no DataLoader was iterated and no optimizer stepped)"
     return "no cause of idle time found"
 
 

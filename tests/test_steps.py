@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import gpuwidget
 from gpuwidget.figures.summary import primary_loader
 from gpuwidget.probes import BETWEEN_STEPS_SPAN, TRAIN_STEP_SPAN
-from gpuwidget.probes.torch_steps import BACKWARD_STEPS_HELD, FLOPS_AT_STEP
+from gpuwidget.probes.torch_steps import FLOPS_AT_STEP
 from gpuwidget.report import main_cause
 
 torch.manual_seed(0)
@@ -38,16 +38,6 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tens
     optimizer.step()
 
 
-def token_model() -> tuple[nn.Module, torch.Tensor]:
-    return nn.Sequential(nn.Embedding(50, 16), nn.Flatten(), nn.Linear(16 * 8, 50)), torch.randint(0, 50, (5000,))
-
-
-def token_batch(tokens: torch.Tensor, sleep_s: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
-    starts = torch.randint(0, len(tokens) - 9, (12,))
-    time.sleep(sleep_s)  # the storage read
-    return torch.stack([tokens[i:i + 8] for i in starts]), tokens[starts + 8]
-
-
 def nothing_left() -> None:
     assert not optim_module._global_optimizer_post_hooks and not optim_module._global_optimizer_pre_hooks
     assert not nn_module._global_forward_pre_hooks and not nn_module._global_forward_hooks
@@ -56,11 +46,19 @@ def nothing_left() -> None:
 
 def test_a_get_batch_loop_without_a_dataloader_counts_its_optimizer_steps():
     """nanoGPT's shape: random slices of a token array, 'storage' that takes 4 ms per batch."""
-    model, tokens = token_model()
+    tokens = torch.randint(0, 50, (5000,))
+    model = nn.Sequential(nn.Embedding(50, 16), nn.Flatten(), nn.Linear(16 * 8, 50))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def get_batch() -> tuple[torch.Tensor, torch.Tensor]:
+        starts = torch.randint(0, len(tokens) - 9, (12,))
+        time.sleep(0.004)  # the storage read
+        x = torch.stack([tokens[i:i + 8] for i in starts])
+        return x, tokens[starts + 8]
+
     with gpuwidget.watch(quiet=True, interval=0.1) as run:
         for _ in range(40):
-            train_step(model, optimizer, *token_batch(tokens, sleep_s=0.004))
+            train_step(model, optimizer, *get_batch())
     summary = run.summary
     assert summary["step_source"] == "optimizer" and summary["steps"] == 40
     assert summary["samples"] == 40 * 12
@@ -261,94 +259,6 @@ def test_an_inference_loop_keeps_the_busiest_loader():
             model(x)
     assert run.workload["training"] is None
     assert run.summary["steps"] == 8 and run.summary["step_source"] == "dataloader"
-
-
-# ------------------------------------------------------------------ a manual update: steps from backward passes
-
-
-def manual_sgd(model: nn.Module, x: torch.Tensor, y: torch.Tensor, lr: float = 0.1) -> None:
-    """PyTorch's word_language_model example's update: ``.data`` leaves the version counters alone."""
-    model.zero_grad()
-    nn.functional.cross_entropy(model(x), y).backward()
-    for p in model.parameters():
-        p.data.add_(p.grad, alpha=-lr)
-
-
-def no_backward_hook_left(model: nn.Module) -> None:
-    assert not [p for p in model.parameters() if p._post_accumulate_grad_hooks]
-
-
-def test_a_manual_update_without_an_optimizer_counts_the_models_backward_passes():
-    # Loaded, as any optimizer's first step in the process loads it: a FLOP counter needs it, and without
-    # an optimizer the probe does not import it in the middle of the loop (seconds of the GIL).
-    import torch._dynamo  # noqa: F401
-
-    model, tokens = token_model()
-    steps = BACKWARD_STEPS_HELD + 60  # the FLOP counter is loaded on a tick after the passes are known to be steps
-    with gpuwidget.watch(quiet=True, interval=0.02) as run:
-        for _ in range(steps):
-            manual_sgd(model, *token_batch(tokens, sleep_s=0.004))
-    summary, training = run.summary, run.workload["training"]
-    assert summary["steps"] == steps and summary["step_source"] == "backward"
-    assert training["step_source"] == "backward" and training["model_class"] == "Sequential"
-    assert summary["samples"] == 12 * summary["steps"]
-    between = run.trace.spans(BETWEEN_STEPS_SPAN)
-    assert len(run.trace.spans(TRAIN_STEP_SPAN)) == summary["steps"] and len(between) == summary["steps"] - 1
-    assert min(span.duration for span in between) >= 0.004  # the fetch is between a pass's end and the next forward
-    # One step counted once the passes were known to be the steps: forward and backward, as FlopCounterMode counts.
-    from torch.utils.flop_counter import FlopCounterMode
-
-    with FlopCounterMode(display=False) as counter:
-        nn.functional.cross_entropy(model(token_batch(tokens)[0]), torch.zeros(12, dtype=torch.long)).backward()
-    assert training["flops_per_step"] == pytest.approx(counter.get_total_flops(), rel=0.1)
-    assert training["flops_counted_at_step"] >= BACKWARD_STEPS_HELD
-    assert "no training loop seen" not in main_cause(run)
-    nothing_left()
-    no_backward_hook_left(model)
-
-
-def test_gradient_accumulation_counts_the_optimizer_steps_not_the_micro_batches():
-    """nanoGPT's default: 40 micro-batches of backward passes before each optimizer step."""
-    model, tokens = token_model()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    with gpuwidget.watch(quiet=True, interval=0.1) as run:
-        for _ in range(3):
-            for _micro in range(40):
-                x, y = token_batch(tokens)
-                (nn.functional.cross_entropy(model(x), y) / 40).backward()
-            optimizer.step()
-            optimizer.zero_grad()
-    assert run.summary["steps"] == 3 and run.summary["step_source"] == "optimizer"
-    assert len(run.trace.spans(TRAIN_STEP_SPAN)) == 3
-    nothing_left()
-    no_backward_hook_left(model)
-
-
-def test_a_short_manual_loop_is_counted_when_it_ends_and_a_second_pass_is_no_step_more():
-    model, tokens = token_model()
-    with gpuwidget.watch(quiet=True, interval=0.1) as run:
-        for _ in range(20):
-            x, y = token_batch(tokens)
-            model.zero_grad()
-            logits = model(x)
-            nn.functional.cross_entropy(logits, y).backward(retain_graph=True)
-            logits.square().mean().backward()  # a second loss, backward through the same graph
-            for p in model.parameters():
-                p.data.add_(p.grad, alpha=-0.1)
-    assert run.summary["steps"] == 20 and run.summary["step_source"] == "backward"
-    assert "flops_per_step" not in run.summary
-    assert run.workload["training"]["flops_missing"].startswith("no optimizer stepped")
-    nothing_left()
-    no_backward_hook_left(model)
-
-
-def test_a_model_only_evaluated_has_no_steps():
-    model, tokens = token_model()
-    with gpuwidget.watch(quiet=True, interval=0.1) as run:
-        for _ in range(20):
-            model(token_batch(tokens)[0]).sum()  # grad enabled, but no backward pass
-    assert run.workload["training"] is None and run.summary["steps"] is None
-    no_backward_hook_left(model)
 
 
 # ------------------------------------------------------------------ fp32-math reads the autocast share

@@ -45,7 +45,7 @@ from gpuwidget.facts import (
     uuid_key,
 )
 from gpuwidget.figures.summary import paired, percentiles, primary_loader, summarize, time_breakdown
-from gpuwidget.probes import MODEL_STEP_SOURCES, STEP_SPAN, TRAIN_STEP_SPAN
+from gpuwidget.probes import STEP_SPAN, TRAIN_STEP_SPAN
 from gpuwidget.trace import Trace
 
 PER_STEP_LISTS = ("step_times", "wait_times", "step_ends")
@@ -78,7 +78,7 @@ def loop_figures(workload: WorkloadFacts | None) -> RankEntry:
     if not summary.get("steps"):
         return NO_LOOP.copy()
     training = facts.get("training") or {}
-    if summary.get("step_source") in MODEL_STEP_SOURCES and training.get("step_times"):
+    if summary.get("step_source") == "optimizer" and training.get("step_times"):
         steps, waits = per_step(training["step_times"], [])
     else:
         loader = primary_loader(facts) or {}
@@ -209,7 +209,7 @@ def job_summary(summary: Summary, workload: WorkloadFacts, trace: Trace | None =
                                                      if value is not None})
         if trace is not None and duration > 0:
             loop_s, wait_s = loop_totals(entry)
-            kind = TRAIN_STEP_SPAN if entry.get("step_source") in MODEL_STEP_SOURCES else STEP_SPAN
+            kind = TRAIN_STEP_SPAN if entry.get("step_source") == "optimizer" else STEP_SPAN
             entry["time_breakdown"] = time_breakdown(duration, trace, None if own else entry.get("pid"),
                                                      loop_s=loop_s, wait_s=wait_s, kind=kind)
     entries = [entry for entry in listed if entry.get("steps")]

@@ -108,8 +108,7 @@ def optimizer_loop(training: TrainingFacts, workload: WorkloadFacts | None = Non
         return {}
     per_step = training.get("samples_per_step")
     steps_per_s = (training.get("spanned_steps") or steps) / loop
-    source = training.get("step_source") or "optimizer"
-    figures: Summary = {"step_source": source, "steps": steps, "steps_per_s": steps_per_s,
+    figures: Summary = {"step_source": "optimizer", "steps": steps, "steps_per_s": steps_per_s,
                         "loop_time_s": loop, "samples": per_step * steps if per_step else None,
                         "samples_per_s": per_step * steps_per_s if per_step else None, "data_wait_fraction": None}
     figures.update(step_figures(training.get("step_times") or [], steps, workload))

@@ -29,9 +29,6 @@ log = logging.getLogger("gpuwidget")
 DATA_WAIT_SPAN = "loader.wait"  # blocked in a DataLoader's next()
 STEP_SPAN = "step"  # from one next() to the following one
 TRAIN_STEP_SPAN = "train.step"  # one optimizer step of the trained model: from the previous one's end to its end
-# Where a loop's steps come from (``step_source``): the trained model's optimizer steps, or its backward
-# passes where no optimizer steps (probes.torch_steps), both timed as train.step spans; else a DataLoader's batches.
-MODEL_STEP_SOURCES = ("optimizer", "backward")
 BETWEEN_STEPS_SPAN = "train.between"  # from an optimizer step's end to the trained model's next training forward
 
 

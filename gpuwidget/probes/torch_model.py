@@ -21,7 +21,7 @@ import sys
 import threading
 import weakref
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, cast
 
 from gpuwidget.clock import now
@@ -55,10 +55,6 @@ class ModelProbe:
         self._first_call: dict[int, float] = {}
         # The model whose parameters the stepped optimizer holds (set by probes.torch_steps).
         self.trained_key: int | None = None
-        # Called on the calling thread for each top-level call of a model with trainable parameters made
-        # with grad enabled, while the global hooks last: (key, model, its top-level modules, first call).
-        # probes.torch_steps counts a loop's steps from such a model's backward passes when no optimizer steps.
-        self.on_training_call: Callable[[int, Any, list[Any], float], None] | None = None
 
     def install(self) -> None:
         if self.installed:
@@ -110,7 +106,6 @@ class ModelProbe:
             self._models[key]["calls"] += 1
             if self._versions[key] >= 0:
                 self._seen += 1
-                self._training_call(torch, key, module)
             return
         dtypes: Counter[str] = Counter()
         devices: set[str] = set()
@@ -143,17 +138,6 @@ class ModelProbe:
             "training": bool(module.training),
             "calls": 1,
         }
-        if trainable:
-            self._training_call(torch, key, module)
-
-    def _training_call(self, torch: Any, key: int, module: Any) -> None:
-        if self.on_training_call is not None and torch.is_grad_enabled():
-            self.on_training_call(key, module, self._live_entries(key, module), self._first_call.get(key, 0.0))
-
-    def _live_entries(self, key: int, module: Any) -> list[Any]:
-        """The modules called top-level for the model ``key`` that are still alive, else the model itself."""
-        entries = [entry for entry in (ref() for ref in self._entries.get(key, [])) if entry is not None]
-        return entries or [module]
 
     def _trained(self, key: int) -> bool:
         """Its trainable parameters were updated in place since it was first seen."""
@@ -169,7 +153,8 @@ class ModelProbe:
             module = ref()
             if module is None:
                 continue
-            yield key, module, self._live_entries(key, module), self._first_call.get(key, 0.0)
+            entries = [entry for entry in (ref() for ref in self._entries.get(key, [])) if entry is not None]
+            yield key, module, entries or [module], self._first_call.get(key, 0.0)
 
     def _main(self) -> int | None:
         """The model the stepped optimizer trains; else the trained module with the most parameters;

@@ -36,23 +36,11 @@ It is counted after the first steps (CUDA and cuDNN start-up, compilation), whic
 would only make slower, and its time is kept out of ``step_times`` (the counter's own cost, in
 ``flops_step_s``). :meth:`StepProbe.uninstall` leaves the counter if a step that raised or a watch
 that ended mid-step left it entered.
-
-A loop may update its model without an optimizer: PyTorch's ``word_language_model`` example does
-``p.data.add_(p.grad, alpha=-lr)`` (and ``.data`` leaves the parameters' version counters alone). It
-still runs one backward pass per step, so where no optimizer steps the steps are the trained
-model's backward passes (``step_source`` ``"backward"``): the model with the most trainable
-parameters called with grad enabled (:class:`~gpuwidget.probes.torch_model.ModelProbe` tells each
-such call), each pass ending as its first parameter's gradient is accumulated
-(``Tensor.register_post_accumulate_grad_hook``; the input layer's, which the backward reaches last).
-Gradient accumulation runs several backward passes per optimizer step (nanoGPT's default is 40), so
-they are held until :data:`BACKWARD_STEPS_HELD` were seen without an optimizer step, and dropped if
-one steps first. A loop that ends before that without one counts them at its end.
 """
 
 from __future__ import annotations
 
 import contextlib
-import sys
 import threading
 import weakref
 from collections import Counter, deque
@@ -78,9 +66,6 @@ SAMPLE_STEPS = 3
 # Forward calls inside the counted step after which the count is given up (a step that raised
 # and a loop that went on without stepping the optimizer would otherwise count on and on).
 MAX_COUNTED_FORWARDS = 256
-# Backward passes of the trained model without any optimizer step, after which they are the loop's
-# steps (a manual update); fewer are held (gradient accumulation: nanoGPT's default is 40 per step).
-BACKWARD_STEPS_HELD = 64
 
 # torch dtype -> the name FLOP peaks are listed under (gpuwidget.peaks).
 _DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64",
@@ -95,8 +80,6 @@ class StepProbe:
         self.trace = trace
         self.models = models  # the watch's ModelProbe: the models called, to match an optimizer's parameters
         self.data = data  # the watch's DataLoaderProbe: which loader fed a step
-        if models is not None:
-            models.on_training_call = self._training_call
         self.installed = False
         self._handles: list[Any] = []
         self._forward_handles: list[Any] = []
@@ -125,7 +108,6 @@ class StepProbe:
         self._counted_end: float | None = None  # when the counted step ended (its event's clock reading)
         self._pre_handle: Any = None
         self._counted_forwards = 0
-        self._stop_at_forward = False  # counted from backward passes: the counter leaves at the next forward
         self._flops: float | None = None
         self._flops_dtype: str | None = None
         self._flops_at: int | None = None
@@ -140,13 +122,6 @@ class StepProbe:
         self.step_ends: deque[float] = deque(maxlen=STEP_HISTORY)
         self.between_total = 0.0
         self._counted_step_s: float | None = None
-        # Steps from backward passes, where no optimizer steps (module docstring).
-        self.source = "optimizer"
-        self._backward_handle: Any = None
-        self._backward_key: int | None = None
-        self._backward_size = 0  # trainable parameters (numel) of the model whose passes are held or counted
-        self._held = False  # its passes are held: not yet the loop's steps, nothing flushed
-        self._held_fed: list[tuple[Any, int]] = []  # (LoaderStats, its next() calls) of the batches they took
         # For measuring a change later (gpuwidget.measure): one training forward's inputs, copied once.
         self.captured: CapturedBatch | None = None
         self._capture_tried = False
@@ -187,27 +162,19 @@ class StepProbe:
         return stepped
 
     def uninstall(self) -> None:
-        """Remove every hook, leave a FLOP counter still entered, and make spans of what is queued (the
-        backward passes held, where the loop ended without an optimizer step: its steps)."""
+        """Remove every hook, leave a FLOP counter still entered, and make spans of what is queued."""
         for handle in self._handles + self._forward_handles:
             handle.remove()
         self._handles, self._forward_handles = [], []
-        self._remove_backward_hook()
         self.installed = self._lean = False
-        if self._counter is not None:  # complete where the counted backward pass had ended its step
-            self._stop_counting(completed=self._stop_at_forward)
-        if self._held:
-            self._count_held()
-            if self._flops_missing is None and self._flops is None:
-                self._flops_missing = ("no optimizer stepped: the backward passes were counted as the steps when "
-                                       "the loop ended, too late to count one of them")
+        if self._counter is not None:
+            self._stop_counting(completed=False)
         self.flush()
 
     def detach(self) -> None:
         """In a forked child: remove the hooks only (no lock, no counter: the parent's thread is not here)."""
         for handle in self._handles + self._forward_handles + ([self._pre_handle] if self._pre_handle else []):
             handle.remove()
-        self._remove_backward_hook()
         self._handles, self._forward_handles, self._counter, self._pre_handle = [], [], None, None
         self.installed = self._lean = False
 
@@ -232,7 +199,14 @@ class StepProbe:
             self._counted_pending = False
             self._counted_end = ended
         self._events.append(ended)
-        self._step_ended()
+        if self._sampling:
+            self._end_sampled_step()
+        if self._early and not self._sampling and self._counter is None and self._flops_settled:
+            self._hook(early=False)  # samples read, FLOPs counted: the lean hook from now on
+        data = self.data
+        if data is not None and data.last is not None:
+            data.last.steps_fed += 1
+            data.last = None
 
     def _forward(self, module: Any, args: Any, kwargs: Any) -> None:
         """Before each top-level forward of the trained model in the first steps: it also reads the
@@ -246,11 +220,8 @@ class StepProbe:
             return  # evaluation between steps: not the step's own forward
         if self._waiting:
             self._waiting = False
-            if self._stop_at_forward:  # the counted backward pass ended the step before this forward
-                self._stop_counting(completed=True)
             self._events.append(-now())
-            if (self.steps >= FLOPS_AT_STEP and self._counter_ready and not self._flops_settled
-                    and not self._held):
+            if self.steps >= FLOPS_AT_STEP and self._counter_ready and not self._flops_settled:
                 self._start_counting()
             if not self._capture_tried:
                 self._capture(module, args, kwargs)
@@ -293,16 +264,12 @@ class StepProbe:
         if self._optimizer is not None and best is None:
             return
         self._optimizer, self._overlap = optimizer, best_overlap
-        self._leave_backward()
         for handle in self._forward_handles:
             handle.remove()
         self._forward_handles = []
         if best is None:  # steps without a model to match (it ran before the watch saw it): count them
             return
-        self._adopt(*best)
-
-    def _adopt(self, key: int, model: Any, entries: list[Any], first_call: float) -> None:
-        """The trained model: its forward is hooked, its class and device kept."""
+        key, model, entries, first_call = best
         self.models.trained_key = key
         self._model_class = type(model).__name__
         devices = {p.device.type for p in model.parameters()}
@@ -311,96 +278,6 @@ class StepProbe:
             self._first_call = first_call
         self._entries = [weakref.ref(entry) for entry in entries]  # never keep the user's model alive
         self._hook(early=self._early)
-
-    # ---------------------------------------------------------------- steps from backward passes
-
-    def _training_call(self, key: int, model: Any, entries: list[Any], first_call: float) -> None:
-        """A model with trainable parameters called with grad enabled (ModelProbe, the calling thread):
-        until an optimizer steps, the largest of them has its backward passes counted."""
-        if self._optimizer is not None or key == self._backward_key or (self._backward_key is not None
-                                                                         and not self._held):
-            return
-        size = 0
-        first = None
-        for parameter in model.parameters():
-            if parameter.requires_grad:
-                size += parameter.numel()
-                first = parameter if first is None else first
-        if first is None or size <= self._backward_size:
-            return
-        hook = getattr(first, "register_post_accumulate_grad_hook", None)
-        if hook is None:  # torch before 2.1
-            return
-        self._leave_backward()
-        self._backward_handle = hook(self._backward_hook())
-        self._backward_key, self._backward_size, self._held = key, size, True
-        self._adopt(key, model, entries, first_call)
-
-    def _backward_hook(self) -> Any:
-        probe = self
-
-        def accumulated(_parameter: Any) -> None:
-            if not probe._waiting:  # a second pass before the next training forward (retain_graph): one step
-                with contextlib.suppress(Exception):  # a probe never breaks the user's backward
-                    probe._backward_ended()
-
-        return accumulated
-
-    def _backward_ended(self) -> None:
-        """The trained model's backward pass ended, and no optimizer steps: the end of a step."""
-        ended = now()
-        self.steps += 1
-        self._waiting = True
-        if self._counter is not None:  # this step was counted; the counter leaves on the loop's thread
-            self._counted_end, self._stop_at_forward = ended, True
-        self._events.append(ended)
-        if self._held and self.steps >= BACKWARD_STEPS_HELD:
-            self._count_held()  # no gradient accumulation this long: these are the loop's steps
-        self._step_ended()
-
-    def _step_ended(self) -> None:
-        """After a step's end (an optimizer step, or a backward pass where none steps): its samples, the
-        lean hook once the first steps are read, and the batch that fed it."""
-        if self._sampling:
-            self._end_sampled_step()
-        if self._early and not self._sampling and self._counter is None and self._flops_settled:
-            self._hook(early=False)  # samples read, FLOPs counted: the lean hook from now on
-        data = self.data
-        last = None if data is None else data.last
-        if last is None:
-            return
-        if not self._held:
-            last.steps_fed += 1
-            data.last = None
-        elif not self._held_fed or self._held_fed[-1] != (last, last.calls):
-            # Kept for an optimizer step to find (a micro-step's batch feeds it); counted if none comes.
-            self._held_fed.append((last, last.calls))
-
-    def _count_held(self) -> None:
-        """The backward passes held are the loop's steps, and the batches they took fed them."""
-        self._held, self.source = False, "backward"
-        for stats, _calls in self._held_fed:
-            stats.steps_fed += 1
-        last = None if self.data is None else self.data.last
-        if last is not None and self._held_fed and self._held_fed[-1] == (last, last.calls):
-            self.data.last = None  # its batch was counted
-        self._held_fed = []
-
-    def _leave_backward(self) -> None:
-        """An optimizer steps: the backward passes held are dropped (they were micro-steps of its first
-        step), and none are counted from now on."""
-        self._remove_backward_hook()
-        self._backward_key = None
-        if not self._held:
-            return
-        self._held, self._held_fed = False, []
-        self.steps, self._waiting, self._events[:] = 0, False, []
-        self._samples, self._step_samples, self._sampling = [], 0, True
-
-    def _remove_backward_hook(self) -> None:
-        if self._backward_handle is not None:
-            self._backward_handle.remove()
-            self._backward_handle = None
 
     def _hook(self, early: bool) -> None:
         """Hook the trained model's top-level modules: the full hook for the first steps, then a lean
@@ -455,15 +332,8 @@ class StepProbe:
         Every torch dispatch mode imports ``torch._dynamo`` at its first dispatch (seconds, in a fresh
         process); done here it never lands in the user's step. Counting waits for it (a later step
         is counted if it takes longer than the first FLOPS_AT_STEP steps)."""
-        if (self._counter_ready or self._flops_settled or not self.steps or self._model_class is None
-                or self._held):
+        if self._counter_ready or self._flops_settled or not self.steps or self._model_class is None:
             return  # nothing to count yet: a cell that never trains never pays for the import
-        if self._optimizer is None and "torch._dynamo" not in sys.modules:
-            # An optimizer's first step imports it on the loop's thread anyway; a manual update does not,
-            # and the import would take seconds of the GIL from the loop.
-            self._flops_missing = ("no optimizer stepped, and counting a step's FLOPs would import torch._dynamo "
-                                   "(seconds) in the middle of the loop")
-            return
         try:
             import torch
 
@@ -494,7 +364,6 @@ class StepProbe:
 
     def _stop_counting(self, completed: bool) -> None:
         counter, self._counter = self._counter, None
-        after_backward, self._stop_at_forward = self._stop_at_forward, False
         if self._pre_handle is not None:
             self._pre_handle.remove()
             self._pre_handle = None
@@ -514,9 +383,6 @@ class StepProbe:
             return
         self._flops = float(counter.get_total_flops())
         self._flops_dtype = counter.dominant_dtype(self._device_type)
-        if after_backward:  # left after the counted backward pass ended its step (already marked)
-            self._flops_at = self.steps - 1
-            return
         self._flops_at = self.steps  # the step ending now (0-based)
         self._counted_pending = True
 
@@ -530,7 +396,7 @@ class StepProbe:
     def _flush(self) -> None:
         events = self._events
         count = len(events)
-        if not count or self._held:
+        if not count:
             return
         chunk = events[:count]
         del events[:count]  # events appended meanwhile stay for the next flush
@@ -586,8 +452,7 @@ class StepProbe:
         return (Counter(self._samples).most_common(1)[0][0] or None) if self._samples else None
 
     def facts(self) -> TrainingFacts | None:
-        """The loop as its optimizer steps tell it (or its model's backward passes, where no optimizer
-        stepped: ``step_source``), or None when neither ran."""
+        """The loop as its optimizer steps tell it, or None when no optimizer stepped."""
         if not self.steps:
             return None
         self.flush()
@@ -606,7 +471,7 @@ class StepProbe:
             "loop_s": (self._last_end - self._loop_start
                        if self._last_end is not None and self._loop_start is not None else 0.0),
             "spanned_steps": self.spanned,
-            "step_source": self.source,
+            "step_source": "optimizer",
             "model_class": self._model_class,
             "device_type": self._device_type if self._model_class is not None else None,
         }
