@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import _thread
+import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -30,13 +31,20 @@ def children() -> set[int]:
 CHILDREN_GONE_S = 4 * MP_STATUS_CHECK_INTERVAL
 
 
-def no_new_children(before: set[int], timeout: float = CHILDREN_GONE_S) -> bool:
+def new_children_left(before: set[int], timeout: float = CHILDREN_GONE_S) -> list[str]:
+    """The processes started since ``before`` still alive after ``timeout`` (pid, state and command line:
+    a failure says whose they are); empty once they are all gone."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if not children() - before:
-            return True
+            return []
         time.sleep(0.05)
-    return False
+    left = []
+    for pid in sorted(children() - before):
+        with contextlib.suppress(psutil.Error):
+            process = psutil.Process(pid)
+            left.append(f"{pid} {process.status()} {' '.join(process.cmdline())[:200]}")
+    return left
 
 
 # --------------------------------------------------------------------------- the tuner
@@ -60,7 +68,7 @@ def test_tuner_feeds_a_starved_loop_and_never_touches_the_users_loader():
     assert rebuilt.num_workers == result.change["num_workers"]
     text = result._repr_mimebundle_()["text/plain"]
     assert "batches/s" in text and "chosen" in text and "as it is" in text
-    assert no_new_children(before)
+    assert not new_children_left(before)
 
 
 def test_tuner_picks_the_cheapest_setting_that_meets_the_target():
@@ -123,7 +131,7 @@ def test_tuner_reports_an_empty_iterable_and_bounds_an_endless_one_by_batches():
     result = tune_loader(DataLoader(Endless(), batch_size=2), budget_s=6)
     assert result.elapsed_s < 15
     assert result.chosen.batches_per_s > 0
-    assert no_new_children(before)
+    assert not new_children_left(before)
 
 
 class Corrupt(Dataset):
@@ -141,7 +149,7 @@ def test_a_dataset_that_raises_is_reported_with_the_item_and_workers_are_cleaned
     for workers in (0, 2):
         with pytest.raises(TuneError, match=r"item 37: OSError: truncated JPEG"):
             tune_loader(DataLoader(Corrupt(), batch_size=4, num_workers=workers), budget_s=10)
-    assert no_new_children(before)
+    assert not new_children_left(before)
 
 
 class Slow(Dataset):
@@ -163,7 +171,7 @@ def test_interrupting_the_tuner_leaves_no_worker_processes():
             tune_loader(loader, budget_s=30)
     finally:
         timer.cancel()
-    assert no_new_children(before)
+    assert not new_children_left(before)
 
 
 # %%gpuwatch --tune on the cell's own loader: tests/test_measure_plan.py (the loader and every finding).

@@ -180,6 +180,7 @@ def test_tutorials_run_clean_in_the_browser(lab, page):
     log_start = lab.log.stat().st_size
     started = time.monotonic()
     measured: list[str] = []
+    headlines: dict[str, list[str]] = {}  # each watched cell's panel, its first lines: what a failure says
     for name in TUTORIALS:
         shutil.copy(NOTEBOOKS / name, lab.root / name)
         open_notebook(page, lab, name, reset=True)
@@ -215,6 +216,8 @@ def test_tutorials_run_clean_in_the_browser(lab, page):
                 no_bad_words(name, text)
         offered = [output["data"]["text/plain"] for cell in watched for output in cell["outputs"]
                    if is_panel(output) and any(is_measure(o) for o in cell["outputs"])]
+        headlines[name] = [" | ".join(output["data"]["text/plain"].splitlines()[:3]) for cell in watched
+                           for output in cell["outputs"] if is_panel(output)]
         assert len(tables) == min(len(offered), 1), (name, len(tables), len(offered))
         measured += tables
         for table, panel in zip(tables, offered):
@@ -232,7 +235,8 @@ def test_tutorials_run_clean_in_the_browser(lab, page):
     elapsed = time.monotonic() - started
     # Each tutorial's starved loader offers Measure (01: one worker; 02: several), and the first offer
     # of each was measured in a table of its own right after its cell.
-    assert len(measured) == len(TUTORIALS), f"{len(measured)} Measure table(s) for {len(TUTORIALS)} tutorials"
+    assert len(measured) == len(TUTORIALS), (
+        f"{len(measured)} Measure table(s) for {len(TUTORIALS)} tutorials", headlines)
 
     problems = [line for line in page.console_messages if line.startswith(("error", "warning"))]
     assert not problems, problems
