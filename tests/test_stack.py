@@ -113,6 +113,54 @@ def test_a_sample_inside_train_between_names_the_function_the_thread_waits_in():
     assert wait["seconds"] == pytest.approx(0.6 * loop_s)
 
 
+def calls_the_model(started: threading.Event, release: threading.Event) -> None:
+    ParksInForward()(started, release)  # the loop's code: it calls torch's work
+
+
+def holds_the_loop(in_model: threading.Event, model_done: threading.Event, waiting: threading.Event,
+                   release: threading.Event) -> None:
+    calls_the_model(in_model, model_done)  # a step (Lightning's fit, called from the script's cli_main)
+    waiting.set()
+    release.wait()  # between steps, the thread waits here: inside the loop's own machinery
+
+
+def starts_the_script(*events: threading.Event) -> None:
+    holds_the_loop(*events)  # the script's own outermost line
+
+
+def test_a_wait_in_a_function_around_the_loops_code_is_the_loops_own_not_one_to_prefetch():
+    """Lightning's loop runs inside ``trainer.fit``, called from the script's ``cli_main()``: waits in the
+    framework between steps land on ``cli_main``, around the code that calls the model, which is the
+    loop's own and nothing to prefetch (fresh-check run 19 was told ``cli_main = Prefetcher(cli_main)``)."""
+    trace = Trace()
+    in_model, model_done, waiting, release = (threading.Event() for _ in range(4))
+    thread = threading.Thread(target=starts_the_script, args=(in_model, model_done, waiting, release))
+    thread.start()
+    try:
+        in_model.wait(5)
+        sampler = StackSampler(trace, thread.ident)
+        for _ in range(3):  # computing: in the model's forward, called by calls_the_model
+            sample_between(sampler, trace, (TRAIN_STEP_SPAN,))
+        model_done.set()
+        waiting.wait(5)
+        for _ in range(3):
+            sample_between(sampler, trace, (TRAIN_STEP_SPAN, BETWEEN_STEPS_SPAN))
+        waits, _ = sampler.facts({})
+    finally:
+        model_done.set()
+        release.set()
+        thread.join(5)
+    [wait] = [wait for wait in waits if wait["function"] == "holds_the_loop"]
+    assert wait["called_from"]["function"] == "starts_the_script" and wait["samples"] == 3
+    assert wait["in_loop"]
+    with parked_thread() as thread:  # parked_here, called from calls_parked: a function a loop calls
+        sampler = StackSampler(Trace(), thread.ident)
+        for _ in range(3):
+            sample_between(sampler, sampler.trace, (TRAIN_STEP_SPAN, BETWEEN_STEPS_SPAN))
+        [called] = sampler.facts({"parked_here": parked_here})[0]
+    assert called["function"] == "parked_here" and not called["in_loop"]
+
+
 def test_spans_that_reach_the_trace_ticks_later_still_attribute_the_samples_they_hold():
     trace = Trace()
     with parked_thread() as thread:

@@ -294,6 +294,9 @@ class StackSampler:
         self.ticks = 0
         self.cpu_s = 0.0
         self._user: dict[int, tuple[CodeType, bool, bool]] = {}  # id(code) -> (code, the user's, torch's work)
+        # The user's functions seen outside each caller of torch's work (cli_main around Lightning's fit,
+        # around training_step): they hold the loop, so a wait in them is the loop's own, never prefetched.
+        self._callers_outside: dict[CodeType, set[CodeType]] = {}
         self.errors: list[str] = []
         self._lock = threading.Lock()
         self._closed = False
@@ -380,6 +383,7 @@ class StackSampler:
         depth = 0
         working = below_torch = False
         caller: CodeType | None = None
+        outside: list[CodeType] = []  # the user's functions walked since the caller
         while frame is not None and depth < MAX_DEPTH:
             code = frame.f_code
             known = cache.get(id(code))
@@ -391,10 +395,17 @@ class StackSampler:
                 outer = frame
                 if below_torch:  # the user's frame calling into torch's work (through any library)
                     caller, below_torch = code, False
+                    outside = []
+                elif caller is not None:
+                    outside.append(code)
             elif known[2]:
                 working = below_torch = True
             frame = frame.f_back
             depth += 1
+        if caller is not None and outside:
+            known_outside = self._callers_outside.setdefault(caller, set())
+            if len(known_outside) < MAX_LOCATIONS:
+                known_outside.update(outside)
         location: Location | None = None
         if inner is not None and outer is not None:
             location = (inner.f_code, inner.f_lineno or 0, outer.f_code, outer.f_lineno or 0)
@@ -443,6 +454,7 @@ class StackSampler:
         ranked = sorted(by_code.items(), key=lambda item: item[1][0], reverse=True)[:LOOP_WAITS]
         names = namespace or {}
         loop_code = basis.loop_code() if basis is self.optimizer else None
+        holding_the_loop = self._callers_outside.get(loop_code, set()) if loop_code is not None else set()
         waits: list[LoopWait] = []
         for code, (count, inside, lines, outers, working) in ranked:
             line = lines.most_common(1)[0][0]
@@ -451,7 +463,10 @@ class StackSampler:
             wait: LoopWait = {**code_site(code, line), "share": share, "seconds": share * loop_s,
                               # Without optimizer steps the waits are a DataLoader's next() itself.
                               "samples": count, "in_loader": inside / count if basis.inside_kind else 1.0,
-                              "in_model": working / count, "in_loop": code is loop_code,
+                              # The loop's own: its code, or a function of the user's around it (waiting
+                              # there, the thread was in a library's loop it called: Lightning's fit).
+                              "in_model": working / count,
+                              "in_loop": code is loop_code or code in holding_the_loop,
                               "source": _line_text(code.co_filename, line),
                               "called_from": code_site(outer_code, outer_line),
                               "name": user_name(code, names), "generator": bool(code.co_flags & CO_GENERATOR),
