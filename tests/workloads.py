@@ -62,6 +62,14 @@ class FirstTouchDataset(TensorDataset):
         return super().__getitem__(i)
 
 
+OPEN_S = 0.2
+
+
+def open_slowly(worker_id: int) -> None:
+    """A loader's ``worker_init_fn`` that opens its data first: a file, a shard index, a connection."""
+    time.sleep(OPEN_S)
+
+
 def mlp(features: int = 256, hidden: int = 1024, layers: int = 3) -> torch.nn.Module:
     blocks: list[torch.nn.Module] = []
     width = features
