@@ -6,6 +6,7 @@ import _thread
 import contextlib
 import threading
 import time
+import traceback
 from collections.abc import Callable
 
 import psutil
@@ -172,6 +173,25 @@ def test_interrupting_the_tuner_leaves_no_worker_processes():
     finally:
         timer.cancel()
     assert not new_children_left(before)
+
+
+def test_an_interrupt_while_a_trials_workers_start_leaves_none_running(monkeypatch: pytest.MonkeyPatch):
+    # Ctrl-C inside iter(), after the workers started and before the iterator was whole: torch leaves
+    # them to the iterator's __del__, which waits as long as the traceback is kept (as IPython keeps it).
+    from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
+
+    def interrupted(self: object, loader: object, first_iter: bool = False) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_MultiProcessingDataLoaderIter, "_reset", interrupted)
+    before = children()
+    with pytest.raises(KeyboardInterrupt) as caught:
+        tune_loader(DataLoader(Slow(), batch_size=8, num_workers=2), budget_s=30)
+    started = [frame.f_locals["self"] for frame, _ in traceback.walk_tb(caught.tb)
+               if frame.f_code.co_name == "__init__" and isinstance(frame.f_locals.get("self"),
+                                                                       _MultiProcessingDataLoaderIter)]
+    assert started and started[0]._workers  # the interrupt came after workers started, the traceback holds them
+    assert not new_children_left(before, timeout=MP_STATUS_CHECK_INTERVAL)
 
 
 # %%gpuwatch --tune on the cell's own loader: tests/test_measure_plan.py (the loader and every finding).

@@ -18,6 +18,8 @@ from __future__ import annotations
 import contextlib
 import html
 import math
+import multiprocessing
+import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -302,15 +304,43 @@ def _rss(processes: list[psutil.Process]) -> float:
 
 @contextlib.contextmanager
 def _iterating(loader: Any) -> Iterator[Any]:
-    """An iterator whose worker processes are shut down however the block ends."""
-    iterator = iter(loader)
+    """An iterator whose worker processes are gone however the block ends.
+
+    A Ctrl-C can land inside ``iter()`` while the workers start, or inside their shutdown. torch
+    then leaves the half-built iterator's workers to its ``__del__``, which never runs while the
+    traceback holds the iterator (IPython keeps the last one in ``sys.last_traceback``): the
+    workers would stay until the kernel exits. Those still alive are ended here.
+    """
+    try:
+        iterator = iter(loader)
+    except BaseException as error:
+        for frame, _ in traceback.walk_tb(error.__traceback__):
+            _end_workers(frame.f_locals.get("self"))
+        raise
     try:
         yield iterator
     finally:
-        shutdown = getattr(iterator, "_shutdown_workers", None)
-        if shutdown is not None:
-            shutdown()
-        del iterator
+        try:
+            shutdown = getattr(iterator, "_shutdown_workers", None)
+            if shutdown is not None:
+                shutdown()
+        finally:
+            _end_workers(iterator)
+            del iterator
+
+
+def _end_workers(iterator: Any) -> None:
+    """End a DataLoader iterator's worker processes that are still alive (after its shutdown, none)."""
+    from torch.utils.data._utils import MP_STATUS_CHECK_INTERVAL
+
+    workers = getattr(iterator, "_workers", None)
+    if not isinstance(workers, list):
+        return
+    left = [w for w in workers if isinstance(w, multiprocessing.process.BaseProcess) and w.is_alive()]
+    for worker in left:
+        worker.terminate()
+    for worker in left:
+        worker.join(timeout=MP_STATUS_CHECK_INTERVAL)
 
 
 def _measure(loader: Any, batches: int, warmup: int, deadline: float) -> tuple[float, float, float, float]:
