@@ -280,14 +280,17 @@ def test_bokeh_view_shows_the_rank_table_under_the_plot_once_a_second_process_tr
     from gpuwidget.ui.live import LiveView
 
     trace = recent_trace()
-    end = feed(trace, OWN, None, step_s=0.05, wait_fraction=0.05, count=60)
     view = LiveView(trace, NO_GPU, label="In [4]")
     try:
+        # The steps are placed by the trace's clock once the view is built (seconds on a busy host): the
+        # table's window is the last 10 s of that clock, and this leaves 3.5 s before the child's leave it.
+        start = trace.now() - 6.5
+        end = feed(trace, OWN, None, step_s=0.05, wait_fraction=0.05, count=60, start=start)
         assert view.widget.children == (view.header, view.model, view.ranks)
         view.push()
         # One process: the table takes no room and the plot is as before.
         assert view.ranks.layout.display == "none" and view.ranks.value == "" and view.rank_rows == []
-        feed(trace, CHILD + 6001, 1, step_s=0.1, wait_fraction=0.05, count=60)
+        feed(trace, CHILD + 6001, 1, step_s=0.1, wait_fraction=0.05, count=60, start=start)
         feed(trace, OWN, None, step_s=0.05, wait_fraction=0.05, count=60, start=end)
         view.push()
         assert view.ranks.layout.display is None
