@@ -219,6 +219,18 @@ def test_tutorials_run_clean_in_the_browser(lab, page):
         headlines[name] = [" | ".join(output["data"]["text/plain"].splitlines()[:3]) for cell in watched
                            for output in cell["outputs"] if is_panel(output)]
         assert len(tables) == min(len(offered), 1), (name, len(tables), len(offered))
+        panels = [next(output["data"]["text/plain"] for output in cell["outputs"] if is_panel(output))
+                  for cell in watched]
+        for cell, panel in zip(watched, panels):
+            # Measure is offered under every panel that suggests workers for the cell's loader.
+            if re.search(r"^    .*\bnum_workers=[1-9]", panel, re.MULTILINE):
+                assert any(is_measure(output) for output in cell["outputs"]), (name, panel.splitlines()[:3])
+        if not offered:
+            # Workers are suggested only where there is a core for them: beside a busy neighbour (the Bokeh
+            # view in this browser takes a third of a core) tutorial 01's CPU-heavy loader is rightly told
+            # to make its batches cheaper instead, and no setting is offered to measure.
+            assert name != "02-data-starvation.ipynb", headlines[name]  # storage: workers help whatever the cores
+            assert "(dataloader-cpu-bound)" in panels[0], (name, headlines[name])
         measured += tables
         for table, panel in zip(tables, offered):
             measure_tells_the_suggestion(name, table, panel)
@@ -233,10 +245,9 @@ def test_tutorials_run_clean_in_the_browser(lab, page):
           await window.jupyterapp.commands.execute('application:close-all');
         }""")
     elapsed = time.monotonic() - started
-    # Each tutorial's starved loader offers Measure (01: one worker; 02: several), and the first offer
-    # of each was measured in a table of its own right after its cell.
-    assert len(measured) == len(TUTORIALS), (
-        f"{len(measured)} Measure table(s) for {len(TUTORIALS)} tutorials", headlines)
+    # Each tutorial whose starved loader is given workers offers Measure (01: one worker where a core is
+    # free; 02: several), and the first offer of each was measured in a table of its own right after its cell.
+    assert measured, ("no Measure table", headlines)
 
     problems = [line for line in page.console_messages if line.startswith(("error", "warning"))]
     assert not problems, problems
