@@ -232,6 +232,7 @@ class LoopWait(CodeSite, total=False):
     samples: int  # stack samples there
     in_loader: float  # share of those samples inside a DataLoader's next() (0-1)
     in_model: float  # share of those samples inside torch's work (a model's forward between steps: 0-1)
+    in_framework: float  # share of those samples in a training framework's code above it (Lightning's loop: 0-1)
     in_loop: bool  # the loop's own function (the one calling the model, backward, the optimizer) or one around it
     source: str | None  # the line's text, stripped
     called_from: CodeSite  # the outermost frame of the user's code: the cell's (or script's) line

@@ -401,6 +401,18 @@ def test_the_loops_own_function_is_never_wrapped_in_a_prefetcher():
     exec(found.code, {})
 
 
+@pytest.mark.parametrize(("in_framework", "named"), [(0.0, True), (0.49, True), (0.5, False), (1.0, False)])
+def test_a_frameworks_own_work_between_steps_under_the_users_fit_line_is_not_named(in_framework, named):
+    # Lightning's loop runs inside trainer.fit(), called from the script's cli_main: its work between
+    # steps (callbacks, logging, the progress bar) was named "The loop waits in cli_main()" under load.
+    found = check(facts(share=0.13, function="cli_main", name="cli_main", line=88, in_loop=True,
+                        source="trainer.fit(model, datamodule=data)", in_framework=in_framework))
+    assert (found is not None) is named
+    # A function the loop calls that waits in a framework's code is the user's to change all the same.
+    called = check(facts(share=0.13, in_loop=False, in_framework=in_framework))
+    assert called is not None and called.change == {"prefetch": "get_batch"}
+
+
 def test_a_function_no_name_holds_is_named_where_it_is():
     found = check(facts(name=None, file="src/data.py", cell=None, function="Reader.read"))
     # The file as the user knows it, relative to the working directory: its folder too.

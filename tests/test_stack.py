@@ -125,17 +125,32 @@ def holds_the_loop(in_model: threading.Event, model_done: threading.Event, waiti
     release.wait()  # between steps, the thread waits here: inside the loop's own machinery
 
 
-def starts_the_script(*events: threading.Event) -> None:
-    holds_the_loop(*events)  # the script's own outermost line
+# A training framework's loop code (Lightning's fit loop) between steps, as its module names it.
+FRAMEWORK: dict[str, Any] = {"__name__": "lightning.pytorch.loops.fit_loop"}
+exec(compile("def between_steps(release):\n    release.wait()\n", "<lightning's fit loop>", "exec"), FRAMEWORK)
 
 
-def test_a_wait_in_a_function_around_the_loops_code_is_the_loops_own_not_one_to_prefetch():
+def fits_in_a_framework(in_model: threading.Event, model_done: threading.Event, waiting: threading.Event,
+                        release: threading.Event) -> None:
+    calls_the_model(in_model, model_done)  # a step
+    waiting.set()
+    FRAMEWORK["between_steps"](release)  # trainer.fit(): between steps the framework's loop runs
+
+
+def starts_the_script(*events: threading.Event, holder: Any = holds_the_loop) -> None:
+    holder(*events)  # the script's own outermost line
+
+
+@pytest.mark.parametrize(("holder", "in_framework"), [(holds_the_loop, 0.0), (fits_in_a_framework, 1.0)])
+def test_a_wait_in_a_function_around_the_loops_code_is_the_loops_own_not_one_to_prefetch(holder, in_framework):
     """Lightning's loop runs inside ``trainer.fit``, called from the script's ``cli_main()``: waits in the
     framework between steps land on ``cli_main``, around the code that calls the model, which is the
-    loop's own and nothing to prefetch (fresh-check run 19 was told ``cli_main = Prefetcher(cli_main)``)."""
+    loop's own and nothing to prefetch (fresh-check run 19 was told ``cli_main = Prefetcher(cli_main)``),
+    and the samples say the framework's code ran there (``in_framework``), not the user's line."""
     trace = Trace()
     in_model, model_done, waiting, release = (threading.Event() for _ in range(4))
-    thread = threading.Thread(target=starts_the_script, args=(in_model, model_done, waiting, release))
+    thread = threading.Thread(target=starts_the_script, args=(in_model, model_done, waiting, release),
+                              kwargs={"holder": holder})
     thread.start()
     try:
         in_model.wait(5)
@@ -151,9 +166,10 @@ def test_a_wait_in_a_function_around_the_loops_code_is_the_loops_own_not_one_to_
         model_done.set()
         release.set()
         thread.join(5)
-    [wait] = [wait for wait in waits if wait["function"] == "holds_the_loop"]
+    [wait] = [wait for wait in waits if wait["function"] == holder.__name__]
     assert wait["called_from"]["function"] == "starts_the_script" and wait["samples"] == 3
     assert wait["in_loop"]  # a function the loop calls is not (the first test of this file)
+    assert wait["in_framework"] == in_framework
 
 
 def test_spans_that_reach_the_trace_ticks_later_still_attribute_the_samples_they_hold():

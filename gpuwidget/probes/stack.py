@@ -61,7 +61,7 @@ from typing import Any
 from gpuwidget.clock import now
 from gpuwidget.facts import CodeSite, HostCopy, LoopWait, StackFacts
 from gpuwidget.probes import BETWEEN_STEPS_SPAN, DATA_WAIT_SPAN, STEP_SPAN, TRAIN_STEP_SPAN
-from gpuwidget.probes.origin import LIBRARIES, display_path, notebook_cell, parse_source
+from gpuwidget.probes.origin import FRAMEWORKS, LIBRARIES, display_path, notebook_cell, parse_source
 from gpuwidget.sampler import tick_due
 
 # Samples waiting for the spans that decide them. At the default 4 Hz that is 17 minutes of
@@ -156,6 +156,12 @@ def is_torch_work(frame: FrameType) -> bool:
             and not name.startswith(NOT_TORCH_WORK))
 
 
+def is_framework(frame: FrameType) -> bool:
+    """The frame is a training framework's code (Lightning, the HF Trainer, accelerate: ``origin.FRAMEWORKS``)."""
+    name = frame.f_globals.get("__name__")
+    return isinstance(name, str) and name.split(".")[0] in FRAMEWORKS
+
+
 class _Basis:
     """Samples attributed against one pair of span kinds: the loop's steps and the waits inside them."""
 
@@ -165,7 +171,7 @@ class _Basis:
         self.inside_kind = inside_kind  # also counted: waits inside spans of this kind
         self.kinds = (loop_kind, wait_kind, *([inside_kind] if inside_kind else []))
         # [time, location, in a wait span, in an inside span, outside torch's work in a function of the
-        #  user's, when it was read, read inside a wait span]
+        #  user's, when it was read, read inside a wait span, caller, in torch's work, in a framework's code]
         self.pending: deque[list[Any]] = deque(maxlen=MAX_PENDING)
         self.loop_spans = 0
         self.callers: Counter[CodeType] = Counter()  # the user's code calling into torch's work, in the steps
@@ -174,6 +180,7 @@ class _Basis:
         self.waits: Counter[Location | None] = Counter()
         self.inside: Counter[Location | None] = Counter()
         self.working: Counter[Location | None] = Counter()  # of the waits, those inside torch's work
+        self.framework: Counter[Location | None] = Counter()  # of the waits, those in a framework's code above it
         self.unplaced = 0  # of the waits, those read after their wait had ended: where, unknown
 
     def take(self, new: Mapping[str, list[Any]]) -> None:
@@ -208,10 +215,10 @@ class _Basis:
             self._decide(held)
 
     def add(self, t: float, location: Location | None, off_step: bool = False, read: float | None = None,
-            caller: CodeType | None = None, working: bool = False) -> None:
+            caller: CodeType | None = None, working: bool = False, framework: bool = False) -> None:
         # off_step counts only with optimizer steps (the loader basis's steps are next() to next()).
         self.pending.append([t, location, False, False, off_step and self.inside_kind is not None,
-                             t if read is None else read, False, caller, working])
+                             t if read is None else read, False, caller, working, framework])
 
     def _mark(self, spans: list[Any], slot: int, at: int = 0) -> None:
         """Mark ``slot`` of the pending samples whose time ``at`` (0: due, 5: read) falls in ``spans``."""
@@ -228,7 +235,7 @@ class _Basis:
         pending = self.pending
         loop_code = self.loop_code()  # once per call: the samples it decides come from a few ticks
         while pending and pending[0][0] <= last_end:
-            t, location, waiting, inside, off_step, read, read_waiting, caller, working = pending.popleft()
+            t, location, waiting, inside, off_step, read, read_waiting, caller, working, framework = pending.popleft()
             span = _containing(spans, t)
             if span is None:
                 continue
@@ -252,6 +259,8 @@ class _Basis:
                     self.inside[location] += 1
                 if working:
                     self.working[location] += 1
+                if framework:
+                    self.framework[location] += 1
 
 
 _ATTRS = operator.itemgetter(2)
@@ -293,7 +302,8 @@ class StackSampler:
         self.late_max_s = LATE_SWITCHES * sys.getswitchinterval()
         self.ticks = 0
         self.cpu_s = 0.0
-        self._user: dict[int, tuple[CodeType, bool, bool]] = {}  # id(code) -> (code, the user's, torch's work)
+        # id(code) -> (code, the user's, torch's work, a framework's)
+        self._user: dict[int, tuple[CodeType, bool, bool, bool]] = {}
         # The user's functions seen outside each caller of torch's work (cli_main around Lightning's fit,
         # around training_step): they hold the loop, so a wait in them is the loop's own, never prefetched.
         self._callers_outside: dict[CodeType, set[CodeType]] = {}
@@ -381,14 +391,14 @@ class StackSampler:
         outer: FrameType | None = None
         cache = self._user
         depth = 0
-        working = below_torch = False
+        working = below_torch = framework = False
         caller: CodeType | None = None
         outside: list[CodeType] = []  # the user's functions walked since the caller
         while frame is not None and depth < MAX_DEPTH:
             code = frame.f_code
             known = cache.get(id(code))
             if known is None or known[0] is not code:
-                known = cache[id(code)] = (code, is_user_frame(frame), is_torch_work(frame))
+                known = cache[id(code)] = (code, is_user_frame(frame), is_torch_work(frame), is_framework(frame))
             if known[1]:
                 if inner is None:
                     inner = frame
@@ -400,6 +410,8 @@ class StackSampler:
                     outside.append(code)
             elif known[2]:
                 working = below_torch = True
+            elif known[3] and inner is None:  # a framework's code runs above the user's innermost frame
+                framework = True
             frame = frame.f_back
             depth += 1
         if caller is not None and outside:
@@ -413,7 +425,7 @@ class StackSampler:
         self.recent.append((t, location))
         # Outside torch's work, in a function the loop called: a wait inside the step (module docstring).
         off_step = not working and location is not None and location[0] is not location[2]
-        self.optimizer.add(t, location, off_step, read, caller, working)
+        self.optimizer.add(t, location, off_step, read, caller, working, framework)
         self.loader.add(t, location, read=read)
 
     # ----------------------------------------------------------------- facts, after the watch
@@ -435,16 +447,17 @@ class StackSampler:
                              "dropped": self.dropped, "unplaced": basis.unplaced}
         if not basis.loop_samples:
             return [], stack
-        # code -> [samples, inside, Counter(line), Counter(outer), in torch's work]
+        # code -> [samples, inside, Counter(line), Counter(outer), in torch's work, in a framework's code]
         by_code: dict[CodeType, list[Any]] = {}
         for location, count in basis.waits.items():
             if location is None:
                 continue
             code, line, outer_code, outer_line = location
-            entry = by_code.setdefault(code, [0, 0, Counter(), Counter(), 0])
+            entry = by_code.setdefault(code, [0, 0, Counter(), Counter(), 0, 0])
             entry[0] += count
             entry[1] += basis.inside.get(location, 0)
             entry[4] += basis.working.get(location, 0)
+            entry[5] += basis.framework.get(location, 0)
             entry[2][line] += count
             entry[3][(outer_code, outer_line)] += count
         # A wait read after it had ended is timed (its tick was due inside it) but not placed: the waits
@@ -456,7 +469,7 @@ class StackSampler:
         loop_code = basis.loop_code() if basis is self.optimizer else None
         holding_the_loop = self._callers_outside.get(loop_code, set()) if loop_code is not None else set()
         waits: list[LoopWait] = []
-        for code, (count, inside, lines, outers, working) in ranked:
+        for code, (count, inside, lines, outers, working, framework) in ranked:
             line = lines.most_common(1)[0][0]
             outer_code, outer_line = outers.most_common(1)[0][0]
             share = count / placed_share / basis.loop_samples
@@ -466,6 +479,8 @@ class StackSampler:
                               # The loop's own: its code, or a function of the user's around it (waiting
                               # there, the thread was in a library's loop it called: Lightning's fit).
                               "in_model": working / count,
+                              # In a framework's code the user's line called (Lightning's loop under fit()).
+                              "in_framework": framework / count,
                               "in_loop": code is loop_code or code in holding_the_loop,
                               "source": _line_text(code.co_filename, line),
                               "called_from": code_site(outer_code, outer_line),

@@ -31,9 +31,11 @@ the user's, copies, logging) is this rule's, beside a DataLoader as well as with
 How it sits with ``periodic-stall``: a checkpoint or an evaluation every N steps is also time between
 steps, and that rule names it from the step times, as a stall with its period. Its seconds are that
 rule's (:func:`stall_waits`: the function the stall spends them in; an evaluation is also the model
-run between steps, ``periodic_stall.wait_kind``), and this rule names only waits
-the stall cannot hold. Like the loop's other causes, nothing is named from a loop shorter than
-the evidence gate (gpuwidget.advice.evidence: MIN_CAUSE_STEPS steady steps, MIN_CAUSE_LOOP_S).
+run between steps, ``periodic_stall.wait_kind``), and this rule names only waits the stall cannot
+hold. A framework that runs the loop (Lightning's ``trainer.fit``, the HF Trainer) does its own work
+between steps under the user's ``fit()`` line; those samples (``in_framework``) are no wait of the
+user's loop, and that line is not named. Like the loop's other causes, nothing is named from a loop
+shorter than the evidence gate (gpuwidget.advice.evidence: MIN_CAUSE_STEPS steady steps, MIN_CAUSE_LOOP_S).
 """
 
 from __future__ import annotations
@@ -68,6 +70,9 @@ MIN_SAMPLES = 5
 MIN_STEPS = MIN_CAUSE_STEPS
 # Samples mostly inside a DataLoader's next() are the DataLoader rules' (see the module docstring).
 IN_LOADER_MAX = 0.5
+# A wait on the loop's own line with at least this share of its samples in a training framework's code
+# (Lightning's loop under ``trainer.fit()``) is the framework's work between steps: no line of the user's.
+IN_FRAMEWORK_MAX = 0.5
 # At or above this share the finding is critical, as dataloader-starved's.
 CRITICAL_SHARE = 0.4
 PREFETCH_IMPORT = "from gpuwidget.prefetch import Prefetcher"
@@ -88,6 +93,8 @@ def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> F
             continue  # a periodic evaluation or checkpoint: periodic-stall's seconds and advice
         if straggling and same_site(wait, straggling[0]):
             continue  # what a straggling rank does that the others wait for: rank-straggler's
+        if wait.get("in_loop") and float(wait.get("in_framework") or 0.0) >= IN_FRAMEWORK_MAX:
+            continue  # the framework's own loop between steps, under the user's fit() line: nothing to move
         if named(wait, loop_samples):
             return _finding(wait, stack)
     return None
