@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import html
 import math
-import multiprocessing
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -306,41 +305,39 @@ def _rss(processes: list[psutil.Process]) -> float:
 def _iterating(loader: Any) -> Iterator[Any]:
     """An iterator whose worker processes are gone however the block ends.
 
-    A Ctrl-C can land inside ``iter()`` while the workers start, or inside their shutdown. torch
-    then leaves the half-built iterator's workers to its ``__del__``, which never runs while the
-    traceback holds the iterator (IPython keeps the last one in ``sys.last_traceback``): the
-    workers would stay until the kernel exits. Those still alive are ended here.
+    A Ctrl-C can land inside ``iter()`` after the workers started. torch then leaves the half-built
+    iterator's workers to its ``__del__``, which never runs while the traceback holds the iterator
+    (IPython keeps the last one in ``sys.last_traceback``): they would stay until the kernel exits.
+    (One inside the shutdown is torch's own: its ``finally`` ends the workers still alive.)
     """
     try:
         iterator = iter(loader)
     except BaseException as error:
+        from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
+
         for frame, _ in traceback.walk_tb(error.__traceback__):
-            _end_workers(frame.f_locals.get("self"))
+            half_built = frame.f_locals.get("self")
+            if isinstance(half_built, _MultiProcessingDataLoaderIter):
+                with contextlib.suppress(Exception):  # the interrupt is what the caller gets
+                    _shut_down_half_built(half_built)
         raise
     try:
         yield iterator
     finally:
-        try:
-            shutdown = getattr(iterator, "_shutdown_workers", None)
-            if shutdown is not None:
-                shutdown()
-        finally:
-            _end_workers(iterator)
-            del iterator
+        shutdown = getattr(iterator, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
+        del iterator
 
 
-def _end_workers(iterator: Any) -> None:
-    """End a DataLoader iterator's worker processes that are still alive (after its shutdown, none)."""
-    from torch.utils.data._utils import MP_STATUS_CHECK_INTERVAL
-
-    workers = getattr(iterator, "_workers", None)
-    if not isinstance(workers, list):
-        return
-    left = [w for w in workers if isinstance(w, multiprocessing.process.BaseProcess) and w.is_alive()]
-    for worker in left:
-        worker.terminate()
-    for worker in left:
-        worker.join(timeout=MP_STATUS_CHECK_INTERVAL)
+def _shut_down_half_built(iterator: Any) -> None:
+    """torch's own shutdown (``_shutdown_workers``: each worker told to stop, joined, its pid out of
+    torch's SIGCHLD watch, terminated if still alive) for an iterator whose ``__init__`` was interrupted."""
+    if getattr(iterator, "_shutdown", True) or not isinstance(getattr(iterator, "_workers", None), list):
+        return  # shut down already, or interrupted before any worker started
+    if not hasattr(iterator, "_workers_status"):  # set by its first _reset(): every worker started is waiting
+        iterator._workers_status = [True] * len(iterator._workers)
+    iterator._shutdown_workers()
 
 
 def _measure(loader: Any, batches: int, warmup: int, deadline: float) -> tuple[float, float, float, float]:
