@@ -133,3 +133,35 @@ def test_a_real_gain_still_stops_early_and_is_called_faster():
         ratios.append(1.3 * math.exp(rng.gauss(0.0, 0.03)))
     assert DECIDE_BLOCKS <= len(ratios) <= 12
     assert verdict(median_interval(ratios)) == "faster"
+
+
+class _ClockedSide:
+    """A side whose every run takes ``run_s`` of a fake clock at a rate within ±50% (noise that never decides)."""
+
+    loader = None
+
+    def __init__(self, clock: list[float], run_s: float, seed: int) -> None:
+        self.clock, self.run_s, self.rng = clock, run_s, random.Random(seed)
+
+    def run(self, steps: int, lead: bool = True) -> tuple[float, float]:
+        self.clock[0] += self.run_s
+        return 100.0 * self.run_s * self.rng.uniform(0.5, 1.5), self.run_s
+
+
+@pytest.mark.parametrize(("budget_s", "run_s", "blocks", "ends_by"), [
+    (10.0, 0.3, 8, 10.0),   # 1.2 s blocks: the ninth would end at 10.8 s, so eight, done by 9.6 s
+    (5.0, 0.4, 6, 9.6),     # 1.6 s blocks: the six blocks that give an interval run past the budget
+    (3.0, 1.0, 1, 4.0),     # 4 s blocks: a second would end past twice the budget, so not even six
+])
+def test_blocks_end_within_the_budget_once_six_are_done_and_never_past_twice_it(monkeypatch, budget_s, run_s,
+                                                                               blocks, ends_by):
+    from gpuwidget.measure import ab
+
+    clock = [0.0]
+    monkeypatch.setattr(ab, "now", lambda: clock[0])
+    a, b = _ClockedSide(clock, run_s, 1), _ClockedSide(clock, run_s, 2)
+    done = ab._Progress()
+    # (a wide noise keeps the interval from deciding early: only the budget ends the blocks)
+    ab._blocks(a, b, [1, 1], [0.1, 0.1], 0.0, budget_s, budget_s, None, done)
+    assert len(done.ratios) == blocks
+    assert clock[0] <= ends_by + 1e-9

@@ -15,7 +15,8 @@ In order:
 2. the runs' size: a run is as many steps as last about :data:`RUN_S` at the pace of consecutive
    steps, timed once per side (a compiled side first takes :data:`COMPILED_WARMUP_STEPS` more: CUDA
    graphs record on the first calls); the size then stays, so every block runs the same steps;
-3. ABBA blocks (unchanged, changed, changed, unchanged runs) until the budget is spent, or, from
+3. ABBA blocks (unchanged, changed, changed, unchanged runs) while the next one, as long as the last,
+   ends within the budget, or, from
    :data:`DECIDE_BLOCKS` blocks on, once the interval is within ±:data:`TARGET_HALF_WIDTH` and decides
    (gpuwidget.measure.stats); at least :data:`MIN_BLOCKS` blocks are run even when the compilation
    spent the budget (the notes say by how much it ran over), but never past twice the budget. A change
@@ -386,9 +387,10 @@ def _blocks(a: Side, b: Side, sizes: list[int], step_times: list[float], started
     """ABBA blocks until the budget is spent or the interval decides."""
     over_limit = started + 2 * budget_s
     leads = [side.loader is None and step_s < LEAD_BELOW_S for side, step_s in zip((a, b), step_times)]
+    block_s = 0.0  # the last block's time: the next one is not started past the deadline it would cross
     while True:
         moment = now()
-        if moment >= deadline and (len(done.ratios) >= MIN_BLOCKS or moment >= over_limit):
+        if moment + block_s >= deadline and (len(done.ratios) >= MIN_BLOCKS or moment + block_s >= over_limit):
             break
         first_a = a.run(sizes[0], lead=leads[0])
         first_b = b.run(sizes[1], lead=leads[1])
@@ -397,6 +399,7 @@ def _blocks(a: Side, b: Side, sizes: list[int], step_times: list[float], started
         done.ratios.append(stats.block_ratio([first_a, second_a], [first_b, second_b]))
         done.rates.append(((first_a[0] + second_a[0]) / (first_a[1] + second_a[1]),
                            (first_b[0] + second_b[0]) / (first_b[1] + second_b[1])))
+        block_s = now() - moment
         interval = stats.median_interval(done.ratios)
         verdict = stats.verdict(interval)
         if verdict != done.last_verdict:
