@@ -285,7 +285,7 @@ class RankEntry(TypedDict, total=False):
     local_rank: int | None
     world_size: int | None
     loop_time_s: float  # seconds in its training loop
-    step_source: str | None  # "dataloader" or "optimizer": which steps its figures count (the summary's)
+    step_source: str | None  # "dataloader", "optimizer" or "forward": which steps its figures count (the summary's)
     loop_waits: list[LoopWait]  # its stack samples' top wait (probes.stack), where it sampled any
     stack_samples: StackFacts  # a child's stack sampler, until merged (children.ranks.merge: then the workload's)
     # Its steps one by one, the latest ranks.SERIES_STEPS: seconds per step, and of each the
@@ -307,7 +307,9 @@ class TrainingFacts(TypedDict, total=False):
     """The training loop as its optimizer steps tell it (``probes.torch_steps.StepProbe``), whatever
     feeds it: a DataLoader, a generator, ``get_batch``. Times are on the trace's clock (seconds)."""
 
-    optimizer_steps: int  # optimizer.step() calls of the trained model's optimizer
+    # optimizer.step() calls of the trained model's optimizer; where none steps it and the loop updates
+    # the parameters itself (step_source "forward"), the model's training forwards
+    optimizer_steps: int
     step_times: list[float]  # seconds per optimizer step, the latest STEP_HISTORY of them
     step_ends: list[float]  # trace-clock time of each of those steps' end, same length (warm-up split)
     forward_calls: int  # top-level forward calls of the trained model (after its optimizer was known)
@@ -322,7 +324,9 @@ class TrainingFacts(TypedDict, total=False):
     between_s: float  # seconds in train.between spans (a step's end to the next training forward)
     loop_s: float  # seconds from the first train.step span's start to the last one's end
     spanned_steps: int  # steps with a train.step span in loop_s (a first step seen before its model has none)
-    step_source: str  # "optimizer": the steps are the optimizer's
+    # "optimizer": the steps are the optimizer's; "forward": no optimizer steps the model, and a step runs
+    # from one training forward to the next (its parameters changed between them: a manual update)
+    step_source: str
     model_class: str | None  # the trained model's class (the module whose parameters the optimizer holds)
     device_type: str | None  # where its parameters are ("cuda", "cpu")
 
@@ -540,8 +544,10 @@ class Summary(TypedDict, total=False):
     cost: float
     idle_cost: float
     # The training loop's steps as the optimizer counted them (summary.training_figures):
-    step_source: str  # "dataloader" (the primary loader's batches) or "optimizer" (its step() calls)
-    optimizer_steps: int  # optimizer.step() calls of the trained model's optimizer
+    # "dataloader" (the primary loader's batches), "optimizer" (its step() calls) or "forward" (the
+    # trained model's training forwards, where no optimizer steps it: probes.torch_steps)
+    step_source: str
+    optimizer_steps: int  # optimizer.step() calls of the trained model's optimizer (not with "forward")
     flops_per_step: float  # FLOPs of one training step (forward and backward), FlopCounterMode's count
     flops_dtype: str  # the dtype the counted matmuls ran in: "fp8", "bf16", "fp16", "tf32", "fp32"
     achieved_flops_per_s: float  # flops_per_step over the mean time of the steady steps

@@ -249,14 +249,19 @@ def test_word_language_model_in_a_cell_prefetching_the_next_rows_pays_off(cell, 
     namespace["get_batch"].close()
 
 
-def test_word_language_model_with_its_manual_sgd_update_is_not_counted_yet(tmp_path):
-    """The example's default update is ``p.data.add_(p.grad, alpha=-lr)``: no optimizer steps. Steps
-    are counted from optimizer steps only (the gap is reported, not hidden: no cause, no steps)."""
-    args = wlm_args(tmp_path, "--read-latency", "0.003")
+def test_word_language_model_with_its_manual_sgd_update_counts_its_steps_and_names_the_slow_reads(tmp_path):
+    """The example's default update is ``p.data.add_(p.grad, alpha=-lr)``: no optimizer, and no version
+    counter moves (``.data``). The model's parameters change between its training forwards, so each
+    forward starts a step (``step_source`` "forward"), and the slow reads are named as with AdamW."""
+    args = wlm_args(tmp_path, "--read-latency", "0.006")
     args.remove("--use-optimizer")
     run, output = gpuwatch(tmp_path, *python("word_language_model.py", *args))
-    assert printed_count(output, r"trained (\d+) batches") == 204
-    assert run.summary["steps"] is None and not [f for f in run.findings if f.rule in LOOP_RULES]
+    assert run.summary["steps"] == printed_count(output, r"trained (\d+) batches") == 204
+    assert run.summary["step_source"] == "forward" and "optimizer_steps" not in run.summary
+    assert "no optimizer steps the model" in run.summary["mfu_missing"]
+    found = finding(run, "loop-waits")
+    assert found is not None and found.evidence["function"] == "get_batch", run.workload.get("loop_waits")
+    assert found.code.endswith("get_batch = Prefetcher(get_batch)")
 
 
 # ------------------------------------------------------------------ HF run_clm_no_trainer: tokenizing in collate_fn

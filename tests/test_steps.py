@@ -75,6 +75,67 @@ def test_a_get_batch_loop_without_a_dataloader_counts_its_optimizer_steps():
     nothing_left()
 
 
+def manual_sgd_loop(steps: int, update: str) -> tuple[gpuwidget.Run, int]:
+    """PyTorch's word_language_model without ``--use-optimizer``: its batches from ``get_batch``, the
+    model's gradients cleared by ``model.zero_grad()`` and its parameters updated by hand; an
+    evaluation under ``no_grad`` after every 10 steps."""
+    tokens = torch.randint(0, 50, (5000,))
+    model = nn.Sequential(nn.Embedding(50, 16), nn.Flatten(), nn.Linear(16 * 8, 50))
+
+    def get_batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        time.sleep(0.002)  # the storage read
+        rows = torch.stack([tokens[j:j + 9] for j in range(i * 12, i * 12 + 12)])
+        return rows[:, :8], rows[:, 8]
+
+    evaluations = 0
+    with gpuwidget.watch(quiet=True, interval=0.1) as run:
+        for i in range(steps):
+            x, y = get_batch(i)
+            model.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            if update == "data":
+                for p in model.parameters():
+                    p.data.add_(p.grad, alpha=-0.1)  # .data: no version counter moves
+            else:
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p -= 0.1 * p.grad
+            if i % 10 == 9:
+                model.eval()
+                with torch.no_grad():
+                    model(get_batch(0)[0])
+                evaluations += 1
+                model.train()
+    return run, evaluations
+
+
+@pytest.mark.parametrize("update", ["data", "no_grad"])
+def test_a_loop_that_updates_its_parameters_itself_counts_a_step_per_training_forward(update):
+    run, evaluations = manual_sgd_loop(40, update)
+    summary, training = run.summary, run.workload["training"]
+    assert evaluations == 4  # the evaluations' forwards ran under no_grad: none of them is a step
+    assert summary["step_source"] == training["step_source"] == "forward" and summary["steps"] == 40
+    assert summary["samples"] == 40 * 12
+    assert "optimizer_steps" not in summary and "no optimizer steps the model" in summary["mfu_missing"]
+    # A step runs from one training forward to the next: the batch's read, the update, an evaluation
+    # are in it; the last step (its forward to the loop's end) has no end to span.
+    spans = run.trace.spans(TRAIN_STEP_SPAN)
+    assert len(spans) == 39 and training["spanned_steps"] == 39
+    assert min(span.duration for span in spans) >= 0.002 and not run.trace.spans(BETWEEN_STEPS_SPAN)
+    assert run.workload["model"]["class"] == "Sequential"
+    nothing_left()
+
+
+def test_a_model_called_with_gradients_but_never_updated_has_no_steps():
+    """Inference without ``no_grad`` (a common slip) changes no parameter: no training loop."""
+    model = Student()
+    with gpuwidget.watch(quiet=True, interval=0.1) as run:
+        for _ in range(20):
+            model(torch.randn(8, 16)).sum()
+    assert run.workload["training"] is None and not run.summary.get("steps")
+    nothing_left()
+
+
 def test_a_generator_fed_loop_is_counted_too():
     def batches() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         while True:

@@ -49,6 +49,8 @@ from gpuwidget.probes import STEP_SPAN, TRAIN_STEP_SPAN
 from gpuwidget.trace import Trace
 
 PER_STEP_LISTS = ("step_times", "wait_times", "step_ends")
+# Step sources whose steps are the training probe's (train.step spans), not a DataLoader's.
+TRAINING_SOURCES = ("optimizer", "forward")
 PUBLIC_KEYS = ("rank", "pid", "gpu", "steps", "samples_per_s", "data_wait_fraction",
                "step_time_p50_s", "step_time_p95_s")
 # Steps kept one by one per rank for the rank rules: enough for medians and a significance test
@@ -78,7 +80,7 @@ def loop_figures(workload: WorkloadFacts | None) -> RankEntry:
     if not summary.get("steps"):
         return NO_LOOP.copy()
     training = facts.get("training") or {}
-    if summary.get("step_source") == "optimizer" and training.get("step_times"):
+    if summary.get("step_source") in TRAINING_SOURCES and training.get("step_times"):
         steps, waits = per_step(training["step_times"], [])
     else:
         loader = primary_loader(facts) or {}
@@ -209,7 +211,7 @@ def job_summary(summary: Summary, workload: WorkloadFacts, trace: Trace | None =
                                                      if value is not None})
         if trace is not None and duration > 0:
             loop_s, wait_s = loop_totals(entry)
-            kind = TRAIN_STEP_SPAN if entry.get("step_source") == "optimizer" else STEP_SPAN
+            kind = TRAIN_STEP_SPAN if entry.get("step_source") in TRAINING_SOURCES else STEP_SPAN
             entry["time_breakdown"] = time_breakdown(duration, trace, None if own else entry.get("pid"),
                                                      loop_s=loop_s, wait_s=wait_s, kind=kind)
     entries = [entry for entry in listed if entry.get("steps")]

@@ -108,7 +108,8 @@ def optimizer_loop(training: TrainingFacts, workload: WorkloadFacts | None = Non
         return {}
     per_step = training.get("samples_per_step")
     steps_per_s = (training.get("spanned_steps") or steps) / loop
-    figures: Summary = {"step_source": "optimizer", "steps": steps, "steps_per_s": steps_per_s,
+    figures: Summary = {"step_source": training.get("step_source") or "optimizer", "steps": steps,
+                        "steps_per_s": steps_per_s,
                         "loop_time_s": loop, "samples": per_step * steps if per_step else None,
                         "samples_per_s": per_step * steps_per_s if per_step else None, "data_wait_fraction": None}
     figures.update(step_figures(training.get("step_times") or [], steps, workload))
@@ -158,7 +159,8 @@ def training_figures(workload: WorkloadFacts | None, machine: MachineFacts | Non
     training = (workload or {}).get("training") or {}
     if not training.get("optimizer_steps"):
         return {}
-    figures: Summary = {"optimizer_steps": training["optimizer_steps"]}
+    figures: Summary = ({"optimizer_steps": training["optimizer_steps"]}
+                        if training.get("step_source", "optimizer") == "optimizer" else {})
     flops = training.get("flops_per_step")
     if not flops:
         figures["mfu_missing"] = training.get("flops_missing") or "no step's FLOPs were counted"

@@ -55,6 +55,12 @@ class ModelProbe:
         self._first_call: dict[int, float] = {}
         # The model whose parameters the stepped optimizer holds (set by probes.torch_steps).
         self.trained_key: int | None = None
+        # Called once, as (key, model, entries, first call, training calls), when a model that no
+        # optimizer steps is called to train (grad enabled) after its parameters changed since its first
+        # such call: a loop that updates them itself (probes.torch_steps counts its steps from then).
+        self.on_updated: Any = None
+        self._fingerprints: dict[int, tuple[float, ...]] = {}
+        self._training_calls: dict[int, int] = {}
 
     def install(self) -> None:
         if self.installed:
@@ -106,6 +112,7 @@ class ModelProbe:
             self._models[key]["calls"] += 1
             if self._versions[key] >= 0:
                 self._seen += 1
+                self._watch_update(torch, key, module)
             return
         dtypes: Counter[str] = Counter()
         devices: set[str] = set()
@@ -138,6 +145,23 @@ class ModelProbe:
             "training": bool(module.training),
             "calls": 1,
         }
+        if trainable:
+            self._watch_update(torch, key, module)
+
+    def _watch_update(self, torch: Any, key: int, module: Any) -> None:
+        """At a top-level training call (grad enabled) of a model no optimizer has claimed: did its
+        parameters change since its first one? An optimizer's step is seen by its own hook; a loop that
+        updates the parameters itself (``p.data.add_(p.grad, alpha=-lr)``, which bumps no version
+        counter) only through their values."""
+        if self.on_updated is None or self.trained_key is not None or not torch.is_grad_enabled():
+            return
+        self._training_calls[key] = calls = self._training_calls.get(key, 0) + 1
+        values = _fingerprint(torch, module)
+        first = self._fingerprints.setdefault(key, values)
+        if values != first:
+            hook, self.on_updated = self.on_updated, None
+            hook(key, module, [e for e in (ref() for ref in self._entries.get(key, [])) if e is not None] or [module],
+                 self._first_call.get(key, 0.0), calls)
 
     def _trained(self, key: int) -> bool:
         """Its trainable parameters were updated in place since it was first seen."""
@@ -293,6 +317,24 @@ def _owner(module: Any, frame: Any) -> Any:
             return module
         frame = frame.f_back
     return module
+
+
+# Trainable parameters whose first element stands for the model's values (an embedding's first row
+# changes only in the steps whose batch holds token 0; a layer's weight in every step).
+FINGERPRINT_PARAMETERS = 8
+
+
+def _fingerprint(torch: Any, module: Any) -> tuple[float, ...]:
+    """The first element of a few trainable parameters: it moves when an update moves them."""
+    with torch.no_grad():
+        firsts = [p.detach().reshape(-1)[0] for p in module.parameters() if p.requires_grad and p.numel()]
+        firsts = firsts[:FINGERPRINT_PARAMETERS]
+        if not firsts:
+            return ()
+        try:
+            return tuple(torch.stack([f.float() for f in firsts]).cpu().tolist())  # one copy to the host
+        except RuntimeError:  # parameters on several devices
+            return tuple(float(f) for f in firsts)
 
 
 def _first_tensor(value: Any, depth: int = 0) -> Any:

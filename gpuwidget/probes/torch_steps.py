@@ -8,6 +8,11 @@ optimizer holds, matched by parameter identity at the optimizer's first step, ne
 largest module. Of several optimizers, the one holding most of the trained model's parameters
 counts the steps (a GAN's two, nanoGPT-speedrun's Muon beside AdamW).
 
+A loop with no optimizer, which updates the parameters itself (PyTorch's word_language_model:
+``p.data.add_(p.grad, alpha=-lr)``, which moves no version counter), is found by the model probe: the
+model's parameters changed between its first training calls (:meth:`StepProbe._adopt_updated`). Its
+steps then run from one training forward to the next (``step_source`` "forward").
+
 Once the model is known, a forward pre-hook on it (on the module called at top level: a
 LightningModule's ``training_step`` calls its ``encoder``) marks each step's first training forward
 (grad enabled: an evaluation under ``no_grad`` between steps is part of the wait between them).
@@ -125,6 +130,11 @@ class StepProbe:
         # For measuring a change later (gpuwidget.measure): one training forward's inputs, copied once.
         self.captured: CapturedBatch | None = None
         self._capture_tried = False
+        # No optimizer steps the model: its loop updates the parameters itself, and each training
+        # forward starts a step (:meth:`_adopt_updated`).
+        self._by_forward = False
+        if models is not None:
+            models.on_updated = self._adopt_updated
 
     # ---------------------------------------------------------------- hooks
 
@@ -252,6 +262,8 @@ class StepProbe:
         """Match a newly seen optimizer's parameters to the models called: it counts the steps if it
         holds more of its model's parameters than the optimizer counting them now."""
         self._judged[id(optimizer)] = weakref.ref(optimizer)
+        if self._by_forward:
+            return  # the loop's steps are its forwards already: an optimizer seen later counts none
         held = {id(p) for group in optimizer.param_groups for p in group["params"]}
         best: tuple[int, Any, list[Any], float] | None = None
         best_overlap = 0
@@ -309,6 +321,62 @@ class StepProbe:
             if probe._waiting and grad_enabled():
                 probe._waiting = False
                 push(-clock())
+
+        return forward
+
+    # ---------------------------------------------------------------- a loop without an optimizer
+
+    def _adopt_updated(self, key: int, model: Any, entries: list[Any], first_call: float, calls: int) -> None:
+        """The model probe saw a model, which no optimizer steps, called to train after its parameters
+        changed: the loop updates them itself (PyTorch's word_language_model example:
+        ``p.data.add_(p.grad, alpha=-lr)``). Each training forward then starts a step, and a step runs
+        from one to the next (its batch, forward, backward and update; no ``train.between``), so
+        ``steps`` counts the forwards, the last step's included, and the spans all but the last.
+        Called on the loop's thread, before this forward (``calls`` training forwards so far, this one's
+        included): the steps before it are counted, the first spanned from the model's first call
+        when it is the only one."""
+        if not self.installed or self._optimizer is not None or self.steps:
+            return
+        self._by_forward = True
+        self.models.trained_key = key
+        self._model_class = type(model).__name__
+        devices = {p.device.type for p in model.parameters()}
+        self._device_type = "cuda" if "cuda" in devices else next(iter(devices), "cpu")
+        self._first_call = first_call if calls == 2 else None
+        self._entries = [weakref.ref(entry) for entry in entries]
+        self._flops_missing = ("no optimizer steps the model (its loop updates the parameters itself), and a "
+                               "step's FLOPs are counted up to its optimizer step")
+        self._sampling = False
+        for handle in self._forward_handles:
+            handle.remove()
+        self._forward_handles = [entry.register_forward_pre_hook(self._forward_step()) for entry in entries]
+        self.steps = calls - 1
+        self._forward_step()(model, ())  # this forward: the hook registered now is first called at the next
+
+    def _forward_step(self) -> Any:
+        """The forward pre-hook of a loop without an optimizer: a training forward ends the step before
+        it and starts the next."""
+        probe, push, clock, grad_enabled = self, self._events.append, now, self._grad_enabled
+        autocast_enabled, autocast_dtype = self._autocast_enabled, self._autocast_dtype
+        device, under = self._device_type, self._autocast
+
+        def forward(module: Any, args: Any) -> None:
+            probe.forward_calls += 1
+            if autocast_enabled(device):
+                dtype = autocast_dtype(device)
+                under[dtype] = under.get(dtype, 0) + 1
+            if not grad_enabled():
+                return  # evaluation: part of the step it falls in
+            push(clock())
+            probe.steps += 1
+            if len(probe._samples) < SAMPLE_STEPS and args:
+                probe._samples.append(first_dim(args))
+            data = probe.data
+            if data is not None:
+                last = data.last
+                if last is not None:
+                    last.steps_fed += 1
+                    data.last = None
 
         return forward
 
@@ -471,7 +539,7 @@ class StepProbe:
             "loop_s": (self._last_end - self._loop_start
                        if self._last_end is not None and self._loop_start is not None else 0.0),
             "spanned_steps": self.spanned,
-            "step_source": "optimizer",
+            "step_source": "forward" if self._by_forward else "optimizer",
             "model_class": self._model_class,
             "device_type": self._device_type if self._model_class is not None else None,
         }
