@@ -195,7 +195,8 @@ def test_an_interrupt_while_a_trials_workers_start_leaves_none_running(monkeypat
     # Shut down as torch does, their pids out of its SIGCHLD watch: the next trial runs (ended with a bare
     # SIGTERM, the next one read "DataLoader worker (pid ...) is killed by signal: Terminated").
     monkeypatch.undo()
-    assert tune_loader(DataLoader(Slow(), batch_size=8, num_workers=1), budget_s=5, suggestion={"num_workers": 1}).trials
+    again = tune_loader(DataLoader(Slow(), batch_size=8, num_workers=1), budget_s=5, suggestion={"num_workers": 1})
+    assert again.trials
 
 
 # %%gpuwatch --tune on the cell's own loader: tests/test_measure_plan.py (the loader and every finding).

@@ -306,8 +306,10 @@ class StepProbe:
         self._early = early
         self._lean = not early
 
-    def _lean_forward(self) -> Any:
-        """The steady-state forward hook: a closure over what it reads, as few lookups as can be."""
+    def _lean_forward(self, by_forward: bool = False) -> Any:
+        """The steady-state forward hook: a closure over what it reads, as few lookups as can be. With
+        ``by_forward`` (a loop without an optimizer), a training forward ends the step before it and
+        starts the next."""
         probe, push, clock = self, self._events.append, now
         autocast_enabled, autocast_dtype = self._autocast_enabled, self._autocast_dtype
         grad_enabled = self._grad_enabled
@@ -322,7 +324,25 @@ class StepProbe:
                 probe._waiting = False
                 push(-clock())
 
-        return forward
+        def forward_step(module: Any, args: Any) -> None:
+            probe.forward_calls += 1
+            if autocast_enabled(device):
+                dtype = autocast_dtype(device)
+                under[dtype] = under.get(dtype, 0) + 1
+            if not grad_enabled():
+                return  # evaluation: part of the step it falls in
+            push(clock())
+            probe.steps += 1
+            if len(probe._samples) < SAMPLE_STEPS and args:
+                probe._samples.append(first_dim(args))
+            data = probe.data
+            if data is not None:
+                last = data.last
+                if last is not None:
+                    last.steps_fed += 1
+                    data.last = None
+
+        return forward_step if by_forward else forward
 
     # ---------------------------------------------------------------- a loop without an optimizer
 
@@ -349,36 +369,10 @@ class StepProbe:
         self._sampling = False
         for handle in self._forward_handles:
             handle.remove()
-        self._forward_handles = [entry.register_forward_pre_hook(self._forward_step()) for entry in entries]
+        hook = self._lean_forward(by_forward=True)
+        self._forward_handles = [entry.register_forward_pre_hook(hook) for entry in entries]
         self.steps = calls - 1
-        self._forward_step()(model, ())  # this forward: the hook registered now is first called at the next
-
-    def _forward_step(self) -> Any:
-        """The forward pre-hook of a loop without an optimizer: a training forward ends the step before
-        it and starts the next."""
-        probe, push, clock, grad_enabled = self, self._events.append, now, self._grad_enabled
-        autocast_enabled, autocast_dtype = self._autocast_enabled, self._autocast_dtype
-        device, under = self._device_type, self._autocast
-
-        def forward(module: Any, args: Any) -> None:
-            probe.forward_calls += 1
-            if autocast_enabled(device):
-                dtype = autocast_dtype(device)
-                under[dtype] = under.get(dtype, 0) + 1
-            if not grad_enabled():
-                return  # evaluation: part of the step it falls in
-            push(clock())
-            probe.steps += 1
-            if len(probe._samples) < SAMPLE_STEPS and args:
-                probe._samples.append(first_dim(args))
-            data = probe.data
-            if data is not None:
-                last = data.last
-                if last is not None:
-                    last.steps_fed += 1
-                    data.last = None
-
-        return forward
+        hook(model, ())  # this forward: the hook registered now is first called at the next
 
     # ---------------------------------------------------------------- samples and FLOPs
 
