@@ -298,6 +298,23 @@ def test_a_periodic_stalls_seconds_are_periodic_stalls_not_a_loop_wait(samples, 
     assert (loop_waits.RULE in found) is named
 
 
+def test_the_stall_holds_a_wait_by_seconds_when_the_samples_loop_leaves_a_stall_out():
+    """A checkpoint after the last optimizer step lies in no optimizer step's span: the stack samples'
+    loop is a stall shorter (4.0 s of the 5.2) than the steps periodic-stall reads, so the same wait
+    is a larger share of it. 70 of 200 samples (35%, lower bound 28.7%) is more than the stalls' 23.1%
+    of their loop, but 28.7% of 4.0 s is 1.15 s, within the stalls' 1.2 s: one explanation."""
+    workload = stalled_facts({**CHECKPOINT, "samples": 70})
+    stall = periodic_stall.find(workload)
+    lower = loop_waits.share_lower_bound(70, 200)
+    assert lower > stall.fraction and lower * 4.0 <= stall.extra_s
+    assert loop_waits.RULE in rules_of(workload)  # over the stall's own loop the wait is more than it holds
+    workload["stack_samples"]["loop_s"] = 4.0
+    for wait in workload["loop_waits"]:
+        wait["seconds"] = wait["share"] * 4.0
+    found = rules_of(workload)
+    assert "periodic-stall" in found and loop_waits.RULE not in found
+
+
 def test_without_a_stall_the_same_wait_between_steps_is_a_loop_wait():
     even = [sum(STALLED) / 200] * 200
     found = rules_of(stalled_facts({**CHECKPOINT, "samples": 46}, step_times=even))

@@ -85,7 +85,7 @@ def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> F
     loop_samples = int(stack.get("loop_samples") or 0)
     waits = [wait for wait in workload.get("loop_waits") or [] if (wait.get("in_loader") or 0.0) < IN_LOADER_MAX]
     stall = periodic_stall.find(workload)
-    stalls = stall_waits(waits, stall, loop_samples) if stall is not None else []
+    stalls = stall_waits(waits, stall, loop_samples, stack.get("loop_s")) if stall is not None else []
     straggler = rank_straggler.find(workload)
     straggling = straggler[1][straggler[0].index].get("loop_waits") if straggler is not None else None
     for wait in waits:
@@ -105,16 +105,21 @@ def same_site(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
     return all(a.get(key) == b.get(key) for key in ("function", "file", "line"))
 
 
-def stall_waits(waits: Sequence[LoopWait], stall: PeriodicStall, loop_samples: int) -> list[LoopWait]:
+def stall_waits(waits: Sequence[LoopWait], stall: PeriodicStall, loop_samples: int,
+                loop_s: float | None = None) -> list[LoopWait]:
     """The waits that are a periodic stall's own time, which periodic-stall explains (see the module docstring).
 
     A wait can be the stall's when the stall's seconds can hold it: the lower end of its share's
-    confidence interval is at most the stalls' share of the loop. Of those, the ones whose function
-    says what the stall is (a checkpoint's, an evaluation's: periodic_stall.wait_kind) are; without
-    such a name, the largest one is: each stall is one piece of work between two steps.
+    confidence interval, over the seconds the samples' loop covers (``loop_s``, the stack samples'
+    steps; the stall's own steady steps where not given), is at most the stalls' seconds. (Seconds,
+    not shares: the two loops can differ by a stall, as when the last one comes after the last
+    optimizer step, which no optimizer step span holds.) Of those, the ones whose function says what
+    the stall is (a checkpoint's, an evaluation's: periodic_stall.wait_kind) are; without such a name,
+    the largest one is: each stall is one piece of work between two steps.
     """
+    seconds = float(loop_s) if loop_s else stall.loop_s
     holdable = sorted((wait for wait in waits
-                       if share_lower_bound(int(wait.get("samples") or 0), loop_samples) <= stall.fraction),
+                       if share_lower_bound(int(wait.get("samples") or 0), loop_samples) * seconds <= stall.extra_s),
                       key=lambda wait: int(wait.get("samples") or 0), reverse=True)
     kinds = [wait for wait in holdable if periodic_stall.wait_kind(wait) is not None]
     return kinds or holdable[:1]
