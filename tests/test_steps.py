@@ -440,3 +440,19 @@ def test_the_loops_steps_are_the_optimizers_where_it_takes_one_batch_per_step(ba
 
     loader = {"steps": batches, "steps_fed": fed}
     assert loop_steps(loader, {"optimizer_steps": optimizer_steps}) == steps  # type: ignore[arg-type, typeddict-item]
+
+
+def test_a_models_fingerprint_reads_a_few_parameters_and_a_nan_is_no_change():
+    """What tells a manual update: the first element of the first 8 trainable parameters, read once;
+    a diverged model's NaN compares equal to itself, so an inference loop over it is no training."""
+    from gpuwidget.probes.torch_model import FINGERPRINT_PARAMETERS, _fingerprint
+
+    model = nn.Sequential(*[nn.Linear(2, 2) for _ in range(10)])
+    with torch.no_grad():
+        model[0].weight.fill_(float("nan"))
+    before = _fingerprint(torch, model)
+    assert len(before) == FINGERPRINT_PARAMETERS == 8 and before[0] is None
+    assert _fingerprint(torch, model) == before
+    with torch.no_grad():
+        model[1].bias.data.add_(1.0)  # an update of the fourth parameter
+    assert _fingerprint(torch, model) != before

@@ -17,6 +17,8 @@ that module, which is what the user trains and names.
 from __future__ import annotations
 
 import contextlib
+import itertools
+import math
 import sys
 import threading
 import weakref
@@ -327,14 +329,15 @@ FINGERPRINT_PARAMETERS = 8
 def _fingerprint(torch: Any, module: Any) -> tuple[float, ...]:
     """The first element of a few trainable parameters: it moves when an update moves them."""
     with torch.no_grad():
-        firsts = [p.detach().reshape(-1)[0] for p in module.parameters() if p.requires_grad and p.numel()]
-        firsts = firsts[:FINGERPRINT_PARAMETERS]
+        trainable = (p for p in module.parameters() if p.requires_grad and p.numel())
+        firsts = [p.detach().reshape(-1)[0] for p in itertools.islice(trainable, FINGERPRINT_PARAMETERS)]
         if not firsts:
             return ()
         try:
-            return tuple(torch.stack([f.float() for f in firsts]).cpu().tolist())  # one copy to the host
+            values = torch.stack([f.float() for f in firsts]).cpu().tolist()  # one copy to the host
         except RuntimeError:  # parameters on several devices
-            return tuple(float(f) for f in firsts)
+            values = [float(f) for f in firsts]
+    return tuple(None if math.isnan(value) else value for value in values)  # NaN != NaN: not a change
 
 
 def _first_tensor(value: Any, depth: int = 0) -> Any:
