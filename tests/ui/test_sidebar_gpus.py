@@ -327,7 +327,12 @@ def test_eight_gpus_at_a_glance_folded_cards_and_the_keyboard(gpu_lab, page):
 
 def test_the_settings_list_every_gpu_chart_by_name(gpu_lab, page):
     open_lab(page, gpu_lab)
-    page.evaluate("window.jupyterapp.commands.execute('settingeditor:open', {query: 'GPU sidebar'})")
+    # After the layout is restored: a restore that ends later puts the saved workspace's main area back
+    # over an editor opened before it (the likely cause of fresh-check run 29's editor-less page).
+    page.evaluate("""async () => {
+        await window.jupyterapp.restored;
+        await window.jupyterapp.commands.execute('settingeditor:open', {query: 'GPU sidebar'});
+    }""")
     title = page.locator("[id='jp-SettingsEditor-jupyterlab-gpuwidget:plugin_metrics-title']")
     wait_for(lambda: title.count() and title.is_visible(), 30, "the settings editor shows no title for the charts",
              page)
