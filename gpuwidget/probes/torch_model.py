@@ -61,7 +61,7 @@ class ModelProbe:
         # optimizer steps is called to train (grad enabled) after its parameters changed since its first
         # such call: a loop that updates them itself (probes.torch_steps counts its steps from then).
         self.on_updated: Any = None
-        self._fingerprints: dict[int, tuple[float, ...]] = {}
+        self._fingerprints: dict[int, tuple[float | None, ...]] = {}
         self._training_calls: dict[int, int] = {}
 
     def install(self) -> None:
@@ -162,8 +162,7 @@ class ModelProbe:
         first = self._fingerprints.setdefault(key, values)
         if values != first:
             hook, self.on_updated = self.on_updated, None
-            hook(key, module, [e for e in (ref() for ref in self._entries.get(key, [])) if e is not None] or [module],
-                 self._first_call.get(key, 0.0), calls)
+            hook(key, module, self._entries_of(key, module), self._first_call.get(key, 0.0), calls)
 
     def _trained(self, key: int) -> bool:
         """Its trainable parameters were updated in place since it was first seen."""
@@ -179,8 +178,11 @@ class ModelProbe:
             module = ref()
             if module is None:
                 continue
-            entries = [entry for entry in (ref() for ref in self._entries.get(key, [])) if entry is not None]
-            yield key, module, entries or [module], self._first_call.get(key, 0.0)
+            yield key, module, self._entries_of(key, module), self._first_call.get(key, 0.0)
+
+    def _entries_of(self, key: int, module: Any) -> list[Any]:
+        """The live modules called top-level for this model, or the model itself."""
+        return [entry for entry in (ref() for ref in self._entries.get(key, [])) if entry is not None] or [module]
 
     def _main(self) -> int | None:
         """The model the stepped optimizer trains; else the trained module with the most parameters;
@@ -326,7 +328,7 @@ def _owner(module: Any, frame: Any) -> Any:
 FINGERPRINT_PARAMETERS = 8
 
 
-def _fingerprint(torch: Any, module: Any) -> tuple[float, ...]:
+def _fingerprint(torch: Any, module: Any) -> tuple[float | None, ...]:
     """The first element of a few trainable parameters: it moves when an update moves them."""
     with torch.no_grad():
         trainable = (p for p in module.parameters() if p.requires_grad and p.numel())

@@ -282,14 +282,18 @@ class StepProbe:
         if best is None:  # steps without a model to match (it ran before the watch saw it): count them
             return
         key, model, entries, first_call = best
+        self._adopt(key, model, entries)
+        if self._first_call is None:
+            self._first_call = first_call
+        self._hook(early=self._early)
+
+    def _adopt(self, key: int, model: Any, entries: list[Any]) -> None:
+        """The trained model: its class, its device, and the top-level modules whose forwards are hooked."""
         self.models.trained_key = key
         self._model_class = type(model).__name__
         devices = {p.device.type for p in model.parameters()}
         self._device_type = "cuda" if "cuda" in devices else next(iter(devices), "cpu")
-        if self._first_call is None:
-            self._first_call = first_call
         self._entries = [weakref.ref(entry) for entry in entries]  # never keep the user's model alive
-        self._hook(early=self._early)
 
     def _hook(self, early: bool) -> None:
         """Hook the trained model's top-level modules: the full hook for the first steps, then a lean
@@ -358,12 +362,8 @@ class StepProbe:
         if not self.installed or self._optimizer is not None or self.steps:
             return
         self._by_forward = True
-        self.models.trained_key = key
-        self._model_class = type(model).__name__
-        devices = {p.device.type for p in model.parameters()}
-        self._device_type = "cuda" if "cuda" in devices else next(iter(devices), "cpu")
+        self._adopt(key, model, entries)
         self._first_call = first_call if calls == 2 else None
-        self._entries = [weakref.ref(entry) for entry in entries]
         self._flops_missing = ("no optimizer steps the model (its loop updates the parameters itself), and a "
                                "step's FLOPs are counted up to its optimizer step")
         self._sampling = False
