@@ -312,7 +312,11 @@ class TrainingFacts(TypedDict, total=False):
     optimizer_steps: int
     step_times: list[float]  # seconds per optimizer step, the latest STEP_HISTORY of them
     step_ends: list[float]  # trace-clock time of each of those steps' end, same length (warm-up split)
-    forward_calls: int  # top-level forward calls of the trained model (after its optimizer was known)
+    # top-level forward calls of the trained model seen (after its optimizer was known): every one in the
+    # first steps, then (forwards_sampled) those in the windows opened at sampler ticks (probes.torch_steps)
+    forward_calls: int
+    eval_forwards: int  # of those, the calls with grad disabled (an evaluation between steps)
+    forwards_sampled: bool  # the calls after the first steps were seen in windows, not all of them
     autocast_share: float  # share of those forward calls that ran under torch.autocast (0-1)
     autocast_dtype: str | None  # the dtype most of them ran under ("bfloat16", "float16")
     flops_per_step: float  # FlopCounterMode's count for one training step (forward and backward), FLOPs
@@ -321,7 +325,10 @@ class TrainingFacts(TypedDict, total=False):
     flops_missing: str  # why no step was counted (too few steps, the counter failed)
     flops_step_s: float  # seconds the counted step took (with the counter's own cost; not in step_times)
     samples_per_step: int | None  # the first dimension of the trained model's inputs in one step
-    between_s: float  # seconds in train.between spans (a step's end to the next training forward)
+    # seconds in the train.between spans measured (a step's end to the next training forward): each step's
+    # in the first steps, then one per sampler tick where forwards_sampled; between_spans: how many
+    between_s: float
+    between_spans: int
     loop_s: float  # seconds from the first train.step span's start to the last one's end
     spanned_steps: int  # steps with a train.step span in loop_s (a first step seen before its model has none)
     # "optimizer": the steps are the optimizer's; "forward": no optimizer steps the model, and a step runs

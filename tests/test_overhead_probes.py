@@ -141,6 +141,7 @@ def train_run(flush_every: int | None, steps: int = 24) -> tuple[dict[str, Any],
         done = 0
         while done < steps:
             for (x,) in loader:
+                probes.arm()  # a tick before every step: each step's wait is in a window
                 model(x).sum().backward()
                 optimizer.step()
                 optimizer.zero_grad()

@@ -526,10 +526,16 @@ def test_a_stall_that_is_mostly_a_checkpoint_gets_the_background_save():
     assert callable(namespace["save_in_background"])
 
 
-def test_without_stack_samples_forward_passes_beyond_the_steps_say_evaluation():
+def test_without_stack_samples_forward_passes_without_grad_say_evaluation():
     times = stalled(150, 25)
-    evaluating = stall_check(times, training={"forward_calls": 150 + 6 * 20, "optimizer_steps": 150})
-    assert evaluating.change["stall"] == "evaluation" and evaluating.evidence["forwards_beyond_steps"] == 120
-    unknown = stall_check(times, training={"forward_calls": 150, "optimizer_steps": 150})
+    evaluating = stall_check(times, training={"forward_calls": 150 + 6 * 20, "eval_forwards": 120,
+                                              "optimizer_steps": 150})
+    assert evaluating.change["stall"] == "evaluation" and evaluating.evidence["eval_forwards"] == 120
+    # Gradient accumulation's extra forwards are training forwards: no evaluation.
+    unknown = stall_check(times, training={"forward_calls": 600, "eval_forwards": 0, "optimizer_steps": 150})
     assert unknown.change["stall"] == "unknown" and "a checkpoint, an evaluation" in unknown.suggestion
+    # Every forward seen: one per stall is needed; seen in windows at ticks: one is enough.
+    once = {"forward_calls": 151, "eval_forwards": 1, "optimizer_steps": 150}
+    assert stall_check(times, training=once).change["stall"] == "unknown"
+    assert stall_check(times, training={**once, "forwards_sampled": True}).change["stall"] == "evaluation"
     assert stall_check(times).change["stall"] == "unknown"

@@ -3,6 +3,8 @@ trains, a loader rebuilt each epoch as one loop, and nothing left behind."""
 
 from __future__ import annotations
 
+import copy
+import io
 import time
 from collections.abc import Iterator
 
@@ -66,11 +68,14 @@ def test_a_get_batch_loop_without_a_dataloader_counts_its_optimizer_steps():
     assert summary["step_time_p50"] >= 0.004  # every step waited on its storage read
     assert "no training loop seen" not in main_cause(run)
     assert len(run.trace.spans(TRAIN_STEP_SPAN)) == 40
+    # Each of the first steps' waits, then one per sampler tick (the window that tick opened).
     between = run.trace.spans(BETWEEN_STEPS_SPAN)
-    assert len(between) == 39
+    assert 1 + FLOPS_AT_STEP <= len(between) <= 39
     # The wait between one step's end and the next forward is the batch fetch: at least its sleep.
     assert min(span.duration for span in between) >= 0.004
-    assert run.workload["training"]["between_s"] == pytest.approx(sum(span.duration for span in between))
+    training = run.workload["training"]
+    assert training["between_s"] == pytest.approx(sum(span.duration for span in between))
+    assert training["between_spans"] == len(between) and training["forwards_sampled"] is True
     assert run.workload["model"]["class"] == "Sequential"
     nothing_left()
 
@@ -227,8 +232,11 @@ def test_the_trained_model_is_the_one_the_optimizer_holds_not_the_largest():
             train_step(student, optimizer, x, target)
     assert run.workload["training"]["model_class"] == "Student"
     assert run.workload["model"]["name"] == "student"
-    # Only the student's own forward calls: the teacher's are not the trained model's.
-    assert run.workload["training"]["forward_calls"] == 19  # all but the first step's, before it was known
+    # Only the student's own forward calls: the teacher's (under no_grad) are not the trained model's.
+    training = run.workload["training"]
+    assert training["eval_forwards"] == 0
+    # All but the first step's (before the model was known), unless the steady state's windows began.
+    assert training["forward_calls"] == 19 or training["forwards_sampled"] and training["forward_calls"] < 19
 
 
 def test_of_two_optimizers_the_one_holding_most_of_the_model_counts_the_steps():
@@ -249,17 +257,21 @@ def test_of_two_optimizers_the_one_holding_most_of_the_model_counts_the_steps():
 def test_evaluation_between_steps_is_time_between_steps():
     model = Student()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    with gpuwidget.watch(quiet=True, interval=0.1) as run:
+    with gpuwidget.watch(quiet=True, interval=0.05) as run:
         for step in range(12):
             train_step(model, optimizer, torch.randn(8, 16), torch.randint(0, 4, (8,)))
             if step % 4 == 3:
                 with torch.no_grad():  # evaluation: forward calls of the trained model, not a step's
                     for _ in range(3):
                         model(torch.randn(8, 16))
-                        time.sleep(0.01)
+                        time.sleep(0.05)
     between = [span.duration for span in run.trace.spans(BETWEEN_STEPS_SPAN)]
-    assert len(between) == 11
-    assert sum(1 for duration in between if duration >= 0.03) == 2  # after steps 3 and 7; step 11 was the last
+    training = run.workload["training"]
+    # Every step's wait in the first steps; once the windows began, the waits a tick fell in, and an
+    # evaluation three ticks long always holds one.
+    assert len(between) == 11 or training["forwards_sampled"] and len(between) < 11
+    assert sum(1 for duration in between if duration >= 0.15) == 2  # after steps 3 and 7; step 11 was the last
+    assert training["eval_forwards"] == 6 or training["forwards_sampled"] and training["eval_forwards"] >= 2
 
 
 def test_autocast_share_counts_every_forward_call_not_the_first():
@@ -278,7 +290,7 @@ def test_autocast_share_counts_every_forward_call_not_the_first():
             optimizer.step()
     training = run.workload["training"]
     assert run.workload["model"]["autocast"]["enabled"] is False  # the first call's view
-    assert training["forward_calls"] == 20
+    assert training["forward_calls"] == 20 or training["forwards_sampled"] and training["forward_calls"] < 20
     assert training["autocast_share"] == 1.0 and training["autocast_dtype"] == "bfloat16"
 
 
@@ -456,3 +468,79 @@ def test_a_models_fingerprint_reads_a_few_parameters_and_a_nan_is_no_change():
     with torch.no_grad():
         model[1].bias.data.add_(1.0)  # an update of the fourth parameter
     assert _fingerprint(torch, model) != before
+
+
+def copy_and_save(model: nn.Module) -> bytes:
+    """What a loop does between steps with the model it trains: a best-model copy, a whole-model save."""
+    copied = copy.deepcopy(model)
+    copied(torch.randn(2, 16))  # the copy works, whatever it took of the hooks on the model
+    saved = io.BytesIO()
+    torch.save(model, saved)
+    return saved.getvalue()
+
+
+def test_the_steady_state_keeps_no_hook_on_the_model_between_its_windows():
+    """After the first steps, torch's fast path: a forward hook costs a module about 3 us a call."""
+    model = Student()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    hooked = steps = 0
+    with gpuwidget.watch(quiet=True, interval=0.05) as run:
+        deadline = time.perf_counter() + 1.5
+        while time.perf_counter() < deadline:
+            hooked += bool(model._forward_pre_hooks)
+            steps += 1
+            train_step(model, optimizer, torch.randn(8, 16), torch.randint(0, 4, (8,)))
+    training = run.workload["training"]
+    assert training["forwards_sampled"] is True and training["optimizer_steps"] == steps
+    # One window per tick at most (about 30 in 1.5 s), each open until the next training forward.
+    assert hooked <= 40 < steps / 10, (hooked, steps)
+    # Every forward of the first steps (until the FLOP count), then those the windows saw.
+    assert 1 + FLOPS_AT_STEP <= training["forward_calls"] < steps / 2, (training["forward_calls"], steps)
+    assert training["between_spans"] == len(run.trace.spans(BETWEEN_STEPS_SPAN))
+    assert model._forward_pre_hooks == {}
+    nothing_left()
+
+
+def test_a_model_copied_and_saved_in_a_watched_loop_takes_nothing_of_the_watch():
+    """copy.deepcopy(model) and torch.save(model) between steps: through the first steps' global hooks,
+    the windows opened at ticks, and a loop with two forwards a step (a hook on every forward)."""
+    for forwards in (1, 2):
+        model = Student()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        armed = 0
+        with gpuwidget.watch(quiet=True, interval=0.02) as run:
+            deadline = time.perf_counter() + 1.0
+            while time.perf_counter() < deadline:
+                for _ in range(forwards):
+                    nn.functional.cross_entropy(model(torch.randn(8, 16)), torch.randint(0, 4, (8,))).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                armed += bool(model._forward_pre_hooks)
+                saved = copy_and_save(model)
+                assert b"gpuwidget" not in saved  # it loads where gpuwidget is not installed
+        training = run.workload["training"]
+        assert training["forwards_sampled"] is (forwards == 1)
+        assert armed >= 1, "no copy was taken while a hook was on the model"
+        assert training["optimizer_steps"] >= 1 + FLOPS_AT_STEP
+        assert torch.load(io.BytesIO(saved), weights_only=False)(torch.randn(2, 16)).shape == (2, 4)
+    nothing_left()
+
+
+def test_a_loop_with_two_forwards_a_step_keeps_a_hook_on_every_forward():
+    """Two micro-batches a step: a window opened between them could not tell the second from the first."""
+    model = Student()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gpuwidget.watch(quiet=True, interval=0.05) as run:
+        deadline = time.perf_counter() + 0.8
+        steps = 0
+        while time.perf_counter() < deadline:
+            for _ in range(2):
+                nn.functional.cross_entropy(model(torch.randn(8, 16)), torch.randint(0, 4, (8,))).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            steps += 1
+    training = run.workload["training"]
+    assert training["forwards_sampled"] is False
+    assert training["forward_calls"] == 2 * (steps - 1)  # all but the first step's, before it was known
+    assert training["between_spans"] == steps - 1
+    assert model._forward_pre_hooks == {}

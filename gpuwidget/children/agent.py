@@ -233,6 +233,7 @@ class ChildAgent:
     def _sample_stack(self, due: float) -> None:
         set_tick_due(due)
         try:
+            self.probes.arm()  # never raises
             self.stack.tick()  # never raises
         finally:
             set_tick_due(None)

@@ -58,8 +58,20 @@ class Probes:
 
     def sample(self, _trace: Trace | None = None) -> None:
         """The watched thread's stack, first thing on a sampler tick (before the sources are read)."""
+        self.arm()
         if self._stack is not None:
             self._stack.sample()
+
+    def arm(self) -> None:
+        """Before a tick's stack sample: the step probe's window on the trained model's next training
+        forward (probes.torch_steps), which tells whether the sample fell between two steps."""
+        steps = self._steps
+        if steps is not None:
+            try:
+                steps.arm()
+            except Exception as exc:  # noqa: BLE001 - without a window the sample counts as the step's
+                if len(self.errors) < 8:
+                    self.errors.append(f"step probe window: {exc!r}")
 
     def poll(self, _trace: Trace | None = None) -> None:
         """Install the probes once torch is importable without importing it ourselves; once

@@ -13,25 +13,41 @@ A loop with no optimizer, which updates the parameters itself (PyTorch's word_la
 model's parameters changed between its first training calls (:meth:`StepProbe._adopt_updated`). Its
 steps then run from one training forward to the next (``step_source`` "forward").
 
-Once the model is known, a forward pre-hook on it (on the module called at top level: a
-LightningModule's ``training_step`` calls its ``encoder``) marks each step's first training forward
-(grad enabled: an evaluation under ``no_grad`` between steps is part of the wait between them).
-Two spans come of it (``probes.TRAIN_STEP_SPAN`` and ``probes.BETWEEN_STEPS_SPAN``):
+Once the model is known, its training forwards are seen (on the module called at top level: a
+LightningModule's ``training_step`` calls its ``encoder``; grad enabled: an evaluation under
+``no_grad`` between steps is part of the wait between them). Two spans come of it
+(``probes.TRAIN_STEP_SPAN`` and ``probes.BETWEEN_STEPS_SPAN``):
 
 * ``train.step``: from the end of one optimizer step (for the first: the model's first call) to
-  the end of the next;
+  the end of the next, for every step;
 * ``train.between``: from a step's end to the next training forward: where the loop fetched its
   next batch, logged, evaluated.
 
+How the forwards are seen changes once the first steps are read:
+
+* **First steps**: torch's global module hooks (kept to the trained model's modules by identity)
+  see every forward: the inputs' first dimension (``samples_per_step``), the batch a measurement
+  reuses, the FLOP-counted step. Global, so nothing of the probe is stored on the user's model.
+* **Steady state**: no hook on the model at all (any forward hook takes a module off
+  ``Module._call_impl``'s fast path, about 3 us a call on this machine), only the optimizer's
+  post hook, which appends one clock reading a step. At each sampler tick, before the stack sample
+  (:meth:`StepProbe.arm`), a one-shot pre-hook is put on the model; it records the next training
+  forward and removes itself. That is the ``train.between`` span the tick's stack sample falls in,
+  if it falls in one, which is all the stack attribution (probes.stack) reads. ``forward_calls``,
+  ``eval_forwards`` and ``autocast_share`` are then counted in those windows (``forwards_sampled``).
+* A loop that calls the model more than once a step with grad enabled (gradient accumulation)
+  keeps a hook on every forward: a window could not tell a step's first forward from its second.
+  So does a loop that updates its parameters itself (its steps *are* its forwards).
+
+A hook left on the user's model is a :class:`ModelHook`: ``copy.deepcopy(model)`` (an EMA, a
+best-model copy) and ``torch.save(model)`` take an inert stand-in that needs no gpuwidget.
+
 On the loop's path each hook reads the clock and appends the reading to a flat list (a step's end
-as it is, a training forward negated: nothing is kept per step but that float); once the first
-steps are read and counted, both hooks are closures over what they touch and the post hook takes a
-lean path of a few attribute updates. The
-micro-benchmarks are ``benchmarks/step_probe_cost.py`` and ``benchmarks/probe_cost.py``, their
-figures in BENCHMARKS.md. :meth:`StepProbe.flush` makes spans of a tick's events at once, with
-numpy, on the sampler thread. The forward hook also counts calls made under
-``torch.autocast`` (``autocast_share``), and the inputs' first dimension for a few steps
-(``samples_per_step``).
+as it is, a training forward negated: nothing is kept per step but that float); the post hook is a
+closure over what it touches. The micro-benchmarks are ``benchmarks/step_probe_cost.py`` and
+``benchmarks/probe_cost.py``, their figures in BENCHMARKS.md. :meth:`StepProbe.flush` makes spans of
+a tick's events at once, with numpy, on the sampler thread. The forward hooks also count calls made
+under ``torch.autocast`` (``autocast_share``).
 
 One step per watch, :data:`FLOPS_AT_STEP` or the first after the counter is loaded (on the sampler
 thread: :meth:`StepProbe.prepare`), is counted with ``torch.utils.flop_counter.FlopCounterMode``
@@ -46,6 +62,7 @@ that ended mid-step left it entered.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import weakref
 from collections import Counter, deque
@@ -101,6 +118,14 @@ class StepProbe:
         self.forward_calls = 0
         self._autocast: dict[Any, int] = {}
         self._waiting = False  # a step ended; the next training forward starts the next step
+        self._entry_ids: frozenset[int] = frozenset()  # id() of the modules whose forwards are the model's
+        self._step_forwards = 0  # training forwards seen in the step running (the first steps)
+        self._several = False  # a step had more than one training forward: a hook on every forward
+        self._windowed = False  # the steady state: forwards seen in one-shot windows opened at ticks
+        self._armed: ModelHook | None = None  # the window open now
+        self.eval_forwards = 0  # forwards seen with grad disabled (an evaluation between steps)
+        self.forwards_sampled = False  # windows were opened: the forwards after the first steps were not all seen
+        self.between_spans = 0
         self._sampling = True
         self._early = True  # the full forward hook (samples, FLOP counter) until those are done
         self._entries: list[Any] = []  # weak references to the trained model's top-level modules
@@ -150,6 +175,15 @@ class StepProbe:
         self._handles = [register_optimizer_step_post_hook(self._post_hook())]
         self.installed = True
 
+    def _unhook_forwards(self) -> None:
+        """Remove the forward hooks and close a window still open."""
+        for handle in self._forward_handles:
+            handle.remove()
+        self._forward_handles = []
+        armed, self._armed = self._armed, None
+        if armed is not None:
+            armed.remove()
+
     def _post_hook(self) -> Any:
         """torch's global optimizer post hook: the steady state inline, as a closure over what it touches
         (a method looked up ``self._events.append`` and the clock on every step); the rest in :meth:`_stepped`."""
@@ -173,20 +207,22 @@ class StepProbe:
 
     def uninstall(self) -> None:
         """Remove every hook, leave a FLOP counter still entered, and make spans of what is queued."""
-        for handle in self._handles + self._forward_handles:
+        self.installed = self._lean = self._windowed = False  # first: a tick's arm() now closes its own window
+        for handle in self._handles:
             handle.remove()
-        self._handles, self._forward_handles = [], []
-        self.installed = self._lean = False
+        self._handles = []
+        self._unhook_forwards()
         if self._counter is not None:
             self._stop_counting(completed=False)
         self.flush()
 
     def detach(self) -> None:
         """In a forked child: remove the hooks only (no lock, no counter: the parent's thread is not here)."""
-        for handle in self._handles + self._forward_handles + ([self._pre_handle] if self._pre_handle else []):
+        self.installed = self._lean = self._windowed = False
+        for handle in self._handles + ([self._pre_handle] if self._pre_handle else []):
             handle.remove()
-        self._handles, self._forward_handles, self._counter, self._pre_handle = [], [], None, None
-        self.installed = self._lean = False
+        self._unhook_forwards()
+        self._handles, self._counter, self._pre_handle = [], None, None
 
     def _stepped(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         """After every ``optimizer.step()`` but the steady state's (:meth:`_post_hook`): the end of a training step."""
@@ -205,6 +241,9 @@ class StepProbe:
             self._stop_counting(completed=True)
         self.steps += 1
         self._waiting = True
+        if self._step_forwards > 1:
+            self._several = True
+        self._step_forwards = 0
         if self._counted_pending:
             self._counted_pending = False
             self._counted_end = ended
@@ -218,29 +257,75 @@ class StepProbe:
             data.last.steps_fed += 1
             data.last = None
 
-    def _forward(self, module: Any, args: Any, kwargs: Any) -> None:
-        """Before each top-level forward of the trained model in the first steps: it also reads the
-        inputs' first dimension (keyword arguments too) and starts the FLOP counter."""
+    def _forward(self, module: Any, args: Any) -> None:
+        """Torch's global forward pre-hook in the first steps, kept to the trained model's modules: a
+        step's first training forward starts it (and the FLOP counter, on the counted step)."""
+        if id(module) not in self._entry_ids:
+            return
         self.forward_calls += 1
         device = self._device_type
         if self._autocast_enabled(device):
             dtype = self._autocast_dtype(device)
             self._autocast[dtype] = self._autocast.get(dtype, 0) + 1
         if not self._grad_enabled():
+            self.eval_forwards += 1
             return  # evaluation between steps: not the step's own forward
+        self._step_forwards += 1
         if self._waiting:
             self._waiting = False
             self._events.append(-now())
             if self.steps >= FLOPS_AT_STEP and self._counter_ready and not self._flops_settled:
                 self._start_counting()
-            if not self._capture_tried:
-                self._capture(module, args, kwargs)
         elif self._counter is not None:
             self._counted_forwards += 1
             if self._counted_forwards > MAX_COUNTED_FORWARDS:
                 self._stop_counting(completed=False)
+
+    def _forwarded(self, module: Any, args: Any, kwargs: Any, output: Any) -> None:
+        """Torch's global forward hook in the first steps (it alone is given keyword arguments: a Hugging
+        Face model is called with ``input_ids=``): the inputs' first dimension, and the batch a
+        measurement reuses (copied once)."""
+        if id(module) not in self._entry_ids or not self._grad_enabled():
+            return
         if self._sampling:
             self._step_samples += first_dim(args) or first_dim(kwargs)
+        if not self._capture_tried:
+            self._capture(module, args, kwargs)
+
+    def arm(self) -> None:
+        """On the sampler thread, at each tick, before its stack sample: in the steady state, a one-shot
+        hook on the trained model that records its next training forward, the end of the
+        ``train.between`` span the sample falls in if it falls in one (see the module docstring)."""
+        if not self._windowed:
+            return
+        armed = self._armed
+        if armed is not None and not armed.fired:
+            return  # the last tick's window is still open: a step longer than a tick
+        entries = [entry for entry in (ref() for ref in self._entries) if entry is not None]
+        hook = ModelHook(self._window)
+        self._armed = hook
+        for entry in entries:
+            hook.handles.append(entry.register_forward_pre_hook(hook))
+        if hook.fired or not self._windowed:  # it fired while being put on, or the watch ended meanwhile
+            hook.remove()
+
+    def _window(self, module: Any, args: Any) -> bool:
+        """A window's forward (on the loop's thread): True, and the window closes, at a training forward."""
+        self.forward_calls += 1
+        device = self._device_type
+        if self._autocast_enabled(device):
+            dtype = self._autocast_dtype(device)
+            self._autocast[dtype] = self._autocast.get(dtype, 0) + 1
+        if not self._grad_enabled():
+            self.eval_forwards += 1
+            return False
+        if not self._waiting:  # a second training forward since a step's end: a hook on every one from now
+            self._several = True
+            self._hook(early=False)  # closes this window
+            return True
+        self._waiting = False  # one training forward a step: this is the step's first
+        self._events.append(-now())
+        return True
 
     # ---------------------------------------------------------------- what a measurement reuses
 
@@ -276,9 +361,8 @@ class StepProbe:
         if self._optimizer is not None and best is None:
             return
         self._optimizer, self._overlap = optimizer, best_overlap
-        for handle in self._forward_handles:
-            handle.remove()
-        self._forward_handles = []
+        self._unhook_forwards()
+        self._windowed = False
         if best is None:  # steps without a model to match (it ran before the watch saw it): count them
             return
         key, model, entries, first_call = best
@@ -296,17 +380,24 @@ class StepProbe:
         self._entries = [weakref.ref(entry) for entry in entries]  # never keep the user's model alive
 
     def _hook(self, early: bool) -> None:
-        """Hook the trained model's top-level modules: the full hook for the first steps, then a lean
-        one (no keyword arguments: torch's hook dispatch costs about a microsecond more with them)."""
-        for handle in self._forward_handles:
-            handle.remove()
+        """See the trained model's forwards: every one through torch's global hooks in the first steps;
+        then in windows opened at ticks, or, where a step has several training forwards, through a lean
+        hook on every one (no keyword arguments: torch's hook dispatch costs about a microsecond more
+        with them)."""
+        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+        self._unhook_forwards()
         entries = [entry for entry in (ref() for ref in self._entries) if entry is not None]
+        self._entry_ids = frozenset(id(entry) for entry in entries)
+        self._windowed = False
         if early:
-            self._forward_handles = [entry.register_forward_pre_hook(self._forward, with_kwargs=True)
-                                     for entry in entries]
+            self._forward_handles = [register_module_forward_pre_hook(self._forward),
+                                     register_module_forward_hook(self._forwarded, with_kwargs=True)]
+        elif self._several:
+            hook = ModelHook(self._lean_forward())
+            self._forward_handles = [entry.register_forward_pre_hook(hook) for entry in entries]
         else:
-            lean = self._lean_forward()
-            self._forward_handles = [entry.register_forward_pre_hook(lean) for entry in entries]
+            self._windowed = self.forwards_sampled = True  # arm() opens the windows
         self._early = early
         self._lean = not early
 
@@ -324,7 +415,9 @@ class StepProbe:
             if autocast_enabled(device):
                 dtype = autocast_dtype(device)
                 under[dtype] = under.get(dtype, 0) + 1
-            if probe._waiting and grad_enabled():
+            if not grad_enabled():
+                probe.eval_forwards += 1
+            elif probe._waiting:
                 probe._waiting = False
                 push(-clock())
 
@@ -334,6 +427,7 @@ class StepProbe:
                 dtype = autocast_dtype(device)
                 under[dtype] = under.get(dtype, 0) + 1
             if not grad_enabled():
+                probe.eval_forwards += 1
                 return  # evaluation: part of the step it falls in
             push(clock())
             probe.steps += 1
@@ -367,10 +461,10 @@ class StepProbe:
         self._flops_missing = ("no optimizer steps the model (its loop updates the parameters itself), and a "
                                "step's FLOPs are counted up to its optimizer step")
         self._sampling = False
-        for handle in self._forward_handles:
-            handle.remove()
+        self._unhook_forwards()
+        self._windowed = False
         hook = self._lean_forward(by_forward=True)
-        self._forward_handles = [entry.register_forward_pre_hook(hook) for entry in entries]
+        self._forward_handles = [entry.register_forward_pre_hook(ModelHook(hook)) for entry in entries]
         self.steps = calls - 1
         hook(model, ())  # this forward: the hook registered now is first called at the next
 
@@ -485,6 +579,7 @@ class StepProbe:
             between_ends = np.concatenate(([at[0]], between_ends))
         if len(between_starts):
             self.between_total = sum((between_ends - between_starts).tolist(), self.between_total)
+            self.between_spans += len(between_starts)
         if len(ends):
             self._last_end = float(at[ends[-1]])
             self._between_start = None if forward[-1] else self._last_end
@@ -526,10 +621,13 @@ class StepProbe:
             "step_times": list(self.step_times),
             "step_ends": list(self.step_ends),
             "forward_calls": calls,
+            "eval_forwards": self.eval_forwards,
+            "forwards_sampled": self.forwards_sampled,
             "autocast_share": under / calls if calls else 0.0,
             "autocast_dtype": None if dtype is None else str(dtype).replace("torch.", ""),
             "samples_per_step": self.samples_per_step(),
             "between_s": self.between_total,
+            "between_spans": self.between_spans,
             "loop_s": (self._last_end - self._loop_start
                        if self._last_end is not None and self._loop_start is not None else 0.0),
             "spanned_steps": self.spanned,
@@ -550,6 +648,45 @@ class StepProbe:
                 else "the loop ended before the FLOP counter was loaded (torch's dispatch modes import "
                      "torch._dynamo first)")
         return facts
+
+
+class ModelHook:
+    """A forward pre-hook the step probe puts on the user's model (``call(module, args)``; True removes it).
+
+    Its copies are inert and need no gpuwidget to load: a closure over the probe (which holds locks)
+    would make ``copy.deepcopy(model)`` and ``torch.save(model)`` raise while a cell is watched, and a
+    bound method would drag the probe into the copy. The stand-in, ``partial(dict.get, {})``, returns
+    the arguments it is given, which torch takes as unchanged.
+    """
+
+    __slots__ = ("call", "handles", "fired")
+
+    def __init__(self, call: Any) -> None:
+        self.call = call
+        self.handles: list[Any] = []
+        self.fired = False
+
+    def __call__(self, module: Any, args: Any) -> None:
+        if self.fired:
+            return
+        try:
+            if self.call(module, args):
+                self.remove()
+        except Exception:  # noqa: BLE001, S110 - a probe never breaks the user's forward
+            pass
+
+    def remove(self) -> None:
+        """Take the hook off every module it is on (either thread may call this, more than once)."""
+        self.fired = True
+        for handle in list(self.handles):
+            with contextlib.suppress(KeyError):  # the other thread removed it between its check and delete
+                handle.remove()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return functools.partial, (dict.get, {})
+
+    def __deepcopy__(self, memo: Any) -> Any:
+        return functools.partial(dict.get, {})
 
 
 def _dtype_name(dtype: Any) -> str:

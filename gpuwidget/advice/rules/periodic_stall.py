@@ -69,9 +69,11 @@ IN_MODEL_SHARE = 0.5
 CHECKPOINT_MARKS = ("save", "checkpoint", "state_dict", "serializ")
 CHECKPOINT_FILES = ("serialization.py", "safetensors")
 EVALUATION_MARKS = ("generate", "eval", "valid", "predict", "inference", "sample")
-# Without stack samples: this many forward passes of the model beyond the training steps per
-# stall say the stall ran the model (an evaluation, or sampling with generate()).
-EXTRA_FORWARDS_PER_STALL = 1
+# Without stack samples: this many forward passes of the model with grad disabled per stall say the
+# stall ran the model (an evaluation, or sampling with generate()). Where the forwards after the first
+# steps were seen only in the windows opened at sampler ticks (training.forwards_sampled), one is enough:
+# a window sees an evaluation only when a tick fell in it.
+EVAL_FORWARDS_PER_STALL = 1
 
 CHECKPOINT_CODE = """\
 import threading
@@ -211,12 +213,11 @@ def stall_kind(workload: WorkloadFacts, stalls: int, steps: int) -> tuple[str | 
         kind = max(seconds, key=lambda k: seconds[k])
         return kind, {f"{k}_s": round(v, 3) for k, v in seconds.items()}
     training = cast(Mapping[str, Any], workload).get("training") or {}
-    forwards = training.get("forward_calls")
-    if forwards is not None and steps:
-        extra = int(forwards) - steps
-        if extra >= EXTRA_FORWARDS_PER_STALL * stalls:
-            return "evaluation", {"forwards_beyond_steps": extra}
-        return None, {"forwards_beyond_steps": max(0, extra)}
+    evaluated = training.get("eval_forwards")
+    if evaluated is not None and steps:
+        needed = 1 if training.get("forwards_sampled") else EVAL_FORWARDS_PER_STALL * stalls
+        measured: dict[str, float] = {"eval_forwards": int(evaluated)}
+        return ("evaluation" if evaluated >= needed else None), measured
     return None, {}
 
 
