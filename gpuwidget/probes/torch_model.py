@@ -28,6 +28,7 @@ from typing import Any, cast
 
 from gpuwidget.clock import now
 from gpuwidget.facts import AutocastState, CudaDeviceFacts, CudaFacts, DdpFacts, ModelFacts
+from gpuwidget.probes.hooks import ModelHook
 
 TOP_LEVEL_CALLS = 16
 # Top-level calls looked at in all, trainable or not (transforms run per sample).
@@ -248,7 +249,7 @@ class ParallelWatch:
         self._static: DdpFacts = {}
         if kind == "DistributedDataParallel":
             self._static = {"static_graph": bool(getattr(module, "static_graph", False))}
-            self._handle = module.register_forward_pre_hook(self._count)
+            self._handle = module.register_forward_pre_hook(ModelHook(self._count))
 
     @classmethod
     def of(cls, module: Any) -> ParallelWatch | None:

@@ -62,7 +62,6 @@ that ended mid-step left it entered.
 from __future__ import annotations
 
 import contextlib
-import functools
 import threading
 import weakref
 from collections import Counter, deque
@@ -74,6 +73,7 @@ from gpuwidget.clock import now
 from gpuwidget.facts import TrainingFacts
 from gpuwidget.probes import BETWEEN_STEPS_SPAN, TRAIN_STEP_SPAN
 from gpuwidget.probes.batch_capture import CapturedBatch, capture_batch
+from gpuwidget.probes.hooks import ModelHook
 from gpuwidget.probes.torch_data import STEP_HISTORY, add_span_arrays, first_dim
 from gpuwidget.trace import Trace
 
@@ -648,45 +648,6 @@ class StepProbe:
                 else "the loop ended before the FLOP counter was loaded (torch's dispatch modes import "
                      "torch._dynamo first)")
         return facts
-
-
-class ModelHook:
-    """A forward pre-hook the step probe puts on the user's model (``call(module, args)``; True removes it).
-
-    Its copies are inert and need no gpuwidget to load: a closure over the probe (which holds locks)
-    would make ``copy.deepcopy(model)`` and ``torch.save(model)`` raise while a cell is watched, and a
-    bound method would drag the probe into the copy. The stand-in, ``partial(dict.get, {})``, returns
-    the arguments it is given, which torch takes as unchanged.
-    """
-
-    __slots__ = ("call", "handles", "fired")
-
-    def __init__(self, call: Any) -> None:
-        self.call = call
-        self.handles: list[Any] = []
-        self.fired = False
-
-    def __call__(self, module: Any, args: Any) -> None:
-        if self.fired:
-            return
-        try:
-            if self.call(module, args):
-                self.remove()
-        except Exception:  # noqa: BLE001, S110 - a probe never breaks the user's forward
-            pass
-
-    def remove(self) -> None:
-        """Take the hook off every module it is on (either thread may call this, more than once)."""
-        self.fired = True
-        for handle in list(self.handles):
-            with contextlib.suppress(KeyError):  # the other thread removed it between its check and delete
-                handle.remove()
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return functools.partial, (dict.get, {})
-
-    def __deepcopy__(self, memo: Any) -> Any:
-        return functools.partial(dict.get, {})
 
 
 def _dtype_name(dtype: Any) -> str:
