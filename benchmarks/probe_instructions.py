@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -102,6 +103,9 @@ def main() -> None:
         return
     args = parse_args(__doc__.splitlines()[0], [("--code", {"action": "append", "metavar": "DIR",
                                                            "help": "also measure this checkout"})])
+    if shutil.which("valgrind") is None:
+        print("SKIP  probe_instructions: valgrind is not installed (apt-get install valgrind)")
+        return
     codes = [ROOT, *(Path(code).resolve() for code in args.code or ())]
     short, long = (TICK_STEPS, 3 * TICK_STEPS) if not args.quick else (TICK_STEPS // 4, TICK_STEPS // 2)
     jobs = [(code, arm, steps) for code in codes for arm in (ARMS if code == ROOT else ARMS[1:])
