@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import gpuwidget
 from gpuwidget.figures.summary import primary_loader
 from gpuwidget.probes import BETWEEN_STEPS_SPAN, TRAIN_STEP_SPAN
-from gpuwidget.probes.torch_steps import FLOPS_AT_STEP
+from gpuwidget.probes.torch_steps import FLOPS_AT_STEP, DtypeFlopCounter
 from gpuwidget.report import main_cause
 
 torch.manual_seed(0)
@@ -479,21 +479,30 @@ def copy_and_save(model: nn.Module) -> bytes:
     return saved.getvalue()
 
 
-def test_the_steady_state_keeps_no_hook_on_the_model_between_its_windows():
+@pytest.fixture
+def flop_counter_loaded() -> None:
+    """What the sampler thread loads before the steady state (StepProbe.prepare), loaded here first: in a
+    fresh process on a busy machine its import alone holds the GIL for seconds."""
+    with DtypeFlopCounter():
+        torch.ones(2, 2) @ torch.ones(2, 2)
+
+
+def test_the_steady_state_keeps_no_hook_on_the_model_between_its_windows(flop_counter_loaded: None):
     """After the first steps, torch's fast path: a forward hook costs a module about 3 us a call."""
     model = Student()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     hooked = steps = 0
-    with gpuwidget.watch(quiet=True, interval=0.05) as run:
-        deadline = time.perf_counter() + 1.5
-        while time.perf_counter() < deadline:
+    with gpuwidget.watch(quiet=True, interval=0.1) as run:
+        started = time.perf_counter()
+        while time.perf_counter() - started < 1.5 or steps < 300:
+            assert time.perf_counter() - started < 60, f"{steps} steps in 60 s"
             hooked += bool(model._forward_pre_hooks)
             steps += 1
             train_step(model, optimizer, torch.randn(8, 16), torch.randint(0, 4, (8,)))
     training = run.workload["training"]
     assert training["forwards_sampled"] is True and training["optimizer_steps"] == steps
-    # One window per tick at most (about 30 in 1.5 s), each open until the next training forward.
-    assert hooked <= 40 < steps / 10, (hooked, steps)
+    # At most one window per tick, each open until the next training forward: few steps start hooked.
+    assert hooked <= run.sampler["ticks"] + 1 and hooked < steps / 4, (hooked, run.sampler["ticks"], steps)
     # Every forward of the first steps (until the FLOP count), then those the windows saw.
     assert 1 + FLOPS_AT_STEP <= training["forward_calls"] < steps / 2, (training["forward_calls"], steps)
     assert training["between_spans"] == len(run.trace.spans(BETWEEN_STEPS_SPAN))
@@ -501,7 +510,7 @@ def test_the_steady_state_keeps_no_hook_on_the_model_between_its_windows():
     nothing_left()
 
 
-def test_a_model_copied_and_saved_in_a_watched_loop_takes_nothing_of_the_watch():
+def test_a_model_copied_and_saved_in_a_watched_loop_takes_nothing_of_the_watch(flop_counter_loaded: None):
     """copy.deepcopy(model) and torch.save(model) between steps: through the first steps' global hooks,
     the windows opened at ticks, and a loop with two forwards a step (a hook on every forward)."""
     for forwards in (1, 2):
@@ -509,8 +518,9 @@ def test_a_model_copied_and_saved_in_a_watched_loop_takes_nothing_of_the_watch()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         armed = 0
         with gpuwidget.watch(quiet=True, interval=0.02) as run:
-            deadline = time.perf_counter() + 1.0
-            while time.perf_counter() < deadline:
+            started = time.perf_counter()
+            while time.perf_counter() - started < 1.0 or armed < 3:  # past the first steps, into windows
+                assert time.perf_counter() - started < 60, "never a copy while a hook was on the model"
                 for _ in range(forwards):
                     nn.functional.cross_entropy(model(torch.randn(8, 16)), torch.randint(0, 4, (8,))).backward()
                 optimizer.step()
@@ -520,13 +530,12 @@ def test_a_model_copied_and_saved_in_a_watched_loop_takes_nothing_of_the_watch()
                 assert b"gpuwidget" not in saved  # it loads where gpuwidget is not installed
         training = run.workload["training"]
         assert training["forwards_sampled"] is (forwards == 1)
-        assert armed >= 1, "no copy was taken while a hook was on the model"
         assert training["optimizer_steps"] >= 1 + FLOPS_AT_STEP
         assert torch.load(io.BytesIO(saved), weights_only=False)(torch.randn(2, 16)).shape == (2, 4)
     nothing_left()
 
 
-def test_a_loop_with_two_forwards_a_step_keeps_a_hook_on_every_forward():
+def test_a_loop_with_two_forwards_a_step_keeps_a_hook_on_every_forward(flop_counter_loaded: None):
     """Two micro-batches a step: a window opened between them could not tell the second from the first."""
     model = Student()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
