@@ -262,13 +262,7 @@ class StepProbe:
         step's first training forward starts it (and the FLOP counter, on the counted step)."""
         if id(module) not in self._entry_ids:
             return
-        self.forward_calls += 1
-        device = self._device_type
-        if self._autocast_enabled(device):
-            dtype = self._autocast_dtype(device)
-            self._autocast[dtype] = self._autocast.get(dtype, 0) + 1
-        if not self._grad_enabled():
-            self.eval_forwards += 1
+        if not self._count_forward():
             return  # evaluation between steps: not the step's own forward
         self._step_forwards += 1
         if self._waiting:
@@ -280,6 +274,23 @@ class StepProbe:
             self._counted_forwards += 1
             if self._counted_forwards > MAX_COUNTED_FORWARDS:
                 self._stop_counting(completed=False)
+
+    def _count_forward(self) -> bool:
+        """Count a forward of the trained model the hooks see (under autocast, with grad disabled): True
+        where it trains (grad enabled)."""
+        self.forward_calls += 1
+        device = self._device_type
+        if self._autocast_enabled(device):
+            dtype = self._autocast_dtype(device)
+            self._autocast[dtype] = self._autocast.get(dtype, 0) + 1
+        if not self._grad_enabled():
+            self.eval_forwards += 1
+            return False
+        return True
+
+    def _live_entries(self) -> list[Any]:
+        """The trained model's top-level modules still alive (held weakly)."""
+        return [entry for entry in (ref() for ref in self._entries) if entry is not None]
 
     def _forwarded(self, module: Any, args: Any, kwargs: Any, output: Any) -> None:
         """Torch's global forward hook in the first steps (it alone is given keyword arguments: a Hugging
@@ -301,7 +312,7 @@ class StepProbe:
         armed = self._armed
         if armed is not None and not armed.fired:
             return  # the last tick's window is still open: a step longer than a tick
-        entries = [entry for entry in (ref() for ref in self._entries) if entry is not None]
+        entries = self._live_entries()
         hook = ModelHook(self._window)
         self._armed = hook
         for entry in entries:
@@ -311,13 +322,7 @@ class StepProbe:
 
     def _window(self, module: Any, args: Any) -> bool:
         """A window's forward (on the loop's thread): True, and the window closes, at a training forward."""
-        self.forward_calls += 1
-        device = self._device_type
-        if self._autocast_enabled(device):
-            dtype = self._autocast_dtype(device)
-            self._autocast[dtype] = self._autocast.get(dtype, 0) + 1
-        if not self._grad_enabled():
-            self.eval_forwards += 1
+        if not self._count_forward():
             return False
         if not self._waiting:  # a second training forward since a step's end: a hook on every one from now
             self._several = True
@@ -387,7 +392,7 @@ class StepProbe:
         from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
         self._unhook_forwards()
-        entries = [entry for entry in (ref() for ref in self._entries) if entry is not None]
+        entries = self._live_entries()
         self._entry_ids = frozenset(id(entry) for entry in entries)
         self._windowed = False
         if early:
