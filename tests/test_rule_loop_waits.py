@@ -103,7 +103,9 @@ def test_a_nanogpt_loop_waiting_in_get_batch_gets_it_named_with_its_cell_line_an
     wait = run.workload["loop_waits"][0]
     assert (wait["function"], wait["cell"], wait["line"], wait["name"]) == ("get_batch", defined_in, SLEEP_LINE,
                                                                            "get_batch")
-    assert found.evidence["share"] == pytest.approx(injected, abs=0.12)
+    # Within 0.04 of it in 6 runs beside a CPU-bound neighbour; windows opened only at ticks read late
+    # ones after the forward that ended their span: 0.05 low on average, 0.14 at worst (CI, b5d0057).
+    assert found.evidence["share"] == pytest.approx(injected, abs=0.08)
     assert f"get_batch() (cell In [{defined_in}], line {SLEEP_LINE})" in found.title
     assert found.change == {"prefetch": "get_batch"}
     share = found.evidence["share"]

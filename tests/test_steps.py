@@ -503,8 +503,9 @@ def test_the_steady_state_keeps_no_hook_on_the_model_between_its_windows(flop_co
             train_step(model, optimizer, torch.randn(8, 16), torch.randint(0, 4, (8,)))
     training = run.workload["training"]
     assert training["forwards_sampled"] is True and training["optimizer_steps"] == steps
-    # At most one window per tick, each open until the next training forward: few steps start hooked.
-    assert hooked <= run.sampler["ticks"] + 1 and hooked < steps / 4, (hooked, run.sampler["ticks"], steps)
+    # Windows open only in the last few steps before each tick (about 3 ms of its 250 ms here) and at
+    # the tick, each until the next training forward: few steps start hooked (55 of 2416 on a busy machine).
+    assert hooked < steps / 10, (hooked, run.sampler["ticks"], steps)
     # Every forward of the first steps (until the FLOP count), then those the windows saw.
     assert 1 + FLOPS_AT_STEP <= training["forward_calls"] < steps / 2, (training["forward_calls"], steps)
     assert training["between_spans"] == len(run.trace.spans(BETWEEN_STEPS_SPAN))

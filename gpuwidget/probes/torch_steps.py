@@ -28,12 +28,15 @@ How the forwards are seen changes once the first steps are read:
 * **First steps**: torch's global module hooks (kept to the trained model's modules by identity)
   see every forward: the inputs' first dimension (``samples_per_step``), the batch a measurement
   reuses, the FLOP-counted step. Global, so nothing of the probe is stored on the user's model.
-* **Steady state**: no hook on the model at all (any forward hook takes a module off
+* **Steady state**: no hook on the model most of the time (any forward hook takes a module off
   ``Module._call_impl``'s fast path, about 3 us a call on this machine), only the optimizer's
-  post hook, which appends one clock reading a step. At each sampler tick, before the stack sample
-  (:meth:`StepProbe.arm`), a one-shot pre-hook is put on the model; it records the next training
-  forward and removes itself. That is the ``train.between`` span the tick's stack sample falls in,
-  if it falls in one, which is all the stack attribution (probes.stack) reads. ``forward_calls``,
+  post hook, which appends one clock reading a step. Around each sampler tick a one-shot pre-hook
+  (a *window*) is put on the model; it records the next training forward and removes itself.
+  Windows open at the ends of the last steps before the tick is due (:data:`LEAD_STEPS` of the
+  longest recent steps ahead) and at the tick, before its stack sample, if none is open
+  (:meth:`StepProbe.arm`). So the ``train.between`` span the tick's stack sample was due in is
+  known, if it was due in one, even when the sample is read late, after that span: all the stack
+  attribution (probes.stack) reads. ``forward_calls``,
   ``eval_forwards`` and ``autocast_share`` are then counted in those windows (``forwards_sampled``).
 * A loop that calls the model more than once a step with grad enabled (gradient accumulation)
   keeps a hook on every forward: a window could not tell a step's first forward from its second.
@@ -62,6 +65,8 @@ that ended mid-step left it entered.
 from __future__ import annotations
 
 import contextlib
+import itertools
+import math
 import threading
 import weakref
 from collections import Counter, deque
@@ -75,6 +80,7 @@ from gpuwidget.probes import BETWEEN_STEPS_SPAN, TRAIN_STEP_SPAN
 from gpuwidget.probes.batch_capture import CapturedBatch, capture_batch
 from gpuwidget.probes.hooks import ModelHook
 from gpuwidget.probes.torch_data import STEP_HISTORY, add_span_arrays, first_dim
+from gpuwidget.sampler import tick_due
 from gpuwidget.trace import Trace
 
 # The step FLOPs are counted on (0-based): after the first steps, which pay for CUDA and cuDNN
@@ -88,6 +94,11 @@ SAMPLE_STEPS = 3
 # Forward calls inside the counted step after which the count is given up (a step that raised
 # and a loop that went on without stepping the optimizer would otherwise count on and on).
 MAX_COUNTED_FORWARDS = 256
+# In the steady state, windows open at every step's end from this many of the longest recent steps
+# before the next tick is due (:meth:`StepProbe.arm`), and the recent steps are the last
+# LEAD_RECENT_STEPS timed.
+LEAD_STEPS = 2
+LEAD_RECENT_STEPS = 8
 
 # torch dtype -> the name FLOP peaks are listed under (gpuwidget.peaks).
 _DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64",
@@ -123,6 +134,9 @@ class StepProbe:
         self._several = False  # a step had more than one training forward: a hook on every forward
         self._windowed = False  # the steady state: forwards seen in one-shot windows opened at ticks
         self._armed: ModelHook | None = None  # the window open now
+        self._window_lock = threading.Lock()  # windows are opened on the loop's thread and the sampler's
+        self._window_from = math.inf  # the post hook opens a window at a step's end from this clock reading on
+        self._last_due: float | None = None  # when the last tick that armed was due
         self.eval_forwards = 0  # forwards seen with grad disabled (an evaluation between steps)
         self.forwards_sampled = False  # windows were opened: the forwards after the first steps were not all seen
         self.between_spans = 0
@@ -191,9 +205,12 @@ class StepProbe:
 
         def stepped(optimizer: Any, args: Any, kwargs: Any) -> None:
             if probe._lean and optimizer is probe._optimizer:  # the steady state: a few updates, no branch more
-                push(clock())
+                ended = clock()
+                push(ended)
                 probe.steps += 1
                 probe._waiting = True
+                if ended >= probe._window_from:  # a tick is due within the next steps
+                    probe._open_window()
                 data = probe.data
                 if data is not None:
                     last = data.last
@@ -304,19 +321,37 @@ class StepProbe:
             self._capture(module, args, kwargs)
 
     def arm(self) -> None:
-        """On the sampler thread, at each tick, before its stack sample: in the steady state, a one-shot
-        hook on the trained model that records its next training forward, the end of the
-        ``train.between`` span the sample falls in if it falls in one (see the module docstring)."""
+        """On the sampler thread, at each tick, before its stack sample: in the steady state, plan the
+        windows before the next tick and open one now if none is open (see the module docstring)."""
         if not self._windowed:
             return
-        armed = self._armed
-        if armed is not None and not armed.fired:
-            return  # the last tick's window is still open: a step longer than a tick
-        entries = self._live_entries()
-        hook = ModelHook(self._window)
-        self._armed = hook
-        for entry in entries:
-            hook.handles.append(entry.register_forward_pre_hook(hook))
+        due = tick_due()
+        if due is not None:
+            last, self._last_due = self._last_due, due
+            if last is not None and due > last:
+                recent = max(itertools.islice(reversed(self.step_times), LEAD_RECENT_STEPS), default=0.0)
+                self._window_from = due + (due - last) - LEAD_STEPS * recent
+        self._open_window()
+
+    def _open_window(self) -> None:
+        """A one-shot hook on the trained model that records its next training forward, unless one is
+        open: at a tick (the sampler's thread) and at the steps' ends just before one (the loop's).
+
+        A window opened at a step's end records the forward that ends the ``train.between`` span
+        after it. A tick's sample is read late when the loop holds the GIL, sometimes after that
+        forward: a window opened only then would see the next step's, and the sample, due between
+        the steps, would count as the step's. The windows opened at the steps' ends before a tick
+        (the longest recent steps, twice: ``LEAD_STEPS``) make the span around its due time known."""
+        if not self._windowed:
+            return
+        with self._window_lock:  # one window at a time: two on one forward would take it for a second
+            armed = self._armed
+            if armed is not None and not armed.fired:
+                return  # open already: a step longer than a tick, or opened at the step's end
+            hook = ModelHook(self._window)
+            self._armed = hook
+            for entry in self._live_entries():
+                hook.handles.append(entry.register_forward_pre_hook(hook))
         if hook.fired or not self._windowed:  # it fired while being put on, or the watch ended meanwhile
             hook.remove()
 
@@ -367,7 +402,7 @@ class StepProbe:
             return
         self._optimizer, self._overlap = optimizer, best_overlap
         self._unhook_forwards()
-        self._windowed = False
+        self._windowed, self._window_from = False, math.inf
         if best is None:  # steps without a model to match (it ran before the watch saw it): count them
             return
         key, model, entries, first_call = best
@@ -394,7 +429,7 @@ class StepProbe:
         self._unhook_forwards()
         entries = self._live_entries()
         self._entry_ids = frozenset(id(entry) for entry in entries)
-        self._windowed = False
+        self._windowed, self._window_from = False, math.inf
         if early:
             self._forward_handles = [register_module_forward_pre_hook(self._forward),
                                      register_module_forward_hook(self._forwarded, with_kwargs=True)]
@@ -467,7 +502,7 @@ class StepProbe:
                                "step's FLOPs are counted up to its optimizer step")
         self._sampling = False
         self._unhook_forwards()
-        self._windowed = False
+        self._windowed, self._window_from = False, math.inf
         hook = self._lean_forward(by_forward=True)
         self._forward_handles = [entry.register_forward_pre_hook(ModelHook(hook)) for entry in entries]
         self.steps = calls - 1
