@@ -61,6 +61,9 @@ _real_stderr: int | None = None  # pytest's capture replaces fd 2 during a test;
 def pytest_configure(config: pytest.Config) -> None:
     global _real_stderr
     _real_stderr = os.dup(2)  # capture is suspended while plugins configure: this is the terminal or CI log
+    # Every Python the tests start (scripts, kernels, workers) prints its threads' stacks if it crashes:
+    # a child that died of SIGSEGV in CI said nothing else (returncode -11, stderr empty).
+    os.environ.setdefault("PYTHONFAULTHANDLER", "1")
     # A suite started in the background by a non-interactive shell (`make test &`, nohup, some CI
     # runners) inherits SIGINT ignored, and Python then leaves it ignored: Ctrl-C would reach no test.
     # The tests of Ctrl-C need it as a terminal gives it (Python's own handler, KeyboardInterrupt).

@@ -431,41 +431,43 @@ def _frame_in(function: object) -> object:
 
 
 @pytest.mark.skipif(not stack_module.FRAMES_NEED_COLLECTOR_OFF,
-                    reason="this Python starts no garbage collection inside sys._current_frames()")
-def test_reading_a_threads_frame_starts_no_garbage_collection_where_python_deadlocks_on_one():
-    """CPython 3.11 before 3.11.9 deadlocks when a collection starts inside ``sys._current_frames()``
-    and a finalizer lets go of the GIL to a thread that is starting (CPython gh-106883; a sampler hung
-    so in CI). The sampler's read starts none, where the bare call, read the same way, does."""
+                    reason="this Python starts no garbage collection inside a call that reads frames")
+def test_reading_a_threads_frames_starts_no_garbage_collection_where_python_starts_one():
+    """CPython 3.11 collects inside allocations, and reading another thread's frames allocates their
+    frame objects. A collection inside ``sys._current_frames()`` deadlocks before 3.11.9 (CPython
+    gh-106883; a sampler hung so in CI); one inside ``f_back`` whose finalizer lets go of the GIL leaves
+    a frame object on freed memory (a fresh process died of SIGSEGV in the sampler so, in CI). The
+    sampler's read starts none, where the bare read, made the same way, does."""
     started_in: list[str] = []
 
     def note_where_a_collection_starts(phase: str, info: dict[str, int]) -> None:
         if phase == "start":
             started_in.append(sys._getframe(1).f_code.co_name)  # the frame the collection interrupted
 
-    def bare_read(thread_id: int) -> Any:
-        return sys._current_frames().get(thread_id)
+    def bare_read(thread_id: int) -> list[Any]:
+        frames, frame = [], sys._current_frames().get(thread_id)
+        while frame is not None:
+            frames.append(frame)
+            frame = frame.f_back
+        return frames
 
     thresholds = gc.get_threshold()
     gc.callbacks.append(note_where_a_collection_starts)
     try:
-        for read in (bare_read, stack_module.thread_frame):
+        for read in (bare_read, stack_module.thread_stack):
             for _ in range(20):
                 # Two threads whose frames have no frame object yet: the read makes them, allocating.
                 with parked_thread() as thread, parked_thread():
                     gc.set_threshold(1)  # a collection at every other allocation
                     try:
-                        frame = read(thread.ident)
+                        frames = read(thread.ident)
                     finally:
                         gc.set_threshold(*thresholds)
-                    codes = []
-                    while frame is not None:
-                        codes.append(frame.f_code)
-                        frame = frame.f_back
-                    assert parked_here.__code__ in codes  # the parked thread's own stack
+                    assert parked_here.__code__ in [frame.f_code for frame in frames]  # the parked thread's
     finally:
         gc.callbacks.remove(note_where_a_collection_starts)
     assert started_in.count("bare_read") > 0, "the hazard did not show: the test proves nothing here"
-    assert started_in.count("thread_frame") == 0
+    assert started_in.count("thread_stack") == 0
 
 
 def test_the_watched_thread_itself_never_samples():

@@ -92,14 +92,18 @@ NOT_TORCH_WORK = ("torch.utils.data",)
 Location = tuple[CodeType, int, CodeType, int]
 _ELSEWHERE: Any = None  # the bucket for locations beyond MAX_LOCATIONS
 
-# CPython 3.11 before 3.11.9 can deadlock in sys._current_frames() (CPython gh-106883): it holds the
-# runtime's list of threads locked while it makes frame objects, a garbage collection can start
-# there (3.11 collects inside an allocation) and run finalizers, and a finalizer that lets go of
-# the GIL lets a thread that is starting or ending take the GIL and then wait for that lock, forever.
-# A sampler thread hung so beside a `Thread.start()` in the test suite. CPython's fix turns the
-# collector off for the call; the sampler does the same where the fix is missing (3.12 collects
-# only between bytecodes, never inside the call).
-FRAMES_NEED_COLLECTOR_OFF = (3, 11) <= sys.version_info[:3] < (3, 11, 9)
+# CPython 3.11 can start a garbage collection inside any allocation, and reading another thread's
+# frames allocates: the frame objects sys._current_frames() and each f_back make. A collection runs
+# finalizers, and one that lets go of the GIL lets the other threads run in the middle of the read:
+# * inside sys._current_frames(), before 3.11.9, a thread that is starting or ending then waits
+#   forever for the list of threads the call holds locked (CPython gh-106883; a sampler hung so
+#   beside a `Thread.start()` in the test suite);
+# * inside f_back, the watched thread can return from the frame whose frame object is being made,
+#   which is left pointing at freed memory, and reading it kills the process with SIGSEGV (a fresh
+#   process's first watched cells, in CI; the profilers of sentry-python and dd-trace-py crash alike).
+# The sampler turns the collector off while it reads the frames. 3.12 collects only between
+# bytecodes, never inside a call.
+FRAMES_NEED_COLLECTOR_OFF = (3, 11) <= sys.version_info[:2] < (3, 12)
 
 
 def _library_prefixes() -> tuple[str, ...]:
@@ -122,18 +126,24 @@ def _library_prefixes() -> tuple[str, ...]:
 _LIBRARY_PREFIXES = _library_prefixes()
 
 
-def thread_frame(thread_id: int) -> FrameType | None:
-    """The current frame of the thread with this ``threading.get_ident()``, None when it has none;
-    without the deadlock of :data:`FRAMES_NEED_COLLECTOR_OFF`."""
-    if not FRAMES_NEED_COLLECTOR_OFF or not gc.isenabled():
-        return sys._current_frames().get(thread_id)
-    # Left off where it was off. Another thread turning it off within this call is undone (CPython's
-    # own fix has the same window, between its check and its call).
-    gc.disable()
+def thread_stack(thread_id: int, limit: int = MAX_DEPTH) -> list[FrameType]:
+    """The frames of the thread with this ``threading.get_ident()``, innermost first (none when it has
+    none), at most ``limit``; read without the hazards of :data:`FRAMES_NEED_COLLECTOR_OFF`."""
+    collector_off = FRAMES_NEED_COLLECTOR_OFF and gc.isenabled()
+    # Left off where it was off. Another thread turning it off within this read is undone (CPython's
+    # own fix of the deadlock has the same window, between its check and its call).
+    if collector_off:
+        gc.disable()
     try:
-        return sys._current_frames().get(thread_id)
+        frames: list[FrameType] = []
+        frame = sys._current_frames().get(thread_id)
+        while frame is not None and len(frames) < limit:
+            frames.append(frame)
+            frame = frame.f_back
+        return frames
     finally:
-        gc.enable()
+        if collector_off:
+            gc.enable()
 
 
 def is_user_frame(frame: FrameType) -> bool:
@@ -386,15 +396,13 @@ class StackSampler:
             basis.take(new)
 
     def _sample(self, t: float, read: float | None = None) -> None:
-        frame = thread_frame(self.thread_id)
         inner: FrameType | None = None
         outer: FrameType | None = None
         cache = self._user
-        depth = 0
         working = below_torch = framework = False
         caller: CodeType | None = None
         outside: list[CodeType] = []  # the user's functions walked since the caller
-        while frame is not None and depth < MAX_DEPTH:
+        for frame in thread_stack(self.thread_id):
             code = frame.f_code
             known = cache.get(id(code))
             if known is None or known[0] is not code:
@@ -412,8 +420,6 @@ class StackSampler:
                 working = below_torch = True
             elif known[3] and inner is None:  # a framework's code runs above the user's innermost frame
                 framework = True
-            frame = frame.f_back
-            depth += 1
         if caller is not None and outside:
             known_outside = self._callers_outside.setdefault(caller, set())
             if len(known_outside) < MAX_LOCATIONS:
