@@ -8,6 +8,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from typing import Any
 
 import psutil
 import pytest
@@ -197,6 +198,29 @@ def test_an_interrupt_while_a_trials_workers_start_leaves_none_running(monkeypat
     monkeypatch.undo()
     again = tune_loader(DataLoader(Slow(), batch_size=8, num_workers=1), budget_s=5, suggestion={"num_workers": 1})
     assert again.trials
+
+
+def test_an_interrupt_inside_a_workers_start_leaves_that_worker_not_running(monkeypatch: pytest.MonkeyPatch):
+    # Ctrl-C as the second worker's Process.start() returns (forked, not yet in the iterator's list, which
+    # torch shuts down): on a busy host start() takes long enough for a Ctrl-C to land there (fresh-check).
+    import multiprocessing.process
+
+    original_start = multiprocessing.process.BaseProcess.start
+    started: list[Any] = []
+
+    def start_then_interrupt(process: Any) -> None:
+        original_start(process)
+        started.append(process)
+        if len(started) == 2:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", start_then_interrupt)
+    before = children()
+    with pytest.raises(KeyboardInterrupt):
+        tune_loader(DataLoader(Slow(), batch_size=8, num_workers=2), budget_s=30)
+    monkeypatch.undo()
+    assert len(started) == 2 and not started[1].is_alive()
+    assert not new_children_left(before, timeout=MP_STATUS_CHECK_INTERVAL)
 
 
 # %%gpuwatch --tune on the cell's own loader: tests/test_measure_plan.py (the loader and every finding).

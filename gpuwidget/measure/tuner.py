@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import html
 import math
+import multiprocessing
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -308,8 +309,11 @@ def _iterating(loader: Any) -> Iterator[Any]:
     A Ctrl-C can land inside ``iter()`` after the workers started. torch then leaves the half-built
     iterator's workers to its ``__del__``, which never runs while the traceback holds the iterator
     (IPython keeps the last one in ``sys.last_traceback``): they would stay until the kernel exits.
-    (One inside the shutdown is torch's own: its ``finally`` ends the workers still alive.)
+    (One inside the shutdown is torch's own: its ``finally`` ends the workers still alive.) A Ctrl-C
+    inside a worker's ``Process.start()`` (a fork and a pipe: slow on a busy host) leaves that worker
+    out of the iterator's list, waiting for work until the kernel exits: it is ended too.
     """
+    running = set(multiprocessing.active_children())
     try:
         iterator = iter(loader)
     except BaseException as error:
@@ -320,6 +324,7 @@ def _iterating(loader: Any) -> Iterator[Any]:
             if isinstance(half_built, _MultiProcessingDataLoaderIter):
                 with contextlib.suppress(Exception):  # the interrupt is what the caller gets
                     _shut_down_half_built(half_built)
+        _end_started_since(running)
         raise
     try:
         yield iterator
@@ -328,6 +333,15 @@ def _iterating(loader: Any) -> Iterator[Any]:
         if shutdown is not None:
             shutdown()
         del iterator
+
+
+def _end_started_since(running: set[Any]) -> None:
+    """End the processes started since ``running`` and not yet shut down: workers an interrupted
+    ``iter()`` started but had not listed (never in torch's SIGCHLD watch, which starts after them)."""
+    with contextlib.suppress(Exception):
+        for process in set(multiprocessing.active_children()) - running:
+            process.terminate()
+            process.join(timeout=5)
 
 
 def _shut_down_half_built(iterator: Any) -> None:
