@@ -251,7 +251,8 @@ class StackFacts(TypedDict, total=False):
     loop_s: float  # seconds in the loop's steps
     tick_us: float  # mean CPU time of one sample and its attribution, microseconds (sampler thread)
     late_ms: float  # mean delay from a tick's due time to its sample (waiting for the GIL), milliseconds
-    dropped: int  # ticks not sampled: read too long after they were due (probes.stack.LATE_SWITCHES)
+    dropped: int  # ticks read too long after they were due (probes.stack.LATE_SWITCHES): counted in the
+    # span they were due in, never located
     unplaced: int  # waits (in loop_samples) read after their wait had ended: shared out among the placed ones
 
 

@@ -45,6 +45,7 @@ import builtins
 import copy
 import gc
 import linecache
+import math
 import operator
 import os
 import site
@@ -306,7 +307,7 @@ class StackSampler:
         self.recent: deque[tuple[float, Location | None]] = deque(maxlen=RECENT_SAMPLES)
         self.samples = 0
         self.late_s = 0.0  # summed over the samples: how long after its tick was due each one was read
-        self.dropped = 0  # ticks read later than late_max_s after they were due, not sampled
+        self.dropped = 0  # ticks read later than late_max_s after they were due: counted, but not located
         # The GIL comes at most one switch interval late (CPython then makes the holder drop it), and
         # once more if another thread got it first; later than that, the OS kept the sampler off a core.
         self.late_max_s = LATE_SWITCHES * sys.getswitchinterval()
@@ -374,9 +375,15 @@ class StackSampler:
         if due is None or due > reading:
             due = reading
         elif reading - due > self.late_max_s:
-            # Read long after it was due (the sampler thread waited for a core, not for the GIL):
-            # where the thread is now says nothing about where it was then.
+            # Read long after it was due (the sampler thread waited for a core, or the loop held the
+            # GIL off one): where the thread is now says nothing about where it was then. The span it
+            # was due in still counts it: left out, the ticks due while the loop held the GIL (its
+            # step, mostly) would be the ones missing, and the waits would read larger than they are.
             self.dropped += 1
+            t = due - self.trace.start_clock
+            self.recent.append((t, None))
+            for basis in (self.optimizer, self.loader):
+                basis.add(t, None, read=math.inf)  # never read inside a wait: an unplaced one if due in one
             return
         self.late_s += reading - due
         self._sample(due - self.trace.start_clock, reading - self.trace.start_clock)
