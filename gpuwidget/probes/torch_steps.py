@@ -132,7 +132,7 @@ class StepProbe:
         self._entry_ids: frozenset[int] = frozenset()  # id() of the modules whose forwards are the model's
         self._step_forwards = 0  # training forwards seen in the step running (the first steps)
         self._several = False  # a step had more than one training forward: a hook on every forward
-        self._windowed = False  # the steady state: forwards seen in one-shot windows opened at ticks
+        self._windowed = False  # the steady state: forwards seen in one-shot windows opened around ticks
         self._armed: ModelHook | None = None  # the window open now
         self._window_lock = threading.Lock()  # windows are opened on the loop's thread and the sampler's
         self._window_from = math.inf  # the post hook opens a window at a step's end from this clock reading on
