@@ -138,6 +138,10 @@ class _Accumulator:
         np.copyto(self.last, row, where=present)
 
 
+_NO_TIMES = np.empty(0)
+_NO_TIMES.flags.writeable = False
+
+
 class _SpanRing:
     """The newest ``capacity`` spans of one kind, oldest first: start and end columns written as a
     ring, and an attrs column (objects) made at the first span of the kind that has attrs."""
@@ -629,13 +633,19 @@ class Trace:
         is that of the new spans, not of all the kept ones. Spans that left the kept window before
         a call are not returned.
         """
+        starts, ends, attrs, total = self.span_arrays_since(kind, seen)
+        return list(_rows(starts, ends, attrs)), total
+
+    def span_arrays_since(self, kind: str, seen: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, int]:
+        """:meth:`spans_since` as arrays, ``(starts, ends, attrs or None, total)``: for a reader that looks
+        up a few times among thousands of new spans a tick (the stack sampler), with no object per span."""
         with self._lock:
             stats = self._span_stats.get(kind)
             if stats is None:
-                return [], seen
+                return _NO_TIMES, _NO_TIMES, None, seen
             total = int(stats[0])
             starts, ends, attrs = self._spans[kind].newest(total - seen)
-        return list(_rows(starts, ends, attrs)), total
+        return starts, ends, attrs, total
 
     def span_kinds(self) -> list[str]:
         """The kinds of spans recorded (``step``, ``loader.wait``, ...)."""

@@ -40,13 +40,11 @@ few milliseconds of where it ran.
 from __future__ import annotations
 
 import ast
-import bisect
 import builtins
 import copy
 import gc
 import linecache
 import math
-import operator
 import os
 import site
 import sys
@@ -58,6 +56,8 @@ from collections.abc import Iterable, Mapping
 from inspect import CO_GENERATOR
 from types import CodeType, FrameType
 from typing import Any
+
+import numpy as np
 
 from gpuwidget.clock import now
 from gpuwidget.facts import CodeSite, HostCopy, LoopWait, StackFacts
@@ -91,6 +91,8 @@ COPY_METHODS = ("to", "cuda")
 # DataLoader rules judge it), gpuwidget's own frames are nobody's work.
 NOT_TORCH_WORK = ("torch.utils.data",)
 Location = tuple[CodeType, int, CodeType, int]
+# Spans of one kind, ordered by end: their start and end times on the Trace's clock.
+Spans = tuple[np.ndarray, np.ndarray]
 _ELSEWHERE: Any = None  # the bucket for locations beyond MAX_LOCATIONS
 
 # CPython 3.11 can start a garbage collection inside any allocation, and reading another thread's
@@ -186,7 +188,7 @@ class _Basis:
         self.pending: deque[list[Any]] = deque(maxlen=MAX_PENDING)
         self.loop_spans = 0
         self.callers: Counter[CodeType] = Counter()  # the user's code calling into torch's work, in the steps
-        self._held: list[Any] = []  # the loop spans of the last call, deciding samples at the next
+        self._held: Spans | None = None  # the loop spans of the last call, deciding samples at the next
         self.loop_samples = 0
         self.waits: Counter[Location | None] = Counter()
         self.inside: Counter[Location | None] = Counter()
@@ -194,7 +196,7 @@ class _Basis:
         self.framework: Counter[Location | None] = Counter()  # of the waits, those in a framework's code above it
         self.unplaced = 0  # of the waits, those read after their wait had ended: where, unknown
 
-    def take(self, new: Mapping[str, list[Any]]) -> None:
+    def take(self, new: Mapping[str, Spans]) -> None:
         """Mark the pending samples with the spans recorded since the last call (``new``, by kind);
         decide those the loop spans of the call before decide.
 
@@ -204,15 +206,15 @@ class _Basis:
         """
         loop = new.get(self.loop_kind)
         waits = new.get(self.wait_kind)
-        if waits:
+        if waits is not None and len(waits[1]):
             self._mark(waits, 2)
             self._mark(waits, 6, at=5)
         inside = new.get(self.inside_kind) if self.inside_kind is not None else None
-        if inside:
+        if inside is not None and len(inside[1]):
             self._mark(inside, 3)
         self.flush()
-        if loop:
-            self.loop_spans += len(loop)
+        if loop is not None and len(loop[1]):
+            self.loop_spans += len(loop[1])
             self._held = loop
 
     def loop_code(self) -> CodeType | None:
@@ -221,8 +223,8 @@ class _Basis:
 
     def flush(self) -> None:
         """Decide the samples the loop spans read last decide."""
-        held, self._held = self._held, []
-        if held:
+        held, self._held = self._held, None
+        if held is not None:
             self._decide(held)
 
     def add(self, t: float, location: Location | None, off_step: bool = False, read: float | None = None,
@@ -231,18 +233,19 @@ class _Basis:
         self.pending.append([t, location, False, False, off_step and self.inside_kind is not None,
                              t if read is None else read, False, caller, working, framework])
 
-    def _mark(self, spans: list[Any], slot: int, at: int = 0) -> None:
+    def _mark(self, spans: Spans, slot: int, at: int = 0) -> None:
         """Mark ``slot`` of the pending samples whose time ``at`` (0: due, 5: read) falls in ``spans``."""
         # Wait spans do not nest: the first to end started first (the next few cover an overlap).
-        earliest = min(span[0] for span in spans[:OVERLAP_SCAN])
+        earliest = min(spans[0][:OVERLAP_SCAN].tolist())
         for sample in reversed(self.pending):  # newest first (due and read times both grow): the last few
             if sample[at] < earliest:
                 break
             if not sample[slot] and _inside(spans, sample[at]):
                 sample[slot] = True
 
-    def _decide(self, spans: list[Any]) -> None:
-        last_end = spans[-1][1]
+    def _decide(self, spans: Spans) -> None:
+        ends = spans[1]
+        last_end = float(ends[-1])
         pending = self.pending
         loop_code = self.loop_code()  # once per call: the samples it decides come from a few ticks
         while pending and pending[0][0] <= last_end:
@@ -250,12 +253,13 @@ class _Basis:
             span = _containing(spans, t)
             if span is None:
                 continue
+            span_end = float(ends[span])
             self.loop_samples += 1
             if caller is not None:
                 self.callers[caller] += 1
             # A wait inside the step only where the stack was read inside the same step and not between
             # steps: a read late for the GIL shows where the loop released it next, maybe the next fetch.
-            if off_step and (read_waiting or read > span[1] or location[0] is loop_code):
+            if off_step and (read_waiting or read > span_end or location[0] is loop_code):
                 off_step = False
             if waiting and not read_waiting:
                 # Due inside a wait but read after it (another thread had the GIL first): the stack
@@ -274,22 +278,30 @@ class _Basis:
                     self.framework[location] += 1
 
 
-_ATTRS = operator.itemgetter(2)
-
-
-def _span_end(span: Any) -> float:
-    return float(span[1])
-
-
-def _inside(spans: list[Any], t: float) -> bool:
+def _inside(spans: Spans, t: float) -> bool:
     """``t`` falls in one of ``spans`` (ordered by end)."""
     return _containing(spans, t) is not None
 
 
-def _containing(spans: list[Any], t: float) -> Any:
-    """The first of ``spans`` (ordered by end) that ``t`` falls in, or None."""
-    first = bisect.bisect_left(spans, t, key=_span_end)
-    return next((span for span in spans[first:first + OVERLAP_SCAN] if span[0] <= t), None)
+def _containing(spans: Spans, t: float) -> int | None:
+    """The index of the first of ``spans`` (ordered by end) that ``t`` falls in, or None.
+
+    A tick brings thousands of spans on a fast loop and a few samples to place among them: a binary
+    search in the arrays, with no object made per span."""
+    starts, ends = spans
+    first = int(ends.searchsorted(t))  # the first span ending at or after t
+    for offset, start in enumerate(starts[first:first + OVERLAP_SCAN].tolist()):
+        if start <= t:
+            return first + offset
+    return None
+
+
+def _without_children(starts: np.ndarray, ends: np.ndarray, attrs: np.ndarray | None) -> Spans:
+    """This process's spans: those a child process recorded carry its pid (most spans carry no attrs)."""
+    if attrs is None or not any(attrs):
+        return starts, ends
+    ours = np.fromiter((not (a and "pid" in a) for a in attrs.tolist()), dtype=bool, count=len(attrs))
+    return starts[ours], ends[ours]
 
 
 class StackSampler:
@@ -395,10 +407,8 @@ class StackSampler:
         bases = (self.optimizer,) if self.optimizer.loop_spans else (self.optimizer, self.loader)
         new = {}
         for kind in {kind: None for basis in bases for kind in basis.kinds}:
-            spans, self._seen[kind] = self.trace.spans_since(kind, self._seen[kind])
-            if any(map(_ATTRS, spans)):  # most spans have none: a scan in C, no copy
-                spans = [span for span in spans if not (span[2] and "pid" in span[2])]
-            new[kind] = spans
+            starts, ends, attrs, self._seen[kind] = self.trace.span_arrays_since(kind, self._seen[kind])
+            new[kind] = _without_children(starts, ends, attrs)
         for basis in bases:
             basis.take(new)
 
