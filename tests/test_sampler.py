@@ -212,7 +212,7 @@ def test_host_source_scans_for_children_at_most_once_a_second(monkeypatch):
         source.read()
     assert len(scans) == 1  # not every tick: a scan reads a file per thread
     disk_reads = []
-    monkeypatch.setattr(host.psutil, "disk_io_counters", lambda: disk_reads.append(1) or None)
+    monkeypatch.setattr(HostSource, "_disk_bytes", lambda self: disk_reads.append(1) or None)
     for _ in range(20):
         source.read()
     assert len(disk_reads) <= 1

@@ -50,6 +50,7 @@ import psutil
 
 from gpuwidget.clock import now
 from gpuwidget.facts import MachineFacts
+from gpuwidget.sources import procfs
 from gpuwidget.sources.base import ErrorLog, SourceError
 from gpuwidget.sources.cgroup import CgroupLimits, read_limits, usable_cpus
 from gpuwidget.sources.schedstat import read_schedstat, schedstat_path
@@ -90,7 +91,7 @@ class HostDescription(MachineFacts, total=False):
 
 
 class HostSource:
-    """Reads the host and the current process tree; one batched psutil pass per tick."""
+    """Reads the host and the current process tree: Linux's /proc files kept open (procfs), else psutil."""
 
     name = "host"
 
@@ -121,6 +122,12 @@ class HostSource:
         self._slow_values: dict[str, float] = {}  # I/O rates and memory, refreshed every IO_REFRESH_S
         self._last_cores: list[tuple[float, float, float]] | None = None
         self._disabled: set[str] = set()
+        pid = self._process.pid
+        self._files = {name: procfs.ProcFile(path) for name, path in (
+            ("stat", "/proc/stat"), ("process", f"/proc/{pid}/stat"), ("schedstat", schedstat_path(pid)),
+            ("meminfo", "/proc/meminfo"), ("diskstats", "/proc/diskstats"), ("net", "/proc/net/dev"),
+            *((name, path) for name, path in psi.items()))}
+        self._disks: tuple[int, frozenset[str]] = (-1, frozenset())  # diskstats' line count, the whole disks
         # Prime the CPU counters so the first read reports utilisation since construction.
         self._read_cpu({})
 
@@ -153,6 +160,8 @@ class HostSource:
 
     def close(self) -> None:
         self._listed = []
+        for file in self._files.values():
+            file.close()
 
     # One try per group: a platform without a counter loses that group, not the tick.
     def _guard(self, group: str, exc: BaseException) -> None:
@@ -164,7 +173,8 @@ class HostSource:
         if "cpu" in self._disabled:
             return
         try:
-            cores = [_cpu_split(times) for times in psutil.cpu_times(percpu=True)]
+            cores = procfs.cpu_times(self._files["stat"].read(stop=b"\nintr")) \
+                or [_cpu_split(times) for times in psutil.cpu_times(percpu=True)]
         except Exception as exc:  # noqa: BLE001 - a source never raises into the sampler
             self._guard("cpu", exc)
             return
@@ -193,22 +203,17 @@ class HostSource:
         if "process" in self._disabled:
             return
         try:
-            with self._process.oneshot():
-                times = self._process.cpu_times()
-                values["proc.rss"] = float(self._process.memory_info().rss)
+            own, reaped, values["proc.rss"] = self._process_times()
             if t - self._children_listed >= CHILDREN_REFRESH_S or t < self._early_until:
                 self._children_listed = t
                 self._listed = self._list_children()
-            # Children that ended (DataLoader workers at the end of an epoch) are not listed any
-            # more, but the kernel adds their whole CPU time to ours once they are reaped.
-            reaped = getattr(times, "children_user", 0.0) + getattr(times, "children_system", 0.0)
             live_cpu, workers_delay = self._children_counters(self._listed)
             values["proc.workers"] = float(self._workers)
         except psutil.Error as exc:
             self._guard("process", exc)
             return
-        main = read_schedstat(schedstat_path(self._process.pid)) if self._schedstat else None
-        totals = _ProcessTotals(t, times.user + times.system, live_cpu + reaped,
+        main = procfs_schedstat(self._files["schedstat"]) if self._schedstat else None
+        totals = _ProcessTotals(t, own, live_cpu + reaped,
                                 None if main is None else main[1], workers_delay)
         base = self._base
         if base is None:
@@ -226,6 +231,20 @@ class HostSource:
             _rate(values, "proc.workers_run_delay", totals.workers_delay, base.workers_delay, span,
                   100.0 * max(1, self._workers)),
         )
+
+    def _process_times(self) -> tuple[float, float, float]:
+        """(own CPU seconds, CPU seconds of the children already reaped, resident bytes).
+
+        Children that ended (DataLoader workers at the end of an epoch) are not listed any more,
+        but the kernel adds their whole CPU time to ours once they are reaped."""
+        read = procfs.process_times(self._files["process"].read())
+        if read is not None:
+            return read
+        with self._process.oneshot():
+            times = self._process.cpu_times()
+            rss = float(self._process.memory_info().rss)
+        reaped = getattr(times, "children_user", 0.0) + getattr(times, "children_system", 0.0)
+        return times.user + times.system, reaped, rss
 
     def _list_children(self) -> list[psutil.Process]:
         """This process's descendants, reusing the Process objects already known.
@@ -288,9 +307,11 @@ class HostSource:
         if "memory" in self._disabled:
             return
         try:
-            memory = psutil.virtual_memory()
-            values["mem.used"] = float(memory.total - memory.available)
-            values["mem.total"] = float(memory.total)
+            read = procfs.memory(self._files["meminfo"].read())
+            if read is None:
+                memory = psutil.virtual_memory()
+                read = float(memory.total - memory.available), float(memory.total)
+            values["mem.used"], values["mem.total"] = read
         except Exception as exc:  # noqa: BLE001
             self._guard("memory", exc)
 
@@ -301,16 +322,10 @@ class HostSource:
             self._read_memory(self._slow_values)
             self._read_pressure(self._slow_values, t)
             try:
-                disk = psutil.disk_io_counters()
-                net = psutil.net_io_counters()
+                current = (t, self._disk_bytes(), self._net_bytes())
             except Exception as exc:  # noqa: BLE001
                 self._guard("io", exc)
                 return
-            current = (
-                t,
-                None if disk is None else (float(disk.read_bytes), float(disk.write_bytes)),
-                None if net is None else (float(net.bytes_recv), float(net.bytes_sent)),
-            )
             if self._last_io is not None:
                 span = t - self._last_io[0]
                 for names, new, old in ((("disk.read", "disk.write"), current[1], self._last_io[1]),
@@ -322,10 +337,31 @@ class HostSource:
         values.update(self._slow_values)
 
 
+    def _disk_bytes(self) -> tuple[float, float] | None:
+        """(read, written) bytes of all disks so far; None where the host has no disk counters."""
+        data = self._files["diskstats"].read()
+        if data is not None:
+            lines = data.count(b"\n")
+            if lines != self._disks[0]:  # a disk came or went: which names are whole disks
+                self._disks = (lines, procfs.whole_disks())
+            read = procfs.disk_bytes(data, self._disks[1])
+            if read is not None:
+                return read
+        disk = psutil.disk_io_counters()
+        return None if disk is None else (float(disk.read_bytes), float(disk.write_bytes))
+
+    def _net_bytes(self) -> tuple[float, float] | None:
+        """(received, sent) bytes of all interfaces so far."""
+        read = procfs.net_bytes(self._files["net"].read())
+        if read is not None:
+            return read
+        net = psutil.net_io_counters()
+        return None if net is None else (float(net.bytes_recv), float(net.bytes_sent))
+
     def _read_pressure(self, values: dict[str, float], t: float) -> None:
         """PSI "some" shares since the previous read, from the cumulative ``total=`` microseconds."""
-        for name, path in self._psi_files.items():
-            total = psi_some_total(path)
+        for name in self._psi_files:
+            total = psi_some(self._files[name].read())
             if total is None:
                 continue
             previous = self._last_psi.get(name)
@@ -361,10 +397,14 @@ def psi_some_total(path: str) -> float | None:
     """
     try:
         with open(path, "rb") as fh:
-            text = fh.read()
+            return psi_some(fh.read())
     except OSError:
         return None
-    for line in text.splitlines():
+
+
+def psi_some(text: bytes | None) -> float | None:
+    """:func:`psi_some_total` of a PSI file's contents."""
+    for line in (text or b"").splitlines():
         if line.startswith(b"some "):
             for field in line.split():
                 if field.startswith(b"total="):
@@ -373,6 +413,12 @@ def psi_some_total(path: str) -> float | None:
                     except ValueError:
                         return None
     return None
+
+
+def procfs_schedstat(file: procfs.ProcFile) -> tuple[float, float] | None:
+    """:func:`read_schedstat` of a file kept open."""
+    fields = (file.read() or b"").split()
+    return (int(fields[0]) * 1e-9, int(fields[1]) * 1e-9) if len(fields) >= 2 else None
 
 
 def _descendants(pid: int) -> list[int] | None:
