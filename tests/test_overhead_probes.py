@@ -147,9 +147,9 @@ def train_run(flush_every: int | None, steps: int = 24) -> tuple[dict[str, Any],
                 optimizer.zero_grad()
                 done += 1
                 if done == 2:
-                    probes.poll()  # loads the FLOP counter (prepare), as the sampler thread does
+                    probes.poll()  # loads the FLOP counter (prepare) and flushes, as the sampler thread does
                 elif flush_every and done % flush_every == 0:
-                    probes.poll()
+                    probes.flush()  # what a tick does once a second (probes.FLUSH_EVERY_S)
                 if done == steps:
                     break
     finally:
@@ -174,3 +174,32 @@ def test_the_step_probes_spans_and_times_do_not_depend_on_when_they_are_made(clo
         assert other == figures
         for kind in ("train.step", "train.between", "step", "loader.wait"):
             assert other_trace.spans(kind) == trace.spans(kind)
+
+
+def test_ticks_make_spans_at_most_once_a_second_and_the_watchs_end_makes_the_rest(clock, monkeypatch):
+    """A flush costs the sampler thread a fixed ~0.3 ms with the GIL held: ticks (4 a second by default)
+    make spans once a second, and nothing the loop queued meanwhile is lost."""
+    monotonic = [50.0]
+    monkeypatch.setattr(gpuwidget.probes.time, "monotonic", lambda: monotonic[0])
+    trace = Trace(start_clock=0.0)
+    probes = Probes(trace)
+    probes.poll()  # installs
+    batches = iter(DataLoader(TensorDataset(torch.zeros(80, 1)), batch_size=8))
+    try:
+        for _ in range(3):
+            next(batches)
+        probes.poll()  # the first tick after the probes went in makes spans at once
+        assert len(trace.spans("loader.wait")) == 3
+        for at in (50.25, 50.5, 50.99):  # the next ticks within the second leave the records queued
+            next(batches)
+            monotonic[0] = at
+            probes.poll()
+        assert len(trace.spans("loader.wait")) == 3
+        monotonic[0] = 51.0
+        probes.poll()
+        assert len(trace.spans("loader.wait")) == 6
+        next(batches)
+    finally:
+        probes.uninstall()
+    assert len(trace.spans("loader.wait")) == 7  # the watch's end: everything queued
+    assert probes.facts({})["loaders"][0]["steps"] == 7
