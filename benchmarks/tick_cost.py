@@ -1,0 +1,119 @@
+"""The sampler thread's CPU on the 0.3 ms loop, per tick and per second, by part; this checkout against others.
+
+Each round starts one fresh process per checkout (this one, and each ``--code DIR``: a ``git worktree``
+of an older commit), in rotating order. The process runs issue 23's 0.3 ms loop (benchmarks/_loops.py)
+2000 steps unwatched, then ``--steps`` steps under ``gpuwidget.watch(quiet=True)`` at the default
+interval, and reports the thread CPU time (``time.thread_time``) of every sampler tick and of its parts:
+the host source's read, the tick's first stack sample, the probes' poll (the stack sampler's spans,
+the probes' flushes), and the Trace's row. Each part is timed by a wrapper around the method where the
+checkout has it (a few microseconds a call, alike for every checkout).
+
+The figure is the sampler thread's CPU per second of the watched loop: with a GIL-bound loop, what the
+thread's work (with the GIL held for most of it) can take from the loop. Thread CPU is the sampler's own
+work, which a busy neighbour moves far less than it moves the loop's wall time.
+
+    .venv/bin/python benchmarks/tick_cost.py [--quick] [--json PATH] [--rounds N] [--steps N] [--code DIR ...]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from _common import ROOT, median, parse_args, print_header, table, verdict, write_json
+
+# (label, module, class, method): the parts of a tick, where a checkout has them.
+PARTS = (
+    ("tick", "gpuwidget.sampler", "Sampler", "_tick"),
+    ("host source", "gpuwidget.sources.host", "HostSource", "read"),
+    ("stack sample (tick's first)", "gpuwidget.probes", "Probes", "sample"),
+    ("probes' poll", "gpuwidget.probes", "Probes", "poll"),
+    ("  stack sampler's spans", "gpuwidget.probes.stack", "StackSampler", "tick"),
+    ("  DataLoader probe's flush", "gpuwidget.probes.torch_data", "DataLoaderProbe", "flush"),
+    ("  step probe's flush", "gpuwidget.probes.torch_steps", "StepProbe", "flush"),
+    ("Trace row", "gpuwidget.trace", "Trace", "append"),
+)
+# The tool's sampler alone, per second of the loop, against the issue's budget for the whole watch.
+BUDGET_SHARE = 0.01
+
+CHILD = r"""
+import importlib, json, sys, time
+sys.path.insert(0, sys.argv[1])
+sys.path.insert(0, sys.argv[2])
+from _loops import make_loop
+import gpuwidget
+parts = json.loads(sys.argv[3])
+spent = {label: [0, 0] for label, *_ in parts}  # label -> [calls, thread CPU ns]
+def timed(function, cell):
+    def wrapper(*args, **kwargs):
+        started = time.thread_time_ns()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            cell[0] += 1
+            cell[1] += time.thread_time_ns() - started
+    return wrapper
+for label, module, cls, method in parts:
+    owner = getattr(importlib.import_module(module), cls, None)
+    if owner is not None and hasattr(owner, method):
+        setattr(owner, method, timed(getattr(owner, method), spent[label]))
+run = make_loop("fast")
+run(2000)
+with gpuwidget.watch(quiet=True):
+    wall, _ = run(int(sys.argv[4]))
+print(json.dumps({"wall_s": wall, "steps": int(sys.argv[4]), "parts": spent}))
+"""
+
+
+def measure(code: Path, steps: int) -> dict[str, Any]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(code)}
+    result = subprocess.run(
+        [sys.executable, "-c", CHILD, str(code), str(ROOT / "benchmarks"), json.dumps(PARTS), str(steps)],
+        capture_output=True, text=True, env=env, timeout=600, check=False)
+    if result.returncode != 0:
+        raise RuntimeError(f"{code}: the watched loop failed ({result.returncode}): {result.stderr[-2000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    args = parse_args(__doc__.splitlines()[0], [
+        ("--code", {"action": "append", "metavar": "DIR", "help": "another checkout to measure beside this one"}),
+        ("--rounds", {"type": int, "default": 5}),
+        ("--steps", {"type": int, "default": 30000, "help": "watched steps a run (0.3 ms each on a quiet VM)"}),
+    ])
+    info = print_header("The sampler thread's CPU on the 0.3 ms loop, by part")
+    rounds, steps = (1, 5000) if args.quick else (args.rounds, args.steps)
+    codes = [ROOT, *(Path(code).resolve() for code in args.code or ())]
+    runs: dict[Path, list[dict[str, Any]]] = {code: [] for code in codes}
+    for round_ in range(rounds):
+        for code in codes[round_ % len(codes):] + codes[:round_ % len(codes)]:
+            runs[code].append(measure(code, steps))
+    results: dict[str, Any] = {"machine": info, "rounds": rounds, "steps": steps, "checkouts": []}
+    for code in codes:
+        name = "this checkout" if code == ROOT else code.name
+        done = runs[code]
+        per_s = {label: median([r["parts"][label][1] / 1e3 / r["wall_s"] for r in done]) for label, *_ in PARTS}
+        per_call = {label: median([r["parts"][label][1] / 1e3 / max(1, r["parts"][label][0]) for r in done])
+                    for label, *_ in PARTS}
+        calls_per_s = {label: median([r["parts"][label][0] / r["wall_s"] for r in done]) for label, *_ in PARTS}
+        step_ms = median([1e3 * r["wall_s"] / r["steps"] for r in done])
+        print(f"\n{name} ({code}): {rounds} runs of {steps} watched steps, {step_ms:.3f} ms a step (median)")
+        table(["part", "calls a second", "us a call", "us a second of the loop", "share of a core"],
+              [(label, calls_per_s[label], per_call[label], per_s[label], f"{per_s[label] / 1e4:.3f} %")
+               for label, *_ in PARTS if calls_per_s[label]])
+        results["checkouts"].append({"code": str(code), "step_ms": step_ms, "us_per_s": per_s,
+                                     "us_per_call": per_call, "calls_per_s": calls_per_s, "runs": done})
+    print()
+    ours = results["checkouts"][0]["us_per_s"]["tick"] / 1e6
+    results["verdicts"] = [verdict("the sampler thread's share of a core, 0.3 ms loop, default interval", ours,
+                                   BUDGET_SHARE / 2, higher_is_better=False, shown=f"{100 * ours:.2f} %",
+                                   target_shown=f"{100 * BUDGET_SHARE / 2:.1f} % (half the watch's 1 % budget)")]
+    write_json(args.json, results)
+
+
+if __name__ == "__main__":
+    main()
