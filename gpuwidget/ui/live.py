@@ -1,13 +1,13 @@
 """The live plot under a watched cell: a Bokeh figure in an ipywidget, fed from the sampler thread.
 
-Updates are batched: the sampler calls :meth:`LiveView.on_tick` every tick, and at most
-every ``PUSH_INTERVAL_S`` the view streams the rows that arrived since the last push into
-its ColumnDataSource (jupyter_bokeh turns that into a few comm messages, which reach the
-browser while the cell is still busy). Everything is on one 0-100 % axis: per GPU its SM
-activity (GPM) with "kernel running" (NVML utilisation) beside it, or utilisation alone without
-GPM, and its memory; host CPU; intervals when the loop waited for data are
-shaded bands. When several processes train, a per-rank table under the plot
-(gpuwidget.ui.rank_strip) shows each one's steps, data wait and step time, updated with the plot.
+Updates are batched: the sampler calls :meth:`LiveView.on_tick` every tick, and at most every
+``PUSH_INTERVAL_S`` (every tick in the view's first seconds) the view streams the rows that arrived
+since the last push into its ColumnDataSource (jupyter_bokeh turns that into a few comm messages,
+which reach the browser while the cell is still busy). Everything is on one 0-100 % axis: per GPU
+its SM activity (GPM) with "kernel running" (NVML utilisation) beside it, or utilisation alone
+without GPM, and its memory; host CPU; intervals when the loop waited for data are shaded bands.
+When several processes train, a per-rank table under the plot (gpuwidget.ui.rank_strip) shows each
+one's steps, data wait and step time, updated with the plot.
 
 BokehJS is put on the page from the installed bokeh package (no CDN) by
 :func:`ensure_bokehjs`.
@@ -55,7 +55,11 @@ from gpuwidget.ui.rank_strip import COLUMNS as RANK_COLUMNS
 from gpuwidget.ui.rank_strip import RankRow, RankStrip, caption
 from gpuwidget.ui.static import status_parts
 
-PUSH_INTERVAL_S = 0.25
+# Each push makes the browser draw the whole plot again: at 4 a second that took 15 % of a core in
+# Chromium (benchmarks/browser_cost.py), the most a live view may cost being 10 %. Once a second, as
+# the static view redraws, after a first RESEND_WHOLE_S at every tick (the plot shows at once).
+PUSH_INTERVAL_S = 1.0
+FIRST_PUSH_INTERVAL_S = 0.25
 MAX_POINTS = 2000
 # Waits shorter than this are invisible at any sensible zoom; adjacent ones closer than
 # MERGE_GAP_S are drawn as one band so a starved loop shows a few bands, not thousands.
@@ -297,8 +301,10 @@ class LiveView:
     # ---------------------------------------------------------------- updates
 
     def on_tick(self, trace: Trace) -> None:
-        """Sampler-thread hook: push at most every PUSH_INTERVAL_S."""
-        if now() - self._last_push >= PUSH_INTERVAL_S:
+        """Sampler-thread hook: push at most every PUSH_INTERVAL_S (FIRST_PUSH_INTERVAL_S at first)."""
+        t = now()
+        interval = FIRST_PUSH_INTERVAL_S if t - self._created < RESEND_WHOLE_S else PUSH_INTERVAL_S
+        if t - self._last_push >= interval:
             self.push()
 
     def push(self) -> None:
