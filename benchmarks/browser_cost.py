@@ -204,8 +204,9 @@ def main() -> None:
                     context = browser.new_context(viewport={"width": 1280, "height": 820})
                     figures[view].append(measure(context.new_page(), base, f"{view}.ipynb", window))
                     context.close()
-                    print(f"  round {round_ + 1} {view}: Chromium {100 * figures[view][-1]['browser']:.1f} % of a core, "
-                          f"kernel {100 * figures[view][-1]['kernel']:.1f} %", flush=True)
+                    last = figures[view][-1]
+                    print(f"  round {round_ + 1} {view}: Chromium {100 * last['browser']:.1f} % of a core, "
+                          f"kernel {100 * last['kernel']:.1f} %", flush=True)
             browser.close()
     finally:
         os.killpg(lab.pid, signal.SIGTERM)
