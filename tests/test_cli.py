@@ -18,6 +18,7 @@ import pytest
 from gpuwidget import Run
 from gpuwidget.cli import main, split_command, status_text
 from gpuwidget.options import OptionError
+from gpuwidget.probes import FLUSH_EVERY_S
 
 # Times real commands and signals under gpuwatch: alone, in make test's serial pass (tests/conftest.py).
 pytestmark = pytest.mark.serial
@@ -187,9 +188,12 @@ def test_the_status_line_counts_steps_and_data_wait_from_the_live_trace():
     with gpuwidget.watch(quiet=True) as run:
         for (x,) in loader:
             x.sum()
-        time.sleep(0.3)  # a sampler tick moves the probes' spans into the trace
-        line = status_text(run, 2.0)
-    assert line.startswith("gpuwatch 2 s · 16 steps (8.0/s) · data wait ") and "CPU" in line
+        # A sampler tick moves the probes' spans into the trace: the first at once, then once a second.
+        expected = "gpuwatch 2 s · 16 steps (8.0/s) · data wait "
+        deadline = time.monotonic() + 3 * FLUSH_EVERY_S
+        while not (line := status_text(run, 2.0)).startswith(expected) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert line.startswith(expected) and "CPU" in line
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash for a shell with job control")

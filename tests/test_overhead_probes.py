@@ -179,16 +179,20 @@ def test_the_step_probes_spans_and_times_do_not_depend_on_when_they_are_made(clo
 def test_ticks_make_spans_at_most_once_a_second_and_the_watchs_end_makes_the_rest(clock, monkeypatch):
     """A flush costs the sampler thread a fixed ~0.3 ms with the GIL held: ticks (4 a second by default)
     make spans once a second, and nothing the loop queued meanwhile is lost."""
-    monotonic = [50.0]
+    monotonic = [49.8]
     monkeypatch.setattr(gpuwidget.probes.time, "monotonic", lambda: monotonic[0])
     trace = Trace(start_clock=0.0)
     probes = Probes(trace)
     probes.poll()  # installs
-    batches = iter(DataLoader(TensorDataset(torch.zeros(80, 1)), batch_size=8))
+    loader = DataLoader(TensorDataset(torch.zeros(80, 1)), batch_size=8)
     try:
+        monotonic[0] = 49.9
+        probes.poll()  # a tick before the loop starts: nothing queued, so it does not count as a flush
+        monotonic[0] = 50.0
+        batches = iter(loader)
         for _ in range(3):
             next(batches)
-        probes.poll()  # the first tick after the probes went in makes spans at once
+        probes.poll()  # the first tick the loop's records come to makes spans at once
         assert len(trace.spans("loader.wait")) == 3
         for at in (50.25, 50.5, 50.99):  # the next ticks within the second leave the records queued
             next(batches)

@@ -22,8 +22,9 @@ def test_the_readers_give_the_figures_psutil_gives():
     cores = procfs.cpu_times(_file("/proc/stat"))
     expected = [host._cpu_split(times) for times in psutil.cpu_times(percpu=True)]
     assert cores is not None and len(cores) == len(expected) == psutil.cpu_count()
-    for ours, theirs in zip(cores, expected):
-        assert ours == pytest.approx(theirs, abs=0.2)  # the counters move on (100 ticks a second) between the reads
+    for ours, theirs in zip(cores, expected):  # ours in clock ticks, psutil's in seconds
+        seconds = tuple(ticks / procfs.CLOCK_TICKS for ticks in ours)
+        assert seconds == pytest.approx(theirs, abs=0.2)  # the counters move on (100 ticks a second) between the reads
     own, reaped, rss = procfs.process_times(_file(f"/proc/{os.getpid()}/stat"))
     process = psutil.Process()
     times = process.cpu_times()
@@ -93,4 +94,28 @@ def test_the_host_source_falls_back_to_psutil_where_proc_cannot_be_read(tmp_path
     assert values["mem.total"] == psutil.virtual_memory().total
     assert values["proc.rss"] == pytest.approx(psutil.Process().memory_info().rss, abs=2**24)
     assert source.errors == []
+    source.close()
+
+
+def test_a_core_busy_all_the_time_reads_exactly_100_percent(tmp_path):
+    """Shares of whole clock ticks: 100 %, never 100.0000000018 % (seconds made of ticks round)."""
+    stat = tmp_path / "stat"
+
+    def write(busy: int, idle: int) -> None:
+        line = f"{busy} 0 0 {idle} 0 0 0 0 0 0"
+        stat.write_text(f"cpu  {line}\ncpu0 {line}\nintr 0\n")
+
+    write(1_234_567, 89)
+    source = HostSource(process=False)
+    source._files["stat"].path = str(stat)
+    source._files["stat"].close()
+    source._last_cores = None
+    source._read_cpu({})
+    write(1_234_567 + 333, 89)
+    values: dict[str, float] = {}
+    source._read_cpu(values)
+    assert values["cpu.util"] == 100.0 and values["cpu.core0.util"] == 100.0 and values["cpu.iowait"] == 0.0
+    write(1_234_567 + 333, 89 + 111)
+    source._read_cpu(values)
+    assert values["cpu.util"] == 0.0
     source.close()

@@ -36,7 +36,8 @@ BETWEEN_STEPS_SPAN = "train.between"  # from an optimizer step's end to the trai
 # costs a fixed ~0.3 ms on the sampler thread (numpy's calls, from cold caches after the loop's steps)
 # besides its share per step, with the GIL held: once a second rather than every tick takes three
 # quarters of it off a fast loop at the default interval. The spans reach the live view and the
-# stack sampler that much later; the watch's end flushes whatever is queued.
+# stack sampler that much later (the first ones at the first tick after the loop starts); the watch's end
+# flushes whatever is queued.
 FLUSH_EVERY_S = 1.0
 
 
@@ -92,9 +93,8 @@ class Probes:
             self._stack.tick()
         if self._data is not None:
             t = time.monotonic()  # not the watch's clock: a reading of its own on no user's timeline
-            if t - self._flushed_at >= FLUSH_EVERY_S:
-                self._flushed_at = t
-                self.flush()
+            if t - self._flushed_at >= FLUSH_EVERY_S and self.flush():
+                self._flushed_at = t  # the first records are taken in at the tick they come to
             if self._steps is not None:
                 self._steps.prepare()  # once: the FLOP counter's imports, off the loop's thread, at once
             return
@@ -120,12 +120,16 @@ class Probes:
                 log.warning("gpuwidget: workload probes unavailable: %s", exc)
                 self._closed = True
 
-    def flush(self) -> None:
-        """Make spans and figures of what the loop queued since the last flush."""
-        if self._data is not None:
-            self._data.flush()
-            if self._steps is not None:
-                self._steps.flush()
+    def flush(self) -> bool:
+        """Make spans and figures of what the loop queued since the last flush; False where it queued nothing."""
+        data, steps = self._data, self._steps
+        if data is None:
+            return False
+        queued = data.queued or (steps is not None and steps.queued)
+        data.flush()
+        if steps is not None:
+            steps.flush()
+        return bool(queued)
 
     def uninstall(self) -> None:
         """Remove every hook and patch; safe to call more than once."""

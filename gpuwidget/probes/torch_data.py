@@ -362,6 +362,11 @@ class DataLoaderProbe:
         self.installed = False
         self.flush()
 
+    @property
+    def queued(self) -> int:
+        """Numbers the loop put in since the last flush (RECORD per ``next()``)."""
+        return len(self._records)
+
     def flush(self) -> None:
         """Make figures and spans of the records the loop appended (the sampler thread calls this every tick)."""
         with self._flush_lock:

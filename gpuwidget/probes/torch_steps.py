@@ -584,6 +584,11 @@ class StepProbe:
 
     # ---------------------------------------------------------------- spans and facts
 
+    @property
+    def queued(self) -> int:
+        """Events the loop put in since the last flush."""
+        return len(self._events)
+
     def flush(self) -> None:
         """Make spans of the queued events (the sampler thread calls this every tick)."""
         with self._flush_lock:

@@ -121,6 +121,7 @@ class HostSource:
         self._last_io: tuple[float, tuple[float, float] | None, tuple[float, float] | None] | None = None
         self._slow_values: dict[str, float] = {}  # I/O rates and memory, refreshed every IO_REFRESH_S
         self._last_cores: list[tuple[float, float, float]] | None = None
+        self._cores_in_ticks = True
         self._disabled: set[str] = set()
         pid = self._process.pid
         self._files = {name: procfs.ProcFile(path) for name, path in (
@@ -173,14 +174,17 @@ class HostSource:
         if "cpu" in self._disabled:
             return
         try:
-            cores = procfs.cpu_times(self._files["stat"].read(stop=b"\nintr")) \
-                or [_cpu_split(times) for times in psutil.cpu_times(percpu=True)]
+            cores = procfs.cpu_times(self._files["stat"].read(stop=b"\nintr"))
+            ticks = cores is not None  # clock ticks from /proc; psutil's are seconds
+            if cores is None:
+                cores = [_cpu_split(times) for times in psutil.cpu_times(percpu=True)]
         except Exception as exc:  # noqa: BLE001 - a source never raises into the sampler
             self._guard("cpu", exc)
             return
         previous, self._last_cores = self._last_cores, cores
-        if previous is None or len(previous) != len(cores):
-            return  # the first read (or a CPU came online): no interval to divide by yet
+        same_units, self._cores_in_ticks = self._cores_in_ticks == ticks, ticks
+        if previous is None or len(previous) != len(cores) or not same_units:
+            return  # the first read (or a CPU came online, or /proc went): no interval to divide by yet
         total_busy = total_wait = total_all = 0.0
         ours = set(self._affinity)
         our_cores_busy = 0.0

@@ -65,8 +65,9 @@ class ProcFile:
 
 
 def cpu_times(data: bytes | None) -> list[tuple[float, float, float]] | None:
-    """Per core, (busy, iowait, total) seconds from ``/proc/stat``: psutil's ``cpu_times(percpu=True)``
-    as the host source counts them (guest time is already in user time; iowait is not busy)."""
+    """Per core, (busy, iowait, total) clock ticks from ``/proc/stat``: psutil's ``cpu_times(percpu=True)``
+    as the host source counts them (guest time is already in user time; iowait is not busy). Whole
+    ticks, not seconds: their differences are exact, so a share of them is never above 100 %."""
     if not data:
         return None
     cores = []
@@ -79,7 +80,7 @@ def cpu_times(data: bytes | None) -> list[tuple[float, float, float]] | None:
         except ValueError:
             return None
         total = user + nice + system + idle + iowait + sum(rest)
-        cores.append(((total - idle - iowait) / CLOCK_TICKS, iowait / CLOCK_TICKS, total / CLOCK_TICKS))
+        cores.append((float(total - idle - iowait), float(iowait), float(total)))
     return cores or None
 
 

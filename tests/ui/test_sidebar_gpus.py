@@ -187,6 +187,9 @@ def open_lab(page, lab: Lab) -> dict[str, list[str]]:
     page.wait_for_function("window.jupyterapp !== undefined", timeout=60_000)
     page.wait_for_selector(STATUS_ITEM, timeout=60_000)
     page.wait_for_selector(TAB, timeout=30_000)
+    # Once the layout is restored: a restore that ends later can close or cover what a test opened before it
+    # (fresh-check run 36: the sidebar clicked open before the restore was not visible 20 s later).
+    page.evaluate("async () => { await window.jupyterapp.restored; }")
     return traffic
 
 
