@@ -178,6 +178,13 @@ def open_notebook(page, lab: Lab, name: str, reset: bool = False) -> None:
         time.sleep(0.2)
 
 
+def layout_restored(page) -> None:
+    """Wait until JupyterLab has put back the saved layout. A restore that ends after a test opened or
+    clicked something can close or cover it again (the sidebar clicked open before it, fresh-check runs
+    36 and 37; the settings editor, run 29)."""
+    page.evaluate("async () => { await window.jupyterapp.restored; }")
+
+
 def run_all_cells(page) -> None:
     """Start running every cell without waiting for them to finish."""
     page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")

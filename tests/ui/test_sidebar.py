@@ -17,7 +17,7 @@ import urllib.request
 
 import pytest
 
-from conftest import SCREENSHOTS, wait_for
+from conftest import SCREENSHOTS, layout_restored, wait_for
 
 pytestmark = pytest.mark.browser
 
@@ -113,6 +113,7 @@ def open_lab(page, lab, sockets: list | None = None) -> list[str]:
     page.wait_for_function("window.jupyterapp !== undefined", timeout=60_000)
     page.wait_for_selector(STATUS_ITEM, timeout=60_000)
     page.wait_for_selector(TAB, timeout=30_000)
+    layout_restored(page)
     return traffic
 
 

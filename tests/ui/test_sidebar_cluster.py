@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import CHROMIUM, SCREENSHOTS, readme_image, wait_for
+from conftest import CHROMIUM, SCREENSHOTS, layout_restored, readme_image, wait_for
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import prom  # noqa: E402 - tests/prom.py, the real-Prometheus helpers
@@ -119,6 +119,7 @@ def test_cluster_section_shows_every_gpu_names_the_idle_ones_and_says_when_prome
     page.goto(f"{viewer.url}lab?token={viewer.token}")
     page.wait_for_function("window.jupyterapp !== undefined", timeout=60_000)
     page.wait_for_selector(TAB, timeout=30_000)
+    layout_restored(page)
     page.wait_for_timeout(1000)
     # Closed: the cluster is not asked for (only the status bar's snapshot is).
     assert cluster_requests == [], cluster_requests
@@ -183,6 +184,7 @@ def test_cluster_section_shows_every_gpu_names_the_idle_ones_and_says_when_prome
     page.reload()
     page.wait_for_function("window.jupyterapp !== undefined", timeout=60_000)
     page.wait_for_selector(TAB, timeout=30_000)
+    layout_restored(page)  # the reloaded page puts the open sidebar back: a click before that could close it
     if not page.locator(PANEL).is_visible():
         page.locator(TAB).click()
     message = page.locator(".jp-gpuwidget-cluster-message")

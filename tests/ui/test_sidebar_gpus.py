@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import CHROMIUM, SCREENSHOTS, Lab, _free_port, _wait_ready, readme_image, wait_for
+from conftest import CHROMIUM, SCREENSHOTS, Lab, _free_port, _wait_ready, layout_restored, readme_image, wait_for
 
 pytestmark = pytest.mark.browser
 
@@ -187,9 +187,7 @@ def open_lab(page, lab: Lab) -> dict[str, list[str]]:
     page.wait_for_function("window.jupyterapp !== undefined", timeout=60_000)
     page.wait_for_selector(STATUS_ITEM, timeout=60_000)
     page.wait_for_selector(TAB, timeout=30_000)
-    # Once the layout is restored: a restore that ends later can close or cover what a test opened before it
-    # (fresh-check run 36: the sidebar clicked open before the restore was not visible 20 s later).
-    page.evaluate("async () => { await window.jupyterapp.restored; }")
+    layout_restored(page)
     return traffic
 
 
