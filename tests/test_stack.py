@@ -394,6 +394,47 @@ def test_inside_the_step_a_line_of_the_loop_that_calls_torchs_work_is_the_step_n
     assert [(wait["function"], wait["samples"]) for wait in waits] == [("parked_here", 2)]
 
 
+def own_line_first(events: list[tuple[threading.Event, threading.Event]]) -> None:
+    """A loop's step that starts on a line of its own (a timer, a log), then calls into torch's work
+    (a module's forward) and a helper (a fetch), each parked in turn."""
+    events[0][0].set()
+    events[0][1].wait()  # the loop's own line, before its forward
+    ParksInForward()(*events[1])
+    parked_here(*events[2])
+
+
+def runs_own_line_first(events: list[tuple[threading.Event, threading.Event]]) -> None:
+    own_line_first(events)
+
+
+def test_samples_whose_spans_arrive_together_know_the_loops_code_from_all_of_them():
+    # The probes make spans once a second (probes.FLUSH_EVERY_S): a watch's first second of samples is
+    # judged at once, before any had shown which of the user's functions calls into torch's work. The
+    # loop's own line, sampled before its first forward, is the step's, not a wait to prefetch.
+    trace = Trace()
+    events = [(threading.Event(), threading.Event()) for _ in range(3)]
+    thread = threading.Thread(target=runs_own_line_first, args=(events,))
+    thread.start()
+    try:
+        sampler = StackSampler(trace, thread.ident)
+        start = trace.now()
+        for started, release in events:
+            started.wait(5)
+            for _ in range(2):
+                time.sleep(0.002)
+                sampler.sample()  # the sample alone: no spans have reached the trace yet
+                sampler._sampled = False
+            release.set()
+        trace.add_span(TRAIN_STEP_SPAN, start, trace.now())  # the second's spans, at once
+        waits, stack = sampler.facts()
+    finally:
+        for _, release in events:
+            release.set()
+        thread.join(5)
+    assert stack["loop_samples"] == 6
+    assert [(wait["function"], wait["samples"]) for wait in waits] == [("parked_here", 2)]
+
+
 def test_a_step_sample_read_late_between_steps_is_not_a_wait_inside_the_step(monkeypatch):
     # Due while the step computed, read once the loop released the GIL in the next step's fetch: where
     # the stack was read is not where the thread was when the sample was due.

@@ -513,6 +513,30 @@ def test_the_steady_state_keeps_no_hook_on_the_model_between_its_windows(flop_co
     nothing_left()
 
 
+def test_windows_before_a_tick_are_planned_from_the_steps_queued_since_the_last_flush(monkeypatch):
+    """Spans are made once a second (probes.FLUSH_EVERY_S): the steps a tick plans its windows from are
+    those the loop queued since, not a second older (nor none, in a watch's first second)."""
+    from gpuwidget.probes import torch_steps
+    from gpuwidget.probes.torch_steps import LEAD_STEPS, StepProbe
+    from gpuwidget.trace import Trace
+
+    probe = StepProbe(Trace(), None)
+    probe._windowed = True
+    monkeypatch.setattr(probe, "_open_window", lambda: None)
+    dues = iter([100.0, 100.25, 100.5])
+    monkeypatch.setattr(torch_steps, "tick_due", lambda: next(dues))
+    step = 0.004
+    for k in range(12):  # queued, not flushed: a step's end, then the next step's training forward
+        probe._events += [99.9 + k * step, -(99.9 + k * step + 0.001)]
+    probe.arm()
+    probe.arm()
+    assert probe._window_from == pytest.approx(100.25 + 0.25 - LEAD_STEPS * step)
+    probe._events.clear()
+    probe.step_times.extend([0.5, 0.02])  # made at the last flush: nothing queued since
+    probe.arm()
+    assert probe._window_from == pytest.approx(100.5 + 0.25 - LEAD_STEPS * 0.5)
+
+
 def test_a_model_copied_and_saved_in_a_watched_loop_takes_nothing_of_the_watch(flop_counter_loaded: None,
                                                                                  one_torch_thread: None):
     """copy.deepcopy(model) and torch.save(model) between steps: through the first steps' global hooks,

@@ -247,16 +247,20 @@ class _Basis:
         ends = spans[1]
         last_end = float(ends[-1])
         pending = self.pending
-        loop_code = self.loop_code()  # once per call: the samples it decides come from a few ticks
+        decided = []
         while pending and pending[0][0] <= last_end:
-            t, location, waiting, inside, off_step, read, read_waiting, caller, working, framework = pending.popleft()
-            span = _containing(spans, t)
-            if span is None:
-                continue
-            span_end = float(ends[span])
-            self.loop_samples += 1
-            if caller is not None:
-                self.callers[caller] += 1
+            sample = pending.popleft()
+            span = _containing(spans, sample[0])
+            if span is not None:
+                decided.append((sample, float(ends[span])))
+                if sample[7] is not None:
+                    self.callers[sample[7]] += 1
+        self.loop_samples += len(decided)
+        # Once per call, from every sample it decides: a call decides a second of them (probes.FLUSH_EVERY_S),
+        # and the first second's must not be judged before any caller of torch's work was seen.
+        loop_code = self.loop_code()
+        for sample, span_end in decided:
+            t, location, waiting, inside, off_step, read, read_waiting, caller, working, framework = sample
             # A wait inside the step only where the stack was read inside the same step and not between
             # steps: a read late for the GIL shows where the loop released it next, maybe the next fetch.
             if off_step and (read_waiting or read > span_end or location[0] is loop_code):

@@ -329,9 +329,19 @@ class StepProbe:
         if due is not None:
             last, self._last_due = self._last_due, due
             if last is not None and due > last:
-                recent = max(itertools.islice(reversed(self.step_times), LEAD_RECENT_STEPS), default=0.0)
-                self._window_from = due + (due - last) - LEAD_STEPS * recent
+                self._window_from = due + (due - last) - LEAD_STEPS * self._recent_step_s()
         self._open_window()
+
+    def _recent_step_s(self) -> float:
+        """The longest of the last :data:`LEAD_RECENT_STEPS` steps: read from the events the loop queued
+        where they hold enough step ends (spans are made of them once a second: probes.FLUSH_EVERY_S,
+        and a second of windows planned from older steps, or from none in the first, would open late),
+        else from the steps already made."""
+        tail = self._events[-(2 * LEAD_RECENT_STEPS + 2):]  # a copy: the loop appends meanwhile
+        ends = [reading for reading in tail if reading > 0]  # a training forward's reading is negated
+        if len(ends) > LEAD_RECENT_STEPS // 2:
+            return max(later - earlier for earlier, later in zip(ends, ends[1:]))
+        return max(itertools.islice(reversed(self.step_times), LEAD_RECENT_STEPS), default=0.0)
 
     def _open_window(self) -> None:
         """A one-shot hook on the trained model that records its next training forward, unless one is
