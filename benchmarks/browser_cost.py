@@ -20,18 +20,17 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import psutil
 from _common import ROOT, median, parse_args, print_header, table, verdict, write_json
+
+sys.path.insert(0, str(ROOT / "tests"))
+from labserver import Lab, project_options, quiet_settings, running_lab  # noqa: E402 - the browser tests' launcher
 
 CHROMIUM = os.environ.get("GPUWIDGET_CHROMIUM", "/usr/bin/chromium")
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
@@ -95,38 +94,6 @@ def notebook(view: str, seconds: float) -> dict[str, Any]:
             "nbformat": 4, "nbformat_minor": 5}
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def start_lab(root: Path) -> tuple[subprocess.Popen[bytes], str]:
-    settings = root / ".settings" / "@jupyterlab" / "apputils-extension"
-    settings.mkdir(parents=True)
-    (settings / "notification.jupyterlab-settings").write_text(
-        json.dumps({"fetchNews": "false", "checkForUpdates": False}))
-    port, token = free_port(), "gpuwidget-bench"
-    command = [sys.executable, "-m", "jupyterlab", "--no-browser", f"--port={port}", "--ip=127.0.0.1",
-               f"--ServerApp.token={token}", f"--ServerApp.root_dir={root}", "--LabApp.expose_app_in_browser=True",
-               f"--LabApp.user_settings_dir={root / '.settings'}", f"--LabApp.workspaces_dir={root / '.workspaces'}",
-               "--ServerApp.jpserver_extensions={'gpuwidget': True}"]
-    if os.geteuid() == 0:
-        command.append("--allow-root")
-    log = open(root / "lab.log", "w")  # noqa: SIM115 - open for the server's life
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=root, start_new_session=True,
-                               env={**os.environ, "PYTHONPATH": str(ROOT)})
-    url = f"http://127.0.0.1:{port}/"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(f"{url}api/status?token={token}", timeout=2):
-                return process, f"{url}?token={token}"
-        except OSError:
-            time.sleep(0.3)
-    raise RuntimeError("jupyter lab did not start:\n" + (root / "lab.log").read_text()[-3000:])
-
-
 def cpu_seconds(processes: list[psutil.Process]) -> float:
     total = 0.0
     for process in processes:
@@ -149,8 +116,8 @@ def kernel_process(kernel_id: str) -> psutil.Process | None:
     return None
 
 
-def measure(page: Any, base: str, name: str, window: float) -> dict[str, float]:
-    page.goto(base.replace("?", f"lab/tree/{name}?") + "&reset")
+def measure(page: Any, lab: Lab, name: str, window: float) -> dict[str, float]:
+    page.goto(lab.page_url(f"lab/tree/{name}") + "&reset")
     page.wait_for_function("window.jupyterapp !== undefined", timeout=90_000)
     page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=90_000)
     deadline = time.monotonic() + 90
@@ -194,26 +161,22 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="gpuwidget-browser-cost-"))
     for view in VIEWS:
         (root / f"{view}.ipynb").write_text(json.dumps(notebook(view, seconds)))
-    lab, base = start_lab(root)
+    quiet_settings(root / ".settings")
     figures: dict[str, list[dict[str, float]]] = {view: [] for view in VIEWS}
     try:
-        with sync_playwright() as playwright:
+        with running_lab(root, "gpuwidget-bench", project_options(root), env={**os.environ, "PYTHONPATH": str(ROOT)},
+                         timeout=120) as lab, sync_playwright() as playwright:
             browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
             for round_ in range(rounds):
                 for view in VIEWS[round_ % 3:] + VIEWS[:round_ % 3]:
                     context = browser.new_context(viewport={"width": 1280, "height": 820})
-                    figures[view].append(measure(context.new_page(), base, f"{view}.ipynb", window))
+                    figures[view].append(measure(context.new_page(), lab, f"{view}.ipynb", window))
                     context.close()
                     last = figures[view][-1]
                     print(f"  round {round_ + 1} {view}: Chromium {100 * last['browser']:.1f} % of a core, "
                           f"kernel {100 * last['kernel']:.1f} %", flush=True)
             browser.close()
     finally:
-        os.killpg(lab.pid, signal.SIGTERM)
-        try:
-            lab.wait(10)
-        except subprocess.TimeoutExpired:
-            os.killpg(lab.pid, signal.SIGKILL)
         shutil.rmtree(root, ignore_errors=True)
     share = {view: median([f["browser"] for f in figures[view]]) for view in VIEWS}
     kernel = {view: median([f["kernel"] for f in figures[view]]) for view in VIEWS}

@@ -20,7 +20,6 @@ import contextlib
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import textwrap
@@ -36,8 +35,8 @@ import pytest
 
 from gpuwidget._labext import DISTRIBUTION_NAME, LABEXTENSION_NAME
 
+from labserver import Lab, quiet_settings, running_lab
 from ui import conftest as browser_fixtures
-from ui.conftest import Lab, _free_port, _wait_ready
 
 # Chromium through Playwright as in tests/ui, with its event-loop fixture (Playwright's sync API needs it).
 browser = browser_fixtures.browser
@@ -223,30 +222,10 @@ def _user_lab(user_venv: UserVenv) -> Iterator[Lab]:
     """``jupyter lab`` of the venv, started as its user would: no extension enabled by hand."""
     root = user_venv.work / "lab"
     root.mkdir()
-    # No "would you like news?" toast and no update check (offline), in the user's own settings.
-    settings = user_venv.home / ".jupyter" / "lab" / "user-settings" / "@jupyterlab" / "apputils-extension"
-    settings.mkdir(parents=True)
-    (settings / "notification.jupyterlab-settings").write_text(
-        json.dumps({"fetchNews": "false", "checkForUpdates": False}))
-    port = _free_port()
-    lab = Lab(url=f"http://127.0.0.1:{port}/", token="gpuwidget-wheel-token", root=root, log=root.parent / "lab.log")
-    command = [str(user_venv.bin / "jupyter"), "lab", "--no-browser", f"--port={port}", "--ip=127.0.0.1",
-               f"--ServerApp.token={lab.token}", f"--ServerApp.root_dir={root}"]
-    if os.geteuid() == 0:
-        command.append("--allow-root")
-    with open(lab.log, "w") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=root, env=user_venv.env,
-                                   start_new_session=True)
-    try:
-        _wait_ready(lab, process)
+    quiet_settings(user_venv.home / ".jupyter" / "lab" / "user-settings")  # in the user's own settings
+    with running_lab(root, "gpuwidget-wheel-token", program=(str(user_venv.bin / "jupyter"), "lab"),
+                     env=user_venv.env, log=root.parent / "lab.log") as lab:
         yield lab
-    finally:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait(10)
 
 
 @pytest.mark.browser

@@ -7,20 +7,15 @@ test`` installs it) and are skipped with a clear reason where it is missing.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import shutil
-import signal
-import socket
-import subprocess
-import sys
 import time
-import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from labserver import Lab, project_options, quiet_settings, running_lab
 
 CHROMIUM = os.environ.get("GPUWIDGET_CHROMIUM", "/usr/bin/chromium")
 CHROMIUM_ARGS = [
@@ -45,37 +40,6 @@ def readme_image(name: str) -> Path:
     return folder / name
 
 
-@dataclass
-class Lab:
-    url: str
-    token: str
-    root: Path
-    log: Path
-
-    def page_url(self, path: str) -> str:
-        return f"{self.url}{path}?token={self.token}"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _wait_ready(lab: Lab, process: subprocess.Popen, timeout: float = 90) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"jupyter lab exited early:\n{lab.log.read_text()[-3000:]}")
-        try:
-            with urllib.request.urlopen(f"{lab.url}api/status?token={lab.token}", timeout=2) as reply:
-                if reply.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.3)
-    raise RuntimeError(f"jupyter lab did not start in {timeout} s:\n{lab.log.read_text()[-3000:]}")
-
-
 @pytest.fixture(autouse=True)
 def jp_asyncio_loop() -> Iterator[asyncio.AbstractEventLoop]:
     """Replaces pytest-jupyter's autouse loop fixture here: its loop is the thread's current
@@ -93,37 +57,9 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
     root = tmp_path_factory.mktemp("lab")
     for fixture in FIXTURES.glob("*.ipynb"):
         shutil.copy(fixture, root / fixture.name)
-    settings = root / ".settings" / "@jupyterlab" / "apputils-extension"
-    settings.mkdir(parents=True)
-    # No "would you like news?" toast over the screenshot, and no update check (offline).
-    (settings / "notification.jupyterlab-settings").write_text(
-        json.dumps({"fetchNews": "false", "checkForUpdates": False}))
-    port = _free_port()
-    lab = Lab(url=f"http://127.0.0.1:{port}/", token="gpuwidget-test-token", root=root, log=root / "lab.log")
-    command = [
-        sys.executable, "-m", "jupyterlab", "--no-browser", f"--port={port}", "--ip=127.0.0.1",
-        f"--ServerApp.token={lab.token}", f"--ServerApp.root_dir={root}",
-        "--LabApp.expose_app_in_browser=True",
-        f"--LabApp.user_settings_dir={root / '.settings'}",
-        f"--LabApp.workspaces_dir={root / '.workspaces'}",
-        "--ServerApp.jpserver_extensions={'gpuwidget': True}",
-    ]
-    if os.geteuid() == 0:
-        command.append("--allow-root")
-    with open(lab.log, "w") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=root,
-                                   start_new_session=True)
-    try:
-        _wait_ready(lab, process)
+    quiet_settings(root / ".settings")
+    with running_lab(root, "gpuwidget-test-token", project_options(root)) as lab:
         yield lab
-    finally:
-        # JupyterLab sometimes hangs on SIGTERM after a browser session; fall back to SIGKILL.
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait(10)
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from conftest import CHROMIUM, SCREENSHOTS, layout_restored, readme_image, wait_for
+from labserver import quiet_settings
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import prom  # noqa: E402 - tests/prom.py, the real-Prometheus helpers
@@ -85,10 +86,7 @@ def cluster_setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[prom.Clu
     prom.require_prometheus()
     workdir = tmp_path_factory.mktemp("cluster")
     # Its own workspace and settings: a sidebar left open by another run must not be restored.
-    settings = workdir / "settings" / "@jupyterlab" / "apputils-extension"
-    settings.mkdir(parents=True)
-    (settings / "notification.jupyterlab-settings").write_text(
-        json.dumps({"fetchNews": "false", "checkForUpdates": False}))
+    quiet_settings(workdir / "settings")
     viewer_args = ["--LabApp.expose_app_in_browser=True", f"--LabApp.workspaces_dir={workdir / 'workspaces'}",
                    f"--LabApp.user_settings_dir={workdir / 'settings'}"]
     with prom.cluster(workdir, lab=True, viewer_args=viewer_args) as setup:

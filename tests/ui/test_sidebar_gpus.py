@@ -21,8 +21,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
-import subprocess
 import sys
 import threading
 import time
@@ -32,7 +30,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import CHROMIUM, SCREENSHOTS, Lab, _free_port, _wait_ready, layout_restored, readme_image, wait_for
+from conftest import CHROMIUM, SCREENSHOTS, layout_restored, readme_image, wait_for
+from labserver import Lab, project_options, quiet_settings, running_lab
 
 pytestmark = pytest.mark.browser
 
@@ -141,25 +140,12 @@ def gpu_lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
     (root / "train.ipynb").write_text(json.dumps({
         "cells": [], "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3"}},
         "nbformat": 4, "nbformat_minor": 5}))
-    settings = root / ".settings" / "@jupyterlab" / "apputils-extension"
-    settings.mkdir(parents=True)
-    (settings / "notification.jupyterlab-settings").write_text(
-        json.dumps({"fetchNews": "false", "checkForUpdates": False}))
-    port = _free_port()
-    lab = Lab(url=f"http://127.0.0.1:{port}/", token="gpuwidget-gpus-token", root=root, log=root / "lab.log")
-    command = [
-        sys.executable, str(Path(__file__).resolve()), "serve", "--no-browser", f"--port={port}", "--ip=127.0.0.1",
-        f"--ServerApp.token={lab.token}", f"--ServerApp.root_dir={root}", "--LabApp.expose_app_in_browser=True",
-        f"--LabApp.user_settings_dir={root / '.settings'}", f"--LabApp.workspaces_dir={root / '.workspaces'}",
-        "--ServerApp.jpserver_extensions={'gpuwidget': True}", "--ServerApp.log_level=WARN",
-    ]
-    if os.geteuid() == 0:
-        command.append("--allow-root")
-    with open(lab.log, "w") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=root, start_new_session=True,
-                                   env={**os.environ, "JUPYTER_RUNTIME_DIR": str(root / ".runtime")})
-    try:
-        _wait_ready(lab, process)
+    quiet_settings(root / ".settings")
+    options = [*project_options(root), "--ServerApp.log_level=WARN"]
+    serve = (sys.executable, str(Path(__file__).resolve()), "serve")  # imports conftest, which imports tests/'s
+    path = os.pathsep.join(filter(None, (str(HERE.parent), os.environ.get("PYTHONPATH"))))
+    with running_lab(root, "gpuwidget-gpus-token", options, program=serve,
+                     env={**os.environ, "JUPYTER_RUNTIME_DIR": str(root / ".runtime"), "PYTHONPATH": path}) as lab:
         # A notebook's kernel, as if the user had opened train.ipynb: its process holds GPU 0.
         request = urllib.request.Request(
             f"{lab.url}api/sessions?token={lab.token}", method="POST",
@@ -169,13 +155,6 @@ def gpu_lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
         with urllib.request.urlopen(request, timeout=60) as reply:
             assert reply.status == 201
         yield lab
-    finally:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait(10)
 
 
 def open_lab(page, lab: Lab) -> dict[str, list[str]]:
