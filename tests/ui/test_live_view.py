@@ -47,7 +47,7 @@ def cell_is_running(page) -> bool:
 
 
 def test_plot_data_grows_while_the_cell_runs_then_the_report_stays(lab, page):
-    open_notebook(page, lab, "watch_live.ipynb")
+    open_notebook(page, lab, "watch_live.ipynb", reset=True)  # no other test's notebook (its rank table) open
     run_all_cells(page)
 
     first = wait_for(lambda: page.evaluate(POINTS_JS) >= 3, 60,

@@ -109,7 +109,7 @@ def open_lab(page, lab, sockets: list | None = None) -> list[str]:
 
     page.on("request", lambda request: "/gpuwidget/api/" in request.url and traffic.append(request.url))
     page.on("websocket", on_socket)
-    page.goto(lab.page_url("lab"))
+    page.goto(lab.page_url("lab") + "&reset")  # the sidebar closed, whatever an earlier test left open
     page.wait_for_function("window.jupyterapp !== undefined", timeout=60_000)
     page.wait_for_selector(STATUS_ITEM, timeout=60_000)
     page.wait_for_selector(TAB, timeout=30_000)

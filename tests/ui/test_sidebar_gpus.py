@@ -18,6 +18,7 @@ test when ``GPUWIDGET_README_IMAGES=1`` is set.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -131,12 +132,12 @@ def _serve(argv: list[str]) -> None:
 # ------------------------------------------------------------------ fixtures
 
 
-@pytest.fixture(scope="module")
-def gpu_lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
+@contextlib.contextmanager
+def eight_gpu_lab(tmp_path_factory: pytest.TempPathFactory, name: str) -> Iterator[Lab]:
     """JupyterLab over 8 fake GPUs, with a notebook's kernel running (it holds GPU 0)."""
     if not Path(CHROMIUM).exists():
         pytest.skip(f"browser tests need chromium at {CHROMIUM} (apt-get install -y chromium)")
-    root = tmp_path_factory.mktemp("gpulab")
+    root = tmp_path_factory.mktemp(name)
     (root / "train.ipynb").write_text(json.dumps({
         "cells": [], "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3"}},
         "nbformat": 4, "nbformat_minor": 5}))
@@ -157,12 +158,27 @@ def gpu_lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
         yield lab
 
 
+@pytest.fixture(scope="module")
+def gpu_lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
+    with eight_gpu_lab(tmp_path_factory, "gpulab") as lab:
+        yield lab
+
+
+@pytest.fixture(scope="module")
+def gpu_lab_to_hang(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
+    """A server of its own for the test that hangs a GPU: it never reads that GPU's source again, and
+    every test after it in any order would see the GPU stale."""
+    with eight_gpu_lab(tmp_path_factory, "hanglab") as lab:
+        yield lab
+
+
 def open_lab(page, lab: Lab) -> dict[str, list[str]]:
-    """Load JupyterLab (the sidebar closed); return the gpuwidget requests and sockets it makes."""
+    """Load JupyterLab with its layout reset (the sidebar closed, whatever an earlier test left open);
+    return the gpuwidget requests and sockets it makes."""
     traffic: dict[str, list[str]] = {"requests": [], "sockets": []}
     page.on("request", lambda r: "/gpuwidget/api/" in r.url and traffic["requests"].append(r.url))
     page.on("websocket", lambda ws: "/gpuwidget/api/" in ws.url and traffic["sockets"].append(ws.url))
-    page.goto(lab.page_url("lab"))
+    page.goto(lab.page_url("lab") + "&reset")
     page.wait_for_function("window.jupyterapp !== undefined", timeout=60_000)
     page.wait_for_selector(STATUS_ITEM, timeout=60_000)
     page.wait_for_selector(TAB, timeout=30_000)
@@ -339,8 +355,8 @@ def _live(page) -> dict[str, str]:
     return shown
 
 
-def test_a_gpu_that_stops_answering_goes_stale_and_the_other_seven_and_the_status_bar_go_on(gpu_lab, page):
-    """Last in this module: the server never reads the hung GPU source again."""
+def test_a_gpu_that_stops_answering_goes_stale_and_the_other_seven_and_the_status_bar_go_on(gpu_lab_to_hang, page):
+    gpu_lab = gpu_lab_to_hang
     open_lab(page, gpu_lab)
     if not page.locator(PANEL).is_visible():  # the workspace may have kept it open
         page.locator(TAB).click()
