@@ -371,23 +371,32 @@ def runs_loop_like(events: list[tuple[threading.Event, threading.Event]]) -> Non
     loop_like(events)  # as %run or a script's main() calls the loop: a frame of the user's above it
 
 
-def test_inside_the_step_a_line_of_the_loop_that_calls_torchs_work_is_the_step_not_a_wait():
+def sampled_in_turn(loop: Any, sample: Any) -> tuple[Trace, StackSampler, float]:
+    """``loop`` run on a thread of its own through the three places it parks in, two samples taken in
+    each by ``sample(sampler, trace)``: the trace, the sampler and the trace's time before the first."""
     trace = Trace()
     events = [(threading.Event(), threading.Event()) for _ in range(3)]
-    thread = threading.Thread(target=runs_loop_like, args=(events,))
+    thread = threading.Thread(target=loop, args=(events,))
     thread.start()
     try:
         sampler = StackSampler(trace, thread.ident)
+        start = trace.now()
         for started, release in events:
             started.wait(5)
             for _ in range(2):
-                sample_between(sampler, trace, (TRAIN_STEP_SPAN,))
+                sample(sampler, trace)
             release.set()
-        waits, stack = sampler.facts()
     finally:
         for _, release in events:
             release.set()
         thread.join(5)
+    return trace, sampler, start
+
+
+def test_inside_the_step_a_line_of_the_loop_that_calls_torchs_work_is_the_step_not_a_wait():
+    _, sampler, _ = sampled_in_turn(runs_loop_like, lambda sampler, trace: sample_between(
+        sampler, trace, (TRAIN_STEP_SPAN,)))
+    waits, stack = sampler.facts()
     assert stack["loop_samples"] == 6
     # In the forward: torch's work. In parked_here: a wait. On loop_like's own line: the loop's code
     # (it called into torch's work), so the step's own, although a frame of the user's is above it.
@@ -411,26 +420,14 @@ def test_samples_whose_spans_arrive_together_know_the_loops_code_from_all_of_the
     # The probes make spans once a second (probes.FLUSH_EVERY_S): a watch's first second of samples is
     # judged at once, before any had shown which of the user's functions calls into torch's work. The
     # loop's own line, sampled before its first forward, is the step's, not a wait to prefetch.
-    trace = Trace()
-    events = [(threading.Event(), threading.Event()) for _ in range(3)]
-    thread = threading.Thread(target=runs_own_line_first, args=(events,))
-    thread.start()
-    try:
-        sampler = StackSampler(trace, thread.ident)
-        start = trace.now()
-        for started, release in events:
-            started.wait(5)
-            for _ in range(2):
-                time.sleep(0.002)
-                sampler.sample()  # the sample alone: no spans have reached the trace yet
-                sampler._sampled = False
-            release.set()
-        trace.add_span(TRAIN_STEP_SPAN, start, trace.now())  # the second's spans, at once
-        waits, stack = sampler.facts()
-    finally:
-        for _, release in events:
-            release.set()
-        thread.join(5)
+    def sample_alone(sampler: StackSampler, _trace: Trace) -> None:
+        time.sleep(0.002)
+        sampler.sample()  # the sample alone: no spans have reached the trace yet
+        sampler._sampled = False
+
+    trace, sampler, start = sampled_in_turn(runs_own_line_first, sample_alone)
+    trace.add_span(TRAIN_STEP_SPAN, start, trace.now())  # the second's spans, at once
+    waits, stack = sampler.facts()
     assert stack["loop_samples"] == 6
     assert [(wait["function"], wait["samples"]) for wait in waits] == [("parked_here", 2)]
 
