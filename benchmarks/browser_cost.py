@@ -31,10 +31,8 @@ from _common import ROOT, median, parse_args, print_header, table, verdict, writ
 
 sys.path.insert(0, str(ROOT / "tests"))
 from labserver import Lab, project_options, quiet_settings, running_lab  # noqa: E402 - the browser tests' launcher
+from ui.conftest import CHROMIUM, CHROMIUM_ARGS  # noqa: E402 - and their Chromium
 
-CHROMIUM = os.environ.get("GPUWIDGET_CHROMIUM", "/usr/bin/chromium")
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--no-first-run"]
 VIEWS = ("bokeh", "static", "none")
 TARGET_SHARE = 0.10
 SETTLE_S = 3.0
