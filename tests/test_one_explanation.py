@@ -74,6 +74,30 @@ def test_a_ranks_own_time_outside_the_all_reduce_is_a_straggler_where_its_stack_
     assert loop_waits.check({}, workload, {}) is None  # type: ignore[arg-type]
 
 
+def test_a_straggler_whose_extra_exceeds_the_others_wait_by_the_noise_of_their_medians_is_named_for_the_wait():
+    """Fresh-check run 40's in-cell job beside a CPU hog, as ``benchmarks/ddp_straggler.py`` measured it:
+    lockstep ranks whose step medians read 14.5 and 13.0 ms (noise: they meet every step), rank 0 waiting
+    11 ms of each in the all-reduce, rank 1 sleeping outside the model's work. Rank 1's own time then
+    exceeds rank 0's by 12 ms, more than rank 0 was measured waiting; the 11 ms that reached rank 0 are
+    the straggler's (this job was named no straggler when the larger figure had to be under the wait)."""
+    from test_rules_ranks import ddp_rank
+
+    from gpuwidget.advice.rules import rank_straggler
+
+    ranks = [ddp_rank(0, 13.0, 11.0), ddp_rank(1, 14.5, 0.5)]
+    ranks[1]["loop_waits"] = [{"function": "Trainer._run_epoch", "file": "multigpu_torchrun.py", "line": 81,
+                               "cell": None, "share": 0.7, "source": "time.sleep(self.delay)"}]
+    judged = rank_straggler.own_time(ranks, [0.013, 0.0145], [0.00026, 0.00029], 0.0145)
+    assert judged is not None and judged.extra_s > judged.waited_s  # what the old gate refused
+    found = rank_straggler.check({}, {"ranks": ranks}, {})  # type: ignore[arg-type, typeddict-item]
+    assert found is not None and found.evidence["straggler"] == 1
+    assert found.evidence["extra_ms"] == found.evidence["others_waited_ms"] == pytest.approx(11.0)
+    assert found.expected_speedup == pytest.approx(14.5 / 3.5, rel=0.01)
+    # The same job whose other rank waited too little for it to be more than noise is no straggler's.
+    ranks[0] = ddp_rank(0, 13.0, 0.8)
+    assert rank_straggler.check({}, {"ranks": ranks}, {}) is None  # type: ignore[arg-type, typeddict-item]
+
+
 def test_ddp_figures_alone_name_no_straggler_on_own_time():
     # Which rank reaches the all-reduce last varies from step to step on a symmetric job: DDP's sampled
     # figures can show this difference by chance, and without the stack's evidence it is not a straggler.

@@ -13,8 +13,9 @@ where that was measured, step by step or by DDP itself, never from a difference 
   the waiting out): larger than every other rank's by such a difference, and by more than the
   ranks' step jitter allows (``_ranks.NOISE_MULTIPLE``: DDP's figures are a step or a few), in DDP's
   average *and* in its latest sample, both describing typical steps of every rank
-  (``_ranks.ddp_timings``), while every other rank's all-reduce ran at least that long
-  past its backward (they were measured waiting for it);
+  (``_ranks.ddp_timings``); the difference counts only as far as every other rank's all-reduce ran
+  past its backward (they were measured waiting for it: on a clean straggler the two agree up to the
+  noise of the ranks' figures, so the smaller is the delay that reached them);
 - its own time per step outside the collective: its median step less its data wait and less the
   all-reduce DDP measured after its backward (the time it waited for the others), compared the same
   way in those of its figures that describe typical steps of it (its average is mostly start-up, when
@@ -128,13 +129,12 @@ def _by_ddp_compute(entries: list[RankEntry], job_step: float) -> Straggler | No
     index = max(range(len(timings)), key=lambda i: timings[i]["average"].compute_s)
     others = [timing for i, timing in enumerate(timings) if i != index]
     mine = timings[index]
-    extra = min(mine[which].compute_s - max(other[which].compute_s for other in others)
-                for which in ("average", "latest"))
+    waited = min(timing.exposed_s for other in others for timing in other.values())
+    # What reached the others is no more than they were measured waiting for it (see OwnTime.reached_s).
+    extra = min(waited, min(mine[which].compute_s - max(other[which].compute_s for other in others)
+                            for which in ("average", "latest")))
     if extra < max(MIN_EXTRA_S, MIN_EXTRA_SHARE * job_step, NOISE_MULTIPLE * step_jitter_s(entries)):
         return None
-    waited = min(timing.exposed_s for other in others for timing in other.values())
-    if waited < extra:
-        return None  # the others were not measured waiting that long: no straggler's delay reached them
     return Straggler(index, extra, job_step, "forward and backward (DDP)", mine["average"].compute_s,
                      median(other["average"].compute_s for other in others),
                      {"ddp_compute_ms_by_sample": {which: round(mine[which].compute_s * 1e3, 2)
@@ -142,11 +142,38 @@ def _by_ddp_compute(entries: list[RankEntry], job_step: float) -> Straggler | No
                       "others_waited_ms": round(waited * 1e3, 2)})
 
 
-def _by_own_time(entries: list[RankEntry], steps: list[float], waits: list[float],
-                 job_step: float) -> Straggler | None:
-    """The rank whose own time per step outside the collective (step less data wait less the all-reduce
-    DDP measured after its backward) exceeds every other rank's, in each of DDP's figures (average,
-    latest) that describe a typical step of it."""
+@dataclass(frozen=True)
+class OwnTime:
+    """What ``_by_own_time`` judges, each gate's figure beside its bound (``benchmarks/ddp_straggler.py``
+    prints them): the rank with the most own time per step outside the collective, by how much, and
+    what the others were measured waiting and what its stack samples put outside the model's work."""
+
+    index: int
+    extra_s: float  # its own time less the most any other rank spends, in the figures shown
+    floor_s: float  # what noise can make: MIN_EXTRA_S, MIN_EXTRA_SHARE of the step, NOISE_MULTIPLE x jitter
+    waited_s: float  # the least any other rank was measured in the all-reduce after its backward
+    stalled_extra_s: float  # its stack samples' top wait per step less the most of any other rank's
+    shown: tuple[str, ...]  # DDP's figures compared ("average", "latest")
+    own_s: tuple[dict[str, float], ...]  # every rank's own time by figure
+
+    @property
+    def reached_s(self) -> float:
+        """The extra time per step that reached the others: its extra, and no more than they were measured
+        waiting. The two agree on a clean straggler (one rank's own time is the others' wait) up to the
+        noise of the ranks' step medians, so neither alone is the figure: a wait shorter than the extra
+        bounds it, a wait that is no straggler's leaves it under the floor."""
+        return min(self.extra_s, self.waited_s)
+
+    @property
+    def holds(self) -> bool:
+        return (self.reached_s >= self.floor_s
+                and self.stalled_extra_s >= max(MIN_EXTRA_S, CAUSE_SHARE * self.reached_s))
+
+
+def own_time(entries: list[RankEntry], steps: list[float], waits: list[float], job_step: float) -> OwnTime | None:
+    """Each rank's own time per step outside the collective (step less data wait less the all-reduce DDP
+    measured after its backward), in each of DDP's figures (average, latest) that describe a typical step
+    of it, for the rank with the most of it against every other rank; None where DDP's figures are missing."""
     # The others' figures all count: a rank that waits for a straggler spends its whole step in the
     # all-reduce, and its sampled steps then read as longer than typical. The straggler's own only where
     # typical: its average is mostly start-up, when it may have waited for the others to start.
@@ -167,18 +194,29 @@ def _by_own_time(entries: list[RankEntry], steps: list[float], waits: list[float
     index = max(range(len(own)), key=lambda i: compared(i)[0])
     extra, shown = compared(index)
     others = [i for i in range(len(own)) if i != index]
-    if extra < max(MIN_EXTRA_S, MIN_EXTRA_SHARE * job_step, NOISE_MULTIPLE * step_jitter_s(entries)):
-        return None
-    waited = min(min(steps[i], every[i][which].exposed_s) for i in others for which in shown)
-    if waited < extra:
-        return None  # the others were not measured waiting that long for it
     stalled = [stalled_s(entry) for entry in entries]
-    if stalled[index] - max(stalled[i] for i in others) < max(MIN_EXTRA_S, CAUSE_SHARE * extra):
-        return None  # its own stack samples do not show it doing more outside the model's work
-    return Straggler(index, extra, job_step, OWN_TIME, own[index][shown[0]],
-                     median(own[i][shown[0]] for i in others),
-                     {"own_ms_by_sample": {which: round(own[index][which] * 1e3, 2) for which in shown},
-                      "others_waited_ms": round(waited * 1e3, 2)})
+    return OwnTime(
+        index=index, extra_s=extra,
+        floor_s=max(MIN_EXTRA_S, MIN_EXTRA_SHARE * job_step, NOISE_MULTIPLE * step_jitter_s(entries)),
+        waited_s=min(min(steps[i], every[i][which].exposed_s) for i in others for which in shown),
+        stalled_extra_s=stalled[index] - max(stalled[i] for i in others),
+        shown=tuple(shown), own_s=tuple(own))
+
+
+def _by_own_time(entries: list[RankEntry], steps: list[float], waits: list[float],
+                 job_step: float) -> Straggler | None:
+    """The rank whose own time outside the collective exceeds every other rank's, as far as the others
+    were measured waiting for it in the all-reduce, by more than noise makes, where its own stack samples
+    show it doing that much more outside the model's work (:func:`own_time`)."""
+    judged = own_time(entries, steps, waits, job_step)
+    if judged is None or not judged.holds:
+        return None
+    index, shown = judged.index, judged.shown
+    others = [i for i in range(len(entries)) if i != index]
+    return Straggler(index, judged.reached_s, job_step, OWN_TIME, judged.own_s[index][shown[0]],
+                     median(judged.own_s[i][shown[0]] for i in others),
+                     {"own_ms_by_sample": {which: round(judged.own_s[index][which] * 1e3, 2) for which in shown},
+                      "others_waited_ms": round(judged.waited_s * 1e3, 2)})
 
 
 def stalled_s(rank: RankEntry) -> float:
