@@ -27,7 +27,10 @@ VIEWS = ("auto", "bokeh", "static", "none")
 # ``GpuWidget.gpu_hour_price`` sets it for the kernels it starts (they inherit its environment), and a
 # user may set it in theirs. In whatever currency the user thinks in; the report shows the number.
 PRICE_ENV = "GPUWIDGET_GPU_HOUR_PRICE"
-# --budget: the seconds --tune and the panel's Measure take, instead of what the plan announces.
+# --budget: the seconds --tune and the panel's Measure take, instead of what the plan announces. Unset,
+# this variable's value where set: the Jupyter server's ``GpuWidget.measure_budget`` sets it for the
+# kernels it starts, as it does the price.
+BUDGET_ENV = "GPUWIDGET_MEASURE_BUDGET"
 MIN_BUDGET_S = 1.0
 MAX_BUDGET_S = 3600.0
 
@@ -99,7 +102,8 @@ def make_options(interval: float | str = DEFAULT_INTERVAL_S, gpus: Sequence[int]
     """Validate and normalise options; raises :class:`OptionError` with a one-line reason.
 
     ``price`` (per GPU-hour) defaults to :data:`PRICE_ENV` in the environment, where set. ``budget``:
-    the seconds ``--tune`` and the panel's Measure button take (their default, what they announce).
+    the seconds ``--tune`` and the panel's Measure button take (their default, what they announce), and
+    defaults to :data:`BUDGET_ENV`, where set.
     """
     return WatchOptions(
         budget=_budget(budget),
@@ -190,12 +194,17 @@ def _price(value: float | str | None) -> float | None:
 
 
 def _budget(value: float | str | None) -> float | None:
-    """``--budget``: seconds, :data:`MIN_BUDGET_S` to :data:`MAX_BUDGET_S`; None for the plan's own."""
+    """``--budget``: seconds, :data:`MIN_BUDGET_S` to :data:`MAX_BUDGET_S`; unset, :data:`BUDGET_ENV`'s value
+    (or None: the plan's own)."""
+    where = "--budget"
     if value is None:
-        return None
+        value = os.environ.get(BUDGET_ENV) or None
+        if value is None:
+            return None
+        where = f"{BUDGET_ENV} (the environment's Measure budget)"
     seconds = _number(value)
     if not MIN_BUDGET_S <= seconds <= MAX_BUDGET_S:  # (NaN fails both)
-        raise OptionError(f"--budget: expected seconds from {MIN_BUDGET_S:g} to {MAX_BUDGET_S:g}, got {value!r}")
+        raise OptionError(f"{where}: expected seconds from {MIN_BUDGET_S:g} to {MAX_BUDGET_S:g}, got {value!r}")
     return seconds
 
 

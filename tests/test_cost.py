@@ -10,9 +10,10 @@ from IPython.core.error import UsageError
 from traitlets import TraitError
 
 import gpuwidget
+from gpuwidget.advice.finding import Finding
 from gpuwidget.cli import main
 from gpuwidget.figures.summary import summarize
-from gpuwidget.options import PRICE_ENV, OptionError, make_options, parse_args, parse_line
+from gpuwidget.options import BUDGET_ENV, PRICE_ENV, OptionError, make_options, parse_args, parse_line
 from gpuwidget.run import Run
 from gpuwidget.trace import Trace
 
@@ -23,9 +24,10 @@ RUN_CELL = "%%gpuwatch --quiet --interval 0.02 {options}\nimport time\ntime.slee
 
 @pytest.fixture(autouse=True)
 def no_price_in_the_environment(monkeypatch):
-    """Unset for each test, and as it was afterwards whatever a test (the server's share_price) set."""
-    monkeypatch.setenv(PRICE_ENV, "")
-    monkeypatch.delenv(PRICE_ENV)
+    """Unset for each test, and as it was afterwards whatever a test (the server's share_with_kernels) set."""
+    for name in (PRICE_ENV, BUDGET_ENV):
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
 
 
 def one_of_eight(sm_active: float | None = 30.0, ticks: int = 20) -> Trace:
@@ -105,18 +107,37 @@ def test_bad_price_stops_the_command_line_before_the_command_runs(capsys, tmp_pa
 
 
 def test_the_price_comes_from_the_environment_the_server_sets_for_its_kernels(monkeypatch):
-    from gpuwidget.server import GpuWidget, share_price
+    from gpuwidget.server import GpuWidget, share_with_kernels
 
-    share_price(GpuWidget(gpu_hour_price=3.2))
+    share_with_kernels(GpuWidget(gpu_hour_price=3.2))
     assert os.environ[PRICE_ENV] == "3.2"
     assert make_options().price == 3.2 and parse_line("").price == 3.2
     assert parse_line("--price 1").price == 1.0  # the cell's own option wins
     with pytest.raises(TraitError, match="positive number per GPU-hour"):
         GpuWidget(gpu_hour_price=-1.0)
-    share_price(GpuWidget())  # unset: the environment is left as it is
+    share_with_kernels(GpuWidget())  # unset: the environment is left as it is
     assert os.environ[PRICE_ENV] == "3.2"
     monkeypatch.setenv(PRICE_ENV, "cheap")
     with pytest.raises(OptionError, match=f"^{PRICE_ENV} \\(the environment's GPU-hour price\\): expected a positive"):
+        make_options()
+
+
+def test_the_measure_budget_comes_from_the_environment_the_server_sets_for_its_kernels(monkeypatch):
+    from gpuwidget.measure.plan import plan_budget
+    from gpuwidget.server import GpuWidget, share_with_kernels
+
+    assert make_options().budget is None  # unset: each plan announces its own
+    share_with_kernels(GpuWidget(measure_budget=12.0))
+    assert os.environ[BUDGET_ENV] == "12.0"
+    assert make_options().budget == 12.0 and parse_line("").budget == 12.0 and parse_args(["--interval", "1"]).budget == 12.0
+    assert parse_line("--budget 60").budget == 60.0  # the cell's own option wins
+    run = gpuwidget.Run(trace=Trace(), options=make_options())
+    run.findings = [Finding("small-batch", "warn", "Batches of 8 leave the GPU idle", change={"batch_size": 256})]
+    assert plan_budget(run) == 12.0  # what Measure announces and takes
+    with pytest.raises(TraitError, match="measure_budget must be seconds from 1 to 3600"):
+        GpuWidget(measure_budget=0.5)
+    monkeypatch.setenv(BUDGET_ENV, "soon")
+    with pytest.raises(OptionError, match=f"^{BUDGET_ENV} \\(the environment's Measure budget\\): expected seconds"):
         make_options()
 
 

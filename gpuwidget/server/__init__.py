@@ -54,6 +54,11 @@ class GpuWidget(Configurable):
         help="What one GPU-hour costs (any currency). Kernels this server starts inherit it (as "
              "$GPUWIDGET_GPU_HOUR_PRICE), so a watched cell's report shows its cost and idle cost; "
              "%%gpuwatch --price overrides it.").tag(config=True)
+    measure_budget = Float(
+        None, allow_none=True,
+        help="Seconds the panel's Measure button and --tune take in all, for the kernels this server starts "
+             "(as $GPUWIDGET_MEASURE_BUDGET), instead of what each plan announces (about 35 s a change); "
+             "%%gpuwatch --budget overrides it.").tag(config=True)
 
     @validate("gpu_hour_price")
     def _check_price(self, proposal: Any) -> float | None:
@@ -61,6 +66,16 @@ class GpuWidget(Configurable):
         if price is not None and not (price > 0 and price != float("inf")):
             raise TraitError(f"gpu_hour_price must be a positive number per GPU-hour, not {price!r}")
         return price
+
+    @validate("measure_budget")
+    def _check_budget(self, proposal: Any) -> float | None:
+        from gpuwidget.options import MAX_BUDGET_S, MIN_BUDGET_S
+
+        budget = proposal["value"]
+        if budget is not None and not MIN_BUDGET_S <= budget <= MAX_BUDGET_S:
+            raise TraitError(f"measure_budget must be seconds from {MIN_BUDGET_S:g} to {MAX_BUDGET_S:g}, "
+                             f"not {budget!r}")
+        return budget
 
     @validate("prometheus_url")
     def _check_url(self, proposal: Any) -> str:
@@ -104,7 +119,7 @@ def _load_jupyter_server_extension(serverapp: ServerApp) -> None:
     from gpuwidget.server.subshells import untrack_subshell_requests
 
     config = GpuWidget(parent=serverapp)
-    share_price(config)
+    share_with_kernels(config)
     monitor = Monitor(interval=config.interval, history_s=config.history_s)
     web_app = serverapp.web_app
     web_app.settings["gpuwidget_monitor"] = monitor
@@ -128,15 +143,16 @@ def _load_jupyter_server_extension(serverapp: ServerApp) -> None:
     serverapp.log.info("gpuwidget server extension loaded (interval %.2f s)", config.interval)
 
 
-def share_price(config: GpuWidget) -> None:
-    """Hand ``gpu_hour_price`` to the kernels this server starts: they inherit its environment, and a
-    watch reads the price from there (gpuwidget.options.PRICE_ENV)."""
+def share_with_kernels(config: GpuWidget) -> None:
+    """Hand ``gpu_hour_price`` and ``measure_budget`` to the kernels this server starts: they inherit its
+    environment, and a watch reads them from there (gpuwidget.options.PRICE_ENV and BUDGET_ENV)."""
     import os
 
-    from gpuwidget.options import PRICE_ENV
+    from gpuwidget.options import BUDGET_ENV, PRICE_ENV
 
-    if config.gpu_hour_price is not None:
-        os.environ[PRICE_ENV] = repr(config.gpu_hour_price)
+    for name, value in ((PRICE_ENV, config.gpu_hour_price), (BUDGET_ENV, config.measure_budget)):
+        if value is not None:
+            os.environ[name] = repr(value)
 
 
 def _add_prometheus(serverapp: ServerApp, config: GpuWidget, monitor: Any) -> None:
