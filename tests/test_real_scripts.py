@@ -20,6 +20,7 @@ beside the injected cause: it is the truth here, and not a finding about the loo
 from __future__ import annotations
 
 import ast
+import math
 import os
 import re
 import shlex
@@ -145,6 +146,8 @@ def assert_prefetcher_code(found: Any, namespace: dict[str, Any], name: str, cal
 # ------------------------------------------------------------------ nanoGPT: get_batch reads from slow storage
 
 NANOGPT = SCRIPTS / "nanogpt_train.py"
+# Seconds the evaluating nanoGPT run lasts at least: twice the second of steady steps a cause needs.
+EVAL_RUN_S = 2.0
 STORAGE_LINE = NANOGPT.read_text().splitlines().index(
     "        time.sleep(storage_latency)  # the volume's round trip") + 1
 
@@ -185,12 +188,22 @@ def test_nanogpt_in_a_cell_the_prefetcher_code_runs_as_pasted_and_applied_remove
     namespace["get_batch"].close()
 
 
+def eval_iters_for(step_s: float, iters: int = 150, every: int = 15, target_s: float = EVAL_RUN_S) -> int:
+    """The ``eval_iters`` that make a run of ``iters`` steps of ``step_s`` seconds, evaluating every
+    ``every`` steps, last ``target_s`` seconds at least: an evaluation runs ``eval_iters`` forward passes
+    on each of two splits, a forward pass about a fifth of a training step (0.47 of 2.05 ms, measured)."""
+    evaluations = iters // every
+    return max(60, math.ceil((target_s - iters * step_s) / (evaluations * 2 * step_s / 5)))
+
+
 def test_nanogpt_steady_gets_no_critical_loop_finding_and_its_periodic_eval_is_named(cell, tmp_path):
     steady, _, _ = cell(NANOGPT, *nanogpt_args(tmp_path, max_iters=150))
     assert steady.summary["steps"] == 150
     no_critical_loop_finding(steady)
+    # Sized from the steady run's own step: on a quiet host (2 ms steps) 60 evaluation batches made a run
+    # of 0.88 s, under the second of steady steps a cause needs (advice.evidence): "watch longer".
     evaluating, _, namespace = cell(NANOGPT, *nanogpt_args(tmp_path, max_iters=150, eval_interval=15,
-                                                           eval_iters=60))
+                                                           eval_iters=eval_iters_for(steady.summary["step_time_p50"])))
     stall = finding(evaluating, "periodic-stall")
     assert stall is not None, [f.title for f in evaluating.findings]
     assert stall.evidence["period_steps"] == 15 and stall.change["stall"] == "evaluation", stall.evidence
@@ -267,8 +280,9 @@ def test_word_language_model_with_its_manual_sgd_update_counts_its_steps_and_nam
 # ------------------------------------------------------------------ HF run_clm_no_trainer: tokenizing in collate_fn
 
 HF = SCRIPTS / "run_clm_no_trainer.py"
-# 140 steps: past the evidence gate (a second of steady steps: advice.evidence) on an idle host too.
-HF_ARGS = ["--num_texts", "150", "--tokenizer_work", "300"]
+# 280 steps: past the evidence gate (a second of steady steps: advice.evidence) on an idle host too, with
+# room (6.1 ms steps there: 150 texts, 140 steps, made 0.89 s; 250 texts 1.54 s).
+HF_ARGS = ["--num_texts", "300", "--tokenizer_work", "300"]
 # In a cell, the stack samples inside the loader's next() decide which function builds the batches: a
 # loop of 140 steps (1.1 s on a fast host) gave 23 samples of the loop at the 20 Hz the tests sample,
 # about 9 of them in its waits; 400 texts give about 2.7 times as many.
