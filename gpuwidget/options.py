@@ -179,14 +179,20 @@ def _number(value: object) -> float:
         return math.nan
 
 
+def _or_environment(value: float | str | None, option: str, variable: str,
+                    what: str) -> tuple[float | str | None, str]:
+    """(the option's value, else ``variable``'s where set, else None; what an error should name)."""
+    if value is not None:
+        return value, option
+    value = os.environ.get(variable) or None
+    return value, f"{variable} (the environment's {what})"
+
+
 def _price(value: float | str | None) -> float | None:
     """``--price``: a positive, finite number per GPU-hour; unset, :data:`PRICE_ENV`'s value (or none)."""
-    where = "--price"
+    value, where = _or_environment(value, "--price", PRICE_ENV, "GPU-hour price")
     if value is None:
-        value = os.environ.get(PRICE_ENV) or None
-        if value is None:
-            return None
-        where = f"{PRICE_ENV} (the environment's GPU-hour price)"
+        return None
     price = _number(value)
     if not math.isfinite(price) or price <= 0:
         raise OptionError(f"{where}: expected a positive price per GPU-hour like 2.5, got {value!r}")
@@ -196,12 +202,9 @@ def _price(value: float | str | None) -> float | None:
 def _budget(value: float | str | None) -> float | None:
     """``--budget``: seconds, :data:`MIN_BUDGET_S` to :data:`MAX_BUDGET_S`; unset, :data:`BUDGET_ENV`'s value
     (or None: the plan's own)."""
-    where = "--budget"
+    value, where = _or_environment(value, "--budget", BUDGET_ENV, "Measure budget")
     if value is None:
-        value = os.environ.get(BUDGET_ENV) or None
-        if value is None:
-            return None
-        where = f"{BUDGET_ENV} (the environment's Measure budget)"
+        return None
     seconds = _number(value)
     if not MIN_BUDGET_S <= seconds <= MAX_BUDGET_S:  # (NaN fails both)
         raise OptionError(f"{where}: expected seconds from {MIN_BUDGET_S:g} to {MAX_BUDGET_S:g}, got {value!r}")
