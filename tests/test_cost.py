@@ -129,7 +129,8 @@ def test_the_measure_budget_comes_from_the_environment_the_server_sets_for_its_k
     assert make_options().budget is None  # unset: each plan announces its own
     share_with_kernels(GpuWidget(measure_budget=12.0))
     assert os.environ[BUDGET_ENV] == "12.0"
-    assert make_options().budget == 12.0 and parse_line("").budget == 12.0 and parse_args(["--interval", "1"]).budget == 12.0
+    assert make_options().budget == 12.0 and parse_line("").budget == 12.0
+    assert parse_args(["--interval", "1"]).budget == 12.0
     assert parse_line("--budget 60").budget == 60.0  # the cell's own option wins
     run = gpuwidget.Run(trace=Trace(), options=make_options())
     run.findings = [Finding("small-batch", "warn", "Batches of 8 leave the GPU idle", change={"batch_size": 256})]
