@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import _thread
 import contextlib
+import os
+import signal
 import threading
 import time
 import traceback
@@ -173,6 +175,37 @@ def test_interrupting_the_tuner_leaves_no_worker_processes():
             tune_loader(loader, budget_s=30)
     finally:
         timer.cancel()
+    assert not new_children_left(before)
+
+
+# Armed by the test below: a Ctrl-C from inside the parent's at-fork callbacks (registered once; they
+# cannot be removed), where CPython ignores the exceptions raised.
+_ctrl_c_in_fork: list[bool] = []
+
+
+def _interrupt_in_fork_callback() -> None:
+    if _ctrl_c_in_fork:
+        _ctrl_c_in_fork.clear()
+        _thread.interrupt_main()
+        sum(range(100))  # a few bytecodes: the KeyboardInterrupt is raised here, and dropped
+
+
+def test_a_ctrl_c_that_lands_in_a_workers_fork_still_stops_the_tuner():
+    # logging's lock release runs in the parent as each worker forks: a Ctrl-C landing there was dropped
+    # as "Exception ignored", and the tuner ran on to the end of its budget (fresh-check run 44).
+    if not hasattr(_interrupt_in_fork_callback, "registered"):
+        os.register_at_fork(after_in_parent=_interrupt_in_fork_callback)
+        _interrupt_in_fork_callback.registered = True  # type: ignore[attr-defined]
+    before = children()
+    _ctrl_c_in_fork.append(True)
+    started = time.perf_counter()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            tune_loader(DataLoader(Slow(), batch_size=8, num_workers=1), budget_s=30, suggestion={"num_workers": 2})
+    finally:
+        _ctrl_c_in_fork.clear()
+    assert time.perf_counter() - started < 15  # stopped at the fork, not at the end of the budget
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Python's own handler is back
     assert not new_children_left(before)
 
 

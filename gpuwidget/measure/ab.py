@@ -46,6 +46,7 @@ from gpuwidget.clock import now
 from gpuwidget.facts import LoaderChange
 from gpuwidget.measure import stats
 from gpuwidget.measure.changes import TrialChange, check_change, describe, loader_part, model_part
+from gpuwidget.measure.interrupts import keeping_interrupts, raise_if_interrupted
 from gpuwidget.measure.loss import StepLoss, resolve_loss
 from gpuwidget.measure.measurement import Measurement
 from gpuwidget.measure.preserve import preserved_state
@@ -121,8 +122,9 @@ def measure_change(subjects: Subjects, change: Any, budget_s: float = DEFAULT_BU
         # The copies' training_step may log (self.log without a Trainer warns) or warn each step: not the user's.
         warnings.simplefilter("ignore")
         try:
-            _measure(subjects, checked, model_change, loader_change, trains, loaders, step, budget_s, started,
-                     progress, done)
+            with keeping_interrupts():
+                _measure(subjects, checked, model_change, loader_change, trains, loaders, step, budget_s, started,
+                         progress, done)
         except KeyboardInterrupt:
             done.interrupted = True
             done.notes.append(f"interrupted after {len(done.ratios)} block(s): the verdict is from those")
@@ -396,6 +398,7 @@ def _blocks(a: Side, b: Side, sizes: list[int], step_times: list[float], started
         first_b = b.run(sizes[1], lead=leads[1])
         second_b = b.run(sizes[1], lead=leads[1])
         second_a = a.run(sizes[0], lead=leads[0])
+        raise_if_interrupted()  # a Ctrl-C as a side's workers forked (gpuwidget.measure.interrupts)
         done.ratios.append(stats.block_ratio([first_a, second_a], [first_b, second_b]))
         done.rates.append(((first_a[0] + second_a[0]) / (first_a[1] + second_a[1]),
                            (first_b[0] + second_b[0]) / (first_b[1] + second_b[1])))

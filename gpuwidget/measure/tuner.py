@@ -31,6 +31,7 @@ from gpuwidget.advice.loader import diagnose, production_time
 from gpuwidget.clock import now
 from gpuwidget.facts import LoaderChange, LoaderFacts, WorkloadFacts
 from gpuwidget.figures.summary import primary_loader
+from gpuwidget.measure.interrupts import keeping_interrupts, raise_if_interrupted
 from gpuwidget.measure.rng import preserved_rng
 from gpuwidget.probes.constructor import rebuild_loader
 from gpuwidget.probes.torch_data import loader_kwargs, loader_settings
@@ -359,12 +360,14 @@ def _measure(loader: Any, batches: int, warmup: int, deadline: float) -> tuple[f
     me = psutil.Process()
     started = now()
     with _iterating(loader) as iterator:
+        raise_if_interrupted()  # a Ctrl-C as the workers forked (gpuwidget.measure.interrupts)
         try:
             next(iterator)
         except StopIteration:
             raise TuneError("the loader produced no batches (an empty or exhausted dataset?)") from None
         first = now() - started
         for _ in range(warmup):
+            raise_if_interrupted()
             if next(iterator, None) is None or now() > deadline:
                 break
         tree = _tree(me)
@@ -372,6 +375,7 @@ def _measure(loader: Any, batches: int, warmup: int, deadline: float) -> tuple[f
         timed_start = now()
         count = 0
         for _ in range(batches):
+            raise_if_interrupted()
             if next(iterator, None) is None:
                 break
             count += 1
@@ -494,7 +498,8 @@ def tune_loader(loader: Any, target_rate: float | None = None, budget_s: float =
     plan = suggestion_plan(loader.num_workers, suggestion, cap) if suggestion and "num_workers" in suggestion else None
     announced: float | None = None
     # Each trial iterates a loader (drawing its sampler's and workers' seeds): the user's RNG stays as it was.
-    with preserved_rng():
+    # A Ctrl-C as a trial's workers fork is raised, not dropped.
+    with preserved_rng(), keeping_interrupts():
         if plan is None:  # a search: it announces its budget, the most it takes
             _announce(told, budget_s, 0)
             trials, fastest = search_workers(measure, loader.num_workers, cap, target_rate, lambda: now() > deadline)
