@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -94,6 +96,7 @@ class PromptGil:
     def __init__(self) -> None:
         self.usual: float | None = None  # the interval put back; None while not lowered
         self.lowered = 0.0  # the interval as set (as sys reports it: whole microseconds)
+        _PROMPTS.add(self)
 
     def wait(self, stop: threading.Event, due: float) -> bool:
         """Wait until ``due`` (True: ``stop`` was set, and the interval is put back), with the interval
@@ -116,6 +119,19 @@ class PromptGil:
         usual, self.usual = self.usual, None
         if usual is not None and sys.getswitchinterval() == self.lowered:
             sys.setswitchinterval(usual)
+
+
+_PROMPTS: weakref.WeakSet[PromptGil] = weakref.WeakSet()
+
+
+def _usual_interval_in_child() -> None:
+    """A process forked while a tick had the interval lowered (a DataLoader worker, a rank) starts with
+    the user's: the thread that would have put it back is not in the child."""
+    for prompt in list(_PROMPTS):
+        prompt.restore()
+
+
+os.register_at_fork(after_in_child=_usual_interval_in_child)
 
 
 class Sampler:

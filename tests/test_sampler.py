@@ -11,7 +11,7 @@ import time
 import pytest
 
 from gpuwidget.clock import now
-from gpuwidget.sampler import PROMPT_SWITCH_S, THREAD_NAME, Sampler, tick_due
+from gpuwidget.sampler import PROMPT_SWITCH_S, THREAD_NAME, PromptGil, Sampler, tick_due
 from gpuwidget.sources import host
 from gpuwidget.sources.base import Source
 from gpuwidget.sources.host import HostSource, usable_cpu_count
@@ -156,6 +156,28 @@ def test_a_first_listener_reads_promptly_while_the_watched_thread_runs_python_an
     assert len(reads) >= 20
     # Without the prompt read, every read comes at least a switch interval (5 ms) late.
     assert reads[len(reads) // 2] < usual / 2, [round(1e3 * x, 2) for x in reads]
+
+
+def test_a_process_forked_while_a_tick_has_the_interval_lowered_starts_with_the_users():
+    usual = sys.getswitchinterval()
+    prompt = PromptGil()
+    assert not prompt.wait(threading.Event(), now() + 0.002)  # the tick is due: lowered until its read
+    try:
+        assert sys.getswitchinterval() == pytest.approx(PROMPT_SWITCH_S)
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: a DataLoader worker or a rank forked at that moment
+            os.write(write, repr(sys.getswitchinterval()).encode())
+            os._exit(0)
+        os.close(write)
+        in_child = float(os.read(read, 64))
+        os.close(read)
+        os.waitpid(pid, 0)
+        assert sys.getswitchinterval() == pytest.approx(PROMPT_SWITCH_S)  # the parent's tick still reads
+    finally:
+        prompt.restore()
+    assert in_child == usual
+    assert sys.getswitchinterval() == usual
 
 
 def test_stop_returns_within_one_interval_and_leaves_no_thread():
