@@ -253,6 +253,32 @@ def test_ddp_communication_judges_the_median_of_the_iterations_ddp_timed_after_s
     assert ddp_communication.check({}, {"ranks": ranks}, NO_GPU) is None
 
 
+def test_the_last_rank_to_arrive_in_each_timed_iteration_shows_the_all_reduce_without_the_skew():
+    def iteration(number: int, exposed_ms: float) -> dict[str, int]:
+        return {"iteration": number, "forward_compute_time": 300_000, "backward_compute_time": 700_000,
+                "backward_comm_time": int(exposed_ms * 1e6), "backward_compute_comm_overlap_time": 0}
+
+    # Steps of 5 ms whose MAD is 2 ms: a loaded host, where a step that is mostly all-reduce is as
+    # jittery as its all-reduce. Both ranks wait 1.5 to 2.2 ms in the same timed iterations: the last
+    # to arrive waited for no one, so that is the transfer's time (median 1.8 ms, 36%), named although
+    # it is under the jitter.
+    ranks = [ddp_rank(rank, 5.0, 0.5, jitter=0.8) for rank in (0, 1)]
+    for entry in ranks:
+        entry["model"]["ddp"]["iterations"] = [iteration(100 * (n + 1), ms)
+                                               for n, ms in enumerate([1.5, 2.2, 1.8, 1.6, 1.9])]
+    finding = ddp_communication.check({}, {"ranks": ranks}, NO_GPU)
+    assert finding is not None
+    assert finding.evidence["exposed_comm_ms"] == pytest.approx(1.8)
+    assert finding.evidence["step_jitter_ms"] == pytest.approx(2.0) and finding.evidence["iterations_compared"] == 5
+    assert "the last rank to arrive, in the median of 5 iterations DDP timed" in finding.suggestion
+    # Skew alone: in each iteration one rank waits 3.5 ms for the other, which arrives late and waits
+    # 0.2 ms for the transfer (4% of the step). Each rank's own median wait (3.5 ms) is skew: not named.
+    for rank, entry in enumerate(ranks):
+        entry["model"]["ddp"]["iterations"] = [iteration(100 * (n + 1), 3.5 if (n + rank) % 2 else 0.2)
+                                               for n in range(5)]
+    assert ddp_communication.check({}, {"ranks": ranks}, NO_GPU) is None
+
+
 def test_an_all_reduce_timed_past_the_median_step_counts_for_the_step_less_its_compute():
     # Steps of 10 ms whose MAD is 0.95 ms; DDP timed 10.5 ms of all-reduce after 1 ms of compute on its
     # steady iterations (typical: within three MADs of the median step). A typical step waits at most

@@ -210,6 +210,26 @@ def typical_ddp_step(rank: RankEntry) -> DdpTiming | None:
     return min(ddp_timings(rank), key=lambda timing: timing.exposed_s, default=None)
 
 
+def last_arrivals(entries: Sequence[RankEntry]) -> tuple[int, DdpTiming, int] | None:
+    """DDP's figures of a typical step of a synchronous job with the ranks' skew left out: in each sampled
+    iteration every rank timed as a typical step of its own (:func:`ddp_iterations`), the rank that
+    waited least after its backward (the last to arrive: it waited for no other rank, only for the
+    transfer), and of those iterations the one of median wait: (its rank's index in ``entries``, its
+    figures, how many iterations were compared). None with fewer than two ranks or fewer than
+    :data:`MIN_DDP_ITERATIONS` iterations every rank timed as typical."""
+    if len(entries) < 2:
+        return None
+    by_rank = [{timing.which: timing for timing in ddp_iterations(entry)} for entry in entries]
+    common = set(by_rank[0]).intersection(*by_rank[1:])
+    if len(common) < MIN_DDP_ITERATIONS:
+        return None
+    last = sorted((min(((index, timings[which]) for index, timings in enumerate(by_rank)),
+                       key=lambda item: item[1].exposed_s) for which in common),
+                  key=lambda item: item[1].exposed_s)
+    index, timing = last[(len(last) - 1) // 2]
+    return index, timing, len(last)
+
+
 def _ddp_timing(which: str, figures: Mapping[str, int], prefix: str) -> DdpTiming | None:
     if not figures.get(f"{prefix}backward_comm_time") and not figures.get(f"{prefix}backward_compute_time"):
         return None

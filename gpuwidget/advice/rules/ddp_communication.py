@@ -19,7 +19,12 @@ keeps each sampled iteration's figures, and a typical step's all-reduce is the m
 describe typical steps (``_ranks.typical_ddp_step``); one iteration alone is a noisy figure. An
 exposed all-reduce within the ranks' own step-to-step jitter (``SKEW_MULTIPLE`` times
 ``_ranks.step_jitter_s``) is the early rank waiting for the late one's random delay, which no bucket
-setting removes, and is not named.
+setting removes, and is not named. Where every rank's figures of the same sampled iterations are known
+(three or more typical ones after start-up), the skew is left out instead of guarded against: in each
+iteration the rank that waited least after its backward arrived last and waited for no other rank,
+only for the transfer, so the rule judges that rank's wait in the iteration of median wait
+(``_ranks.last_arrivals``), whatever the jitter. On a loaded host, a job whose step is almost all
+all-reduce has steps as jittery as its all-reduce; the jitter then says nothing about skew.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from gpuwidget.advice.code import model_code
 from gpuwidget.advice.finding import Finding, FindingChange
 from gpuwidget.advice.rules._ranks import (
     DdpTiming,
+    last_arrivals,
     processes_with_models,
     rank_label,
     ranks,
@@ -71,15 +77,24 @@ def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> F
     judged = [figures for figures in (_figures(model.get("ddp"), step, who, step_jitter, timing)
                                       for model, step, who, timing in processes) if figures is not None]
     straggler = find_straggler(workload)
+    arrivals = last_arrivals([rank for rank in ranks(workload) if (rank.get("model") or {}).get("ddp")])
+    compared = 0
     if straggler is not None:  # the others' waiting is the straggler's; it waited for nobody
         found, timed = straggler
         who = rank_label(timed[found.index])
         judged = [_capped(figures, found.step_s - found.extra_s) for figures in judged if figures["who"] == who]
+    elif arrivals is not None:  # the last rank to arrive in each timed iteration: no skew in its wait
+        index, timing, compared = arrivals
+        model, step, who, _ = processes[index]
+        figures = _figures(model.get("ddp"), step, who, step_jitter, timing)
+        judged = [{**figures, "skew_free": True}] if figures is not None else []
     if not judged:
         return None
     figures = min(judged, key=lambda f: f["exposed_share"])  # the rank that waited least (see above)
     share = figures["exposed_share"]
-    if share < EXPOSED_COMM_SHARE or figures["exposed_s"] < SKEW_MULTIPLE * figures["noise_s"]:
+    if share < EXPOSED_COMM_SHARE:
+        return None
+    if not figures["skew_free"] and figures["exposed_s"] < SKEW_MULTIPLE * figures["noise_s"]:
         return None
     ddp: DdpFacts = figures["ddp"]
     names = [model.get("name") for model, _, _ in processes_with_models(summary, workload) if model.get("ddp")]
@@ -99,10 +114,12 @@ def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> F
         "mean_bucket_kb": round(figures["mean_bucket_bytes"] / 1024, 1),
         "gradient_as_bucket_view": ddp.get("gradient_as_bucket_view"), "static_graph": ddp.get("static_graph"),
         "find_unused_parameters": ddp.get("find_unused_parameters"),
-        "step_jitter_ms": round(figures["noise_s"] * 1e3, 3),
+        "step_jitter_ms": round(figures["noise_s"] * 1e3, 3), "iterations_compared": compared,
     }
+    who = (f"{figures['who']}, the last rank to arrive, in the median of {compared} iterations DDP timed"
+           if compared else figures["who"])
     sentences = [f"{exposed_ms:.1f} ms of each {step_ms:.1f} ms step ({share:.0%}) waits for DDP's gradient "
-                 f"all-reduce after backward has finished ({figures['who']}, world size {ddp.get('world_size')})."]
+                 f"all-reduce after backward has finished ({who}, world size {ddp.get('world_size')})."]
     sentences += reasons
     if ddp.get("world_size") == 1:
         sentences.append("With a world size of 1 there is no other rank to exchange gradients with: until more "
@@ -131,6 +148,7 @@ class DdpFigures(TypedDict):
     step_s: float
     exposed_share: float  # exposed_s / step_s
     noise_s: float  # the ranks' step jitter
+    skew_free: bool  # the wait of the last rank to arrive: no other rank's delay in it
     buckets: int
     mean_bucket_bytes: float
     total_bytes: int
@@ -168,8 +186,8 @@ def _figures(ddp: DdpFacts | None, step_s: float | None, who: str, noise_s: floa
     sizes = list(ddp.get("rebuilt_bucket_sizes") or ddp.get("bucket_sizes") or [])
     total = int(ddp.get("total_parameter_size_bytes") or sum(sizes))
     return {"ddp": ddp, "who": who, "exposed_s": exposed, "step_s": step, "exposed_share": exposed / step,
-            "noise_s": noise_s, "buckets": len(sizes), "mean_bucket_bytes": total / len(sizes) if sizes else 0.0,
-            "total_bytes": total}
+            "noise_s": noise_s, "skew_free": False, "buckets": len(sizes),
+            "mean_bucket_bytes": total / len(sizes) if sizes else 0.0, "total_bytes": total}
 
 
 def _capped(figures: DdpFigures, most_s: float) -> DdpFigures:
