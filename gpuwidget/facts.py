@@ -74,6 +74,7 @@ class LoaderSettings(TypedDict, total=False):
     generator: bool  # the loader has its own torch.Generator
     shards_by_worker: bool | None  # IterableDataset reads get_worker_info(); None: unknown or map-style
     dataset_code: CodeSite | None  # file, function, line of the dataset's __getitem__/__iter__
+    collate_code: CodeSite | None  # ... of the collate function (a collator object's __call__)
     dataset_transforms: list[str]  # the dataset's attributes holding per-sample transforms
     constructor: LoaderConstructor | None  # the loader's own class's constructor; None: torch's DataLoader
 
@@ -104,6 +105,7 @@ class LoaderFacts(TypedDict, total=False):
     loop_time_s: float  # wait_total_s + compute_total_s
     wait_cpu_ratio: float | None  # CPU seconds of the looping thread per wall second while blocked in next()
     wait_delay_ratio: float | None  # its run delay (runnable, waiting for a core) per wall second then
+    collate_share: float | None  # of the sampled waits without workers, the share in the collate function
     step_times: list[float]  # seconds per step, the latest STEP_HISTORY of them
     wait_times: list[float]  # seconds blocked per next(), the latest STEP_HISTORY
     owner: str | None  # framework that built or drives it: "transformers", "accelerate", "lightning"
@@ -239,6 +241,7 @@ class LoopWait(CodeSite, total=False):
     name: str | None  # the user's name for the function, an assignment target ("get_batch", "batcher.next")
     generator: bool  # a generator function: its caller iterates it
     copy: HostCopy | None  # the line copies tensors to a device
+    timed: bool  # a collate function the DataLoader probe timed, not stack samples (dataloader_cpu_bound.batch_builder)
 
 
 class StackFacts(TypedDict, total=False):

@@ -3,6 +3,13 @@ that tokenizes (Hugging Face's streaming pipelines) rather than the dataset's ``
 
 from __future__ import annotations
 
+import time
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+import gpuwidget
 from gpuwidget.advice.code import cache_code
 from gpuwidget.advice.rules.dataloader_cpu_bound import batch_builder
 
@@ -40,3 +47,50 @@ def test_a_helper_the_dataset_calls_under_the_default_collate_is_the_datasets_wo
     assert "burn" not in code
     custom = {"settings": {**LOADER["settings"], "collate_fn": "collate_fn", "default_collate": False}}
     assert "built in collate_fn() (train.py, line 136)" in cache_code(custom, COLLATE)  # type: ignore[arg-type]
+
+
+def busy_ms(ms: float) -> None:
+    """Pure Python for ``ms`` milliseconds: holds the GIL, as a slow tokenizer does."""
+    end = time.perf_counter() + ms / 1e3
+    while time.perf_counter() < end:
+        pass
+
+
+class Collator:
+    """A collator object, as transformers' DataCollator classes are."""
+
+    def __call__(self, items: list[torch.Tensor]) -> torch.Tensor:
+        busy_ms(3.0)
+        return torch.stack(items)
+
+
+def test_a_collate_fn_holding_the_gil_is_named_by_the_probes_timing_where_the_samples_miss_it():
+    # A 3 ms collate in pure Python: a stack read waits up to the 5 ms switch interval for the GIL, by
+    # when the collate has mostly ended. The DataLoader probe times the collate itself (one next() in 8).
+    def collate_fn(items: list[torch.Tensor]) -> torch.Tensor:
+        busy_ms(3.0)
+        return torch.stack(items)
+
+    data = torch.randn(256, 4)
+    for collate, name in ((collate_fn, "collate_fn"), (Collator(), "Collator.__call__")):
+        loader = DataLoader(data, batch_size=4, collate_fn=collate)
+        with gpuwidget.watch(quiet=True) as run:
+            for batch in loader:
+                batch.sum()
+        (facts,) = run.workload["loaders"]
+        assert facts["settings"]["collate_code"]["function"] == name
+        assert facts["settings"]["collate_code"]["file"].endswith("test_batch_builder_code.py")
+        assert facts["collate_share"] >= 0.8  # 3 ms of a next() that does little else
+        builder = batch_builder({"loop_waits": []}, facts)
+        assert builder is not None and builder["function"] == name and builder["timed"] is True
+        assert builder["seconds"] == pytest.approx(facts["collate_share"] * facts["wait_total_s"])
+        code = cache_code(facts, builder)
+        assert f"built in {name}() (" in code and "of the loop's time (timed)" in code
+        exec(code, {})
+    # With torch's default collate the dataset builds the samples: nothing is timed, nothing named.
+    with gpuwidget.watch(quiet=True) as run:
+        for batch in DataLoader(data, batch_size=4):
+            batch.sum()
+    (facts,) = run.workload["loaders"]
+    assert facts["settings"]["collate_code"] is None
+    assert batch_builder({"loop_waits": []}, facts) is None

@@ -35,6 +35,7 @@ import pytest
 
 import gpuwidget
 from gpuwidget import Run
+from gpuwidget.advice.rules.dataloader_cpu_bound import batch_builder
 from gpuwidget.prefetch import Prefetcher
 from gpuwidget.report import run_text
 
@@ -283,13 +284,9 @@ HF = SCRIPTS / "run_clm_no_trainer.py"
 # 280 steps: past the evidence gate (a second of steady steps: advice.evidence) on an idle host too, with
 # room (6.1 ms steps there: 150 texts, 140 steps, made 0.89 s; 250 texts 1.54 s).
 HF_ARGS = ["--num_texts", "300", "--tokenizer_work", "300"]
-# In a cell, the stack samples inside the loader's next() decide which function builds the batches: a
-# loop of 140 steps (1.1 s on a fast host) gave 23 samples of the loop at the 20 Hz the tests sample,
-# about 9 of them in its waits; 400 texts give about 2.7 times as many.
-# 800 texts: ~750 steps of ~6 ms waits in the collate_fn, of which the stack samples read in time find
-# 0-5 in 400 texts' run (a read waits up to the 5 ms switch interval for the GIL the tokenizer holds, and
-# most of the waits have ended by then): 1 run in 6 named no builder (CI at e210a42).
-HF_CELL_ARGS = ["--num_texts", "800", "--tokenizer_work", "300"]
+# In a cell: 400 texts, ~370 steps of ~6 ms waits in the collate_fn (the DataLoader probe times it on one
+# next() in 8: dataloader_cpu_bound.batch_builder).
+HF_CELL_ARGS = ["--num_texts", "400", "--tokenizer_work", "300"]
 # The functions of the script's collate path: its collate_fn and the slow tokenizer it calls.
 COLLATE_PATH = {"collate_fn", "ByteTokenizer.__call__", "ByteTokenizer.__call__.<genexpr>"}
 
@@ -313,15 +310,22 @@ def test_hf_no_trainer_tokenizing_in_the_collate_fn_is_named_under_gpuwatch(tmp_
     exec(found.code, {})  # the loader is main()'s local: the code says where, and runs as pasted
 
 
+def train_loader(run: Run) -> Any:
+    """The loader facts of the loader that fed the optimizer steps."""
+    return max(run.workload["loaders"], key=lambda loader: loader.get("steps_fed") or 0)
+
+
 def test_hf_no_trainer_in_a_cell_its_loader_change_applied_where_the_script_builds_it_pays_off(cell, tmp_path):
-    # The collate_fn's waits are ~6 ms: the stack is read first on each tick, before the sampler's
-    # sources (read after them, it often came when the wait had ended and no builder was named).
     run, output, _ = cell(HF, *HF_CELL_ARGS, "--use_slow_tokenizer")
     assert run.summary["steps"] == printed_count(output, r"completed (\d+) optimizer steps")
     found = next((f for f in run.findings if f.rule in LOADER_RULES), None)
     assert found is not None, [f.title for f in run.findings]
-    builders = loader_builders(run)
-    assert builders and set(builders) <= COLLATE_PATH, run.workload["loop_waits"]  # the loop's thread builds them
+    # The loop's thread builds the batches: in the stack samples inside next(), or, where those were read
+    # after the collate_fn's ~6 ms of Python had ended (a read waits for the GIL), in the probe's timing.
+    builder = batch_builder(run.workload, train_loader(run))
+    assert builder is not None and builder["function"] in COLLATE_PATH, (run.workload["loop_waits"],
+                                                                          train_loader(run).get("collate_share"))
+    assert set(loader_builders(run)) <= COLLATE_PATH, run.workload["loop_waits"]
     if found.change.get("num_workers"):
         # Made where the script builds its train loader (the finding says where), the same run.
         source = HF.read_text()
@@ -334,6 +338,7 @@ def test_hf_no_trainer_in_a_cell_its_loader_change_applied_where_the_script_buil
         # inside next() find no collate_fn), and it waits less for them (how much less is the host's
         # to say: its two cores are shared with the workers and the other jobs).
         assert not set(loader_builders(fixed)) & COLLATE_PATH, fixed.workload["loop_waits"]
+        assert train_loader(fixed).get("collate_share") is None  # nor is it timed there
         assert fixed.summary["data_wait_fraction"] < run.summary["data_wait_fraction"]
     else:
         # Cheaper batches: the script's own path that tokenizes the texts once, ahead of training.

@@ -335,7 +335,8 @@ def cache_code(loader: LoaderFacts, builder: LoopWait | None = None) -> str:
             and not str(builder.get("function") or "").endswith("__getitem__")):
         share = float(builder.get("share") or 0.0)
         return "\n".join([
-            f"# The batches are built {site_place(builder)}: {100 * share:.0f}% of the loop's time (stack samples),",
+            f"# The batches are built {site_place(builder)}: {100 * share:.0f}% of the loop's time "
+            f"({'timed' if builder.get('timed') else 'stack samples'}),",
             "# on the CPUs that are already busy. Do that work once, ahead of training (tokenize or decode the",
             "# whole dataset once and keep the result, as datasets' map() does), or make it cheaper."])
     dataset = settings.get("dataset_type") or "the dataset"

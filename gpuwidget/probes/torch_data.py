@@ -35,6 +35,7 @@ Costs are in BENCHMARKS.md. Everything is restored by :meth:`uninstall`.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import sys
 import threading
 import weakref
@@ -45,7 +46,7 @@ from typing import Any, cast
 import numpy as np
 
 from gpuwidget.clock import now
-from gpuwidget.facts import LoaderChange, LoaderFacts, LoaderSettings
+from gpuwidget.facts import CodeSite, LoaderChange, LoaderFacts, LoaderSettings
 from gpuwidget.probes import DATA_WAIT_SPAN, STEP_SPAN
 from gpuwidget.probes import origin as origins
 from gpuwidget.probes.constructor import constructor_facts
@@ -81,6 +82,8 @@ class LoaderStats:
         self.wait_cpu_total = 0.0  # CPU seconds of the looping thread during the sampled waits
         self.wait_delay_total: float | None = 0.0  # its run delay then (None: no schedstat here)
         self.wait_sampled = 0.0  # wall seconds of the sampled waits
+        self.collate_total = 0.0  # seconds in the collate function during the sampled waits without workers
+        self.collate_timed = 0.0  # wall seconds of those waits
         self.compute_total = 0.0
         self.first_start: float | None = None
         self.last_end: float | None = None
@@ -131,6 +134,9 @@ class LoaderStats:
             "wait_cpu_ratio": self.wait_cpu_total / self.wait_sampled if self.wait_sampled > 0 else None,
             "wait_delay_ratio": (self.wait_delay_total / self.wait_sampled
                                  if self.wait_sampled > 0 and self.wait_delay_total is not None else None),
+            # The share of the loop's wait in next() spent in the collate function, where the loop's
+            # thread built the batches itself (num_workers=0; None: never timed).
+            "collate_share": self.collate_total / self.collate_timed if self.collate_timed > 0 else None,
             "step_times": list(self.step_times),
             "wait_times": list(self.wait_times),
             "owner": self.owner,
@@ -279,7 +285,20 @@ class DataLoaderProbe:
             return iterator
 
         def sampled(iterator: Any, stats: LoaderStats) -> Any:
-            """A next() whose wait is also timed in the thread's CPU time and run delay."""
+            """A next() whose wait is also timed in the thread's CPU time and run delay, and, where the
+            loop's thread builds the batch (no workers), in the collate function."""
+            workers = getattr(iterator, "_num_workers", 1)
+            fetcher: Any = None if workers else getattr(iterator, "_dataset_fetcher", None)
+            collate = getattr(fetcher, "collate_fn", None)
+            collated = [0.0]
+            if collate is not None:
+                def timed(*args: Any, **kwargs: Any) -> Any:
+                    begun = clock()
+                    try:
+                        return collate(*args, **kwargs)
+                    finally:
+                        collated[0] += clock() - begun
+                fetcher.collate_fn = timed
             cpu_started, delay_started = counters()
             started = clock()
             try:
@@ -288,7 +307,13 @@ class DataLoaderProbe:
                 stats.stopped_at = stats.calls
                 push((stats.slot, started, _STOPPED, 0))
                 raise
+            finally:
+                if collate is not None:
+                    fetcher.collate_fn = collate
             ended = clock()
+            if collate is not None:
+                stats.collate_timed += ended - started
+                stats.collate_total += collated[0]
             cpu_ended, delay_ended = counters()
             stats.wait_cpu_total += cpu_ended - cpu_started
             stats.wait_sampled += ended - started
@@ -503,6 +528,8 @@ def loader_settings(loader: Any) -> LoaderSettings:
         "generator": loader.generator is not None,
         "collate_fn": getattr(loader.collate_fn, "__name__", type(loader.collate_fn).__name__),
         "default_collate": getattr(loader.collate_fn, "__name__", "") == "default_collate",
+        "collate_code": (None if getattr(loader.collate_fn, "__name__", "") == "default_collate"
+                         else collate_site(loader.collate_fn)),
         "dataset_type": type(dataset).__name__,
         "dataset_len": dataset_len,
         "iterable_dataset": iterable,
@@ -518,6 +545,18 @@ def loader_settings(loader: Any) -> LoaderSettings:
                                       "shuffle": isinstance(inner.sampler, RandomSampler),
                                       "plain_sampler": _plain_sampler(inner.sampler)}
     return cast(LoaderSettings, settings)  # dataset_facts' keys are spread in
+
+
+def collate_site(collate: Any) -> CodeSite | None:
+    """Where a collate function is defined (a collator object's ``__call__``), named as the stack samples
+    name it (``probes.stack.code_site``); None for C code."""
+    from gpuwidget.probes.stack import code_site
+
+    if not (inspect.isfunction(collate) or inspect.ismethod(collate)):
+        collate = next((kind.__dict__["__call__"] for kind in type(collate).__mro__ if "__call__" in kind.__dict__),
+                       None)
+    code = getattr(inspect.unwrap(collate), "__code__", None) if collate is not None else None
+    return code_site(code, code.co_firstlineno) if code is not None else None
 
 
 def _plain_sampler(sampler: Any) -> bool:
