@@ -35,6 +35,7 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
     for module in (gpuwidget.probes, torch_data, torch_steps, torch_model):
         monkeypatch.setattr(module, "now", now)
     monkeypatch.setattr(torch_data, "thread_counters", lambda: (0.0, 0.0))  # the thread's CPU: none
+    monkeypatch.setattr(torch_data, "perf_counter", lambda: 0.0)  # nor a collate function's time
     return now
 
 

@@ -28,7 +28,11 @@ tick, with numpy, a tick's steps at once (:meth:`DataLoaderProbe.flush`): the st
 spans, step and wait times, epochs, totals. The looping thread's CPU time and run delay behind
 ``wait_cpu_ratio`` and ``wait_delay_ratio`` are read on one step in :data:`CPU_SAMPLE_EVERY`
 (a small file read each; gpuwidget.sources.schedstat), never on the first step (it starts
-workers and warms lazy imports and caches, so it is not the loader's steady state).
+workers and warms lazy imports and caches, so it is not the loader's steady state). On those same
+steps, a loader without workers (the loop's thread builds its batches) also has its collate function
+timed, through the iterator's own fetcher (the user's loader is untouched): ``collate_share``, which
+names the collate function as the batches' builder where stack samples, read at the GIL's switch
+interval, miss a few milliseconds of Python (``advice.rules.dataloader_cpu_bound.batch_builder``).
 Costs are in BENCHMARKS.md. Everything is restored by :meth:`uninstall`.
 """
 
@@ -38,6 +42,7 @@ import contextlib
 import inspect
 import sys
 import threading
+import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -53,6 +58,8 @@ from gpuwidget.probes.constructor import constructor_facts
 from gpuwidget.sources.schedstat import thread_counters
 from gpuwidget.trace import Trace
 
+# The collate function's timer (a test's fake trace clock leaves it alone).
+perf_counter = time.perf_counter
 # Per-step figures kept per loader for percentiles and stall detection (a bounded window).
 STEP_HISTORY = 20_000
 # Process CPU time is read around one next() in this many: enough to tell CPU work from
@@ -269,6 +276,7 @@ class DataLoaderProbe:
         push = self._records.extend  # one C call per record (a tuple): the sampler thread sees whole records
         clock = now
         counters = thread_counters
+        collate_clock = perf_counter  # a clock of its own: the trace's reads stay two per next()
         every = CPU_SAMPLE_EVERY
         cached_ref: Any = _DEAD  # the iterator of the last next(), and its loader's stats
         cached_stats: Any = None
@@ -293,14 +301,15 @@ class DataLoaderProbe:
             collated = [0.0]
             if collate is not None:
                 def timed(*args: Any, **kwargs: Any) -> Any:
-                    begun = clock()
+                    begun = collate_clock()
                     try:
                         return collate(*args, **kwargs)
                     finally:
-                        collated[0] += clock() - begun
+                        collated[0] += collate_clock() - begun
                 fetcher.collate_fn = timed
             cpu_started, delay_started = counters()
             started = clock()
+            fetch_started = collate_clock()
             try:
                 batch = original_next(iterator)
             except StopIteration:
@@ -312,7 +321,7 @@ class DataLoaderProbe:
                     fetcher.collate_fn = collate
             ended = clock()
             if collate is not None:
-                stats.collate_timed += ended - started
+                stats.collate_timed += collate_clock() - fetch_started
                 stats.collate_total += collated[0]
             cpu_ended, delay_ended = counters()
             stats.wait_cpu_total += cpu_ended - cpu_started
