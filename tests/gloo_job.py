@@ -26,20 +26,33 @@ class Items(Dataset):
 def slow_loader_rank(rank: int, world_size: int, port: int, steps: int, slow_rank: int, delay_s: float) -> None:
     """One DDP rank: ``steps`` batches of 4; ``slow_rank``'s loader sleeps ``delay_s`` per item."""
     import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
-    from torch.utils.data.distributed import DistributedSampler
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:
-        dataset = Items(4 * steps * world_size, delay_s if rank == slow_rank else 0.0)
-        loader = DataLoader(dataset, batch_size=4, sampler=DistributedSampler(dataset, world_size, rank))
-        model = DistributedDataParallel(torch.nn.Linear(4, 1))
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-        for x, y in loader:
-            loss = ((model(x) - y) ** 2).mean()
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
+        fit(rank, world_size, steps, delay_s if rank == slow_rank else 0.0)
     finally:
         dist.destroy_process_group()
+
+
+def fit(rank: int, world_size: int, steps: int, delay_s: float) -> None:
+    """The rank's training, in a function of its own: its DDP model is gone before the process group.
+
+    With torch 2.13 every ``backward()`` leaves a Python object in the thread state that gloo's
+    all-reduce works copy, and a work freed on gloo's thread takes the GIL. A model that outlives
+    ``destroy_process_group()`` holds the group's last reference, and freeing it joins gloo's threads
+    with the GIL held: the rank hangs now and then (gdb: ``~ProcessGroupGloo`` in ``thread.join`` and
+    ``~AsyncAllreduceWork`` in ``take_gil``). Freed from Python, the group lets go of the GIL first.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.utils.data.distributed import DistributedSampler
+
+    dataset = Items(4 * steps * world_size, delay_s)
+    loader = DataLoader(dataset, batch_size=4, sampler=DistributedSampler(dataset, world_size, rank))
+    model = DistributedDataParallel(torch.nn.Linear(4, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    for x, y in loader:
+        loss = ((model(x) - y) ** 2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()

@@ -112,6 +112,7 @@ def main(save_every, total_epochs, batch_size, snapshot_path="snapshot.pt", size
     trainer = Trainer(model, train_data, optimizer, save_every, snapshot_path, straggler, delay)
     trainer.train(total_epochs)
     print(f"[rank{trainer.rank}] trained {trainer.steps} steps")
+    del trainer, model  # DDP's model before its group: tests/gloo_job.py's fit() says why
     destroy_process_group()
 
 

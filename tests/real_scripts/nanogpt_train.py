@@ -210,5 +210,6 @@ while True:
     if iter_num >= max_iters:
         break
 if ddp:
+    del model  # DDP's model before its group: tests/gloo_job.py's fit() says why
     torch.distributed.destroy_process_group()
 print(f"trained {iter_num} iterations")
