@@ -27,6 +27,7 @@ CHROMIUM_ARGS = [
     "--no-first-run",
 ]
 FIXTURES = Path(__file__).parent / "fixtures"
+MEASURE_BUDGET_S = 15
 SCREENSHOTS = Path(__file__).resolve().parents[2] / "build" / "screenshots"
 DOCS_IMAGES = Path(__file__).resolve().parents[2] / "docs" / "images"
 
@@ -58,7 +59,11 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
     for fixture in FIXTURES.glob("*.ipynb"):
         shutil.copy(fixture, root / fixture.name)
     quiet_settings(root / ".settings")
-    with running_lab(root, "gpuwidget-test-token", project_options(root)) as lab:
+    # Measure takes 15 s (the server's setting, which its kernels inherit) rather than the ~35 s a change
+    # its plans announce: the browser tests check what the clicks show, and the tuner's verdicts are
+    # judged in tests/test_tuning.py and tests/test_measure_plan.py.
+    options = [*project_options(root), f"--GpuWidget.measure_budget={MEASURE_BUDGET_S}"]
+    with running_lab(root, "gpuwidget-test-token", options) as lab:
         yield lab
 
 

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from conftest import open_notebook, readme_image, run_all_cells, wait_for
+from conftest import MEASURE_BUDGET_S, open_notebook, readme_image, run_all_cells, wait_for
 
 pytestmark = pytest.mark.browser
 
@@ -57,6 +57,7 @@ def test_measure_saved_reopened_and_clicked(lab, page):
     [offer] = [output["data"][MEASURE_MIME] for output in watched_outputs(saved)
                if MEASURE_MIME in output.get("data", {})]
     assert 0 < offer["budget_s"] < 90  # said in seconds (from 90 s on, in minutes)
+    assert offer["budget_s"] <= MEASURE_BUDGET_S  # the server's GpuWidget.measure_budget reached its kernel
     assert hint.startswith("Measures the suggested changes") and f"(about {offer['budget_s']} s)" in hint
     assert "application/vnd.jupyter.widget-view+json" not in json.dumps(saved)
 

@@ -5,8 +5,9 @@ is its first finding's cause and gain word for word, no panel compares different
 source is the same), locations are the cell's ("cell In [7], line 26"), no "None" and no "1 workers";
 and Measure, clicked under the first panel of each tutorial that offers it as soon as its cell has
 run (while the cell's loader still exists: the tutorials rebind their loaders later), chooses a row of
-its own table and says how the finding's suggestion fared. (One click each: a Measure takes its
-announced budget, 35 s for one change; tests/ui/test_measure.py clicks the saved and reopened ones.)
+its own table and says how the finding's suggestion fared. (One click each: a Measure takes the
+browser tests' server's budget, 15 s, where a user's announces about 35 s a change;
+tests/ui/test_measure.py clicks the saved and reopened ones.)
 
 01 and 02 are the ones a new user runs first and cover the live plot, the panel, the Measure
 offer and the runs' API (40 s together in the browser here; 10 s and 22 s headless with
