@@ -29,6 +29,7 @@ from _common import ROOT, median, parse_args, print_header, table, verdict, writ
 # (label, module, class, method): the parts of a tick, where a checkout has them.
 PARTS = (
     ("tick", "gpuwidget.sampler", "Sampler", "_tick"),
+    ("wait for the tick (prompt GIL: two wakes)", "gpuwidget.sampler", "Sampler", "_wait_until"),
     ("host source", "gpuwidget.sources.host", "HostSource", "read"),
     ("stack sample (tick's first)", "gpuwidget.probes", "Probes", "sample"),
     ("probes' poll", "gpuwidget.probes", "Probes", "poll"),

@@ -21,8 +21,11 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,6 +55,17 @@ WATCHDOG_LATE_S = WATCHDOG_PERIOD_S
 # stop() waits this long for the sampler thread's last reading: a watched cell must end
 # within 1 s of its own code (issue 10), and summarising and showing the run need the rest.
 STOP_DEADLINE_S = 0.5
+# A thread waiting for the GIL asks its holder to let go only after the switch interval (5 ms by
+# default): a tick's ``first`` listener (the stack sample) read the watched thread up to 5 ms after
+# the tick was due, and a wait of pure Python not much longer than that (a tokenizer in a collate_fn,
+# ~6 ms a batch) had mostly ended by then. The reads that came in time were those where the loop
+# let go of the GIL itself (a DataLoader's C calls): in 6 runs of tests/real_scripts/
+# run_clm_no_trainer.py at 20 Hz, 29 to 36 samples a run were read after their wait had ended and
+# 0 to 5 found the tokenizer; with a prompt read, 1 to 12 and 12 to 20 (5 runs). So a tick with such
+# a listener is woken a switch interval (and PROMPT_LEAD_S) early, lowers the interval to
+# PROMPT_SWITCH_S until its sample is taken, and puts the user's back: a few ms a tick.
+PROMPT_SWITCH_S = 0.0005
+PROMPT_LEAD_S = 0.001
 
 
 @dataclass
@@ -73,6 +87,51 @@ class _Read:
     thread: threading.Thread | None
     source: Any
     started: float
+
+
+class PromptGil:
+    """Wakes a tick that reads the watched thread early and lowers the switch interval until its read
+    (:data:`PROMPT_SWITCH_S`): it then gets the GIL within about that much of its due time."""
+
+    def __init__(self) -> None:
+        self.usual: float | None = None  # the interval put back; None while not lowered
+        self.lowered = 0.0  # the interval as set (as sys reports it: whole microseconds)
+        _PROMPTS.add(self)
+
+    def wait(self, stop: threading.Event, due: float) -> bool:
+        """Wait until ``due`` (True: ``stop`` was set, and the interval is put back), with the interval
+        lowered for the last of it: :meth:`restore` puts it back after the read."""
+        early = due - sys.getswitchinterval() - PROMPT_LEAD_S
+        if stop.wait(max(0.0, early - now())):
+            return True
+        current = sys.getswitchinterval()
+        if self.usual is None and current > PROMPT_SWITCH_S:
+            self.usual = current
+            sys.setswitchinterval(PROMPT_SWITCH_S)
+            self.lowered = sys.getswitchinterval()
+        if stop.wait(max(0.0, due - now())):
+            self.restore()
+            return True
+        return False
+
+    def restore(self) -> None:
+        """Put the user's interval back (unless they have set one of their own meanwhile); safe to repeat."""
+        usual, self.usual = self.usual, None
+        if usual is not None and sys.getswitchinterval() == self.lowered:
+            sys.setswitchinterval(usual)
+
+
+_PROMPTS: weakref.WeakSet[PromptGil] = weakref.WeakSet()
+
+
+def _usual_interval_in_child() -> None:
+    """A process forked while a tick had the interval lowered (a DataLoader worker, a rank) starts with
+    the user's: the thread that would have put it back is not in the child."""
+    for prompt in list(_PROMPTS):
+        prompt.restore()
+
+
+os.register_at_fork(after_in_child=_usual_interval_in_child)
 
 
 class Sampler:
@@ -98,6 +157,7 @@ class Sampler:
         self._watchdog: threading.Thread | None = None
         self._reading: _Read | None = None
         self._dropped: list[Any] = []
+        self._prompt = PromptGil()
 
     @property
     def running(self) -> bool:
@@ -170,7 +230,10 @@ class Sampler:
     def _tick(self, owner: threading.Thread | None) -> bool:
         """One row; False when ``owner`` was replaced meanwhile (its reading is discarded)."""
         cpu_before = time.thread_time()
-        self._call(self.first)
+        try:
+            self._call(self.first)
+        finally:
+            self._prompt.restore()
         values: dict[str, float] = {}
         for source in self.sources:
             if source in self._dropped:
@@ -214,11 +277,18 @@ class Sampler:
                 skipped = int(late // interval)
                 self.stats.missed_ticks += skipped
                 due += skipped * interval
-            if self._stop.wait(max(0.0, due - now())):
+            if self._wait_until(due):
                 break
+        self._prompt.restore()
         _due.value = None  # the last reading is not one of the cadence's
         if self._final_tick and self._thread is me:
             self._tick(me)
+
+    def _wait_until(self, due: float) -> bool:
+        """Wait for ``due``; True when stopped. A tick with a ``first`` listener gets the GIL promptly."""
+        if self.first:
+            return self._prompt.wait(self._stop, due)
+        return self._stop.wait(max(0.0, due - now()))
 
     def _watch(self) -> None:
         """Drop a source whose read has been in progress for :data:`SOURCE_DEADLINE_S`."""

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import sys
 import threading
 import time
 
 import pytest
 
-from gpuwidget.sampler import THREAD_NAME, Sampler
+from gpuwidget.clock import now
+from gpuwidget.sampler import PROMPT_SWITCH_S, THREAD_NAME, PromptGil, Sampler, tick_due
 from gpuwidget.sources import host
 from gpuwidget.sources.base import Source
 from gpuwidget.sources.host import HostSource, usable_cpu_count
@@ -114,6 +116,68 @@ def test_the_first_listeners_run_before_any_source_is_read_and_the_others_after_
     sampler.tick()
     assert order == ["first", "source", "after"] * 2
     assert any("first broke" in e for e in sampler.stats.errors)
+
+
+def spin_python(seconds: float) -> None:
+    """Run bytecode for ``seconds``, never letting go of the GIL on its own (as a tokenizer does)."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def test_a_first_listener_reads_promptly_while_the_watched_thread_runs_python_and_the_users_interval_stays():
+    """The stack sample reads where the loop is when its tick is due. A thread running Python keeps the
+    GIL for the switch interval (5 ms) before it is asked to let go: the sampler lowers the interval
+    just before each due tick, and the user's is in force again after each read and after the watch."""
+    usual = sys.getswitchinterval()
+    late: list[float] = []
+    intervals: list[float] = []
+
+    def first(_trace: Trace) -> None:
+        due = tick_due()
+        if due is not None:
+            late.append(now() - due)
+        intervals.append(sys.getswitchinterval())
+
+    sampler = Sampler([CountingSource()], Trace(), interval=0.02, first=[first]).start()
+    try:
+        spin_python(0.6)
+        assert sys.getswitchinterval() in (usual, PROMPT_SWITCH_S)
+        sys.setswitchinterval(0.002)  # the user's own, set while watched
+        spin_python(0.4)
+    finally:
+        sampler.stop()
+    assert sys.getswitchinterval() == pytest.approx(0.002)
+    sys.setswitchinterval(usual)
+    # Each read was a prompt one but the first (due as the sampler starts), the last (after the stop)
+    # and the one whose lowered interval the user replaced with theirs.
+    assert len([i for i in intervals if i != pytest.approx(PROMPT_SWITCH_S)]) <= 3, intervals
+    reads = sorted(late[1:])  # the first tick is due as the sampler starts
+    assert len(reads) >= 20
+    # Without the prompt read, every read comes at least a switch interval (5 ms) late.
+    assert reads[len(reads) // 2] < usual / 2, [round(1e3 * x, 2) for x in reads]
+
+
+def test_a_process_forked_while_a_tick_has_the_interval_lowered_starts_with_the_users():
+    usual = sys.getswitchinterval()
+    prompt = PromptGil()
+    assert not prompt.wait(threading.Event(), now() + 0.002)  # the tick is due: lowered until its read
+    try:
+        assert sys.getswitchinterval() == pytest.approx(PROMPT_SWITCH_S)
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: a DataLoader worker or a rank forked at that moment
+            os.write(write, repr(sys.getswitchinterval()).encode())
+            os._exit(0)
+        os.close(write)
+        in_child = float(os.read(read, 64))
+        os.close(read)
+        os.waitpid(pid, 0)
+        assert sys.getswitchinterval() == pytest.approx(PROMPT_SWITCH_S)  # the parent's tick still reads
+    finally:
+        prompt.restore()
+    assert in_child == usual
+    assert sys.getswitchinterval() == usual
 
 
 def test_stop_returns_within_one_interval_and_leaves_no_thread():

@@ -49,7 +49,7 @@ from gpuwidget.clock import now
 from gpuwidget.facts import MainThreadFigures
 from gpuwidget.probes import BETWEEN_STEPS_SPAN, DATA_WAIT_SPAN, STEP_SPAN, TRAIN_STEP_SPAN, Probes
 from gpuwidget.probes.stack import StackSampler
-from gpuwidget.sampler import set_tick_due
+from gpuwidget.sampler import PromptGil, set_tick_due
 from gpuwidget.sources.schedstat import read_schedstat, schedstat_path
 from gpuwidget.trace import Trace
 
@@ -211,8 +211,12 @@ class ChildAgent:
     def _loop(self) -> None:
         due = now() + self.stack_interval
         next_flush = now() + FLUSH_INTERVAL_S
-        while not self._stop.wait(max(0.0, due - now())):
-            self._sample_stack(due)
+        prompt = PromptGil()  # the stack read within a millisecond of its due time (gpuwidget.sampler)
+        while not prompt.wait(self._stop, due):
+            try:
+                self._sample_stack(due)
+            finally:
+                prompt.restore()
             due += self.stack_interval
             if due < now():  # far behind (the process was stopped, the host overloaded): start again
                 due = now() + self.stack_interval
