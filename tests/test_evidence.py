@@ -175,14 +175,23 @@ def test_a_short_cell_of_in_memory_batches_gets_no_cause_but_how_long_to_watch(w
     """32 in-memory batches (0.2 s): once called io-bound in 3 runs of 3 (four sampled waits of well
     under a millisecond read 0 CPU; with workers, their start-up was most of the wait)."""
     data = TensorDataset(torch.randn(32 * 32, 64), torch.randint(0, 10, (32 * 32,)))
+    short = []
     for _ in range(3):
         run = watched(DataLoader(data, batch_size=32, num_workers=workers),
                       workloads.mlp(features=64, hidden=256, layers=2))
+        assert run.summary["steps"] == 32
+        seen = loop_evidence(run.workload)
+        assert seen is not None
+        if seen.steady_s >= MIN_CAUSE_LOOP_S:
+            # A neighbour stretched this run's steady steps past the gate (fresh-check run 52: 41 % of the
+            # time lost waiting for a core, with workers): it is then not short, and the causes may be named.
+            continue
         rules = {f.rule for f in run.findings}
         assert not rules & LOOP_CAUSES and "watch-longer" in rules, [f.title for f in run.findings]
-        assert run.summary["steps"] == 32
-    assert main_cause(run).startswith("Too short to name a cause: watch at least")
-    assert "watch-longer" in run_text(run)
+        assert main_cause(run).startswith("Too short to name a cause: watch at least")
+        assert "watch-longer" in run_text(run)
+        short.append(seen.steady_s)
+    assert short, "no run was short: the host stretched all three past a second of steady steps"
 
 
 @pytestmark_threads
