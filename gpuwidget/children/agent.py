@@ -190,6 +190,7 @@ class ChildAgent:
         self._started = now()
         self._schedstat = read_schedstat(schedstat_path(self.pid))
         self._destroy: tuple[Any, Any] | None = None  # (torch.distributed, its own destroy_process_group)
+        self._held_groups: list[Any] = []  # process groups destroy_process_group() let go of (see _wrap_destroy)
 
     # ----------------------------------------------------------------- life cycle
 
@@ -247,6 +248,12 @@ class ChildAgent:
         if self._finished or os.getpid() != self.pid:
             return
         self._finished = True
+        try:
+            self._finish()
+        finally:
+            self._held_groups.clear()  # from Python, which lets go of the GIL as a group joins its threads
+
+    def _finish(self) -> None:
         self._stop.set()
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
@@ -367,7 +374,15 @@ class ChildAgent:
     # ----------------------------------------------------------------- torch.distributed
 
     def _wrap_destroy(self) -> None:
-        """Send the facts just before the process group goes: DDP's model and its logging data live until then."""
+        """Send the facts just before the process group goes: DDP's model and its logging data live until then.
+
+        The groups it destroys are also held until the process's exit hook (:meth:`finish`). With torch
+        2.13, a DDP model freed after ``destroy_process_group()`` holds the group's last reference, and
+        freeing it joins gloo's worker threads with the GIL held, while such a thread, freeing an
+        all-reduce whose thread state holds a Python object (each ``backward()`` leaves one), waits
+        for the GIL: the rank hangs at its exit, now and then (1 run in 4 beside a busy core here,
+        gpuwidget or not). Let go of from Python instead, at exit, a group releases the GIL first.
+        """
         dist = sys.modules.get("torch.distributed")
         original = getattr(dist, "destroy_process_group", None)
         if dist is None or original is None or self._destroy is not None:
@@ -375,12 +390,16 @@ class ChildAgent:
         agent = self
 
         def destroy_process_group(*args: Any, **kwargs: Any) -> Any:
-            if os.getpid() == agent.pid and not agent._retired:
-                with contextlib.suppress(Exception):
-                    agent.identify()
-                    agent.flush()
-                    agent.send_facts(final=False)
-            return original(*args, **kwargs)
+            if os.getpid() != agent.pid or agent._retired:
+                return original(*args, **kwargs)
+            with contextlib.suppress(Exception):
+                agent.identify()
+                agent.flush()
+                agent.send_facts(final=False)
+            groups = live_groups(dist)
+            result = original(*args, **kwargs)
+            agent._held_groups.extend(groups)
+            return result
 
         destroy_process_group.__wrapped__ = original  # type: ignore[attr-defined]
         dist.destroy_process_group = destroy_process_group  # type: ignore[attr-defined]
@@ -393,6 +412,15 @@ class ChildAgent:
         if getattr(dist.destroy_process_group, "__wrapped__", None) is original:
             dist.destroy_process_group = original
         self._destroy = None
+
+
+def live_groups(dist: Any) -> list[Any]:
+    """The process groups torch.distributed holds now (its Python objects; [] where it holds none or its
+    private registry has moved)."""
+    try:
+        return list(dist.distributed_c10d._world.pg_map)
+    except Exception:  # noqa: BLE001 - a torch without that registry: nothing held, as before
+        return []
 
 
 def register_after_fork(owner: Any, hook: Any) -> None:
