@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from gloo_job import Items as Samples
+from gloo_job import fit
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -52,22 +53,11 @@ def train(batches: int, delay: float = 0.0, num_workers: int = 0, work_s: float 
 
 
 def ddp_rank(rank: int, world_size: int, port: int, slow_rank: int) -> None:
-    """One DDP rank on gloo; ``slow_rank``'s loader sleeps 10 ms a sample."""
+    """One DDP rank on gloo; ``slow_rank``'s loader sleeps 10 ms a sample (12 batches of 4 a rank)."""
     import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
-    from torch.utils.data.distributed import DistributedSampler
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
-    dataset = Samples(96, 0.01 if rank == slow_rank else 0.0)
-    loader = DataLoader(dataset, batch_size=4, sampler=DistributedSampler(dataset, world_size, rank))
-    model = DistributedDataParallel(nn.Linear(4, 1))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    for x, y in loader:
-        loss = ((model(x) - y) ** 2).mean()
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    del model  # the model before its group: tests/gloo_job.py's fit() says why
+    fit(rank, world_size, 12, 0.01 if rank == slow_rank else 0.0)
     dist.destroy_process_group()
 
 
