@@ -140,10 +140,11 @@ DRIVER_OVERHEAD_MAX = 1.5 * GIB
 APPS_TOLERANCE = 64 * MIB
 # Matmul size for the loads; the bf16 one's FLOP/s is the measured peak MFU is compared with.
 LOAD_N = 8192
-# The bf16 workload's achieved FLOP/s must reach this share of the measured bf16 matmul peak, and
-# must not exceed it by more than the second (a count that says more than the chip can do is wrong).
+# The bf16 workload's achieved FLOP/s must reach this share of the measured bf16 matmul rate, and must
+# not exceed the chip's dense peak from gpuwidget's table (a count that says more than the chip can do
+# is wrong). The measured rate is no ceiling: on the first H200 the workload ran at 1.06 of it (706
+# against 666 TFLOP/s: the load's matmul was timed on a thread, the clocks moved at the 700 W cap).
 ACHIEVED_OF_MEASURED_MIN = 0.75
-ACHIEVED_OF_MEASURED_MAX = 1.05
 # FlopCounterMode's count for one step against the analytic count of the bf16 workload.
 FLOPS_TOLERANCE = 0.10
 # mfu against achieved_flops_per_s / peak_flops_per_s.
@@ -548,11 +549,13 @@ def judge_workload(report: Report, name: str, run: Any, hopper: bool, before: fl
         elif not measured_peak:
             report.fail(check, "the bf16 matmul peak was not measured")
         else:
-            share = achieved / measured_peak
-            report.add(check, ACHIEVED_OF_MEASURED_MIN <= share <= ACHIEVED_OF_MEASURED_MAX,
-                       f"{achieved / 1e12:.0f} TFLOP/s = {share:.2f} of the measured bf16 matmul peak "
-                       f"{measured_peak / 1e12:.0f} TFLOP/s (expected {ACHIEVED_OF_MEASURED_MIN}-"
-                       f"{ACHIEVED_OF_MEASURED_MAX})")
+            share, ceiling = achieved / measured_peak, summary.get("peak_flops_per_s")
+            within = ceiling is None or achieved <= ceiling
+            report.add(check, share >= ACHIEVED_OF_MEASURED_MIN and within,
+                       f"{achieved / 1e12:.0f} TFLOP/s = {share:.2f} of the measured bf16 matmul rate "
+                       f"{measured_peak / 1e12:.0f} TFLOP/s (expected >= {ACHIEVED_OF_MEASURED_MIN}, and at most "
+                       + (f"the chip's dense peak {ceiling / 1e12:.0f} TFLOP/s)" if ceiling is not None
+                          else "the chip's dense peak, unknown for this chip)"))
         check = f"{name} mfu"
         mfu, peak = summary.get("mfu"), summary.get("peak_flops_per_s")
         if mfu is None or peak is None or achieved is None:
@@ -1003,7 +1006,7 @@ class FakeWorkload:
     process_cpu: float
     param_dtype: str = "bfloat16"
     autocast: str | None = None
-    loader: dict[str, Any] | None = None  # batch_size, wait_fraction, wait_cpu_ratio, num_workers
+    loader: dict[str, Any] | None = None  # batch_size, wait_fraction, wait_cpu_ratio, batch_device
     step_s: float = 0.01
     samples_per_step: int = 64
     mem_fraction: float = 0.02
@@ -1015,8 +1018,10 @@ class FakeWorkload:
 FAKE_WORKLOADS = {
     "launch_bound": FakeWorkload(util=93, sm_active=5.0, tensor_active=0.0, process_cpu=100.0, step_s=0.012,
                                  flops_per_step=0.0, rates=(5300.0, 61000.0)),
-    "small_batch": FakeWorkload(util=64, sm_active=18.0, tensor_active=6.0, process_cpu=58.0, autocast="bfloat16",
-                                param_dtype="float32", loader={"batch_size": 8, "wait_fraction": 0.02},
+    # As the first H200 ran it: the host pegged launching a batch-8 step, the data already on the GPU.
+    "small_batch": FakeWorkload(util=14, sm_active=3.3, tensor_active=0.1, process_cpu=98.0, autocast="bfloat16",
+                                param_dtype="float32",
+                                loader={"batch_size": 8, "wait_fraction": 0.03, "batch_device": "cuda"},
                                 step_s=0.004, samples_per_step=8, flops_per_step=3.2e8, rates=(2000.0, 390000.0)),
     "fp32_math": FakeWorkload(util=100, sm_active=97.0, tensor_active=0.0, process_cpu=100.0, param_dtype="float32",
                               step_s=0.0102, samples_per_step=1024, mem_fraction=0.03, flops_per_step=4.8e11,
@@ -1306,7 +1311,7 @@ def fake_run(name: str, spec: FakeWorkload, gpm: bool = True) -> Any:
             "wait_total_s": steps * wait, "compute_total_s": steps * (spec.step_s - wait),
             "loop_time_s": steps * spec.step_s, "wait_cpu_ratio": spec.loader.get("wait_cpu_ratio", 0.0),
             "wait_delay_ratio": 0.0, "step_times": [spec.step_s] * steps, "wait_times": [wait] * steps,
-            "owner": None, "built_at": None,
+            "owner": None, "built_at": None, "batch_device": spec.loader.get("batch_device", "cpu"),
             "settings": {"batch_size": batch, "num_workers": 0, "pin_memory": False, "prefetch_factor": None,
                          "persistent_workers": False, "drop_last": True, "timeout": 0.0, "shuffle": False,
                          "sampler": "SequentialSampler", "custom_sampler": False, "custom_batch_sampler": False,

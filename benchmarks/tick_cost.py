@@ -4,7 +4,8 @@ Each round starts one fresh process per checkout (this one, and each ``--code DI
 of an older commit), in rotating order. The process runs issue 23's 0.3 ms loop (benchmarks/_loops.py)
 2000 steps unwatched, then ``--steps`` steps under ``gpuwidget.watch(quiet=True)`` at the default
 interval, and reports the thread CPU time (``time.thread_time``) of every sampler tick and of its parts:
-the host source's read, the tick's first stack sample, the probes' poll (the stack sampler's spans,
+the host source's read, the GPU source's read (and each NVML function's calls, where a driver
+answers), the tick's first stack sample, the probes' poll (the stack sampler's spans,
 the probes' flushes), and the Trace's row. Each part is timed by a wrapper around the method where the
 checkout has it (a few microseconds a call, alike for every checkout).
 
@@ -31,6 +32,7 @@ PARTS = (
     ("tick", "gpuwidget.sampler", "Sampler", "_tick"),
     ("wait for the tick (prompt GIL: two wakes)", "gpuwidget.sampler", "Sampler", "_wait_until"),
     ("host source", "gpuwidget.sources.host", "HostSource", "read"),
+    ("GPU source (NVML)", "gpuwidget.sources.nvml.source", "NvmlSource", "read"),
     ("stack sample (tick's first)", "gpuwidget.probes", "Probes", "sample"),
     ("probes' poll", "gpuwidget.probes", "Probes", "poll"),
     ("  stack sampler's spans", "gpuwidget.probes.stack", "StackSampler", "tick"),
@@ -62,11 +64,21 @@ for label, module, cls, method in parts:
     owner = getattr(importlib.import_module(module), cls, None)
     if owner is not None and hasattr(owner, method):
         setattr(owner, method, timed(getattr(owner, method), spent[label]))
+nvml_calls = {}  # NVML function -> [calls, thread CPU ns], from every caller
+try:
+    import pynvml
+except ImportError:
+    pynvml = None
+for name in dir(pynvml) if pynvml is not None else ():
+    function = getattr(pynvml, name)
+    if name.startswith("nvml") and callable(function) and not isinstance(function, type):
+        setattr(pynvml, name, timed(function, nvml_calls.setdefault(name, [0, 0])))
 run = make_loop("fast")
 run(2000)
 with gpuwidget.watch(quiet=True):
     wall, _ = run(int(sys.argv[4]))
-print(json.dumps({"wall_s": wall, "steps": int(sys.argv[4]), "parts": spent}))
+nvml_calls = {name: cell for name, cell in nvml_calls.items() if cell[0]}
+print(json.dumps({"wall_s": wall, "steps": int(sys.argv[4]), "parts": spent, "nvml": nvml_calls}))
 """
 
 
@@ -78,6 +90,25 @@ def measure(code: Path, steps: int) -> dict[str, Any]:
     if result.returncode != 0:
         raise RuntimeError(f"{code}: the watched loop failed ({result.returncode}): {result.stderr[-2000:]}")
     return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def nvml_table(done: list[dict[str, Any]]) -> None:
+    """Where a driver answers: each NVML function's thread CPU (the sampler's calls and any other), by cost."""
+    names = {name for r in done for name in r.get("nvml", {})}
+    if not names:
+        return
+
+    def figure(name: str, index: int, per: str) -> float:
+        cells = [(r.get("nvml", {}).get(name, [0, 0]), r["wall_s"]) for r in done]
+        if per == "call":
+            return median([cell[1] / 1e3 / cell[0] for cell, _ in cells if cell[0]])
+        return median([cell[index] / (1e3 if index else 1) / wall for cell, wall in cells])
+
+    rows = sorted(names, key=lambda name: figure(name, 1, "second"), reverse=True)
+    print("  NVML functions, by their thread CPU a second of the loop:")
+    table(["NVML function", "calls a second", "us a call", "us a second of the loop", "share of a core"],
+          [(name, figure(name, 0, "second"), figure(name, 1, "call"), figure(name, 1, "second"),
+            f"{figure(name, 1, 'second') / 1e4:.3f} %") for name in rows])
 
 
 def main() -> None:
@@ -106,6 +137,7 @@ def main() -> None:
         table(["part", "calls a second", "us a call", "us a second of the loop", "share of a core"],
               [(label, calls_per_s[label], per_call[label], per_s[label], f"{per_s[label] / 1e4:.3f} %")
                for label, *_ in PARTS if calls_per_s[label]])
+        nvml_table(done)
         results["checkouts"].append({"code": str(code), "step_ms": step_ms, "us_per_s": per_s,
                                      "us_per_call": per_call, "calls_per_s": calls_per_s, "runs": done})
     print()

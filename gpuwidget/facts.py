@@ -106,6 +106,9 @@ class LoaderFacts(TypedDict, total=False):
     wait_cpu_ratio: float | None  # CPU seconds of the looping thread per wall second while blocked in next()
     wait_delay_ratio: float | None  # its run delay (runnable, waiting for a core) per wall second then
     collate_share: float | None  # of the sampled waits without workers, the share in the collate function
+    # Device type of the batches' tensors as next() returned them ("cpu"; "cuda": a dataset already on
+    # the GPU, nothing to pin); None: not read (an older run, or no tensor in the batch).
+    batch_device: str | None
     step_times: list[float]  # seconds per step, the latest STEP_HISTORY of them
     wait_times: list[float]  # seconds blocked per next(), the latest STEP_HISTORY
     owner: str | None  # framework that built or drives it: "transformers", "accelerate", "lightning"

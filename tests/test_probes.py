@@ -12,7 +12,7 @@ from torch.nn.modules import module as nn_module
 from torch.utils.data import DataLoader, TensorDataset
 
 from gpuwidget.probes import Probes
-from gpuwidget.probes.torch_data import DataLoaderProbe, first_dim, loader_settings
+from gpuwidget.probes.torch_data import DataLoaderProbe, batch_device, first_dim, loader_settings
 from gpuwidget.probes.torch_model import TOP_LEVEL_CALLS, CudaMemoryProbe, ModelProbe
 from gpuwidget.trace import Trace
 
@@ -63,6 +63,28 @@ def test_persistent_workers_iterator_counts_epochs_without_a_step_across_them():
 )
 def test_samples_per_batch_is_the_first_dimension_of_the_first_tensor(batch, samples):
     assert first_dim(batch) == samples
+
+
+@pytest.mark.parametrize(("device", "batches"), [("cpu", lambda data: data), ("meta", lambda data: data.to("meta"))])
+def test_the_loader_facts_say_where_its_batches_live(device, batches):
+    # "meta" stands for a dataset held on the GPU (no GPU here): anything but "cpu" has nothing to pin.
+    probe = DataLoaderProbe(Trace())
+    loader = DataLoader(TensorDataset(batches(torch.zeros(64, 3))), batch_size=4)
+    probe.install()
+    try:
+        for _ in loader:
+            pass
+    finally:
+        probe.uninstall()
+    (stats,) = probe.stats
+    assert stats.facts({})["batch_device"] == device
+
+
+@pytest.mark.parametrize(("batch", "device"),
+                         [((torch.zeros(2), 1), "cpu"), ({"ids": [torch.zeros(1, device="meta")]}, "meta"),
+                          (["text"], None), (3, None)])
+def test_batch_device_is_the_first_tensors(batch, device):
+    assert batch_device(batch) == device
 
 
 def test_loader_settings_are_plain_data():

@@ -160,6 +160,10 @@ def test_pin_memory_only_when_the_model_is_on_cuda():
     assert "pin_memory" not in dataloader_starved.check(summary(), starved, NO_GPU).change
     on_gpu = {**starved, "model": cuda_model()}
     assert dataloader_starved.check(summary(busy=40.0), on_gpu, H100).change["pin_memory"] is True
+    # ... and its batches in host memory: a dataset already on the GPU has nothing to pin.
+    held_there = {"loaders": [{**loader_facts(wait=1.0, compute=1.0), "batch_device": "cuda"}],
+                  "model": cuda_model()}
+    assert "pin_memory" not in dataloader_starved.check(summary(busy=40.0), held_there, H100).change
 
 
 def test_every_suggested_change_builds_a_valid_dataloader():
@@ -271,6 +275,16 @@ def test_pageable_transfer_only_when_the_loop_is_not_already_starved():
     pinned = {"loaders": [loader_facts(pin=True)], "model": cuda_model()}
     assert pageable_transfer.check(summary(busy=70.0), pinned, H100) is None
     assert pageable_transfer.check(summary(busy=70.0, wait_fraction=0.3), workload, H100) is None
+
+
+
+def test_a_loader_whose_batches_are_already_on_the_gpu_is_never_told_to_pin_them():
+    # A dataset held on the GPU (benchmarks/_gpu_workloads.py's small_batch, as recorded on an H200)
+    # copies nothing, and pin_memory=True on its CUDA tensors would raise in the loader's pin thread.
+    on_gpu = {"loaders": [{**loader_facts(), "batch_device": "cuda"}], "model": cuda_model()}
+    assert pageable_transfer.check(summary(busy=70.0), on_gpu, H100) is None
+    host = {"loaders": [{**loader_facts(), "batch_device": "cpu"}], "model": cuda_model()}
+    assert pageable_transfer.check(summary(busy=70.0), host, H100).change == {"pin_memory": True}
 
 
 def test_periodic_stall_needs_a_regular_period():

@@ -49,7 +49,7 @@ def gpm_summary(sm_active: float, kernel_running: float | None, **extra: Any) ->
 
 
 def test_launch_bound_sees_tiny_kernels_that_keep_utilisation_high():
-    workload = {"loaders": [loader()], "model": model()}
+    workload = {"model": model()}  # data made on the GPU: no loader whose batch could grow
     tiny_kernels = gpm_summary(18.0, 97.0, process_cpu_mean=100.0)
     finding = launch_bound.check(tiny_kernels, workload, H100)
     assert finding is not None
@@ -62,8 +62,28 @@ def test_launch_bound_sees_tiny_kernels_that_keep_utilisation_high():
 
 @pytest.mark.parametrize(("sm_active", "fires"), [(49.9, True), (50.0, False)])
 def test_launch_bound_judges_sm_activity_at_dcgms_half(sm_active, fires):
-    pegged = gpm_summary(sm_active, 99.0, process_cpu_mean=100.0)
+    # Memory at 60%: the batch cannot double, so small-batch has nothing to say and launch-bound judges.
+    pegged = gpm_summary(sm_active, 99.0, process_cpu_mean=100.0, peak_gpu_mem_fraction=0.6)
     assert (launch_bound.check(pegged, {"loaders": [loader()], "model": model()}, H100) is not None) is fires
+
+
+def test_a_small_batch_that_pegs_the_host_is_named_small_batch_and_launch_bound_stands_aside():
+    # As measured on an H200 (benchmarks/gpu_check.py's small_batch workload, tests/fixtures/gpu/):
+    # batches of 8 through an MLP, SMs active 3%, the process at 98% of a core, 0.8% of the memory.
+    workload = {"loaders": [loader(batch=8)], "model": model()}
+    figures = gpm_summary(3.3, 14.4, process_cpu_mean=97.7, peak_gpu_mem_fraction=0.008, data_wait_fraction=0.033)
+    finding = small_batch.check(figures, workload, H100)
+    assert finding is not None and finding.change == {"batch_size": 512}
+    assert finding.evidence["process_cpu_percent"] == 97.7
+    assert "98% of a core" in finding.suggestion and "torch.compile" in finding.suggestion
+    assert launch_bound.check(figures, workload, H100) is None
+    # The same host with its memory full: the batch cannot grow, the launches are the cause.
+    full = {**figures, "peak_gpu_mem_fraction": 0.7}
+    assert small_batch.check(full, workload, H100) is None
+    assert launch_bound.check(full, workload, H100) is not None
+    # A host that is not pegged: small-batch says nothing about launching.
+    calm = small_batch.check({**figures, "process_cpu_mean": 40.0}, workload, H100)
+    assert calm is not None and "process_cpu_percent" not in calm.evidence and "core" not in calm.suggestion
 
 
 @pytest.mark.parametrize(("kernel_running", "sm_active", "fires"),

@@ -390,6 +390,12 @@ def workers_worth_it(d: LoaderDiagnosis, main_uses_cpu: bool = True) -> int:
     return needed if gains[needed] >= (1.0 - WORKER_GAIN_SLACK) * gains[best] else best
 
 
+def host_batches(loader: LoaderFacts) -> bool:
+    """The loader hands out batches in host memory (or where they live was not read): only those can be
+    pinned; a dataset already on the GPU copies nothing, and ``pin_memory`` on its tensors raises."""
+    return loader.get("batch_device") in (None, "cpu")
+
+
 def _uses_cuda(workload: WorkloadFacts, machine: MachineFacts) -> bool:
     model = workload.get("model") or {}
     return "cuda" in (model.get("param_devices") or []) or bool(workload.get("cuda"))
@@ -411,6 +417,6 @@ def _change(d: LoaderDiagnosis, settings: LoaderSettings, workload: WorkloadFact
             change["prefetch_factor"] = max(4, 2 * current)
         if d.loader.get("epochs", 0) >= 2 and not settings.get("persistent_workers"):
             change["persistent_workers"] = True
-    if _uses_cuda(workload, machine) and not settings.get("pin_memory"):
+    if _uses_cuda(workload, machine) and not settings.get("pin_memory") and host_batches(d.loader):
         change["pin_memory"] = True
     return change

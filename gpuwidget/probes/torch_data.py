@@ -100,6 +100,7 @@ class LoaderStats:
         self.built: origins.Origin | None = None  # origin.stack_origin where the loader was built
         self.iterated: origins.Origin | None = None  # ... and where it was first iterated
         self.last_batch_samples = 0
+        self.batch_device: str | None = None  # where the batches' tensors live, read on a sampled next()
         self.stopped_at = -1  # `calls` when an iterator last raised StopIteration
 
     @property
@@ -144,6 +145,7 @@ class LoaderStats:
             # The share of the loop's wait in next() spent in the collate function, where the loop's
             # thread built the batches itself (num_workers=0; None: never timed).
             "collate_share": self.collate_total / self.collate_timed if self.collate_timed > 0 else None,
+            "batch_device": self.batch_device,
             "step_times": list(self.step_times),
             "wait_times": list(self.wait_times),
             "owner": self.owner,
@@ -331,6 +333,8 @@ class DataLoaderProbe:
                                           else stats.wait_delay_total + delay_ended - delay_started)
             stats.calls += 1
             probe.last = stats
+            if stats.batch_device is None:
+                stats.batch_device = batch_device(batch)
             push((stats.slot, started, ended, batch_samples(batch)))
             return batch
 
@@ -489,6 +493,19 @@ def batch_samples(batch: Any) -> int:
         if shape is not None:
             return int(shape[0]) if len(shape) else 1
     return first_dim(batch)
+
+
+def batch_device(batch: Any, depth: int = 0) -> str | None:
+    """The device type ("cpu", "cuda") of a batch's first tensor (tuples, lists, dicts); None: no tensor."""
+    device = getattr(batch, "device", None)
+    if device is not None:
+        return str(getattr(device, "type", device))
+    if depth < 4:
+        if isinstance(batch, (tuple, list)) and batch:
+            return batch_device(batch[0], depth + 1)
+        if isinstance(batch, Mapping) and batch:
+            return batch_device(next(iter(batch.values())), depth + 1)
+    return None
 
 
 def first_dim(batch: Any, depth: int = 0) -> int:

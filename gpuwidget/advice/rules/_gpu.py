@@ -11,6 +11,8 @@ from gpuwidget.facts import MachineFacts, Summary, WorkloadFacts
 # running": one tiny kernel counts as 100%), so where GPM gives SM activity (Hopper and newer, MIG
 # instances included) the summary's busy figure is SM activity, and the rules judge that.
 SM_ACTIVE_LOW_PERCENT = 50.0
+# The main process at or above this share of one core is pegged (Python is single-threaded).
+PEGGED_PROCESS_PERCENT = 90.0
 
 
 class Busy(NamedTuple):

@@ -6,6 +6,8 @@ utilisation high (some kernel is always running) while most SMs sit idle.
 Each step launches many small kernels and the host cannot issue them fast enough: the
 GPU waits on Python and the CUDA launch path. Fusing work (torch.compile), replaying whole
 steps (CUDA graphs, ``mode="reduce-overhead"``) or a larger batch per launch cut that cost.
+Where the loader's batch can grow (small-batch fires), that rule names the cause instead: on a
+fast GPU a small batch pegs the host too, and the batch is the larger lever.
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ from __future__ import annotations
 from gpuwidget.advice.code import model_code
 from gpuwidget.advice.finding import Finding, FindingChange
 from gpuwidget.advice.loader import STARVED_WAIT_FRACTION
+from gpuwidget.advice.rules import small_batch
 from gpuwidget.advice.rules._gpu import (
+    PEGGED_PROCESS_PERCENT,
     SM_ACTIVE_LOW_PERCENT,
     busy,
     gpu_measured,
@@ -28,8 +32,6 @@ RULE = "launch-bound"
 # waits on kernel launches. With GPM the busy figure is SM activity, judged at DCGM's SM_ACTIVE_LOW_PERCENT
 # (the same 50): tiny kernels keep utilisation near 100% while SM activity reads a few percent.
 LOW_GPU_BUSY_PERCENT = 50.0
-# The main process at or above this share of one core is pegged (Python is single-threaded).
-PEGGED_PROCESS_PERCENT = 90.0
 
 
 def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> Finding | None:
@@ -43,6 +45,8 @@ def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> F
         return None
     if wait >= STARVED_WAIT_FRACTION:
         return None
+    if small_batch.check(summary, workload, machine) is not None:
+        return None  # the batch can grow: small-batch names this cause, with the loader's change
     model = workload.get("model") or {}
     name = model_name(workload)
     compiled = bool(model.get("compiled"))

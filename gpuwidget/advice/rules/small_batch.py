@@ -3,6 +3,11 @@
 Each step does too little work to keep the GPU busy; a larger batch does more per launch
 and per Python step. Memory headroom bounds how far the batch can grow; utilisation
 bounds the gain (the GPU cannot be busier than 100%).
+
+On a fast GPU a small batch also pegs the host: an H200 finishes a batch-8 MLP step's kernels
+long before Python has launched the next ones (benchmarks/gpu_check.py's small-batch workload: SMs
+active 3%, the process at 98% of a core, 60x the samples/s at batch 512). The batch is then still
+the lever, and this rule names it; launch-bound, the same idle GPU seen from the host, stands aside.
 """
 
 from __future__ import annotations
@@ -13,8 +18,13 @@ from gpuwidget.advice.code import loader_code
 from gpuwidget.advice.evidence import enough_evidence
 from gpuwidget.advice.finding import Finding, FindingChange
 from gpuwidget.advice.loader import STARVED_WAIT_FRACTION
-from gpuwidget.advice.rules._gpu import SM_ACTIVE_LOW_PERCENT, busy, gpu_measured, gpu_speedup_bound
-from gpuwidget.advice.rules.launch_bound import PEGGED_PROCESS_PERCENT  # there, launch-bound names the cause
+from gpuwidget.advice.rules._gpu import (
+    PEGGED_PROCESS_PERCENT,
+    SM_ACTIVE_LOW_PERCENT,
+    busy,
+    gpu_measured,
+    gpu_speedup_bound,
+)
 from gpuwidget.facts import MachineFacts, Summary, WorkloadFacts
 from gpuwidget.figures.summary import primary_loader
 
@@ -42,7 +52,7 @@ def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> F
         return None
     if not enough_evidence(workload):
         return None  # too short a loop to judge its GPU use (advice.evidence; watch-longer says so)
-    if wait >= STARVED_WAIT_FRACTION or (summary.get("process_cpu_mean") or 0) >= PEGGED_PROCESS_PERCENT:
+    if wait >= STARVED_WAIT_FRACTION:
         return None
     batch = (loader.get("settings") or {}).get("batch_size")
     if not batch:
@@ -53,16 +63,24 @@ def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> F
     sm = worked.signal == "sm_active"
     idle_what = "GPU's SMs" if sm else "GPU"
     busy_what = "GPU's SMs were active" if sm else "GPU ran a kernel"
+    process = summary.get("process_cpu_mean")
+    pegged = process is not None and process >= PEGGED_PROCESS_PERCENT
+    evidence = {**worked.evidence, "peak_gpu_mem_fraction": round(memory, 3), "batch_size": batch,
+                "data_wait_fraction": round(wait, 3)}
+    host = ""
+    if pegged:
+        evidence["process_cpu_percent"] = round(process, 1)
+        host = (f" The process used {process:.0f}% of a core launching each step's kernels: a larger batch spreads "
+                "that cost over more samples (compiling the model, torch.compile, cuts it too).")
     return Finding(
         rule=RULE,
         severity="warn",
         title=f"Batches of {batch} leave the {idle_what} idle {100 - worked.percent:.0f}% of the time",
-        evidence={**worked.evidence, "peak_gpu_mem_fraction": round(memory, 3), "batch_size": batch,
-                  "data_wait_fraction": round(wait, 3)},
+        evidence=evidence,
         suggestion=(f"The {busy_what} {worked.percent:.0f}% of the time and it used at most {100 * memory:.0f}% "
-                    f"of its memory, and the loop was not waiting for data. A batch of {new_batch} gives each step "
-                    "more work per launch; scale the learning rate with it (linearly, with warm-up) to keep "
-                    "the same training dynamics."),
+                    f"of its memory, and the loop was not waiting for data.{host} A batch of {new_batch} gives "
+                    "each step more work per launch; scale the learning rate with it (linearly, with warm-up) "
+                    "to keep the same training dynamics."),
         change=change,
         code=loader_code(loader, change, workload),
         expected_speedup=gpu_speedup_bound(summary),
