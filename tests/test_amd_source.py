@@ -276,7 +276,8 @@ def test_a_run_saved_before_vendors_loads_with_the_drivers_index(tmp_path):
 
     from gpuwidget.run import Run
 
-    saved = Path(__file__).parent / "fixtures" / "gpu-fake" / "small_batch.json"
+    # The dry run's small_batch run as the GPU check saved it before vendors were named (c9dbe57).
+    saved = Path(__file__).parent / "fixtures" / "old-runs" / "before-vendors.json"
     assert '"nvml_index":0' in saved.read_text()  # written with the old name
     run = Run.load(saved)
     [gpu] = run.machine["gpus"]
