@@ -331,10 +331,40 @@ def status_line(run: Run) -> str:
     return f"{label}running"
 
 
+# The sampler thread's own share of a core above which the run says what watching cost and where
+# (measured over at least WATCH_COST_MIN_TICKS ticks, so a short cell's one-off first ticks do not
+# count): ~0.3 % on a 2-core VM, ~5 % on an H200 machine (BENCHMARKS.md, section 8a).
+WATCH_COST_NOTE_SHARE = 0.02
+WATCH_COST_MIN_TICKS = 20
+# How the parts of a sampler tick (Run.sampler["part_cpu_s"]) are named in that note.
+TICK_PART_NAMES = {"nvml": "the NVML reads", "amdsmi": "the amdsmi reads", "host": "the host's /proc reads",
+                   "stack sample": "the stack sample", "trace row": "the Trace's row",
+                   "listeners": "the probes and the live view"}
+
+
+def watch_cost_notes(run: Run) -> list[str]:
+    """"watching took 5.1% of a core here (12.0 ms a tick, most of it the NVML reads, 9.0 ms): ..."
+    where the sampler's own CPU passed WATCH_COST_NOTE_SHARE of the watch; else nothing."""
+    sampler = run.sampler or {}
+    cpu, ticks = sampler.get("cpu_time_s") or 0.0, sampler.get("ticks") or 0
+    duration = (run.summary or {}).get("duration_s") or 0.0
+    if ticks < WATCH_COST_MIN_TICKS or duration <= 0 or cpu / duration < WATCH_COST_NOTE_SHARE:
+        return []
+    where = ""
+    parts = sampler.get("part_cpu_s") or {}
+    if parts:
+        part, spent = max(parts.items(), key=lambda item: item[1])
+        where = f", most of it {TICK_PART_NAMES.get(part, part)}, {1e3 * spent / ticks:.1f} ms"
+    return [f"watching took {100 * cpu / duration:.1f}% of a core here ({1e3 * cpu / ticks:.1f} ms a tick{where}): "
+            "a longer --interval costs less"]
+
+
 def gpu_lines(run: Run) -> list[str]:
-    """One line per watched GPU, or the reason there is none; then each source that stopped answering."""
+    """One line per watched GPU, or the reason there is none; then each source that stopped answering,
+    and what watching cost where it cost more than it should."""
     # "GPU 1 stopped answering at 12.4 s; its readings end there" (the sampler dropped it).
     stalled = [str(entry.get("message")) for entry in run.sampler.get("stalled") or []]
+    stalled += watch_cost_notes(run)
     if not run.gpu_found:
         message = run.machine.get("gpu_message") or NO_GPU
         return [f"{message}: host metrics only", *stalled]

@@ -56,6 +56,9 @@ class SamplerRecord(TypedDict, total=False):
     ticks: int
     missed_ticks: int
     cpu_time_s: float  # the sampler thread's own CPU time
+    # cpu_time_s by part of a tick: "stack sample", each source by name ("host", "nvml"), "trace row",
+    # "listeners" (absent in runs saved before it was kept)
+    part_cpu_s: dict[str, float]
     errors: list[str]  # the last 10
     stalled: Sequence[Mapping[str, object]]  # sources dropped because a read never returned: source, at_s, message
     source_errors: list[SavedSourceError]  # the last 20 failures the sources recorded

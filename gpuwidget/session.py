@@ -216,7 +216,8 @@ class Watch:
             if self._sampler is not None:
                 stats = self._sampler.stats
                 run.sampler = {"ticks": stats.ticks, "missed_ticks": stats.missed_ticks,
-                               "cpu_time_s": stats.cpu_time_s, "errors": stats.errors[-10:],
+                               "cpu_time_s": stats.cpu_time_s, "part_cpu_s": dict(stats.part_cpu_s),
+                               "errors": stats.errors[-10:],
                                "stalled": list(stats.stalled),
                                "source_errors": [e.to_dict() for s in self._sources for e in s.errors][-20:]}
         except Exception as exc:  # noqa: BLE001

@@ -63,12 +63,11 @@ def check(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -> F
     sm = worked.signal == "sm_active"
     idle_what = "GPU's SMs" if sm else "GPU"
     busy_what = "GPU's SMs were active" if sm else "GPU ran a kernel"
-    process = summary.get("process_cpu_mean")
-    pegged = process is not None and process >= PEGGED_PROCESS_PERCENT
+    process = summary.get("process_cpu_mean") or 0.0
     evidence = {**worked.evidence, "peak_gpu_mem_fraction": round(memory, 3), "batch_size": batch,
                 "data_wait_fraction": round(wait, 3)}
     host = ""
-    if pegged:
+    if process >= PEGGED_PROCESS_PERCENT:
         evidence["process_cpu_percent"] = round(process, 1)
         host = (f" The process used {process:.0f}% of a core launching each step's kernels: a larger batch spreads "
                 "that cost over more samples (compiling the model, torch.compile, cuts it too).")
