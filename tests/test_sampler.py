@@ -7,6 +7,7 @@ import os
 import sys
 import threading
 import time
+from typing import Any
 
 import pytest
 
@@ -305,6 +306,62 @@ def test_descendants_are_found_through_proc_as_psutil_finds_them():
     finally:
         worker.terminate()
         worker.join()
+
+
+def _wait_for_descendants(count: int) -> set[int]:
+    import psutil
+
+    deadline = time.monotonic() + 5
+    while len(psutil.Process().children(recursive=True)) < count and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+def test_without_the_kernels_children_lists_one_pass_over_proc_finds_what_psutil_finds(monkeypatch):
+    # A kernel built without CONFIG_PROC_CHILDREN (minimal VM kernels, gVisor) has no
+    # /proc/<pid>/task/<tid>/children: the source reads each process's parent instead.
+    worker = multiprocessing.get_context("fork").Process(target=_parent_of_a_sleeper)
+    worker.start()
+    try:
+        expected = _wait_for_descendants(2)
+        assert len(expected) >= 2  # the worker and its own child
+        assert set(host._descendants_by_scan(os.getpid())) == expected
+        monkeypatch.setattr(host, "_descendants", lambda pid: None)
+        source = HostSource()
+        time.sleep(0.05)
+        values = source.read()
+        assert values["proc.workers"] == len(expected)
+    finally:
+        worker.terminate()
+        worker.join()
+    assert host._descendants_by_scan(os.getpid(), proc="/nonexistent") is None
+
+
+def _costly(cpu_s: float, found: list[int]) -> Any:
+    def listing(pid: int) -> list[int]:
+        end = time.thread_time() + cpu_s
+        while time.thread_time() < end:
+            pass
+        return found
+    return listing
+
+
+@pytest.mark.parametrize(("cpu_s", "listings"), [(0.0, 20), (0.004, 1)])
+def test_a_costly_listing_of_children_is_not_repeated_every_early_tick(monkeypatch, cpu_s, listings):
+    # In a watch's first seconds the children are listed every tick (workers starting), unless a
+    # listing costs more than LISTING_EARLY_MAX_S; then no sooner than its cost / LISTING_BUDGET_SHARE.
+    monkeypatch.setattr(host, "_descendants", lambda pid: None)
+    calls: list[int] = []
+    listing = _costly(cpu_s, [])
+    monkeypatch.setattr(host.ProcScan, "descendants", lambda self, pid: calls.append(1) or listing(pid))
+    source = HostSource()
+    for _ in range(20):
+        source.read()
+    assert len(calls) == listings
+    if cpu_s:
+        assert source.listing_cpu_s >= cpu_s
+        assert source._listing_every == pytest.approx(max(host.CHILDREN_REFRESH_S,
+                                                          source.listing_cpu_s / host.LISTING_BUDGET_SHARE))
 
 
 def test_host_source_first_read_has_no_rates():

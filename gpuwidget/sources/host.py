@@ -43,6 +43,7 @@ refreshes the last value is reported again, so series stay continuous.
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,6 +62,15 @@ CHILDREN_REFRESH_S = 1.0
 # then every tick, so that a worker's start-up (seconds of CPU for a spawned one importing
 # torch) is reported while it happens, not in one late lump after the first batch.
 CHILDREN_EARLY_S = 2.0
+# Where the kernel keeps no children lists (CONFIG_PROC_CHILDREN off: minimal VM kernels, gVisor),
+# finding descendants means reading every process's parent from /proc/<pid>/stat. psutil's pass took
+# ~25 us a process (10-15 ms a tick with 567 processes, BENCHMARKS.md section 2); a tick of the
+# H200 machine took ~12 ms of CPU (section 8a), most of it probably that. ProcScan keeps each pid's
+# parent between listings (a listing then costs about a listdir), and a listing is repeated no sooner
+# than keeps its cost under this share of a core, and not every early tick unless it costs under
+# LISTING_EARLY_MAX_S.
+LISTING_BUDGET_SHARE = 0.002
+LISTING_EARLY_MAX_S = 0.002
 # Seconds between disk/network counter reads (rates are averaged over this span), and between
 # reads of host memory (which changes slowly and costs a parse of /proc/meminfo).
 IO_REFRESH_S = 0.5
@@ -104,6 +114,10 @@ class HostSource:
         self._workers = 0  # live child processes at the last reading
         self._children_listed = -float("inf")
         self._early_until = now() + CHILDREN_EARLY_S
+        self._listing_every = CHILDREN_REFRESH_S  # seconds between listings, longer where one costs more
+        self._listing_cheap = True  # a listing cheap enough to repeat every early tick
+        self.listing_cpu_s = 0.0  # this thread's CPU in the last listing of the children
+        self._scan = ProcScan()  # where the kernel keeps no children lists
         self._listed: list[psutil.Process] = []
         self._base: _ProcessTotals | None = None  # counters at the start of the current rate interval
         limits = self._limits = read_limits()
@@ -208,9 +222,13 @@ class HostSource:
             return
         try:
             own, reaped, values["proc.rss"] = self._process_times()
-            if t - self._children_listed >= CHILDREN_REFRESH_S or t < self._early_until:
+            if t - self._children_listed >= self._listing_every or (t < self._early_until and self._listing_cheap):
                 self._children_listed = t
+                started = time.thread_time()
                 self._listed = self._list_children()
+                self.listing_cpu_s = cost = time.thread_time() - started
+                self._listing_every = max(CHILDREN_REFRESH_S, cost / LISTING_BUDGET_SHARE)
+                self._listing_cheap = cost <= LISTING_EARLY_MAX_S
             live_cpu, workers_delay = self._children_counters(self._listed)
             values["proc.workers"] = float(self._workers)
         except psutil.Error as exc:
@@ -254,9 +272,12 @@ class HostSource:
         """This process's descendants, reusing the Process objects already known.
 
         On Linux the kernel lists each thread's children in /proc/<pid>/task/<tid>/children,
-        so finding them costs a few reads, where psutil reads every process on the host.
+        so finding them costs a few reads; without those lists, one pass over every process's
+        parent (:func:`_descendants_by_scan`); without /proc, psutil's.
         """
         pids = _descendants(self._process.pid)
+        if pids is None:
+            pids = self._scan.descendants(self._process.pid)
         if pids is None:
             return self._process.children(recursive=True)
         known = {p.pid: p for p in self._listed}
@@ -446,6 +467,72 @@ def _descendants(pid: int) -> list[int] | None:
             found.extend(children)
             stack.extend(children)
     return found
+
+
+class ProcScan:
+    """A process's descendants where the kernel keeps no children lists: each process's parent, the
+    4th field of /proc/<pid>/stat (after the command name's closing parenthesis), kept between
+    listings. A listing reads the stat of new pids only, and again of the descendants it found last
+    time (whose parent changes when theirs ends), so after the first one it costs about a listdir.
+    A pid reused by another process between two listings keeps its old parent here until it is
+    listed as a descendant; pids are handed out in order, so that needs a wrap-around."""
+
+    def __init__(self, proc: str = "/proc") -> None:
+        self.proc = proc
+        self.parents: dict[int, int] = {}
+        self._last: set[int] = set()
+        self.stat_reads = 0  # stats read so far (what a listing costs beyond the listdir)
+
+    def descendants(self, pid: int) -> list[int] | None:
+        """Pids below ``pid``; None where there is no /proc to read."""
+        try:
+            names = os.listdir(self.proc)
+        except OSError:
+            return None
+        known, last = self.parents, self._last
+        parents: dict[int, int] = {}
+        for name in names:
+            if not name.isdigit():
+                continue
+            number = int(name)
+            parent = known.get(number)
+            if parent is None or number in last:
+                parent = self._parent(name)
+                if parent is None:
+                    continue  # ended meanwhile
+            parents[number] = parent
+        self.parents = parents
+        children: dict[int, list[int]] = {}
+        for number, parent in parents.items():
+            children.setdefault(parent, []).append(number)
+        found: list[int] = []
+        stack = [pid]
+        while stack:
+            below = children.get(stack.pop(), ())
+            found.extend(below)
+            stack.extend(below)
+        self._last = set(found)
+        return found
+
+    def _parent(self, name: str) -> int | None:
+        self.stat_reads += 1
+        try:
+            fd = os.open(f"{self.proc}/{name}/stat", os.O_RDONLY)
+        except OSError:
+            return None
+        try:
+            data = os.read(fd, 4096)
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
+        fields = data[data.rfind(b")") + 2:].split(b" ", 2)
+        return int(fields[1]) if len(fields) >= 2 and fields[1].isdigit() else None
+
+
+def _descendants_by_scan(pid: int, proc: str = "/proc") -> list[int] | None:
+    """Pids below ``pid`` from every process's parent, in one pass (:class:`ProcScan`, from scratch)."""
+    return ProcScan(proc).descendants(pid)
 
 
 def _cpu_split(times: Any) -> tuple[float, float, float]:
