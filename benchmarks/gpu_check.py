@@ -494,6 +494,17 @@ def key_figures(summary: Mapping[str, Any]) -> str:
     return ", ".join(parts)
 
 
+def sampler_figures(run: Any) -> dict[str, Any]:
+    """The watch's own cost: the sampler thread's CPU a tick, in all and by part (ms)."""
+    sampler = getattr(run, "sampler", None) or {}
+    ticks = sampler.get("ticks") or 0
+    if not ticks:
+        return {}
+    return {"sampler_ms_per_tick": round(1e3 * (sampler.get("cpu_time_s") or 0.0) / ticks, 3),
+            "sampler_parts_ms_per_tick": {part: round(1e3 * spent / ticks, 3)
+                                          for part, spent in (sampler.get("part_cpu_s") or {}).items()}}
+
+
 def judge_workload(report: Report, name: str, run: Any, hopper: bool, before: float | None, after: float | None,
                    measured_peak: float | None, analytic_flops: float | None) -> None:
     """The checks on one workload's Run: its rules, its busy figure, its change, its FLOPs and MFU."""
@@ -506,7 +517,8 @@ def judge_workload(report: Report, name: str, run: Any, hopper: bool, before: fl
         **{key: summary.get(key) for key in ("gpu_busy_mean", "gpu_busy_metric", "gpu_sm_active_mean",
                                              "gpu_kernel_running_mean", "gpu_tensor_active_mean", "process_cpu_mean",
                                              "data_wait_fraction", "peak_gpu_mem_fraction", "flops_per_step",
-                                             "achieved_flops_per_s", "peak_flops_per_s", "mfu", "flops_dtype")}}
+                                             "achieved_flops_per_s", "peak_flops_per_s", "mfu", "flops_dtype")},
+        **sampler_figures(run)}
 
     check = f"{name} busy figure"
     metric, busy, sm = summary.get("gpu_busy_metric"), summary.get("gpu_busy_mean"), summary.get("gpu_sm_active_mean")
@@ -727,6 +739,21 @@ def run_checks(machine: Machine, report: Report) -> None:
             report.write()
 
 
+def host_facts() -> dict[str, Any]:
+    """What the host source's cost depends on (the H200 machine's sampler took ~12 ms a tick,
+    BENCHMARKS.md section 8a): the kernel, its children lists, schedstat, PSI, processes, cores."""
+    import platform
+
+    pid = os.getpid()
+    try:
+        processes = sum(1 for name in os.listdir("/proc") if name.isdigit())
+    except OSError:
+        processes = None
+    return {"kernel": platform.release(), "cpus": os.cpu_count(), "processes": processes,
+            "proc_children_lists": os.path.exists(f"/proc/{pid}/task/{pid}/children"),
+            "schedstat": os.path.exists(f"/proc/{pid}/schedstat"), "psi": os.path.exists("/proc/pressure/cpu")}
+
+
 class RealMachine:  # pragma: no cover - needs an NVIDIA GPU
     """CUDA device 0 through torch, gpuwidget's NVML source, and nvidia-smi."""
 
@@ -754,7 +781,7 @@ class RealMachine:  # pragma: no cover - needs an NVIDIA GPU
         query = self._smi("-q")
         self.about = {"torch": torch.__version__, "cuda": torch.version.cuda, "python": sys.version.split()[0],
                       "nvidia_ml_py": getattr(pynvml, "__version__", None), "capability": [props.major, props.minor],
-                      "nvidia_smi_q": (query.stdout or query.stderr)[:40_000]}
+                      "nvidia_smi_q": (query.stdout or query.stderr)[:40_000], "host": host_facts()}
 
     def close(self) -> None:
         self.source.close()
