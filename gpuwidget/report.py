@@ -68,6 +68,15 @@ def fmt_fraction(value: float | None) -> str:
     return "n/a" if value is None or _unknown(value) else fmt_percent(100 * value)
 
 
+def fmt_mfu(value: float) -> str:
+    """Model FLOPs utilisation as a percentage, two significant digits below 1% (a batch-8 MLP on an
+    H200 reached 0.019%: "0%" would hide how far from the peak it is): 0.711 -> "71%"."""
+    percent = 100 * value
+    if percent <= 0 or percent >= 1 or _unknown(value):
+        return fmt_fraction(value)
+    return f"{percent:.2g}%"
+
+
 def fmt_count(count: int, noun: str, plural: str | None = None) -> str:
     """A count with its noun agreeing: "1 worker", "0 workers", "4 cores"."""
     return f"{count} {noun if count == 1 else plural or noun + 's'}"
@@ -170,7 +179,7 @@ def throughput(summary: Summary) -> list[tuple[str, str]]:
     if summary.get("achieved_flops_per_s") is not None:
         items.append(("achieved", fmt_flops(summary["achieved_flops_per_s"])))
     if summary.get("mfu") is not None:
-        items.append(("MFU", fmt_fraction(summary["mfu"])))
+        items.append(("MFU", fmt_mfu(summary["mfu"])))
     return items
 
 

@@ -17,7 +17,7 @@ import gpuwidget
 from gpuwidget import Run
 from gpuwidget.figures.summary import steady_step_times, summarize
 from gpuwidget.probes.torch_steps import FLOPS_AT_STEP, DtypeFlopCounter
-from gpuwidget.report import fmt_flops, headline, run_html, run_text
+from gpuwidget.report import fmt_flops, fmt_mfu, headline, run_html, run_text
 from gpuwidget.trace import Trace
 
 H100_NAME = "NVIDIA H100 80GB HBM3"
@@ -183,6 +183,14 @@ def test_the_headline_reads_samples_per_s_achieved_tflops_and_mfu_first():
     assert run_text(run).splitlines()[2].startswith("  samples/s 1,234/s · achieved 412 TFLOP/s · MFU 42%")
     html = run_html(run)
     assert html.index("412 TFLOP/s") < html.index("MFU") < html.index("42%") < html.index("duration")
+
+
+def test_an_mfu_under_one_percent_keeps_two_digits():
+    # The H200 run's batch-8 MLP reached 0.019% of the chip's bf16 peak: "0%" would hide how far.
+    run = fake_run({"samples_per_s": 5682.0, "achieved_flops_per_s": 183e9, "mfu": 0.00018515,
+                    "peak_flops_per_s": 989.4e12, "gpu_busy_mean": 3.3}, gpu=True)
+    assert headline(run)[2] == ("MFU", "0.019%")
+    assert [fmt_mfu(value) for value in (0.711, 0.0095, 0.0, float("nan"))] == ["71%", "0.95%", "0%", "n/a"]
 
 
 def test_the_headline_on_a_cpu_shows_gflops_and_no_mfu():

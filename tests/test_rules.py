@@ -345,6 +345,30 @@ def test_expected_gain_is_that_of_the_change_below_the_no_wait_bound(wait_cpu, m
     assert d.evidence["expected_gain"] == pytest.approx(1000 / expected_ms, abs=0.01)
 
 
+def test_a_larger_batch_without_a_name_to_rebind_says_the_batch(tmp_path):
+    # As the H200 run's small-batch finding showed it: a loader built in a function, held by no
+    # variable. The instruction must carry the batch, not only the loader's speed settings.
+    settings = loader_settings(DataLoader(TensorDataset(torch.zeros(8, 2)), batch_size=8))
+    facts = {"name": None, "owner": None, "built_at": None, "settings": settings}
+    code = loader_code(facts, {"batch_size": 512})
+    assert code == "# No variable of yours holds this loader: in the code that builds this DataLoader, pass\n" \
+                   "#     batch_size=512"
+    exec(code, {})
+    script = tmp_path / "build.py"
+    script.write_text("from torch.utils.data import DataLoader\n\ndef make(data):\n"
+                      "    return DataLoader(data, batch_size=8, shuffle=True)\n")
+    site = {"file": str(script), "function": "make", "line": 4}
+    code = loader_code({**facts, "built_at": site}, {"batch_size": 512})
+    line = code.splitlines()[-1].removeprefix("#     ")
+    assert line == "DataLoader(data, shuffle=True, batch_size=512)", code
+    data = TensorDataset(torch.zeros(1024, 2))
+    rebuilt = eval(line, {"DataLoader": DataLoader, "data": data})  # the line as the user's function would build it
+    assert rebuilt.batch_size == 512 and len(next(iter(rebuilt))[0]) == 512
+    hf = loader_code({**facts, "owner": "transformers"}, {"batch_size": 512}, {"frameworks": {"training_args": "args"}})
+    assert "args.per_device_train_batch_size = 512" in hf
+    exec(hf, {"args": type("Args", (), {})()})
+
+
 @pytest.mark.parametrize(("facts", "frameworks", "says"), [
     ({"name": None, "owner": None, "built_at": None}, {}, "No variable of yours holds this loader"),
     ({"name": None, "owner": "lightning", "built_at": None}, {}, "train_dataloader"),

@@ -298,33 +298,30 @@ def test_descendants_are_found_through_proc_as_psutil_finds_them():
     worker.start()
     try:
         deadline = time.monotonic() + 5
-        while len(psutil.Process().children(recursive=True)) < 2 and time.monotonic() < deadline:
-            time.sleep(0.02)
+        while not psutil.Process(worker.pid).children() and time.monotonic() < deadline:
+            time.sleep(0.02)  # the worker's own child started (an earlier test's helper may be listed too)
         expected = {p.pid for p in psutil.Process().children(recursive=True)}
-        assert len(expected) >= 2  # the worker and its own child
+        assert {worker.pid} < expected
         assert set(host._descendants(os.getpid())) == expected
     finally:
         worker.terminate()
         worker.join()
 
 
-def _wait_for_descendants(count: int) -> set[int]:
-    import psutil
-
-    deadline = time.monotonic() + 5
-    while len(psutil.Process().children(recursive=True)) < count and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return {p.pid for p in psutil.Process().children(recursive=True)}
-
-
 def test_without_the_kernels_children_lists_one_pass_over_proc_finds_what_psutil_finds(monkeypatch):
     # A kernel built without CONFIG_PROC_CHILDREN (minimal VM kernels, gVisor) has no
     # /proc/<pid>/task/<tid>/children: the source reads each process's parent instead.
+    import psutil
+
     worker = multiprocessing.get_context("fork").Process(target=_parent_of_a_sleeper)
     worker.start()
     try:
-        expected = _wait_for_descendants(2)
-        assert len(expected) >= 2  # the worker and its own child
+        deadline = time.monotonic() + 5
+        while not psutil.Process(worker.pid).children() and time.monotonic() < deadline:
+            time.sleep(0.02)  # the worker's own child started
+        # Everything below this process (an earlier test's helpers too), as psutil finds it now.
+        expected = {p.pid for p in psutil.Process().children(recursive=True)}
+        assert {worker.pid} < expected
         assert set(host._descendants_by_scan(os.getpid())) == expected
         monkeypatch.setattr(host, "_descendants", lambda pid: None)
         source = HostSource()

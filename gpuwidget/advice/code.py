@@ -30,7 +30,7 @@ IMPORT = "from torch.utils.data import DataLoader"
 # DataLoader settings -> the Hugging Face TrainingArguments fields the Trainer builds its loader from.
 HF_ARGUMENTS = {"num_workers": "dataloader_num_workers", "pin_memory": "dataloader_pin_memory",
                 "persistent_workers": "dataloader_persistent_workers",
-                "prefetch_factor": "dataloader_prefetch_factor"}
+                "prefetch_factor": "dataloader_prefetch_factor", "batch_size": "per_device_train_batch_size"}
 
 
 def model_code(name: str | None, statement: str, where: str = "apply it where you build the model") -> str:
@@ -58,6 +58,17 @@ def speed_keywords(settings: LoaderSettings, change: LoaderChange) -> dict[str, 
             keywords["persistent_workers"] = True
         if context := merged.get("multiprocessing_context"):
             keywords["multiprocessing_context"] = context
+    return keywords
+
+
+def change_keywords(settings: LoaderSettings, change: LoaderChange) -> dict[str, int | bool | str]:
+    """The keywords an instruction lists: the batch size where the change sets it (small-batch), then
+    :func:`speed_keywords` where the change sets any of those."""
+    keywords: dict[str, int | bool | str] = {}
+    if change.get("batch_size"):
+        keywords["batch_size"] = int(change["batch_size"])
+    if any(key != "batch_size" for key in change):
+        keywords.update(speed_keywords(settings, change))
     return keywords
 
 
@@ -207,7 +218,7 @@ def _class_instruction(loader: LoaderFacts, change: LoaderChange, reason: str,
     settings = loader.get("settings") or {}
     constructor = settings.get("constructor") or {}
     class_name = constructor.get("class_name", "DataLoader")
-    keywords = speed_keywords(settings, change)
+    keywords = change_keywords(settings, change)
     listed = ", ".join(f"{key}={value!r}" for key, value in keywords.items())
     subject = name or "This loader"
     init = constructor.get("code")
@@ -265,7 +276,7 @@ def _accelerate_code(name: str, loader: LoaderFacts, change: LoaderChange,
 def _where_built(loader: LoaderFacts, change: LoaderChange) -> str:
     """Comments only: no name of the user's holds the loader, so say where to change it."""
     settings = loader.get("settings") or {}
-    keywords = speed_keywords(settings, change)
+    keywords = change_keywords(settings, change)
     constructor = settings.get("constructor")
     plan = constructor_call(constructor, keywords, set(change))
     if isinstance(plan, str):
