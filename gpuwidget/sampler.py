@@ -240,9 +240,8 @@ class Sampler:
 
     def _tick(self, owner: threading.Thread | None) -> bool:
         """One row; False when ``owner`` was replaced meanwhile (its reading is discarded)."""
-        clock = time.thread_time
         parts = self.stats.part_cpu_s
-        cpu_before = mark = clock()
+        cpu_before = mark = time.thread_time()
         try:
             self._call(self.first)
         finally:

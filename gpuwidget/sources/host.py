@@ -272,8 +272,8 @@ class HostSource:
         """This process's descendants, reusing the Process objects already known.
 
         On Linux the kernel lists each thread's children in /proc/<pid>/task/<tid>/children,
-        so finding them costs a few reads; without those lists, one pass over every process's
-        parent (:func:`_descendants_by_scan`); without /proc, psutil's.
+        so finding them costs a few reads; without those lists, each process's parent, kept
+        between listings (:class:`ProcScan`); without /proc, psutil's.
         """
         pids = _descendants(self._process.pid)
         if pids is None:
