@@ -28,7 +28,7 @@ from gpuwidget.run import Run, RunError
 from gpuwidget.sampler import Sampler
 from gpuwidget.sources.base import Source
 from gpuwidget.sources.gpu import NO_GPU, GpuSource, open_gpu_sources
-from gpuwidget.sources.host import HostSource
+from gpuwidget.sources.reader import host_source
 from gpuwidget.trace import Trace
 
 log = logging.getLogger("gpuwidget")
@@ -135,7 +135,7 @@ class Watch:
                 gpu_sources, gpu_facts = _gpu_source(self.options)
                 _active = self
             trace = Trace()
-            host = HostSource()
+            host = host_source()
             machine: MachineFacts = {**host.machine_facts(), **gpu_facts}
             trace.meta.update({"label": self.label, "interval": self.options.interval})
             self.run = Run(trace=trace, machine=machine, options=self.options, label=self.label)

@@ -77,6 +77,9 @@ IO_REFRESH_S = 0.5
 # Shortest interval a process rate is formed over: the kernel's CPU times advance in clock
 # ticks of 10 ms (USER_HZ = 100), so over 50 ms a rate is within 20% of a core.
 MIN_RATE_INTERVAL_S = 0.05
+# gpuwidget's own processes below a watched one (the reader process, gpuwidget.sources.reader): never
+# counted as its workers.
+HIDDEN_PIDS: set[int] = set()
 # Pressure stall information, host-wide (Linux 4.20+; absent where the kernel lacks PSI).
 PSI_FILES = {"psi.cpu_some": "/proc/pressure/cpu", "psi.io_some": "/proc/pressure/io"}
 
@@ -279,7 +282,9 @@ class HostSource:
         if pids is None:
             pids = self._scan.descendants(self._process.pid)
         if pids is None:
-            return self._process.children(recursive=True)
+            return [child for child in self._process.children(recursive=True) if child.pid not in HIDDEN_PIDS]
+        if HIDDEN_PIDS:
+            pids = [pid for pid in pids if pid not in HIDDEN_PIDS]
         known = {p.pid: p for p in self._listed}
         listed = []
         for pid in pids:

@@ -1,0 +1,273 @@
+"""The host source read in a process of its own, so that its work does not hold the watched loop's GIL.
+
+A watch's sampler thread reads its sources with the GIL held for all their Python: the host source's
+``/proc`` reads and parsing are a few hundred microseconds a tick here and grow with the process table.
+With ``GPUWIDGET_READER=process`` a watch reads the host through :class:`ReaderProcess` instead: a small
+Python process (``_reader_main.py``, started once per kernel, on the first such watch) that builds the
+same :class:`~gpuwidget.sources.host.HostSource` for the watched process and answers one reading per
+tick over a pipe. The sampler thread then only writes a request and reads the answer, waiting without
+the GIL, and the Trace gets the same columns from the same files.
+
+Nothing is lost when the reader cannot serve: a reader that cannot start, dies or does not answer within
+:data:`REPLY_DEADLINE_S` is stopped, the watch reads the host in this process from then on, and the run's
+source errors say so. The reader never outlives this process (it ends with its stdin, or within a second
+of its parent's end, SIGKILL included), a forked child (a DataLoader worker) never talks to it, and it is
+never counted among the watched process's workers (``host.HIDDEN_PIDS``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import itertools
+import marshal
+import os
+import select
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+from gpuwidget.clock import now
+from gpuwidget.sources import host
+from gpuwidget.sources._reader_main import HEADER
+from gpuwidget.sources.base import ErrorLog, SourceError
+from gpuwidget.sources.host import HostSource
+
+# Where a watch's sampler reads the host: "thread" (its own thread, the default) or "process".
+READER_ENV = "GPUWIDGET_READER"
+READERS = ("thread", "process")
+# The reader's first answer (it imports the host source: ~0.1 s) is awaited this long; a watch that
+# starts meanwhile reads in this process.
+START_DEADLINE_S = 3.0
+# A reading takes milliseconds; an answer this late means the reader is stuck or starved: it is stopped
+# and the watch reads in this process, well before the sampler's watchdog would drop the host source.
+REPLY_DEADLINE_S = 1.0
+SCRIPT = Path(__file__).with_name("_reader_main.py")
+
+
+class ReaderGone(Exception):
+    """The reader process cannot answer (it never started, ended, or stopped answering)."""
+
+
+def reader_choice(value: str | None = None) -> str:
+    """The reader asked for (``value``, else :data:`READER_ENV`, else "thread"); ValueError if unknown."""
+    chosen = (value if value is not None else os.environ.get(READER_ENV, "")).strip().lower() or "thread"
+    if chosen not in READERS:
+        raise ValueError(f"{READER_ENV}: expected one of {', '.join(READERS)}, got {chosen!r}")
+    return chosen
+
+
+class ReaderProcess:
+    """One reader process and its pipes; requests are served one at a time."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._process: subprocess.Popen[bytes] | None = None
+        self._keys = itertools.count(1)
+        self._owner = os.getpid()
+        self.pid: int | None = None
+        self.failure: str | None = None  # why it stopped serving, once it has
+
+    def start(self, deadline_s: float = START_DEADLINE_S) -> None:
+        """Start it and wait for its first answer; raises :class:`ReaderGone` if it does not come."""
+        env = {key: value for key, value in os.environ.items() if not key.startswith("GPUWIDGET_CHILDREN")}
+        env["PYTHONPATH"] = os.pathsep.join(path for path in sys.path if path)  # where gpuwidget and psutil are
+        try:
+            self._process = subprocess.Popen(
+                [sys.executable, str(SCRIPT), str(os.getpid())], stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, close_fds=True, bufsize=0)
+        except OSError as exc:
+            self._fail(f"could not start: {exc}")
+        hello = self._receive(deadline_s)
+        if not (isinstance(hello, tuple) and hello[:1] == ("hello",)):
+            self._fail(f"answered {hello!r} instead of its greeting")
+        self.pid = int(hello[1])
+        host.HIDDEN_PIDS.add(self.pid)
+
+    @property
+    def alive(self) -> bool:
+        return (self._process is not None and self._process.poll() is None and self.failure is None
+                and os.getpid() == self._owner)
+
+    def open(self, pid: int) -> int:
+        """A host source in the reader for ``pid``'s process tree; its key."""
+        key = next(self._keys)
+        self.call(("open", key, pid))
+        return key
+
+    def call(self, request: tuple[Any, ...], deadline_s: float = REPLY_DEADLINE_S) -> tuple[Any, list[str]]:
+        """Send ``request``, wait for its answer: (values, errors). Raises :class:`ReaderGone`."""
+        with self._lock:
+            process = self._process
+            if self.failure is not None or process is None or os.getpid() != self._owner:
+                raise ReaderGone(self.failure or "the reader process is not running")
+            code = process.poll()
+            if code is not None:
+                self._fail(f"ended ({f'signal {-code}' if code < 0 else f'exit code {code}'})")
+            assert process.stdin is not None
+            payload = marshal.dumps(request)
+            try:
+                process.stdin.write(HEADER.pack(len(payload)) + payload)
+            except (OSError, ValueError) as exc:
+                self._fail(f"could not be asked: {exc}")
+            answer = self._receive(deadline_s)
+            if not (isinstance(answer, tuple) and len(answer) == 4 and answer[1] == request[1]):
+                self._fail(f"answered {answer!r} to {request[0]!r}")
+            if answer[0] != "ok":
+                raise ReaderGone(f"could not {request[0]}: {answer[2]}")  # the reader itself goes on
+            return answer[2], list(answer[3])
+
+    def stop(self) -> None:
+        """End the reader (closing its stdin ends it; killed if it does not end at once)."""
+        process, self._process = self._process, None
+        if self.pid is not None:
+            host.HIDDEN_PIDS.discard(self.pid)
+        if process is None or os.getpid() != self._owner:
+            return
+        with contextlib.suppress(OSError, ValueError):
+            if process.stdin is not None:
+                process.stdin.close()
+        try:
+            process.wait(0.5)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(1.0)
+        if process.stdout is not None:
+            process.stdout.close()
+
+    def _receive(self, deadline_s: float) -> Any:
+        assert self._process is not None and self._process.stdout is not None
+        fd = self._process.stdout.fileno()
+        until = now() + deadline_s
+        header = self._read(fd, HEADER.size, until)
+        return marshal.loads(self._read(fd, HEADER.unpack(header)[0], until))
+
+    def _read(self, fd: int, count: int, until: float) -> bytes:
+        chunks: list[bytes] = []
+        while count:
+            left = until - now()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                self._fail(f"did not answer within {REPLY_DEADLINE_S:g} s")
+            chunk = os.read(fd, count)
+            if not chunk:
+                self._fail("ended")
+            chunks.append(chunk)
+            count -= len(chunk)
+        return b"".join(chunks)
+
+    def _fail(self, why: str) -> Any:
+        self.failure = f"the reader process {why}"
+        process = self._process
+        if process is not None and os.getpid() == self._owner:
+            with contextlib.suppress(OSError):
+                process.kill()
+        raise ReaderGone(self.failure)
+
+
+_shared: ReaderProcess | None = None
+_shared_lock = threading.Lock()
+
+
+def shared_reader() -> ReaderProcess | None:
+    """This process's reader, started on first use (and again after one that failed); None if it cannot run."""
+    global _shared
+    with _shared_lock:
+        reader = _shared
+        if reader is not None and reader.alive:
+            return reader
+        if reader is not None:
+            reader.stop()
+        reader = ReaderProcess()
+        try:
+            reader.start()
+        except ReaderGone:
+            reader.stop()
+            _shared = None
+            return None
+        _shared = reader
+        return reader
+
+
+def stop_shared_reader() -> None:
+    """End this process's reader, if one runs (a later watch starts another)."""
+    global _shared
+    with _shared_lock:
+        reader, _shared = _shared, None
+    if reader is not None:
+        reader.stop()
+
+
+def _forget_in_child() -> None:
+    """A forked child (a DataLoader worker) has the parent's pipes but not its reader: never use them."""
+    global _shared, _shared_lock
+    _shared, _shared_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
+atexit.register(stop_shared_reader)
+
+
+class RemoteHostSource:
+    """The host source read by a :class:`ReaderProcess`: the readings of ``HostSource(pid)``, and that
+    source in this process as the fallback (and for the machine facts, read once at the start)."""
+
+    name = "host"
+
+    def __init__(self, local: HostSource, reader: ReaderProcess) -> None:
+        self._local = local
+        self._log = ErrorLog(self.name)
+        self.errors: list[SourceError] = self._log.errors
+        self._reader: ReaderProcess | None = reader
+        self._key = reader.open(local.machine_facts()["pid"])
+
+    @property
+    def remote(self) -> bool:
+        """Read by the reader process (False once it failed and this process reads)."""
+        return self._reader is not None
+
+    def read(self) -> dict[str, float]:
+        reader = self._reader
+        if reader is not None:
+            try:
+                values, errors = reader.call(("read", self._key))
+            except ReaderGone as exc:
+                self._reader = None
+                self._log.record(f"{exc}; the host is read in this process from here")
+            else:
+                for message in errors:
+                    self._log.record(message)
+                return dict(values)
+        values = self._local.read()
+        self.errors.extend(error for error in self._local.errors if error not in self.errors)
+        return values
+
+    def describe(self) -> Any:
+        return self._local.describe()
+
+    def machine_facts(self) -> Any:
+        return self._local.machine_facts()
+
+    def close(self) -> None:
+        reader, self._reader = self._reader, None
+        if reader is not None:
+            with contextlib.suppress(ReaderGone):
+                reader.call(("close", self._key))
+        self._local.close()
+
+
+def host_source(reader: str | None = None) -> HostSource | RemoteHostSource:
+    """The host source of a watch: read on the sampler's thread, or by the reader process where
+    ``reader`` (default :data:`READER_ENV`) says "process" and one can run."""
+    local = HostSource()
+    if reader_choice(reader) != "process":
+        return local
+    shared = shared_reader()
+    if shared is None:
+        return local
+    try:
+        return RemoteHostSource(local, shared)
+    except ReaderGone:
+        return local
