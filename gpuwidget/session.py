@@ -28,6 +28,7 @@ from gpuwidget.run import Run, RunError
 from gpuwidget.sampler import Sampler
 from gpuwidget.sources.base import Source
 from gpuwidget.sources.gpu import NO_GPU, GpuSource, open_gpu_sources
+from gpuwidget.sources.reader import gpu_sources as reader_gpu_sources
 from gpuwidget.sources.reader import host_source
 from gpuwidget.trace import Trace
 
@@ -136,6 +137,7 @@ class Watch:
                 _active = self
             trace = Trace()
             host = host_source()
+            gpu_sources = reader_gpu_sources(gpu_sources, self.options.gpus)
             machine: MachineFacts = {**host.machine_facts(), **gpu_facts}
             trace.meta.update({"label": self.label, "interval": self.options.interval})
             self.run = Run(trace=trace, machine=machine, options=self.options, label=self.label)

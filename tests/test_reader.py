@@ -169,3 +169,67 @@ def test_the_reader_setting_is_checked():
     assert reader_choice("process") == "process" and reader_choice(" Thread ") == "thread"
     with pytest.raises(ValueError, match="GPUWIDGET_READER: expected one of thread, process, got 'proc'"):
         reader_choice("proc")
+
+
+# A Python started with this folder on its path gets the same two fake GPUs as the test (the reader is
+# started with this process's sys.path): the driver it asks answers as this process's does.
+SITECUSTOMIZE = """\
+import sys
+sys.path.insert(0, {tests!r})
+from fakenvml import FakeNvml
+
+_patch = FakeNvml.gpus(2).patched()
+_patch.__enter__()
+"""
+
+
+def test_the_reader_reads_the_gpus_the_watch_opened_and_the_watch_records_the_same_columns(
+        fake_nvml, monkeypatch, tmp_path):
+    from gpuwidget.sources.gpu import open_gpu_sources
+
+    from fakenvml import FakeNvml
+
+    fake_nvml(FakeNvml.gpus(2))
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(SITECUSTOMIZE.format(tests=str(Path(__file__).parent)))
+    monkeypatch.syspath_prepend(str(site))
+    local = open_gpu_sources(None).sources
+    try:
+        sources = readers.gpu_sources(local, None, "process")
+        assert [type(source).__name__ for source in sources] == ["RemoteGpuSource"] * 2
+        for source, mine in zip(sources, local):
+            theirs, ours = source.read(), mine.read()
+            assert set(theirs) == set(ours) and theirs, (sorted(theirs), sorted(ours))
+            column = f"{source.describe()[0]['id']}.mem_total"
+            assert source.describe() == mine.describe() and theirs[column] == ours[column]
+            assert not source.errors and not source.closed and source.busy_with is None
+    finally:
+        for source in local:
+            source.close()
+
+    def watched(reader: str) -> set[str]:
+        monkeypatch.setenv(READER_ENV, reader)
+        with gpuwidget.watch(quiet=True) as run:
+            time.sleep(0.8)
+        assert run.sampler["ticks"] >= 2 and not run.sampler["source_errors"], run.sampler
+        return set(run.trace.columns)
+
+    columns = watched("process")
+    assert {"gpu0.util", "gpu1.util", "gpu0.proc_mem", "cpu.util"} <= columns
+    assert columns == watched("thread")
+
+
+def test_gpus_the_reader_does_not_open_as_this_process_did_are_read_here(fake_nvml):
+    from gpuwidget.sources.gpu import open_gpu_sources
+
+    from fakenvml import FakeNvml
+
+    fake_nvml(FakeNvml.gpus(2))  # in this process only: the reader finds no GPU (this machine's driver)
+    local = open_gpu_sources(None).sources
+    try:
+        assert readers.gpu_sources(local, None, "process") == local
+        assert readers.shared_reader() is not None  # the reader itself serves on (the host)
+    finally:
+        for source in local:
+            source.close()

@@ -7,11 +7,16 @@ source alone (about 0.1 s), so the package is put in ``sys.modules`` as a bare n
 It serves one request at a time from stdin and answers on stdout, each message a 4-byte big-endian
 length and a :mod:`marshal` payload (plain data only):
 
-* ``("open", key, pid)`` -> ``("ok", key, None, [])``: a host source reading ``pid``'s process tree
-  (the reader itself left out of it);
-* ``("read", key)`` -> ``("ok", key, values, errors)``: one reading, and the errors the source recorded
-  since the last answer;
-* ``("close", key)`` -> ``("ok", key, None, [])``.
+* ``("open", key, pid)`` -> ``("ok", key, None, [], False)``: a host source reading ``pid``'s process
+  tree (the reader itself left out of it);
+* ``("open_gpus", key, gpus)`` -> ``("ok", key, devices, [], False)``: the GPUs ``gpus`` (None: all) as
+  :func:`~gpuwidget.sources.gpu.open_gpu_sources` opens them, one source per GPU under keys ``key``,
+  ``key + 1``...; ``devices``: each source's ``describe()``, for the parent to match with its own;
+* ``("read", key)`` -> ``("ok", key, values, errors, closed)``: one reading, the errors the source
+  recorded since the last answer, and whether it is closed (a GPU source that lost its GPUs);
+* ``("close", key)`` -> ``("ok", key, None, [], True)``.
+
+A request that fails is answered ``("error", key, message, [], False)``, and the reader goes on.
 
 It ends when stdin closes, and within a second of its parent ending (it checks who its parent is): it
 never outlives the process it reads for, whatever ended that one (SIGKILL included).
@@ -32,6 +37,8 @@ from typing import Any
 HEADER = struct.Struct(">I")
 # How often the reader looks whether its parent is still there while no request comes.
 PARENT_CHECK_S = 1.0
+# Each GPU vendor's driver gets this long to start in the reader (as in a watch: gpuwidget.session).
+GPU_START_DEADLINE_S = 5.0
 
 
 def _bootstrap() -> None:
@@ -65,12 +72,13 @@ def _send(fd: int, message: Any) -> None:
 
 def serve(stdin: int, stdout: int, parent: int) -> None:
     _bootstrap()
-    from gpuwidget.sources import host
+    from gpuwidget.sources import host, pids
     from gpuwidget.sources.host import HostSource
 
     host.HIDDEN_PIDS.add(os.getpid())  # a child of the process it reads: not one of that one's workers
+    pids.WATCHED_PID = parent  # the GPU memory of the parent's tree is "ours", not the reader's
 
-    sources: dict[int, HostSource] = {}
+    sources: dict[int, Any] = {}
     reported: dict[int, int] = {}
     _send(stdout, ("hello", os.getpid()))
     while True:
@@ -87,28 +95,39 @@ def serve(stdin: int, stdout: int, parent: int) -> None:
             return
         request = marshal.loads(body)
         kind, key = request[0], request[1]
-        values: dict[str, float] | None = None
+        payload: Any = None
         errors: list[str] = []
+        closed = False
         try:
             if kind == "open":
                 sources[key] = HostSource(pid=int(request[2]))
                 reported[key] = 0
+            elif kind == "open_gpus":
+                from gpuwidget.sources.gpu import open_gpu_sources
+
+                opened = open_gpu_sources(request[2], deadline_s=GPU_START_DEADLINE_S)
+                payload = []
+                for offset, source in enumerate(opened.sources):
+                    sources[key + offset], reported[key + offset] = source, 0
+                    payload.append([dict(device) for device in source.describe()])
             elif kind == "read":
                 source = sources[key]
-                values = source.read()
+                payload = source.read()
                 errors = [error.message for error in source.errors[reported[key]:]]
                 reported[key] = len(source.errors)
+                closed = bool(getattr(source, "closed", False))
             elif kind == "close":
                 closing = sources.pop(key, None)
                 reported.pop(key, None)
                 if closing is not None:
                     closing.close()
+                closed = True
             else:
                 raise ValueError(f"unknown request {kind!r}")
         except Exception as exc:  # noqa: BLE001 - the answer says what failed; the reader goes on
-            _send(stdout, ("error", key, f"{type(exc).__name__}: {exc}", []))
+            _send(stdout, ("error", key, f"{type(exc).__name__}: {exc}", [], False))
             continue
-        _send(stdout, ("ok", key, values, errors))
+        _send(stdout, ("ok", key, payload, errors, closed))
 
 
 def main() -> int:

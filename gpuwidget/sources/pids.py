@@ -19,6 +19,9 @@ ANCESTRY_DEPTH = 65
 
 # This process's pid in each PID namespace it is nested in, outermost first ("NSpid:" line).
 PROC_SELF_STATUS = "/proc/self/status"
+# The process whose GPU memory is "ours" where it is not this one: the reader process
+# (gpuwidget.sources.reader) reads the GPUs for its parent, and sets this to its pid.
+WATCHED_PID: int | None = None
 
 
 def namespace_pids(status_path: str | None = None) -> list[int]:
@@ -64,9 +67,11 @@ class OwnProcesses:
         self._report = report
         self._given: frozenset[int] = frozenset()
         self._given_time = -math.inf
-        self._own = os.getpid()
+        watched = WATCHED_PID
+        self._own = watched if watched is not None else os.getpid()
         # In a nested PID namespace whose outer /proc we see, the driver's number for us is the outermost.
-        self._own_pids = {self._own, *namespace_pids()[:1]}
+        status = None if watched is None else f"/proc/{watched}/status"
+        self._own_pids = {self._own, *namespace_pids(status)[:1]}
         self._verdicts: dict[int, bool] = {}
 
     def refresh(self, now: float) -> None:

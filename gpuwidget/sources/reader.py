@@ -1,18 +1,22 @@
-"""The host source read in a process of its own, so that its work does not hold the watched loop's GIL.
+"""The host and GPU sources read in a process of their own, so that their work does not hold the watched
+loop's GIL.
 
 A watch's sampler thread reads its sources with the GIL held for all their Python: the host source's
-``/proc`` reads and parsing are a few hundred microseconds a tick here and grow with the process table.
-With ``GPUWIDGET_READER=process`` a watch reads the host through :class:`ReaderProcess` instead: a small
-Python process (``_reader_main.py``, started once per kernel, on the first such watch) that builds the
-same :class:`~gpuwidget.sources.host.HostSource` for the watched process and answers one reading per
-tick over a pipe. The sampler thread then only writes a request and reads the answer, waiting without
-the GIL, and the Trace gets the same columns from the same files.
+``/proc`` reads and parsing are a few hundred microseconds a tick here and grow with the process table,
+and a GPU source makes tens of driver calls a tick through ctypes. With ``GPUWIDGET_READER=process`` a
+watch reads them through :class:`ReaderProcess` instead: a small Python process (``_reader_main.py``,
+started once per kernel, on the first such watch) that builds the same
+:class:`~gpuwidget.sources.host.HostSource` for the watched process, opens the same GPUs as the watch
+(``open_gpu_sources``, the watched process's GPU memory counted as its own), and answers one reading per
+tick and source over a pipe. The sampler thread then only writes a request and reads the answer, waiting
+without the GIL, and the Trace gets the same columns from the same counters.
 
 Nothing is lost when the reader cannot serve: a reader that cannot start, dies or does not answer within
-:data:`REPLY_DEADLINE_S` is stopped, the watch reads the host in this process from then on, and the run's
-source errors say so. The reader never outlives this process (it ends with its stdin, or within a second
-of its parent's end, SIGKILL included), a forked child (a DataLoader worker) never talks to it, and it is
-never counted among the watched process's workers (``host.HIDDEN_PIDS``).
+:data:`REPLY_DEADLINE_S` is stopped, the watch reads in this process from then on, and the run's source
+errors say so. GPUs the reader does not open as this process did (a test's fake driver answers in this
+process only) are read here. The reader never outlives this process (it ends with its stdin, or within a
+second of its parent's end, SIGKILL included), a forked child (a DataLoader worker) never talks to it, and
+it is never counted among the watched process's workers (``host.HIDDEN_PIDS``).
 """
 
 from __future__ import annotations
@@ -26,13 +30,15 @@ import select
 import subprocess
 import sys
 import threading
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from gpuwidget.clock import now
 from gpuwidget.sources import host
 from gpuwidget.sources._reader_main import HEADER
 from gpuwidget.sources.base import ErrorLog, SourceError
+from gpuwidget.sources.gpu import GpuDescription, GpuSource
 from gpuwidget.sources.host import HostSource
 
 # Where a watch's sampler reads the host: "thread" (its own thread, the default) or "process".
@@ -44,6 +50,8 @@ START_DEADLINE_S = 3.0
 # A reading takes milliseconds; an answer this late means the reader is stuck or starved: it is stopped
 # and the watch reads in this process, well before the sampler's watchdog would drop the host source.
 REPLY_DEADLINE_S = 1.0
+# Opening the GPUs in the reader: each vendor's driver gets the watch's deadline to start, and a little more.
+GPU_OPEN_DEADLINE_S = 6.0
 SCRIPT = Path(__file__).with_name("_reader_main.py")
 
 
@@ -97,8 +105,16 @@ class ReaderProcess:
         self.call(("open", key, pid))
         return key
 
-    def call(self, request: tuple[Any, ...], deadline_s: float = REPLY_DEADLINE_S) -> tuple[Any, list[str]]:
-        """Send ``request``, wait for its answer: (values, errors). Raises :class:`ReaderGone`."""
+    def open_gpus(self, gpus: Sequence[int] | None) -> list[tuple[int, list[dict[str, Any]]]]:
+        """The GPUs ``gpus`` opened in the reader as a watch opens them: (key, ``describe()``) per source."""
+        first = next(self._keys)
+        devices, _, _ = self.call(("open_gpus", first, None if gpus is None else list(gpus)), GPU_OPEN_DEADLINE_S)
+        for _ in devices[1:]:
+            next(self._keys)
+        return [(first + offset, described) for offset, described in enumerate(devices)]
+
+    def call(self, request: tuple[Any, ...], deadline_s: float = REPLY_DEADLINE_S) -> tuple[Any, list[str], bool]:
+        """Send ``request``, wait for its answer: (payload, errors, closed). Raises :class:`ReaderGone`."""
         with self._lock:
             process = self._process
             if self.failure is not None or process is None or os.getpid() != self._owner:
@@ -113,11 +129,11 @@ class ReaderProcess:
             except (OSError, ValueError) as exc:
                 self._fail(f"could not be asked: {exc}")
             answer = self._receive(deadline_s)
-            if not (isinstance(answer, tuple) and len(answer) == 4 and answer[1] == request[1]):
+            if not (isinstance(answer, tuple) and len(answer) == 5 and answer[1] == request[1]):
                 self._fail(f"answered {answer!r} to {request[0]!r}")
             if answer[0] != "ok":
                 raise ReaderGone(f"could not {request[0]}: {answer[2]}")  # the reader itself goes on
-            return answer[2], list(answer[3])
+            return answer[2], list(answer[3]), bool(answer[4])
 
     def stop(self) -> None:
         """End the reader (closing its stdin ends it; killed if it does not end at once)."""
@@ -142,15 +158,15 @@ class ReaderProcess:
         assert self._process is not None and self._process.stdout is not None
         fd = self._process.stdout.fileno()
         until = now() + deadline_s
-        header = self._read(fd, HEADER.size, until)
-        return marshal.loads(self._read(fd, HEADER.unpack(header)[0], until))
+        header = self._read(fd, HEADER.size, until, deadline_s)
+        return marshal.loads(self._read(fd, HEADER.unpack(header)[0], until, deadline_s))
 
-    def _read(self, fd: int, count: int, until: float) -> bytes:
+    def _read(self, fd: int, count: int, until: float, deadline_s: float) -> bytes:
         chunks: list[bytes] = []
         while count:
             left = until - now()
             if left <= 0 or not select.select([fd], [], [], left)[0]:
-                self._fail(f"did not answer within {REPLY_DEADLINE_S:g} s")
+                self._fail(f"did not answer within {deadline_s:g} s")
             chunk = os.read(fd, count)
             if not chunk:
                 self._fail("ended")
@@ -232,7 +248,7 @@ class RemoteHostSource:
         reader = self._reader
         if reader is not None:
             try:
-                values, errors = reader.call(("read", self._key))
+                values, errors, _ = reader.call(("read", self._key))
             except ReaderGone as exc:
                 self._reader = None
                 self._log.record(f"{exc}; the host is read in this process from here")
@@ -271,3 +287,91 @@ def host_source(reader: str | None = None) -> HostSource | RemoteHostSource:
         return RemoteHostSource(local, shared)
     except ReaderGone:
         return local
+
+
+# The facts that say two GPU sources read the same devices (the others, such as ``lost``, may change).
+SAME_DEVICE = ("id", "index", "vendor", "uuid", "name", "is_mig", "gpu_instance_id", "partition_id")
+
+
+class RemoteGpuSource:
+    """A GPU source read by a :class:`ReaderProcess`: the reader's twin of ``local`` (the same devices,
+    opened there as here), with ``local`` as the fallback and for the facts."""
+
+    def __init__(self, local: GpuSource, reader: ReaderProcess, key: int) -> None:
+        self._local = local
+        self.name = local.name
+        self._log = ErrorLog(local.name)
+        self.errors: list[SourceError] = self._log.errors
+        self._reader: ReaderProcess | None = reader
+        self._key = key
+        self._closed = False
+        self._label = ", ".join(f"GPU {device.get('index')}" for device in local.describe())
+        self.busy_with: str | None = None  # the GPU being read, while the reader reads it
+
+    @property
+    def remote(self) -> bool:
+        return self._reader is not None
+
+    @property
+    def closed(self) -> bool:
+        return self._closed if self._reader is not None else self._local.closed
+
+    def read(self) -> dict[str, float]:
+        reader = self._reader
+        if reader is not None:
+            self.busy_with = self._label
+            try:
+                values, errors, self._closed = reader.call(("read", self._key))
+            except ReaderGone as exc:
+                self._reader = None
+                self._log.record(f"{exc}; {self._label} read in this process from here")
+            else:
+                for message in errors:
+                    self._log.record(message)
+                return dict(values)
+            finally:
+                self.busy_with = None
+        values = self._local.read()
+        self.errors.extend(error for error in self._local.errors if error not in self.errors)
+        return values
+
+    def describe(self) -> list[GpuDescription]:
+        return self._local.describe()
+
+    def processes(self) -> dict[str, list[tuple[int, int | None]]]:
+        return self._local.processes()
+
+    def close(self) -> None:
+        reader, self._reader = self._reader, None
+        if reader is not None:
+            with contextlib.suppress(ReaderGone):
+                reader.call(("close", self._key))
+        self._local.close()
+
+
+def gpu_sources(local: list[GpuSource], gpus: Sequence[int] | None, reader: str | None = None) -> list[GpuSource]:
+    """A watch's GPU sources: ``local`` (opened in this process for ``gpus``), each read by the reader
+    process where ``reader`` (default :data:`READER_ENV`) says "process" and the reader opens the same
+    devices. It does not where this process's driver bindings are not the library's own (a test's fake
+    driver, answering here only): then, or if the reader cannot open them, this process reads them."""
+    if not local or reader_choice(reader) != "process":
+        return local
+    shared = shared_reader()
+    if shared is None:
+        return local
+    try:
+        opened = shared.open_gpus(gpus)
+    except ReaderGone:
+        return local
+
+    def same(devices: list[dict[str, Any]], source: GpuSource) -> bool:
+        mine = source.describe()
+        return len(mine) == len(devices) and all(
+            all(theirs.get(name) == ours.get(name) for name in SAME_DEVICE) for theirs, ours in zip(devices, mine))
+
+    if len(opened) != len(local) or not all(same(devices, source) for (_, devices), source in zip(opened, local)):
+        for key, _ in opened:
+            with contextlib.suppress(ReaderGone):
+                shared.call(("close", key))
+        return local
+    return [cast(GpuSource, RemoteGpuSource(source, shared, key)) for source, (key, _) in zip(local, opened)]
