@@ -15,7 +15,9 @@ work, which a busy neighbour moves far less than it moves the loop's wall time.
 
 With ``--reader thread --reader process`` each checkout runs twice a round, the host read on the
 sampler's thread and by the reader process (gpuwidget.sources.reader): the reader's part is the
-request and its answer (thread CPU: mostly the system calls, made without the GIL).
+request and its answer (thread CPU: mostly the system calls, made without the GIL). ``--fake-gpus N``
+reads N fake GPUs (tests/fakenvml.py, in the measured process and in its reader) in place of the
+machine's: what a GPU source's Python costs a tick, the driver's own time left out.
 
     .venv/bin/python benchmarks/tick_cost.py [--quick] [--json PATH] [--rounds N] [--steps N] [--code DIR ...]
         [--reader thread|process ...]
@@ -27,6 +29,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +42,7 @@ PARTS = (
     ("host source", "gpuwidget.sources.host", "HostSource", "read"),
     ("host source from the reader process", "gpuwidget.sources.reader", "RemoteHostSource", "read"),
     ("GPU source (NVML)", "gpuwidget.sources.nvml.source", "NvmlSource", "read"),
+    ("GPU sources from the reader process", "gpuwidget.sources.reader", "RemoteGpuSource", "read"),
     ("stack sample (tick's first)", "gpuwidget.probes", "Probes", "sample"),
     ("probes' poll", "gpuwidget.probes", "Probes", "poll"),
     ("  stack sampler's spans", "gpuwidget.probes.stack", "StackSampler", "tick"),
@@ -79,6 +83,11 @@ for name in dir(pynvml) if pynvml is not None else ():
     function = getattr(pynvml, name)
     if name.startswith("nvml") and callable(function) and not isinstance(function, type):
         setattr(pynvml, name, timed(function, nvml_calls.setdefault(name, [0, 0])))
+if int(sys.argv[5]):  # fake GPUs (tests/fakenvml.py), in this process and, by sitecustomize, in the reader
+    sys.path.insert(0, sys.argv[6])
+    from fakenvml import FakeNvml
+    _patch = FakeNvml.gpus(int(sys.argv[5])).patched()
+    _patch.__enter__()
 run = make_loop("fast")
 run(2000)
 with gpuwidget.watch(quiet=True):
@@ -88,10 +97,24 @@ print(json.dumps({"wall_s": wall, "steps": int(sys.argv[4]), "parts": spent, "nv
 """
 
 
-def measure(code: Path, steps: int, reader: str) -> dict[str, Any]:
+# With --fake-gpus: a Python started with this folder first on its path (the watch's reader process is
+# started with the watched process's sys.path) gets the same fake GPUs as the measured process.
+SITECUSTOMIZE = """\
+import sys
+sys.path.insert(0, {tests!r})
+from fakenvml import FakeNvml
+_patch = FakeNvml.gpus({count}).patched()
+_patch.__enter__()
+"""
+
+
+def measure(code: Path, steps: int, reader: str, fake_gpus: int = 0, site: Path | None = None) -> dict[str, Any]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(code), "GPUWIDGET_READER": reader}
+    if fake_gpus and site is not None:
+        env["PYTHONPATH"] = os.pathsep.join((str(site), str(code)))
     result = subprocess.run(
-        [sys.executable, "-c", CHILD, str(code), str(ROOT / "benchmarks"), json.dumps(PARTS), str(steps)],
+        [sys.executable, "-c", CHILD, str(code), str(ROOT / "benchmarks"), json.dumps(PARTS), str(steps),
+         str(fake_gpus), str(ROOT / "tests")],
         capture_output=True, text=True, env=env, timeout=600, check=False)
     if result.returncode != 0:
         raise RuntimeError(f"{code}: the watched loop failed ({result.returncode}): {result.stderr[-2000:]}")
@@ -124,6 +147,8 @@ def main() -> None:
         ("--steps", {"type": int, "default": 30000, "help": "watched steps a run (0.3 ms each on a quiet VM)"}),
         ("--reader", {"action": "append", "choices": ("thread", "process"),
                       "help": "where the host is read (GPUWIDGET_READER); both given: each is an arm"}),
+        ("--fake-gpus", {"type": int, "default": 0,
+                         "help": "read this many fake GPUs (tests/fakenvml.py) instead of the machine's"}),
     ])
     info = print_header("The sampler thread's CPU on the 0.3 ms loop, by part")
     rounds, steps = (1, 5000) if args.quick else (args.rounds, args.steps)
@@ -131,9 +156,14 @@ def main() -> None:
     arms = [(code, reader) for code in [ROOT, *(Path(code).resolve() for code in args.code or ())]
             for reader in readers]
     runs: dict[tuple[Path, str], list[dict[str, Any]]] = {arm: [] for arm in arms}
-    for round_ in range(rounds):
-        for code, reader in arms[round_ % len(arms):] + arms[:round_ % len(arms)]:
-            runs[code, reader].append(measure(code, steps, reader))
+    with tempfile.TemporaryDirectory() as site:
+        if args.fake_gpus:
+            print(f"  {args.fake_gpus} fake GPUs (tests/fakenvml.py) in place of the machine's")
+            Path(site, "sitecustomize.py").write_text(
+                SITECUSTOMIZE.format(tests=str(ROOT / "tests"), count=args.fake_gpus))
+        for round_ in range(rounds):
+            for code, reader in arms[round_ % len(arms):] + arms[:round_ % len(arms)]:
+                runs[code, reader].append(measure(code, steps, reader, args.fake_gpus, Path(site)))
     results: dict[str, Any] = {"machine": info, "rounds": rounds, "steps": steps, "checkouts": []}
     for code, reader in arms:
         name = "this checkout" if code == ROOT else code.name

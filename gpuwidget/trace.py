@@ -48,6 +48,10 @@ DEFAULT_SPAN_CAPACITY = 20_000
 # A kind's span columns start this long and double up to the capacity (most kinds hold few spans).
 _FIRST_SPAN_SLOTS = 256
 _INITIAL_COLUMN_SLOTS = 32
+# Rows the recent block and the archive hold at first; they double as rows come, up to their capacities.
+# Allocated whole, a Trace's blocks with a few hundred columns (eight GPUs) took ~50 MB, and filling them
+# held the GIL for ~0.1 s at a watch's first tick (BENCHMARKS.md, section 20h).
+_INITIAL_ROWS = 16
 
 
 @dataclass(frozen=True)
@@ -254,18 +258,20 @@ class Trace:
         self._slots = _INITIAL_COLUMN_SLOTS
         # Recent block: raw rows.
         self._recent_capacity = recent_capacity
-        self._recent_t = np.empty(recent_capacity)
-        self._recent_v = np.full((recent_capacity, self._slots), np.nan)
+        rows = min(recent_capacity, _INITIAL_ROWS)
+        self._recent_t = np.empty(rows)
+        self._recent_v = np.full((rows, self._slots), np.nan)
         self._recent_n = 0
         # Archive: fixed-width buckets with a min/max/mean/count envelope per column.
         self._archive_capacity = archive_capacity
         self._bucket_width = bucket_width_s
-        self._arch_t = np.empty(archive_capacity)  # bucket start time
-        self._arch_t_end = np.empty(archive_capacity)  # time of the last sample merged
-        self._arch_mean = np.full((archive_capacity, self._slots), np.nan, dtype=np.float32)
-        self._arch_min = np.full((archive_capacity, self._slots), np.nan, dtype=np.float32)
-        self._arch_max = np.full((archive_capacity, self._slots), np.nan, dtype=np.float32)
-        self._arch_count = np.zeros((archive_capacity, self._slots), dtype=np.uint32)
+        rows = min(archive_capacity, _INITIAL_ROWS)
+        self._arch_t = np.empty(rows)  # bucket start time
+        self._arch_t_end = np.empty(rows)  # time of the last sample merged
+        self._arch_mean = np.full((rows, self._slots), np.nan, dtype=np.float32)
+        self._arch_min = np.full((rows, self._slots), np.nan, dtype=np.float32)
+        self._arch_max = np.full((rows, self._slots), np.nan, dtype=np.float32)
+        self._arch_count = np.zeros((rows, self._slots), dtype=np.uint32)
         self._arch_n = 0
         self._stats = _Accumulator(self._slots)
         self._rows_total = 0
@@ -293,6 +299,8 @@ class Trace:
                 # Make room for every new column at once (one copy, not one per doubling).
                 needed = len(columns) + sum(name not in columns for name in values)
                 self._grow_columns(1 << (needed - 1).bit_length())
+            if row_index == len(self._recent_t):
+                self._grow_recent(row_index + 1)
             row = self._recent_v[row_index]
             row[:] = np.nan
             for name, value in values.items():
@@ -378,6 +386,32 @@ class Trace:
         self._stats.grow(slots)
         self._slots = slots
 
+    def _grow_recent(self, rows: int) -> None:
+        """Room for ``rows`` rows in the recent block (doubling, up to its capacity); the kept rows are copied."""
+        size = min(self._recent_capacity, max(rows, 2 * len(self._recent_t)))
+        kept = self._recent_n
+        times = np.empty(size)
+        times[:kept] = self._recent_t[:kept]
+        values = np.full((size, self._slots), np.nan)
+        values[:kept] = self._recent_v[:kept]
+        self._recent_t, self._recent_v = times, values
+
+    def _grow_archive(self, rows: int) -> None:
+        """Room for ``rows`` buckets in the archive (doubling, up to its capacity)."""
+        if rows <= len(self._arch_t):
+            return
+        size = min(self._archive_capacity, max(rows, 2 * len(self._arch_t)))
+        kept = self._arch_n
+
+        def grown(block: np.ndarray, fill: float) -> np.ndarray:
+            bigger = np.full((size, *block.shape[1:]), fill, dtype=block.dtype)
+            bigger[:kept] = block[:kept]
+            return bigger
+
+        self._arch_t, self._arch_t_end = grown(self._arch_t, 0.0), grown(self._arch_t_end, 0.0)
+        self._arch_mean, self._arch_min = grown(self._arch_mean, np.nan), grown(self._arch_min, np.nan)
+        self._arch_max, self._arch_count = grown(self._arch_max, np.nan), grown(self._arch_count, 0)
+
     def _fold_recent(self) -> None:
         """Move the older half of the recent block into the archive."""
         half = self._recent_n // 2
@@ -436,6 +470,7 @@ class Trace:
             )
             return
         end_index = np.r_[starts[1:] - 1, len(t_end) - 1]
+        self._grow_archive(self._arch_n + rows)
         sl = slice(self._arch_n, self._arch_n + rows)
         self._arch_t[sl] = bucket[starts] * width
         self._arch_t_end[sl] = t_end[end_index]
@@ -746,6 +781,9 @@ class Trace:
             trace._add_column(name)
         mean = {k: _from_json_list(v) for k, v in data["mean"].items()}
         with trace._lock:
+            trace._grow_archive(archive_rows)
+            if recent_rows > len(trace._recent_t):
+                trace._grow_recent(recent_rows)
             sl = slice(0, archive_rows)
             trace._arch_t[sl] = t[:archive_rows]
             trace._arch_t_end[sl] = np.asarray(data["archive_t_end"], dtype=float)

@@ -92,6 +92,23 @@ def test_a_day_at_10_hz_with_eight_gpus_stays_under_64_mb():
     assert len(trace.plot_view(columns[:3], 2000)) <= 2000
 
 
+def test_a_short_watch_with_eight_gpus_holds_memory_for_its_rows_not_the_capacity():
+    trace = Trace()
+    columns = eight_gpu_columns()
+    trace.append(0.0, {c: 1.0 for c in columns})  # a watch's first tick
+    assert trace.nbytes() < 1 * 2**20  # every block at full capacity: 25 MB for these columns
+    # Grown a doubling at a time through the recent block's capacity and into the archive, every row stays.
+    for i in range(1, 6000):
+        trace.append(i * 0.25, {c: float(i) for c in columns[: 1 + i % len(columns)]})
+    frame = trace.window()
+    assert trace.rows_total == 6000 and np.all(np.diff(frame.t) > 0)
+    assert frame.t[-1] == 5999 * 0.25 and frame[columns[0]][-1] == 5999.0
+    last_seen = 1 + sum(1 for i in range(1, 6000) if i % len(columns) == len(columns) - 1)
+    assert trace.stats(columns[0]).count == 6000 and trace.stats(columns[-1]).count == last_seen
+    total = np.nansum(frame.mean[columns[0]][: trace._arch_n] * trace._arch_count[: trace._arch_n, 0])
+    assert total + np.nansum(frame.mean[columns[0]][trace._arch_n:]) == pytest.approx(sum(range(6000)))
+
+
 def test_plot_view_is_bounded_and_keeps_spikes_in_time_order():
     trace = Trace()
     for i in range(3000):
