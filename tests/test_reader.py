@@ -195,9 +195,20 @@ def test_the_reader_reads_the_gpus_the_watch_opened_and_the_watch_records_the_sa
     (site / "sitecustomize.py").write_text(SITECUSTOMIZE.format(tests=str(Path(__file__).parent)))
     monkeypatch.syspath_prepend(str(site))
     local = open_gpu_sources(None).sources
+    host = remote()
     try:
         sources = readers.gpu_sources(local, None, "process")
         assert [type(source).__name__ for source in sources] == ["RemoteGpuSource"] * 2
+        reader = readers.shared_reader()
+        assert reader is not None
+        exchanges = []
+        ask = reader.call
+        monkeypatch.setattr(reader, "call", lambda *args: exchanges.append(args[0][0]) or ask(*args))
+        for _ in range(2):  # a tick reads the host, then each GPU: one exchange with the reader a tick
+            host.read()
+            for source in sources:
+                source.read()
+        assert exchanges == ["read_many", "read_many"]
         for source, mine in zip(sources, local):
             theirs, ours = source.read(), mine.read()
             assert set(theirs) == set(ours) and theirs, (sorted(theirs), sorted(ours))
@@ -205,6 +216,7 @@ def test_the_reader_reads_the_gpus_the_watch_opened_and_the_watch_records_the_sa
             assert source.describe() == mine.describe() and theirs[column] == ours[column]
             assert not source.errors and not source.closed and source.busy_with is None
     finally:
+        host.close()
         for source in local:
             source.close()
 

@@ -14,6 +14,9 @@ length and a :mod:`marshal` payload (plain data only):
   ``key + 1``...; ``devices``: each source's ``describe()``, for the parent to match with its own;
 * ``("read", key)`` -> ``("ok", key, values, errors, closed)``: one reading, the errors the source
   recorded since the last answer, and whether it is closed (a GPU source that lost its GPUs);
+* ``("read_many", 0, keys)`` -> ``("ok", 0, [(key, values, errors, closed), ...], [], False)``: a tick of
+  every source the parent reads, in one exchange (``values`` None: that source's read failed, ``errors``
+  says how);
 * ``("close", key)`` -> ``("ok", key, None, [], True)``.
 
 A request that fails is answered ``("error", key, message, [], False)``, and the reader goes on.
@@ -70,6 +73,14 @@ def _send(fd: int, message: Any) -> None:
         data = data[os.write(fd, data):]
 
 
+def _read(source: Any, key: int, reported: dict[int, int]) -> tuple[dict[str, float], list[str], bool]:
+    """One reading of ``source``, the errors it recorded since the last, whether it is closed."""
+    values = source.read()
+    errors = [error.message for error in source.errors[reported[key]:]]
+    reported[key] = len(source.errors)
+    return values, errors, bool(getattr(source, "closed", False))
+
+
 def serve(stdin: int, stdout: int, parent: int) -> None:
     _bootstrap()
     from gpuwidget.sources import host, pids
@@ -111,11 +122,14 @@ def serve(stdin: int, stdout: int, parent: int) -> None:
                     sources[key + offset], reported[key + offset] = source, 0
                     payload.append([dict(device) for device in source.describe()])
             elif kind == "read":
-                source = sources[key]
-                payload = source.read()
-                errors = [error.message for error in source.errors[reported[key]:]]
-                reported[key] = len(source.errors)
-                closed = bool(getattr(source, "closed", False))
+                payload, errors, closed = _read(sources[key], key, reported)
+            elif kind == "read_many":
+                payload = []
+                for each in request[2]:
+                    try:
+                        payload.append((each, *_read(sources[each], each, reported)))
+                    except Exception as exc:  # noqa: BLE001 - that source's answer says so; the others go on
+                        payload.append((each, None, [f"{type(exc).__name__}: {exc}"], False))
             elif kind == "close":
                 closing = sources.pop(key, None)
                 reported.pop(key, None)

@@ -74,6 +74,8 @@ class ReaderProcess:
         self._lock = threading.Lock()
         self._process: subprocess.Popen[bytes] | None = None
         self._keys = itertools.count(1)
+        self._open: list[int] = []  # the sources open in the reader, in the order they were opened
+        self._tick: dict[int, tuple[Any, list[str], bool]] = {}  # answers of the last read_many not yet taken
         self._owner = os.getpid()
         self.pid: int | None = None
         self.failure: str | None = None  # why it stopped serving, once it has
@@ -103,6 +105,7 @@ class ReaderProcess:
         """A host source in the reader for ``pid``'s process tree; its key."""
         key = next(self._keys)
         self.call(("open", key, pid))
+        self._open.append(key)
         return key
 
     def open_gpus(self, gpus: Sequence[int] | None) -> list[tuple[int, list[dict[str, Any]]]]:
@@ -111,7 +114,32 @@ class ReaderProcess:
         devices, _, _ = self.call(("open_gpus", first, None if gpus is None else list(gpus)), GPU_OPEN_DEADLINE_S)
         for _ in devices[1:]:
             next(self._keys)
-        return [(first + offset, described) for offset, described in enumerate(devices)]
+        keys = [first + offset for offset in range(len(devices))]
+        self._open.extend(keys)
+        return list(zip(keys, devices))
+
+    def read(self, key: int) -> tuple[dict[str, float], list[str], bool]:
+        """A source's reading this tick: (values, errors, closed). The first source read in a tick asks for
+        every open source's reading in one exchange; the others' are then taken from its answer."""
+        with self._lock:
+            answer = self._tick.pop(key, None)
+        if answer is None:
+            keys = [key, *(other for other in self._open if other != key)]
+            answers, _, _ = self.call(("read_many", 0, keys))
+            with self._lock:
+                self._tick = {each: (values, errors, closed) for each, values, errors, closed in answers}
+                answer = self._tick.pop(key, None)
+        if answer is None or answer[0] is None:
+            raise ReaderGone(f"could not read: {'; '.join(answer[1]) if answer else 'no answer'}")
+        return answer
+
+    def close_source(self, key: int) -> None:
+        """Close one source in the reader."""
+        with self._lock:
+            if key in self._open:
+                self._open.remove(key)
+            self._tick.pop(key, None)
+        self.call(("close", key))
 
     def call(self, request: tuple[Any, ...], deadline_s: float = REPLY_DEADLINE_S) -> tuple[Any, list[str], bool]:
         """Send ``request``, wait for its answer: (payload, errors, closed). Raises :class:`ReaderGone`."""
@@ -248,7 +276,7 @@ class RemoteHostSource:
         reader = self._reader
         if reader is not None:
             try:
-                values, errors, _ = reader.call(("read", self._key))
+                values, errors, _ = reader.read(self._key)
             except ReaderGone as exc:
                 self._reader = None
                 self._log.record(f"{exc}; the host is read in this process from here")
@@ -270,7 +298,7 @@ class RemoteHostSource:
         reader, self._reader = self._reader, None
         if reader is not None:
             with contextlib.suppress(ReaderGone):
-                reader.call(("close", self._key))
+                reader.close_source(self._key)
         self._local.close()
 
 
@@ -321,7 +349,7 @@ class RemoteGpuSource:
         if reader is not None:
             self.busy_with = self._label
             try:
-                values, errors, self._closed = reader.call(("read", self._key))
+                values, errors, self._closed = reader.read(self._key)
             except ReaderGone as exc:
                 self._reader = None
                 self._log.record(f"{exc}; {self._label} read in this process from here")
@@ -345,7 +373,7 @@ class RemoteGpuSource:
         reader, self._reader = self._reader, None
         if reader is not None:
             with contextlib.suppress(ReaderGone):
-                reader.call(("close", self._key))
+                reader.close_source(self._key)
         self._local.close()
 
 
@@ -372,6 +400,6 @@ def gpu_sources(local: list[GpuSource], gpus: Sequence[int] | None, reader: str 
     if len(opened) != len(local) or not all(same(devices, source) for (_, devices), source in zip(opened, local)):
         for key, _ in opened:
             with contextlib.suppress(ReaderGone):
-                shared.call(("close", key))
+                shared.close_source(key)
         return local
     return [cast(GpuSource, RemoteGpuSource(source, shared, key)) for source, (key, _) in zip(local, opened)]
