@@ -105,7 +105,8 @@ WARM_UP_THREAD = "gpuwidget-warm-up"
 
 def _warm_up() -> None:
     """Import the live view's libraries in the background, so the first watched cell
-    shows its plot without waiting for bokeh's import (about a second)."""
+    shows its plot without waiting for bokeh's import (about a second); start the reader
+    process where ``GPUWIDGET_READER=process`` asks for it (gpuwidget.sources.reader)."""
     import threading
 
     def imports() -> None:
@@ -116,6 +117,10 @@ def _warm_up() -> None:
 
             import gpuwidget.sources.host  # noqa: F401
             import gpuwidget.ui.live  # noqa: F401
+            from gpuwidget.sources.reader import reader_choice, shared_reader
+
+            if reader_choice() == "process":
+                shared_reader()  # started now: the first watched cell does not wait for it
         except Exception:  # noqa: BLE001, S110 - the watch imports them again and reports failures
             pass
 

@@ -12,9 +12,10 @@ time for it. A watchdog notices a read that does not return (an NVML call on a G
 falling off the bus, ``/proc`` on an overloaded node): that source is dropped with a
 message naming when it stopped answering, and a fresh sampler thread carries on with
 the others. The stuck thread is abandoned (it is a daemon) and discards whatever the
-read returns if it ever does. The sampler is a thread, not a process, by measurement
-(BENCHMARKS.md, overhead): it takes 0.3 % of a GIL-bound loop at the default interval,
-the most a process could give back, which would then copy the Trace out of shared memory.
+read returns if it ever does. The sampler is a thread: the stack sample, the probes'
+flushes and the Trace's row need this process. The sources' reads can be done by a process
+of their own (gpuwidget.sources.reader, ``GPUWIDGET_READER=process``), the thread then waiting
+for their answer without the GIL (BENCHMARKS.md, section 20h).
 """
 
 from __future__ import annotations

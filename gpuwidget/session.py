@@ -29,7 +29,7 @@ from gpuwidget.sampler import Sampler
 from gpuwidget.sources.base import Source
 from gpuwidget.sources.gpu import NO_GPU, GpuSource, open_gpu_sources
 from gpuwidget.sources.reader import gpu_sources as reader_gpu_sources
-from gpuwidget.sources.reader import host_source
+from gpuwidget.sources.reader import host_source, reader_choice
 from gpuwidget.trace import Trace
 
 log = logging.getLogger("gpuwidget")
@@ -71,6 +71,14 @@ def _gpu_source(options: WatchOptions) -> tuple[list[GpuSource], MachineFacts]:
     if not opened.found:
         return _no_gpu(options, opened.message or NO_GPU)
     return list(opened.sources), {"gpus": opened.devices(), "gpu_message": None}
+
+
+def _reader() -> str:
+    """Where the sources are read (gpuwidget.sources.reader's ``GPUWIDGET_READER``), checked before anything starts."""
+    try:
+        return reader_choice()
+    except ValueError as exc:
+        raise OptionError(str(exc)) from None
 
 
 def _no_gpu(options: WatchOptions, reason: str) -> tuple[list[GpuSource], MachineFacts]:
@@ -133,11 +141,12 @@ class Watch:
                 if _active is not None:
                     raise OptionError("another watch is already running in this kernel; nested watches "
                                       "are not supported")
+                reader = _reader()
                 gpu_sources, gpu_facts = _gpu_source(self.options)
                 _active = self
             trace = Trace()
-            host = host_source()
-            gpu_sources = reader_gpu_sources(gpu_sources, self.options.gpus)
+            host = host_source(reader)
+            gpu_sources = reader_gpu_sources(gpu_sources, self.options.gpus, reader)
             machine: MachineFacts = {**host.machine_facts(), **gpu_facts}
             trace.meta.update({"label": self.label, "interval": self.options.interval})
             self.run = Run(trace=trace, machine=machine, options=self.options, label=self.label)

@@ -245,3 +245,16 @@ def test_gpus_the_reader_does_not_open_as_this_process_did_are_read_here(fake_nv
     finally:
         for source in local:
             source.close()
+
+
+def test_a_watch_with_an_unknown_reader_setting_stops_before_it_starts(monkeypatch):
+    from gpuwidget.options import OptionError
+
+    monkeypatch.setenv(READER_ENV, "processes")
+    with pytest.raises(OptionError, match="GPUWIDGET_READER: expected one of thread, process, got 'processes'"):
+        with gpuwidget.watch(quiet=True):
+            pass
+    monkeypatch.delenv(READER_ENV)
+    with gpuwidget.watch(quiet=True) as run:  # nothing was left running by the refused one
+        time.sleep(0.3)
+    assert run.sampler["ticks"] >= 1
