@@ -71,7 +71,10 @@ def timed(function, cell):
             cell[1] += time.thread_time_ns() - started
     return wrapper
 for label, module, cls, method in parts:
-    owner = getattr(importlib.import_module(module), cls, None)
+    try:
+        owner = getattr(importlib.import_module(module), cls, None)
+    except ImportError:  # a checkout from before that module
+        continue
     if owner is not None and hasattr(owner, method):
         setattr(owner, method, timed(getattr(owner, method), spent[label]))
 nvml_calls = {}  # NVML function -> [calls, thread CPU ns], from every caller
@@ -153,8 +156,8 @@ def main() -> None:
     info = print_header("The sampler thread's CPU on the 0.3 ms loop, by part")
     rounds, steps = (1, 5000) if args.quick else (args.rounds, args.steps)
     readers = args.reader or ["thread"]
-    arms = [(code, reader) for code in [ROOT, *(Path(code).resolve() for code in args.code or ())]
-            for reader in readers]
+    # Older checkouts may have no reader process: they run the default only.
+    arms = [*((ROOT, reader) for reader in readers), *((Path(code).resolve(), "thread") for code in args.code or ())]
     runs: dict[tuple[Path, str], list[dict[str, Any]]] = {arm: [] for arm in arms}
     with tempfile.TemporaryDirectory() as site:
         if args.fake_gpus:
