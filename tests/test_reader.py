@@ -251,9 +251,9 @@ def test_a_watch_with_an_unknown_reader_setting_stops_before_it_starts(monkeypat
     from gpuwidget.options import OptionError
 
     monkeypatch.setenv(READER_ENV, "processes")
-    with pytest.raises(OptionError, match="GPUWIDGET_READER: expected one of thread, process, got 'processes'"):
-        with gpuwidget.watch(quiet=True):
-            pass
+    refused = "GPUWIDGET_READER: expected one of thread, process, got 'processes'"
+    with pytest.raises(OptionError, match=refused), gpuwidget.watch(quiet=True):
+        pass
     monkeypatch.delenv(READER_ENV)
     with gpuwidget.watch(quiet=True) as run:  # nothing was left running by the refused one
         time.sleep(0.3)

@@ -178,6 +178,26 @@ def test_interrupting_the_tuner_leaves_no_worker_processes():
     assert not new_children_left(before)
 
 
+def test_a_ctrl_c_inside_torchs_own_worker_shutdown_leaves_no_worker_processes(monkeypatch):
+    # torch's _shutdown_workers sets its "shut down" flag before the try whose finally ends the workers: a
+    # Ctrl-C landing between the two left them waiting for work until the kernel exits (the flag then
+    # makes every later shutdown, __del__'s too, a no-op). Here the Ctrl-C lands exactly there.
+    from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
+
+    def interrupted(self: Any) -> None:
+        self._shutdown = True
+        raise KeyboardInterrupt
+
+    before = children()
+    monkeypatch.setattr(_MultiProcessingDataLoaderIter, "_shutdown_workers", interrupted)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            tune_loader(DataLoader(Slow(), batch_size=8, num_workers=2), budget_s=30)
+    finally:
+        monkeypatch.undo()
+    assert not new_children_left(before)
+
+
 # Armed by the test below: a Ctrl-C from inside the parent's at-fork callbacks (registered once; they
 # cannot be removed), where CPython ignores the exceptions raised.
 _ctrl_c_in_fork: list[bool] = []

@@ -315,32 +315,56 @@ def _iterating(loader: Any) -> Iterator[Any]:
     out of the iterator's list, waiting for work until the kernel exits: it is ended too.
     """
     running = set(multiprocessing.active_children())
+    iterator: Any = None
     try:
-        iterator = iter(loader)
-    except BaseException as error:
-        from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
+        try:
+            iterator = iter(loader)
+        except BaseException as error:
+            from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 
-        for frame, _ in traceback.walk_tb(error.__traceback__):
-            half_built = frame.f_locals.get("self")
-            if isinstance(half_built, _MultiProcessingDataLoaderIter):
-                with contextlib.suppress(Exception):  # the interrupt is what the caller gets
-                    _shut_down_half_built(half_built)
-        _end_started_since(running)
-        raise
-    try:
+            for frame, _ in traceback.walk_tb(error.__traceback__):
+                half_built = frame.f_locals.get("self")
+                if isinstance(half_built, _MultiProcessingDataLoaderIter):
+                    with contextlib.suppress(Exception):  # the interrupt is what the caller gets
+                        _shut_down_half_built(half_built)
+            raise
         yield iterator
     finally:
-        shutdown = getattr(iterator, "_shutdown_workers", None)
-        if shutdown is not None:
-            shutdown()
-        del iterator
+        try:
+            shutdown = getattr(iterator, "_shutdown_workers", None)
+            if shutdown is not None:
+                shutdown()
+        finally:
+            # Whatever was interrupted, and where (between iter() and the loop, or inside torch's own
+            # shutdown, which sets its "shut down" flag before the try whose finally ends the workers):
+            # no worker this block started outlives it. Joined workers are not listed: a trial that
+            # ended normally has nothing left here.
+            _forget_worker_pids(iterator)
+            iterator = None
+            _end_started_since(running)
+
+
+def _forget_worker_pids(iterator: Any) -> None:
+    """Take an iterator's workers out of torch's SIGCHLD watch, as its own shutdown does: ending them
+    otherwise raises "DataLoader worker ... is killed by signal" in place of what stopped the block."""
+    if getattr(iterator, "_worker_pids_set", False):
+        with contextlib.suppress(Exception):
+            from torch.utils.data._utils.signal_handling import _remove_worker_pids
+
+            _remove_worker_pids(id(iterator))
+            iterator._worker_pids_set = False
 
 
 def _end_started_since(running: set[Any]) -> None:
     """End the processes started since ``running`` and not yet shut down: workers an interrupted
-    ``iter()`` started but had not listed (never in torch's SIGCHLD watch, which starts after them)."""
-    with contextlib.suppress(Exception):
-        for process in set(multiprocessing.active_children()) - running:
+    ``iter()`` started but had not listed (never in torch's SIGCHLD watch, which starts after them), or
+    those an interrupted shutdown left. Each on its own: one that cannot be ended leaves the others."""
+    try:
+        started = set(multiprocessing.active_children()) - running
+    except Exception:  # noqa: BLE001 - nothing to end that can be found
+        return
+    for process in started:
+        with contextlib.suppress(Exception):
             process.terminate()
             process.join(timeout=5)
 
