@@ -38,7 +38,7 @@ from gpuwidget.clock import now
 from gpuwidget.sources import host
 from gpuwidget.sources._reader_main import HEADER
 from gpuwidget.sources.base import ErrorLog, SourceError
-from gpuwidget.sources.gpu import GpuDescription, GpuSource
+from gpuwidget.sources.gpu import GpuSource
 from gpuwidget.sources.host import HostSource
 
 # Where a watch's sampler reads the host: "thread" (its own thread, the default) or "process".
@@ -254,18 +254,22 @@ os.register_at_fork(after_in_child=_forget_in_child)
 atexit.register(stop_shared_reader)
 
 
-class RemoteHostSource:
-    """The host source read by a :class:`ReaderProcess`: the readings of ``HostSource(pid)``, and that
-    source in this process as the fallback (and for the machine facts, read once at the start)."""
+class _RemoteSource:
+    """What a source read by a :class:`ReaderProcess` does: its reading comes from the reader, and from
+    ``local`` (the same source in this process) once the reader cannot answer."""
 
-    name = "host"
-
-    def __init__(self, local: HostSource, reader: ReaderProcess) -> None:
+    def __init__(self, local: Any, reader: ReaderProcess, key: int, name: str, what: str,
+                 busy: str | None = None) -> None:
         self._local = local
-        self._log = ErrorLog(self.name)
+        self.name = name
+        self._log = ErrorLog(name)
         self.errors: list[SourceError] = self._log.errors
         self._reader: ReaderProcess | None = reader
-        self._key = reader.open(local.machine_facts()["pid"])
+        self._key = key
+        self._what = what  # what it reads, for the message when this process takes over ("the host")
+        self._busy = busy  # what a hung read names (the sampler's watchdog): "GPU 1"
+        self._closed = False
+        self.busy_with: str | None = None
 
     @property
     def remote(self) -> bool:
@@ -275,24 +279,24 @@ class RemoteHostSource:
     def read(self) -> dict[str, float]:
         reader = self._reader
         if reader is not None:
+            self.busy_with = self._busy
             try:
-                values, errors, _ = reader.read(self._key)
+                values, errors, self._closed = reader.read(self._key)
             except ReaderGone as exc:
                 self._reader = None
-                self._log.record(f"{exc}; the host is read in this process from here")
+                self._log.record(f"{exc}; {self._what} is read in this process from here")
             else:
                 for message in errors:
                     self._log.record(message)
                 return dict(values)
-        values = self._local.read()
+            finally:
+                self.busy_with = None
+        read: dict[str, float] = self._local.read()
         self.errors.extend(error for error in self._local.errors if error not in self.errors)
-        return values
+        return read
 
     def describe(self) -> Any:
         return self._local.describe()
-
-    def machine_facts(self) -> Any:
-        return self._local.machine_facts()
 
     def close(self) -> None:
         reader, self._reader = self._reader, None
@@ -300,6 +304,17 @@ class RemoteHostSource:
             with contextlib.suppress(ReaderGone):
                 reader.close_source(self._key)
         self._local.close()
+
+
+class RemoteHostSource(_RemoteSource):
+    """The host source read by a :class:`ReaderProcess`: the readings of ``HostSource(pid)``, and that
+    source in this process as the fallback (and for the machine facts, read once at the start)."""
+
+    def __init__(self, local: HostSource, reader: ReaderProcess) -> None:
+        super().__init__(local, reader, reader.open(local.machine_facts()["pid"]), local.name, "the host")
+
+    def machine_facts(self) -> Any:
+        return self._local.machine_facts()
 
 
 def host_source(reader: str | None = None) -> HostSource | RemoteHostSource:
@@ -321,60 +336,21 @@ def host_source(reader: str | None = None) -> HostSource | RemoteHostSource:
 SAME_DEVICE = ("id", "index", "vendor", "uuid", "name", "is_mig", "gpu_instance_id", "partition_id")
 
 
-class RemoteGpuSource:
+class RemoteGpuSource(_RemoteSource):
     """A GPU source read by a :class:`ReaderProcess`: the reader's twin of ``local`` (the same devices,
     opened there as here), with ``local`` as the fallback and for the facts."""
 
     def __init__(self, local: GpuSource, reader: ReaderProcess, key: int) -> None:
-        self._local = local
-        self.name = local.name
-        self._log = ErrorLog(local.name)
-        self.errors: list[SourceError] = self._log.errors
-        self._reader: ReaderProcess | None = reader
-        self._key = key
-        self._closed = False
-        self._label = ", ".join(f"GPU {device.get('index')}" for device in local.describe())
-        self.busy_with: str | None = None  # the GPU being read, while the reader reads it
-
-    @property
-    def remote(self) -> bool:
-        return self._reader is not None
+        label = ", ".join(f"GPU {device.get('index')}" for device in local.describe())
+        super().__init__(local, reader, key, local.name, label, busy=label)
 
     @property
     def closed(self) -> bool:
-        return self._closed if self._reader is not None else self._local.closed
-
-    def read(self) -> dict[str, float]:
-        reader = self._reader
-        if reader is not None:
-            self.busy_with = self._label
-            try:
-                values, errors, self._closed = reader.read(self._key)
-            except ReaderGone as exc:
-                self._reader = None
-                self._log.record(f"{exc}; {self._label} read in this process from here")
-            else:
-                for message in errors:
-                    self._log.record(message)
-                return dict(values)
-            finally:
-                self.busy_with = None
-        values = self._local.read()
-        self.errors.extend(error for error in self._local.errors if error not in self.errors)
-        return values
-
-    def describe(self) -> list[GpuDescription]:
-        return self._local.describe()
+        return self._closed if self._reader is not None else bool(self._local.closed)
 
     def processes(self) -> dict[str, list[tuple[int, int | None]]]:
-        return self._local.processes()
-
-    def close(self) -> None:
-        reader, self._reader = self._reader, None
-        if reader is not None:
-            with contextlib.suppress(ReaderGone):
-                reader.close_source(self._key)
-        self._local.close()
+        result: dict[str, list[tuple[int, int | None]]] = self._local.processes()
+        return result
 
 
 def gpu_sources(local: list[GpuSource], gpus: Sequence[int] | None, reader: str | None = None) -> list[GpuSource]:
