@@ -233,6 +233,13 @@ class _SpanRing:
             self.attrs = np.full(size, None, dtype=object)
 
 
+def _with_rows(block: np.ndarray, size: int, kept: int, fill: float) -> np.ndarray:
+    """``block`` with ``size`` rows: its first ``kept`` rows, the rest ``fill``."""
+    bigger = np.full((size, *block.shape[1:]), fill, dtype=block.dtype)
+    bigger[:kept] = block[:kept]
+    return bigger
+
+
 class Trace:
     """Timestamped metric columns and spans for one watched run (or a server's window)."""
 
@@ -299,8 +306,7 @@ class Trace:
                 # Make room for every new column at once (one copy, not one per doubling).
                 needed = len(columns) + sum(name not in columns for name in values)
                 self._grow_columns(1 << (needed - 1).bit_length())
-            if row_index == len(self._recent_t):
-                self._grow_recent(row_index + 1)
+            self._grow_recent(row_index + 1)
             row = self._recent_v[row_index]
             row[:] = np.nan
             for name, value in values.items():
@@ -387,30 +393,24 @@ class Trace:
         self._slots = slots
 
     def _grow_recent(self, rows: int) -> None:
-        """Room for ``rows`` rows in the recent block (doubling, up to its capacity); the kept rows are copied."""
-        size = min(self._recent_capacity, max(rows, 2 * len(self._recent_t)))
-        kept = self._recent_n
-        times = np.empty(size)
-        times[:kept] = self._recent_t[:kept]
-        values = np.full((size, self._slots), np.nan)
-        values[:kept] = self._recent_v[:kept]
-        self._recent_t, self._recent_v = times, values
+        """Room for ``rows`` rows in the recent block (doubling, up to its capacity)."""
+        if rows > len(self._recent_t):
+            size = min(self._recent_capacity, max(rows, 2 * len(self._recent_t)))
+            kept = self._recent_n
+            self._recent_t = _with_rows(self._recent_t, size, kept, 0.0)
+            self._recent_v = _with_rows(self._recent_v, size, kept, np.nan)
 
     def _grow_archive(self, rows: int) -> None:
         """Room for ``rows`` buckets in the archive (doubling, up to its capacity)."""
-        if rows <= len(self._arch_t):
-            return
-        size = min(self._archive_capacity, max(rows, 2 * len(self._arch_t)))
-        kept = self._arch_n
-
-        def grown(block: np.ndarray, fill: float) -> np.ndarray:
-            bigger = np.full((size, *block.shape[1:]), fill, dtype=block.dtype)
-            bigger[:kept] = block[:kept]
-            return bigger
-
-        self._arch_t, self._arch_t_end = grown(self._arch_t, 0.0), grown(self._arch_t_end, 0.0)
-        self._arch_mean, self._arch_min = grown(self._arch_mean, np.nan), grown(self._arch_min, np.nan)
-        self._arch_max, self._arch_count = grown(self._arch_max, np.nan), grown(self._arch_count, 0)
+        if rows > len(self._arch_t):
+            size = min(self._archive_capacity, max(rows, 2 * len(self._arch_t)))
+            kept = self._arch_n
+            self._arch_t = _with_rows(self._arch_t, size, kept, 0.0)
+            self._arch_t_end = _with_rows(self._arch_t_end, size, kept, 0.0)
+            self._arch_mean = _with_rows(self._arch_mean, size, kept, np.nan)
+            self._arch_min = _with_rows(self._arch_min, size, kept, np.nan)
+            self._arch_max = _with_rows(self._arch_max, size, kept, np.nan)
+            self._arch_count = _with_rows(self._arch_count, size, kept, 0)
 
     def _fold_recent(self) -> None:
         """Move the older half of the recent block into the archive."""
@@ -782,8 +782,7 @@ class Trace:
         mean = {k: _from_json_list(v) for k, v in data["mean"].items()}
         with trace._lock:
             trace._grow_archive(archive_rows)
-            if recent_rows > len(trace._recent_t):
-                trace._grow_recent(recent_rows)
+            trace._grow_recent(recent_rows)
             sl = slice(0, archive_rows)
             trace._arch_t[sl] = t[:archive_rows]
             trace._arch_t_end[sl] = np.asarray(data["archive_t_end"], dtype=float)
