@@ -9,6 +9,10 @@ so the kernel writes them there as ``gpuwidget-status-<pid>.json``:
   sampler thread, from the loader probe's running totals: no summary is computed) and once
   more when it ends, with the main cause; each write replaces the file atomically;
 * bounded: one file per kernel process, under :data:`MAX_BYTES`, removed when the kernel exits;
+  a kernel that was killed (no exit handler ran) leaves its file, which the next kernel to write
+  one in the same directory removes (:func:`remove_stale`): only files written where its pids mean
+  the same processes (the same boot of the same host, the same PID namespace), by a process that is
+  gone, so kernels of other hosts or containers sharing a home directory keep theirs;
 * private: created with mode 0600 in the runtime directory (itself 0700), next to the
   connection files that hold the kernel's key;
 * written only inside a Jupyter kernel (the directory is that of its connection file), so
@@ -26,6 +30,8 @@ import json
 import logging
 import math
 import os
+import re
+import socket
 import threading
 import time
 from collections.abc import Mapping
@@ -70,6 +76,10 @@ class KernelStatus(TypedDict):
 
 _removal_registered = False
 _removal_lock = threading.Lock()
+_swept: set[str] = set()  # directories this process has removed stale files from (once each)
+_FILE_NAME = re.compile(r"gpuwidget-status-(\d+)\.json")
+# A file this much newer than its pid's process start was still written by it (clocks' rounding).
+_START_SLACK_S = 1.0
 
 
 def status_path(directory: str, pid: int) -> str:
@@ -101,6 +111,11 @@ class StatusWriter:
         self._progress = progress
         self._last_write = -math.inf
         _remove_at_exit(self.path)
+        with _removal_lock:
+            first = directory not in _swept
+            _swept.add(directory)
+        if first:
+            remove_stale(directory)
 
     @classmethod
     def for_kernel(cls, label: str = "", progress: Any = None) -> StatusWriter | None:
@@ -143,8 +158,8 @@ class StatusWriter:
         }
 
     def _write(self, state: str, figures: WatchFigures) -> None:
-        status = {"version": FORMAT_VERSION, "pid": os.getpid(), "state": state, "label": self.label,
-                  "updated": time.time(), "cause": None, **figures}
+        status = {"version": FORMAT_VERSION, "pid": os.getpid(), "pid_space": pid_space(), "state": state,
+                  "label": self.label, "updated": time.time(), "cause": None, **figures}
         try:
             write_private(self.path, json.dumps(status, allow_nan=False, default=str))
         except (OSError, ValueError) as exc:
@@ -182,6 +197,58 @@ def read_status(path: str, not_before: float | None = None) -> KernelStatus | No
         "data_wait_fraction": _number(status.get("data_wait_fraction")),
         "updated": _number(status.get("updated")),
     }
+
+
+def pid_space() -> str:
+    """Where this process's pid names the same process for every reader: on Linux the host kernel's
+    boot and the PID namespace (containers share the first, not the second), elsewhere the host."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        return f"{boot} {os.readlink('/proc/self/ns/pid')}"
+    except OSError:
+        return socket.gethostname()
+
+
+def remove_stale(directory: str) -> int:
+    """Remove the status files in ``directory`` whose kernel is gone; return how many.
+
+    A file is removed only when it says it was written in this process's pid space (:func:`pid_space`)
+    and its pid is no longer running, or runs a process started after the file's last write (a reused
+    pid). Files of other hosts or namespaces, of older formats, or unreadable ones stay.
+    """
+    import psutil
+
+    space, removed = pid_space(), 0
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return 0
+    for name in names:
+        match = _FILE_NAME.fullmatch(name)
+        if match is None or int(match[1]) == os.getpid():
+            continue
+        path = os.path.join(directory, name)
+        try:
+            with open(path, "rb") as fh:
+                written = os.fstat(fh.fileno()).st_mtime
+                status = json.loads(fh.read(MAX_BYTES + 1))
+        except (OSError, ValueError):
+            continue
+        if not isinstance(status, dict) or status.get("pid_space") != space:
+            continue
+        try:
+            started = psutil.Process(int(match[1])).create_time()
+        except psutil.NoSuchProcess:
+            started = math.inf
+        except psutil.Error:  # not ours to judge (access denied)
+            continue
+        if started > written + _START_SLACK_S:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+                removed += 1
+    if removed:
+        log.debug("gpuwidget: removed %d status files of kernels that are gone from %s", removed, directory)
+    return removed
 
 
 def _number(value: Any) -> float | None:

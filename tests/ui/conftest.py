@@ -145,4 +145,28 @@ def wait_for(predicate, timeout: float, message: str, page):
         page.wait_for_timeout(100)
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(SCREENSHOTS / "failure.png"))
-    raise AssertionError(message + "\nconsole:\n" + "\n".join(page.console_messages[-20:]))
+    raise AssertionError(message + "\npage:\n" + page_state(page) + "\nconsole:\n"
+                         + "\n".join(page.console_messages[-20:]))
+
+
+# What a failed wait leaves beside the screenshot: whether BokehJS and its documents are on the page, the
+# kernel's state and each output's kind and first words (a widget that failed says "Error displaying").
+PAGE_STATE_JS = """() => {
+  const panel = window.jupyterapp && window.jupyterapp.shell.currentWidget;
+  const kernel = panel && panel.sessionContext && panel.sessionContext.session
+    && panel.sessionContext.session.kernel;
+  const outputs = [...document.querySelectorAll('.jp-Notebook .jp-OutputArea-output')].map(
+    (node) => (node.dataset.mimeType || '?') + ': ' + node.innerText.slice(0, 80).replace(/\\s+/g, ' '));
+  return JSON.stringify({
+    bokeh: window.Bokeh ? window.Bokeh.version + ', ' + window.Bokeh.documents.length + ' documents' : null,
+    kernel: kernel ? kernel.status : null,
+    outputs: outputs.slice(-8),
+  }, null, 1);
+}"""
+
+
+def page_state(page) -> str:
+    try:
+        return page.evaluate(PAGE_STATE_JS)
+    except Exception as exc:  # noqa: BLE001 - the page itself may be what broke
+        return f"(unreadable: {exc!r})"

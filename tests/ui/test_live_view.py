@@ -171,6 +171,11 @@ def test_three_watched_cells_keep_the_kernel_busy_and_leave_no_stderr_or_comm_er
 def test_live_plot_follows_the_dark_theme(lab, page):
     from PIL import Image, ImageStat
 
+    # The watched cell runs until this file appears: the checks below need the plot live, and a browser
+    # on a loaded machine can take longer than any fixed cell to show it (fresh-check run 67: the cell's
+    # 8 s ended before the page had made the plot's view).
+    release = lab.root / "dark-checked"
+    release.unlink(missing_ok=True)
     open_notebook(page, lab, "watch_dark.ipynb", reset=True)
     page.evaluate("window.jupyterapp.commands.execute('apputils:change-theme', {theme: 'JupyterLab Dark'})")
     try:
@@ -195,8 +200,10 @@ def test_live_plot_follows_the_dark_theme(lab, page):
         plot.screenshot(path=str(shot))
         # No white box: the plot is as dark as the notebook around it.
         assert ImageStat.Stat(Image.open(shot).convert("L")).mean[0] < 90
+        release.touch()
         page.wait_for_selector(".gpuwidget-run[data-outcome='ok']", timeout=60_000)
     finally:
+        release.touch()  # a failed check leaves no busy kernel behind
         page.evaluate("window.jupyterapp.commands.execute('apputils:change-theme', {theme: 'JupyterLab Light'})")
         wait_for(lambda: page.evaluate("document.body.dataset.jpThemeLight") == "true", 30,
                  "the light theme did not come back", page)
