@@ -105,6 +105,7 @@ class LoaderFacts(TypedDict, total=False):
     loop_time_s: float  # wait_total_s + compute_total_s
     wait_cpu_ratio: float | None  # CPU seconds of the looping thread per wall second while blocked in next()
     wait_delay_ratio: float | None  # its run delay (runnable, waiting for a core) per wall second then
+    wait_sampled_s: float  # wall seconds of the waits those two were read over (probes.torch_data.sample_stride)
     collate_share: float | None  # of the sampled waits without workers, the share in the collate function
     # Device type of the batches' tensors as next() returned them ("cpu"; "cuda": a dataset already on
     # the GPU, nothing to pin); None: not read (an older run, or no tensor in the batch).

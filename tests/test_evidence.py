@@ -200,7 +200,9 @@ def test_a_sleeping_dataset_is_io_bound_from_its_measured_sleep():
     finding = next(f for f in run.findings if f.rule == "io-bound")
     assert finding.evidence["cpu_while_waiting"] < 0.25
     loader = run.workload["loaders"][0]
-    assert sum(loader["wait_times"][1::CPU_SAMPLE_EVERY]) >= MIN_SAMPLED_WAIT_S
+    # Its loader is what it waits on: one next() in CPU_SAMPLE_EVERY was read, from the second.
+    assert loader["wait_sampled_s"] == pytest.approx(sum(loader["wait_times"][1::CPU_SAMPLE_EVERY]))
+    assert loader["wait_sampled_s"] >= MIN_SAMPLED_WAIT_S
 
 
 _first_uses = [0]

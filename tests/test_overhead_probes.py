@@ -4,6 +4,7 @@ whenever the flushes come, on a clock the test controls."""
 from __future__ import annotations
 
 import itertools
+import math
 from typing import Any
 
 import pytest
@@ -104,6 +105,64 @@ def test_the_cpu_counters_are_read_on_the_same_steps_as_before(clock, monkeypatc
     sampled = sorted(set(reads))
     assert sampled == list(range(1, 40, CPU_SAMPLE_EVERY))
     assert probe.stats[0].wait_sampled == float(len(sampled))
+
+
+class TimedDataset(torch.utils.data.Dataset):
+    """Each sample takes ``wait`` seconds of the test's clock to fetch."""
+
+    def __init__(self, clock: list[float], samples: int, wait: float) -> None:
+        self.clock, self.samples, self.wait = clock, samples, wait
+
+    def __len__(self) -> int:
+        return self.samples
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        self.clock[0] += self.wait
+        return torch.zeros(1)
+
+
+def sampled_calls(monkeypatch: pytest.MonkeyPatch, wait: float, compute: float, steps: int = 4000) -> list[int]:
+    """The next() calls (0-based) whose CPU and run delay were read, in a loop of ``steps`` batches that
+    each wait ``wait`` seconds in next() and compute ``compute`` seconds between them."""
+    clock = [100.0]
+    reads: list[int] = []
+    stats: list[Any] = []
+
+    def counters() -> tuple[float, float]:
+        reads.append(stats[0].calls)
+        return 0.0, 0.0
+
+    monkeypatch.setattr(torch_data, "now", lambda: clock[0])
+    monkeypatch.setattr(torch_data, "thread_counters", counters)
+    probe = DataLoaderProbe(Trace(start_clock=50.0))
+    loader = DataLoader(TimedDataset(clock, steps, wait), batch_size=1)
+    probe.install()
+    try:
+        iterator = iter(loader)
+        stats.append(probe.stats[0])
+        for _batch in iterator:
+            clock[0] += compute
+    finally:
+        probe.uninstall()
+    facts = probe.stats[0].facts({})
+    assert facts["wait_sampled_s"] == pytest.approx(wait * len(set(reads)))
+    return sorted(set(reads))
+
+
+def test_a_fast_loop_that_hardly_waits_reads_its_cpu_on_fewer_steps_and_a_starved_one_on_as_many(monkeypatch):
+    # A 0.3 ms step with a 10 us wait: its loader is not what holds it up, and reading the thread's CPU
+    # (two system calls) on one step in eight would cost it more than the 0.1 % the reads may take.
+    fast = sampled_calls(monkeypatch, wait=10e-6, compute=300e-6)
+    assert fast[:2] == [1, 9]  # the first reads as before, to learn the step
+    strides = {b - a for a, b in zip(fast[1:], fast[2:])}
+    assert strides == {math.ceil(torch_data.SAMPLED_CALL_COST_S / (torch_data.SAMPLE_COST_SHARE * 310e-6))}
+    assert len(fast) < 4000 / 40
+    # The same step, waiting half of it on its loader: one in eight, the advice's evidence as before.
+    starved = sampled_calls(monkeypatch, wait=155e-6, compute=155e-6)
+    assert starved == list(range(1, 4000, CPU_SAMPLE_EVERY))
+    # A slow step that hardly waits: one in eight already costs it little.
+    slow = sampled_calls(monkeypatch, wait=10e-6, compute=20e-3, steps=400)
+    assert slow == list(range(1, 400, CPU_SAMPLE_EVERY))
 
 
 def test_two_loaders_in_one_loop_keep_their_own_figures_and_the_spans_stay_in_time_order(clock):

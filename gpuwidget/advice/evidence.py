@@ -16,9 +16,9 @@ from gpuwidget.figures.summary import loop_step_times
 from gpuwidget.figures.warmup import WarmupSplit, split_run
 
 # Steady steps a cause needs. The loop's own CPU and run delay while it is blocked in next()
-# are read on one step in eight (probes.torch_data.CPU_SAMPLE_EVERY, never the first), so 16
-# steps give two readings; periodic-stall needs three stalls at least two steps apart and the
-# steps between them to take its median from.
+# are read on one step in eight (probes.torch_data.CPU_SAMPLE_EVERY, never the first) where the
+# loop waits on its loader, so 16 steps give two readings; periodic-stall needs three stalls at
+# least two steps apart and the steps between them to take its median from.
 MIN_CAUSE_STEPS = 16
 # Seconds of steady steps a cause needs. The host figures behind the loader's causes (CPU of
 # the process and its workers, run delay, other processes' CPU) are rates between sampler

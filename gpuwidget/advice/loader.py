@@ -182,8 +182,11 @@ def steady_loop(loader: LoaderFacts) -> SteadyLoop:
 
 
 def sampled_wait_s(loader: LoaderFacts) -> float:
-    """Seconds of the waits whose CPU and run delay the probe read (one step in
-    probes.torch_data.CPU_SAMPLE_EVERY, from the second): the basis of ``wait_cpu_ratio``."""
+    """Seconds of the waits whose CPU and run delay the probe read: the basis of ``wait_cpu_ratio``. Facts
+    from before the probe said so: one step in probes.torch_data.CPU_SAMPLE_EVERY, from the second."""
+    sampled = loader.get("wait_sampled_s")
+    if isinstance(sampled, (int, float)):
+        return float(sampled)
     waits = loader.get("wait_times") or []
     if len(waits) >= int(loader.get("steps") or 0):
         return float(sum(waits[1::CPU_SAMPLE_EVERY]))

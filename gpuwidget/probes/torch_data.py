@@ -28,7 +28,10 @@ tick, with numpy, a tick's steps at once (:meth:`DataLoaderProbe.flush`): the st
 spans, step and wait times, epochs, totals. The looping thread's CPU time and run delay behind
 ``wait_cpu_ratio`` and ``wait_delay_ratio`` are read on one step in :data:`CPU_SAMPLE_EVERY`
 (a small file read each; gpuwidget.sources.schedstat), never on the first step (it starts
-workers and warms lazy imports and caches, so it is not the loader's steady state). On those same
+workers and warms lazy imports and caches, so it is not the loader's steady state). Those two reads
+are system calls, about 10 us each inside a fast loop on a VM: a loop whose waits are under
+:data:`SAMPLE_EVERY_WAIT_SHARE` of its step (its loader is not what holds it up) reads them on fewer
+steps, so that they take at most :data:`SAMPLE_COST_SHARE` of its time (:func:`sample_stride`). On those same
 steps, a loader without workers (the loop's thread builds its batches) also has its collate function
 timed, through the iterator's own fetcher (the user's loader is untouched): ``collate_share``, which
 names the collate function as the batches' builder where stack samples, read at the GIL's switch
@@ -40,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import math
 import sys
 import threading
 import time
@@ -65,6 +69,15 @@ STEP_HISTORY = 20_000
 # Process CPU time is read around one next() in this many: enough to tell CPU work from
 # sleeping, without a system call on every step.
 CPU_SAMPLE_EVERY = 8
+# A sampled next() costs the loop about this much more than another (two system calls and the collate
+# function's timer; 16-24 us a sampled call on the 0.3 ms loop, BENCHMARKS.md section 20i). A loop that
+# waits less than SAMPLE_EVERY_WAIT_SHARE of its step samples one next() in as many as keep that cost
+# under SAMPLE_COST_SHARE of its time, at most one in MAX_SAMPLE_STRIDE; a loop that waits more keeps one
+# in CPU_SAMPLE_EVERY (its loader is what the advice is about, and it needs the sampled waits soon).
+SAMPLED_CALL_COST_S = 20e-6
+SAMPLE_COST_SHARE = 0.001
+SAMPLE_EVERY_WAIT_SHARE = 0.1
+MAX_SAMPLE_STRIDE = 512
 # A record the loop's thread appends per next(): (loader's slot, start, end, samples). The end
 # field of a record that is no step says what happened instead.
 RECORD = 4
@@ -89,6 +102,9 @@ class LoaderStats:
         self.wait_cpu_total = 0.0  # CPU seconds of the looping thread during the sampled waits
         self.wait_delay_total: float | None = 0.0  # its run delay then (None: no schedstat here)
         self.wait_sampled = 0.0  # wall seconds of the sampled waits
+        self.sampled_calls = 0
+        self.next_sampled = 1  # the next() (0-based, of those that returned a batch) sampled next
+        self.first_sampled: tuple[int, float] | None = None  # (call, its start) of the first sampled one
         self.collate_total = 0.0  # seconds in the collate function during the sampled waits without workers
         self.collate_timed = 0.0  # wall seconds of those waits
         self.compute_total = 0.0
@@ -142,6 +158,7 @@ class LoaderStats:
             "wait_cpu_ratio": self.wait_cpu_total / self.wait_sampled if self.wait_sampled > 0 else None,
             "wait_delay_ratio": (self.wait_delay_total / self.wait_sampled
                                  if self.wait_sampled > 0 and self.wait_delay_total is not None else None),
+            "wait_sampled_s": self.wait_sampled,
             # The share of the loop's wait in next() spent in the collate function, where the loop's
             # thread built the batches itself (num_workers=0; None: never timed).
             "collate_share": self.collate_total / self.collate_timed if self.collate_timed > 0 else None,
@@ -279,7 +296,6 @@ class DataLoaderProbe:
         clock = now
         counters = thread_counters
         collate_clock = perf_counter  # a clock of its own: the trace's reads stay two per next()
-        every = CPU_SAMPLE_EVERY
         cached_ref: Any = _DEAD  # the iterator of the last next(), and its loader's stats
         cached_stats: Any = None
 
@@ -331,6 +347,8 @@ class DataLoaderProbe:
             if stats.wait_delay_total is not None:
                 stats.wait_delay_total = (None if delay_ended is None or delay_started is None
                                           else stats.wait_delay_total + delay_ended - delay_started)
+            stats.sampled_calls += 1
+            stats.next_sampled = stats.calls + sample_stride(stats, stats.calls, started)
             stats.calls += 1
             probe.last = stats
             if stats.batch_device is None:
@@ -350,7 +368,7 @@ class DataLoaderProbe:
                     stats = probe._register(iterator, None)
                 cached_ref, cached_stats = _weak(iterator) or _DEAD, stats
             calls = stats.calls
-            if calls % every == 1:  # never call 0: warm-up, worker start
+            if calls >= stats.next_sampled:  # never call 0: warm-up, worker start
                 return sampled(iterator, stats)
             started = clock()
             try:
@@ -468,6 +486,23 @@ class DataLoaderProbe:
 
     def facts(self, names: Mapping[int, str]) -> list[LoaderFacts]:
         return [s.facts(names) for s in self.stats if s.steps]
+
+
+def sample_stride(stats: LoaderStats, call: int, started: float) -> int:
+    """How many next() calls after ``call`` (just sampled, begun at ``started``) the next sampled one comes:
+    :data:`CPU_SAMPLE_EVERY`, or more where the loop's sampled waits are a small share of its steps."""
+    first = stats.first_sampled
+    if first is None:
+        stats.first_sampled = (call, started)
+        return CPU_SAMPLE_EVERY
+    calls = call - first[0]
+    step_s = (started - first[1]) / calls if calls > 0 else 0.0
+    if step_s <= 0.0 or not stats.sampled_calls:
+        return CPU_SAMPLE_EVERY
+    if stats.wait_sampled / stats.sampled_calls >= SAMPLE_EVERY_WAIT_SHARE * step_s:
+        return CPU_SAMPLE_EVERY
+    wanted = SAMPLED_CALL_COST_S / (SAMPLE_COST_SHARE * step_s)
+    return int(min(MAX_SAMPLE_STRIDE, max(CPU_SAMPLE_EVERY, math.ceil(wanted))))
 
 
 def _weak(value: Any) -> Any:

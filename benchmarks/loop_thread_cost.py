@@ -1,0 +1,192 @@
+"""What a watch costs the loop's own thread on the 0.3 ms loop, arm by arm, in one process.
+
+The wall-clock ratio (overhead.py) says how much slower a watched loop runs; this says where the time
+goes. Each arm wraps ``--steps`` steps of issue 23's 0.3 ms loop (benchmarks/_loops.py), the arms in
+rotating order, ``--rounds`` times, all in one process. For each block the loop thread's own user and
+system CPU (``getrusage(RUSAGE_THREAD)``) and its voluntary context switches (each one a wait for the
+GIL, or a sleep) are read, per step, against the bare loop's in the same rounds:
+
+* ``watch``: ``gpuwidget.watch(quiet=True)``, entered ``--settle`` steps before the block (a watch's
+  first steps run on torch's global module hooks until its first tick: see ``first steps`` below);
+* ``watch, reader process``: the same with ``GPUWIDGET_READER=process``;
+* ``probes``: the DataLoader and step probes alone (no sampler thread, no watch), past their first
+  steps and flushes; ``DataLoader probe``, ``... never sampled`` (no next() read with its CPU and
+  run delay), ``step probe``: each alone;
+* threads that take the GIL but add nothing to the loop's thread: ``a thread waking 70 times a
+  second`` (20 us of Python each), ``a thread holding the GIL 1.5 ms 4 times a second``.
+
+``first steps`` times a watch's first 2,000 steps in blocks of 250: the steps before the step probe
+goes lean (its first tick prepares the FLOP counter, then one step is counted) run with torch's global
+module hooks.
+
+    .venv/bin/python benchmarks/loop_thread_cost.py [--quick] [--json PATH] [--rounds N] [--steps N]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import resource
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from _common import median, parse_args, print_header, setup_paths, table, write_json
+
+setup_paths()
+
+from _loops import make_loop  # noqa: E402
+
+import gpuwidget  # noqa: E402
+from gpuwidget.trace import Trace  # noqa: E402
+
+Arm = Callable[[], contextlib.AbstractContextManager[Any]]
+
+
+def thread_usage() -> tuple[float, float, int]:
+    usage = resource.getrusage(resource.RUSAGE_THREAD)
+    return usage.ru_utime, usage.ru_stime, usage.ru_nvcsw
+
+
+def arms(run: Callable[[int], Any], settle: int) -> dict[str, Arm]:
+    @contextlib.contextmanager
+    def watch(reader: str = "thread") -> Iterator[None]:
+        saved = os.environ.get("GPUWIDGET_READER")
+        os.environ["GPUWIDGET_READER"] = reader
+        try:
+            with gpuwidget.watch(quiet=True):
+                run(settle)  # past the first tick: the step probe lean
+                yield
+        finally:
+            if saved is None:
+                os.environ.pop("GPUWIDGET_READER", None)
+            else:
+                os.environ["GPUWIDGET_READER"] = saved
+
+    @contextlib.contextmanager
+    def probes(data_on: bool = True, steps_on: bool = True, sampled: bool = True) -> Iterator[None]:
+        from gpuwidget.probes import torch_data
+        from gpuwidget.probes.torch_data import DataLoaderProbe
+        from gpuwidget.probes.torch_model import ModelProbe
+        from gpuwidget.probes.torch_steps import StepProbe
+
+        every = torch_data.CPU_SAMPLE_EVERY
+        if not sampled:
+            torch_data.CPU_SAMPLE_EVERY = 1 << 62
+        trace = Trace()
+        data = DataLoaderProbe(trace) if data_on else None
+        model = ModelProbe()
+        steps = StepProbe(trace, model, data) if steps_on else None
+        if data is not None:
+            data.install()
+        if steps is not None:
+            model.install()
+            steps.install()
+        try:
+            run(200)
+            for _ in range(3):  # what the sampler's first ticks do: the step probe goes lean
+                if data is not None:
+                    data.flush()
+                if steps is not None:
+                    steps.flush()
+                    steps.prepare()
+                run(100)
+            yield
+        finally:
+            torch_data.CPU_SAMPLE_EVERY = every
+            if steps is not None:
+                steps.flush()
+                steps.uninstall()
+                model.uninstall()
+            if data is not None:
+                data.uninstall()
+
+    @contextlib.contextmanager
+    def thread(wakes: float, work_s: float) -> Iterator[None]:
+        stop = threading.Event()
+
+        def body() -> None:
+            while not stop.wait(1.0 / wakes):
+                end = time.thread_time() + work_s
+                while time.thread_time() < end:
+                    pass
+
+        worker = threading.Thread(target=body, daemon=True)
+        worker.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            worker.join()
+
+    return {
+        "bare": contextlib.nullcontext,
+        "watch": watch,
+        "watch, reader process": lambda: watch("process"),
+        "probes (DataLoader + step)": probes,
+        "DataLoader probe": lambda: probes(steps_on=False),
+        "DataLoader probe, never sampled": lambda: probes(steps_on=False, sampled=False),
+        "step probe": lambda: probes(data_on=False),
+        "a thread waking 70 times a second": lambda: thread(70, 20e-6),
+        "a thread holding the GIL 1.5 ms 4 times a second": lambda: thread(4, 1.5e-3),
+    }
+
+
+def first_steps(run: Callable[[int], Any], blocks: int, size: int) -> list[float]:
+    """Wall us a step of a fresh watch's first ``blocks`` x ``size`` steps."""
+    times = []
+    with gpuwidget.watch(quiet=True):
+        for _ in range(blocks):
+            started = time.perf_counter()
+            run(size)
+            times.append(1e6 * (time.perf_counter() - started) / size)
+    return times
+
+
+def main() -> None:
+    args = parse_args(__doc__.splitlines()[0], [
+        ("--rounds", {"type": int, "default": 8}),
+        ("--steps", {"type": int, "default": 5000, "help": "steps a block (0.3 ms each on a quiet VM)"}),
+        ("--settle", {"type": int, "default": 1500, "help": "watched steps before a watch's block"}),
+    ])
+    info = print_header("The loop thread's own CPU under each part of a watch, 0.3 ms loop")
+    rounds, steps = (2, 1000) if args.quick else (args.rounds, args.steps)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    run = make_loop("fast")
+    run(3000)
+    table_arms = arms(run, args.settle)
+    names = list(table_arms)
+    blocks: dict[str, list[tuple[float, float, float, float]]] = {name: [] for name in names}
+    for round_ in range(rounds):
+        for name in names[round_ % len(names):] + names[:round_ % len(names)]:
+            with table_arms[name]():
+                user, system, switches = thread_usage()
+                started = time.perf_counter()
+                run(steps)
+                wall = time.perf_counter() - started
+                user2, system2, switches2 = thread_usage()
+            blocks[name].append((1e6 * wall / steps, 1e6 * (user2 - user) / steps, 1e6 * (system2 - system) / steps,
+                                 1e3 * (switches2 - switches) / steps))
+    bare = [median([b[i] for b in blocks["bare"]]) for i in range(4)]
+    rows, results = [], {}
+    for name in names:
+        figures = [median([b[i] for b in blocks[name]]) for i in range(4)]
+        cpu = figures[1] + figures[2]
+        extra = cpu - (bare[1] + bare[2])
+        results[name] = {"wall_us": figures[0], "user_us": figures[1], "system_us": figures[2],
+                         "voluntary_switches_per_1000_steps": figures[3], "extra_cpu_us": extra,
+                         "blocks": blocks[name]}
+        rows.append((name, figures[0], figures[1], figures[2], figures[3],
+                     "-" if name == "bare" else f"{extra:+.1f} us ({100 * extra / (bare[1] + bare[2]):+.1f} %)"))
+    print(f"\n  {rounds} rounds of {steps} steps an arm (medians); the loop thread's own CPU a step")
+    table(["arm", "wall us a step", "user us", "system us", "voluntary switches / 1000 steps",
+           "CPU beyond the bare loop's"], rows)
+    early = first_steps(run, 8, 250)
+    print("\n  first steps: a fresh watch's first 2,000 steps, us a step per 250:",
+          " ".join(f"{value:.0f}" for value in early), f"(bare {bare[0]:.0f})")
+    write_json(args.json, {"machine": info, "rounds": rounds, "steps": steps, "arms": results, "first_steps_us": early})
+
+
+if __name__ == "__main__":
+    main()
