@@ -10,8 +10,9 @@ GIL, or a sleep) are read, per step, against the bare loop's in the same rounds:
   first steps run on torch's global module hooks until its first tick: see ``first steps`` below);
 * ``watch, reader process``: the same with ``GPUWIDGET_READER=process``;
 * ``probes``: the DataLoader and step probes alone (no sampler thread, no watch), past their first
-  steps and flushes; ``DataLoader probe``, ``... never sampled`` (no next() read with its CPU and
-  run delay), ``step probe``: each alone;
+  steps and flushes; ``DataLoader probe``, ``... its waits sampled enough`` (as after a long run's
+  first seconds: its sampled next() calls spaced, torch_data.sample_stride), ``... never sampled`` (no
+  next() read with its CPU and run delay), ``step probe``: each alone;
 * threads that take the GIL but add nothing to the loop's thread: ``a thread waking 70 times a
   second`` (20 us of Python each), ``a thread holding the GIL 1.5 ms 4 times a second``.
 
@@ -65,7 +66,8 @@ def arms(run: Callable[[int], Any], settle: int) -> dict[str, Arm]:
                 os.environ["GPUWIDGET_READER"] = saved
 
     @contextlib.contextmanager
-    def probes(data_on: bool = True, steps_on: bool = True, sampled: bool = True) -> Iterator[None]:
+    def probes(data_on: bool = True, steps_on: bool = True, sampled: bool = True,
+               enough: bool = False) -> Iterator[None]:
         from gpuwidget.probes import torch_data
         from gpuwidget.probes.torch_data import DataLoaderProbe
         from gpuwidget.probes.torch_model import ModelProbe
@@ -92,6 +94,9 @@ def arms(run: Callable[[int], Any], settle: int) -> dict[str, Arm]:
                     steps.flush()
                     steps.prepare()
                 run(100)
+            if enough and data is not None:  # as after a long run's first seconds (torch_data.sample_stride)
+                for stats in data.stats:
+                    stats.wait_sampled += torch_data.SAMPLED_WAIT_ENOUGH_S
             yield
         finally:
             torch_data.CPU_SAMPLE_EVERY = every
@@ -126,6 +131,7 @@ def arms(run: Callable[[int], Any], settle: int) -> dict[str, Arm]:
         "watch, reader process": lambda: watch("process"),
         "probes (DataLoader + step)": probes,
         "DataLoader probe": lambda: probes(steps_on=False),
+        "DataLoader probe, its waits sampled enough": lambda: probes(steps_on=False, enough=True),
         "DataLoader probe, never sampled": lambda: probes(steps_on=False, sampled=False),
         "step probe": lambda: probes(data_on=False),
         "a thread waking 70 times a second": lambda: thread(70, 20e-6),

@@ -12,6 +12,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import gpuwidget.probes
+from gpuwidget.advice.loader import MIN_SAMPLED_WAIT_S
 from gpuwidget.probes import Probes, torch_data, torch_model, torch_steps
 from gpuwidget.probes.torch_data import CPU_SAMPLE_EVERY, DataLoaderProbe
 from gpuwidget.trace import Trace
@@ -149,19 +150,29 @@ def sampled_calls(monkeypatch: pytest.MonkeyPatch, wait: float, compute: float, 
     return sorted(set(reads))
 
 
-def test_a_fast_loop_that_hardly_waits_reads_its_cpu_on_fewer_steps_and_a_starved_one_on_as_many(monkeypatch):
+def cost_stride(step_s: float) -> int:
+    return math.ceil(torch_data.SAMPLED_CALL_COST_S / (torch_data.SAMPLE_COST_SHARE * step_s))
+
+
+def test_a_fast_loop_reads_its_cpu_on_fewer_steps_once_the_advice_has_what_it_needs(monkeypatch):
     # A 0.3 ms step with a 10 us wait: its loader is not what holds it up, and reading the thread's CPU
     # (two system calls) on one step in eight would cost it more than the 0.1 % the reads may take.
     fast = sampled_calls(monkeypatch, wait=10e-6, compute=300e-6)
     assert fast[:2] == [1, 9]  # the first reads as before, to learn the step
-    strides = {b - a for a, b in zip(fast[1:], fast[2:])}
-    assert strides == {math.ceil(torch_data.SAMPLED_CALL_COST_S / (torch_data.SAMPLE_COST_SHARE * 310e-6))}
-    assert len(fast) < 4000 / 40
-    # The same step, waiting half of it on its loader: one in eight, the advice's evidence as before.
-    starved = sampled_calls(monkeypatch, wait=155e-6, compute=155e-6)
-    assert starved == list(range(1, 4000, CPU_SAMPLE_EVERY))
+    assert {b - a for a, b in zip(fast[1:], fast[2:])} == {cost_stride(310e-6)}
+    assert len(fast) < 4000 / 100
+    # A 1.2 ms step that waits 1 ms on its loader: one in eight until the sampled waits are enough for the
+    # advice to tell CPU work from sleep (three times its minimum), then as many as the cost allows.
+    assert round(torch_data.SAMPLED_WAIT_ENOUGH_S / MIN_SAMPLED_WAIT_S, 9) >= 3
+    starved = sampled_calls(monkeypatch, wait=1e-3, compute=0.2e-3)
+    enough = math.ceil(torch_data.SAMPLED_WAIT_ENOUGH_S / 1e-3 - 1e-9)
+    assert starved[:enough] == list(range(1, CPU_SAMPLE_EVERY * enough, CPU_SAMPLE_EVERY))
+    assert {b - a for a, b in zip(starved[enough - 1:], starved[enough:])} == {cost_stride(1.2e-3)}
+    # Half of a 0.3 ms step waiting, not yet sampled enough: one in eight, the advice's evidence as before.
+    half = sampled_calls(monkeypatch, wait=155e-6, compute=155e-6)
+    assert half == list(range(1, 4000, CPU_SAMPLE_EVERY))
     # A slow step that hardly waits: one in eight already costs it little.
-    slow = sampled_calls(monkeypatch, wait=10e-6, compute=20e-3, steps=400)
+    slow = sampled_calls(monkeypatch, wait=10e-6, compute=40e-3, steps=400)
     assert slow == list(range(1, 400, CPU_SAMPLE_EVERY))
 
 

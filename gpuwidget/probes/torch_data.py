@@ -29,9 +29,9 @@ spans, step and wait times, epochs, totals. The looping thread's CPU time and ru
 ``wait_cpu_ratio`` and ``wait_delay_ratio`` are read on one step in :data:`CPU_SAMPLE_EVERY`
 (a small file read each; gpuwidget.sources.schedstat), never on the first step (it starts
 workers and warms lazy imports and caches, so it is not the loader's steady state). Those two reads
-are system calls, about 10 us each inside a fast loop on a VM: a loop whose waits are under
-:data:`SAMPLE_EVERY_WAIT_SHARE` of its step (its loader is not what holds it up) reads them on fewer
-steps, so that they take at most :data:`SAMPLE_COST_SHARE` of its time (:func:`sample_stride`). On those same
+are system calls, 10 us or more each inside a fast loop on a VM: a fast loop reads them on fewer steps,
+so that they take at most :data:`SAMPLE_COST_SHARE` of its time, once its waits are either a small share
+of its steps (its loader is not what holds it up) or sampled enough (:func:`sample_stride`). On those same
 steps, a loader without workers (the loop's thread builds its batches) also has its collate function
 timed, through the iterator's own fetcher (the user's loader is untouched): ``collate_share``, which
 names the collate function as the batches' builder where stack samples, read at the GIL's switch
@@ -70,13 +70,15 @@ STEP_HISTORY = 20_000
 # sleeping, without a system call on every step.
 CPU_SAMPLE_EVERY = 8
 # A sampled next() costs the loop about this much more than another (two system calls and the collate
-# function's timer; 16-24 us a sampled call on the 0.3 ms loop, BENCHMARKS.md section 20i). A loop that
-# waits less than SAMPLE_EVERY_WAIT_SHARE of its step samples one next() in as many as keep that cost
-# under SAMPLE_COST_SHARE of its time, at most one in MAX_SAMPLE_STRIDE; a loop that waits more keeps one
-# in CPU_SAMPLE_EVERY (its loader is what the advice is about, and it needs the sampled waits soon).
-SAMPLED_CALL_COST_S = 20e-6
+# function's timer: 16-37 us a sampled call on the 0.3 ms loop, BENCHMARKS.md section 20i). A loop samples
+# one next() in as many as keep that cost under SAMPLE_COST_SHARE of its time (at most one in
+# MAX_SAMPLE_STRIDE), except while it waits SAMPLE_EVERY_WAIT_SHARE of its step or more and its sampled
+# waits are under SAMPLED_WAIT_ENOUGH_S: then one in CPU_SAMPLE_EVERY, as the advice needs its loader's
+# CPU soon (advice.loader.MIN_SAMPLED_WAIT_S, 0.1 s: three times that errs by about 0.12).
+SAMPLED_CALL_COST_S = 40e-6
 SAMPLE_COST_SHARE = 0.001
 SAMPLE_EVERY_WAIT_SHARE = 0.1
+SAMPLED_WAIT_ENOUGH_S = 0.3
 MAX_SAMPLE_STRIDE = 512
 # A record the loop's thread appends per next(): (loader's slot, start, end, samples). The end
 # field of a record that is no step says what happened instead.
@@ -490,7 +492,8 @@ class DataLoaderProbe:
 
 def sample_stride(stats: LoaderStats, call: int, started: float) -> int:
     """How many next() calls after ``call`` (just sampled, begun at ``started``) the next sampled one comes:
-    :data:`CPU_SAMPLE_EVERY`, or more where the loop's sampled waits are a small share of its steps."""
+    :data:`CPU_SAMPLE_EVERY` while the loop waits on its loader and too little of that was sampled, else as
+    many as keep the sampled calls' cost under :data:`SAMPLE_COST_SHARE` of the loop's time."""
     first = stats.first_sampled
     if first is None:
         stats.first_sampled = (call, started)
@@ -499,7 +502,8 @@ def sample_stride(stats: LoaderStats, call: int, started: float) -> int:
     step_s = (started - first[1]) / calls if calls > 0 else 0.0
     if step_s <= 0.0 or not stats.sampled_calls:
         return CPU_SAMPLE_EVERY
-    if stats.wait_sampled / stats.sampled_calls >= SAMPLE_EVERY_WAIT_SHARE * step_s:
+    waits = stats.wait_sampled / stats.sampled_calls >= SAMPLE_EVERY_WAIT_SHARE * step_s
+    if waits and stats.wait_sampled < SAMPLED_WAIT_ENOUGH_S:
         return CPU_SAMPLE_EVERY
     wanted = SAMPLED_CALL_COST_S / (SAMPLE_COST_SHARE * step_s)
     return int(min(MAX_SAMPLE_STRIDE, max(CPU_SAMPLE_EVERY, math.ceil(wanted))))
