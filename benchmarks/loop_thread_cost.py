@@ -8,7 +8,9 @@ GIL, or a sleep) are read, per step, against the bare loop's in the same rounds:
 
 * ``watch``: ``gpuwidget.watch(quiet=True)``, entered ``--settle`` steps before the block (a watch's
   first steps run on torch's global module hooks until its first tick: see ``first steps`` below);
-* ``watch, reader process``: the same with ``GPUWIDGET_READER=process``;
+* ``watch, reader process``: the same with ``GPUWIDGET_READER=process``; ``watch, as in a long cell``:
+  the same with its loader's sampled waits already enough, as a cell is past its first seconds of
+  training (the sampled next() calls then spaced: torch_data.sample_stride);
 * ``probes``: the DataLoader and step probes alone (no sampler thread, no watch), past their first
   steps and flushes; ``DataLoader probe``, ``... its waits sampled enough`` (as after a long run's
   first seconds: its sampled next() calls spaced, torch_data.sample_stride), ``... never sampled`` (no
@@ -20,7 +22,7 @@ GIL, or a sleep) are read, per step, against the bare loop's in the same rounds:
 goes lean (its first tick prepares the FLOP counter, then one step is counted) run with torch's global
 module hooks.
 
-    .venv/bin/python benchmarks/loop_thread_cost.py [--quick] [--json PATH] [--rounds N] [--steps N]
+    .venv/bin/python benchmarks/loop_thread_cost.py [--quick] [--json PATH] [--rounds N] [--steps N] [--arm NAME ...]
 """
 
 from __future__ import annotations
@@ -52,12 +54,19 @@ def thread_usage() -> tuple[float, float, int]:
 
 def arms(run: Callable[[int], Any], settle: int) -> dict[str, Arm]:
     @contextlib.contextmanager
-    def watch(reader: str = "thread") -> Iterator[None]:
+    def watch(reader: str = "thread", enough: bool = False) -> Iterator[None]:
         saved = os.environ.get("GPUWIDGET_READER")
         os.environ["GPUWIDGET_READER"] = reader
         try:
             with gpuwidget.watch(quiet=True):
                 run(settle)  # past the first tick: the step probe lean
+                if enough:  # as a long cell is after its loaders' first seconds (torch_data.sample_stride)
+                    from gpuwidget import session
+                    from gpuwidget.probes import torch_data
+
+                    data = session._active._probes._data  # type: ignore[union-attr]
+                    for stats in data.stats:
+                        stats.wait_sampled += torch_data.SAMPLED_WAIT_ENOUGH_S
                 yield
         finally:
             if saved is None:
@@ -129,6 +138,7 @@ def arms(run: Callable[[int], Any], settle: int) -> dict[str, Arm]:
         "bare": contextlib.nullcontext,
         "watch": watch,
         "watch, reader process": lambda: watch("process"),
+        "watch, as in a long cell (its loader's waits sampled enough)": lambda: watch(enough=True),
         "probes (DataLoader + step)": probes,
         "DataLoader probe": lambda: probes(steps_on=False),
         "DataLoader probe, its waits sampled enough": lambda: probes(steps_on=False, enough=True),
@@ -155,6 +165,8 @@ def main() -> None:
         ("--rounds", {"type": int, "default": 8}),
         ("--steps", {"type": int, "default": 5000, "help": "steps a block (0.3 ms each on a quiet VM)"}),
         ("--settle", {"type": int, "default": 1500, "help": "watched steps before a watch's block"}),
+        ("--arm", {"action": "append", "metavar": "NAME",
+                   "help": "only this arm (and the bare loop); repeat for several; default: every arm"}),
     ])
     info = print_header("The loop thread's own CPU under each part of a watch, 0.3 ms loop")
     rounds, steps = (2, 1000) if args.quick else (args.rounds, args.steps)
@@ -162,7 +174,10 @@ def main() -> None:
     run = make_loop("fast")
     run(3000)
     table_arms = arms(run, args.settle)
-    names = list(table_arms)
+    unknown = set(args.arm or ()) - set(table_arms)
+    if unknown:
+        raise SystemExit(f"no arm {sorted(unknown)}; the arms: {list(table_arms)}")
+    names = ["bare", *(name for name in table_arms if name != "bare" and (not args.arm or name in args.arm))]
     blocks: dict[str, list[tuple[float, float, float, float]]] = {name: [] for name in names}
     for round_ in range(rounds):
         for name in names[round_ % len(names):] + names[:round_ % len(names)]:
