@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -171,12 +172,12 @@ def write_private(path: str, text: str) -> None:
     write_atomic(Path(path), text, private=True)
 
 
-def read_status(path: str, not_before: float | None = None) -> KernelStatus | None:
-    """A status file's figures, or None: absent, older than ``not_before`` (unix s), oversized or malformed."""
+def _load(path: str) -> tuple[dict[str, Any], float] | None:
+    """A status file's JSON object and when it was last written (unix s), or None: absent, oversized or
+    not a JSON object."""
     try:
         with open(path, "rb") as fh:
-            if not_before is not None and os.fstat(fh.fileno()).st_mtime < not_before:
-                return None
+            written = os.fstat(fh.fileno()).st_mtime
             raw = fh.read(MAX_BYTES + 1)
     except OSError:
         return None
@@ -186,7 +187,16 @@ def read_status(path: str, not_before: float | None = None) -> KernelStatus | No
         status = json.loads(raw)
     except ValueError:
         return None
-    if not isinstance(status, dict) or status.get("version") != FORMAT_VERSION or status.get("state") not in STATES:
+    return (status, written) if isinstance(status, dict) else None
+
+
+def read_status(path: str, not_before: float | None = None) -> KernelStatus | None:
+    """A status file's figures, or None: absent, older than ``not_before`` (unix s), oversized or malformed."""
+    loaded = _load(path)
+    if loaded is None or (not_before is not None and loaded[1] < not_before):
+        return None
+    status = loaded[0]
+    if status.get("version") != FORMAT_VERSION or status.get("state") not in STATES:
         return None
     return {
         "state": status["state"],
@@ -199,9 +209,11 @@ def read_status(path: str, not_before: float | None = None) -> KernelStatus | No
     }
 
 
+@functools.cache
 def pid_space() -> str:
     """Where this process's pid names the same process for every reader: on Linux the host kernel's
-    boot and the PID namespace (containers share the first, not the second), elsewhere the host."""
+    boot and the PID namespace (containers share the first, not the second), elsewhere the host. Read
+    once: a process keeps its PID namespace (a forked child shares it)."""
     try:
         boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
         return f"{boot} {os.readlink('/proc/self/ns/pid')}"
@@ -228,14 +240,10 @@ def remove_stale(directory: str) -> int:
         if match is None or int(match[1]) == os.getpid():
             continue
         path = os.path.join(directory, name)
-        try:
-            with open(path, "rb") as fh:
-                written = os.fstat(fh.fileno()).st_mtime
-                status = json.loads(fh.read(MAX_BYTES + 1))
-        except (OSError, ValueError):
+        loaded = _load(path)
+        if loaded is None or loaded[0].get("pid_space") != space:
             continue
-        if not isinstance(status, dict) or status.get("pid_space") != space:
-            continue
+        written = loaded[1]
         try:
             started = psutil.Process(int(match[1])).create_time()
         except psutil.NoSuchProcess:
