@@ -66,12 +66,13 @@ lab: install
 # The Python suite in two passes (tests/conftest.py says which tests are `serial`): first the tests
 # that neither judge time nor load the machine, on every core (pytest-xdist); then the serial ones
 # one at a time, so nothing running beside a timed test changes what it measures. Each pass ends with
-# its slowest tests (BENCHMARKS.md section 18 keeps the time per layer).
+# its slowest tests (BENCHMARKS.md section 18 keeps the time per layer); every test's time is in
+# test-results/pytest-*.xml (JUnit XML).
 PYTEST_WORKERS ?= auto
 test: install chromium prometheus
 	PATH="$(VBIN):$$PATH" jlpm test
-	$(VPY) -m pytest -m "not serial" -n $(PYTEST_WORKERS) --durations=10
-	$(VPY) -m pytest -m serial --durations=40
+	$(VPY) -m pytest -m "not serial" -n $(PYTEST_WORKERS) --durations=10 --junitxml=test-results/pytest-parallel.xml
+	$(VPY) -m pytest -m serial --durations=40 --junitxml=test-results/pytest-serial.xml
 
 # Browser tests use Debian's chromium (Playwright's own browser download cannot work here).
 chromium:

@@ -18,11 +18,13 @@ GIL, or a sleep) are read, per step, against the bare loop's in the same rounds:
 * threads that take the GIL but add nothing to the loop's thread: ``a thread waking 70 times a
   second`` (20 us of Python each), ``a thread holding the GIL 1.5 ms 4 times a second``.
 
-``first steps`` times a watch's first 2,000 steps in blocks of 250: the steps before the step probe
-goes lean (its first tick prepares the FLOP counter, then one step is counted) run with torch's global
-module hooks.
+``first steps`` times fresh watches' first 2,000 steps in blocks of 250 against the bare loop's (each
+watch beside a bare run of as many steps, ``--first-rounds`` of each, medians per block): a watch's first
+steps run with torch's global module hooks until the step probe has read what they are for
+(probes.torch_steps), and its first ticks set up the Trace. ``--first-only`` runs that alone.
 
     .venv/bin/python benchmarks/loop_thread_cost.py [--quick] [--json PATH] [--rounds N] [--steps N] [--arm NAME ...]
+        [--first-rounds N] [--first-only]
 """
 
 from __future__ import annotations
@@ -149,15 +151,26 @@ def arms(run: Callable[[int], Any], settle: int) -> dict[str, Arm]:
     }
 
 
-def first_steps(run: Callable[[int], Any], blocks: int, size: int) -> list[float]:
-    """Wall us a step of a fresh watch's first ``blocks`` x ``size`` steps."""
+def first_steps(run: Callable[[int], Any], blocks: int, size: int, watched: bool = True) -> list[float]:
+    """Wall us a step of a fresh watch's first ``blocks`` x ``size`` steps (or of as many bare steps)."""
     times = []
-    with gpuwidget.watch(quiet=True):
+    with gpuwidget.watch(quiet=True) if watched else contextlib.nullcontext():
         for _ in range(blocks):
             started = time.perf_counter()
             run(size)
             times.append(1e6 * (time.perf_counter() - started) / size)
     return times
+
+
+def first_steps_rounds(run: Callable[[int], Any], rounds: int) -> dict[str, list[float]]:
+    """Medians per block of ``rounds`` fresh watches' first steps and as many bare runs, alternated."""
+    watched, bare = [], []
+    first_steps(run, 8, 250)  # the process's first watch loads what every later one reuses (the FLOP counter)
+    for round_ in range(rounds):
+        for is_watched in ((True, False) if round_ % 2 else (False, True)):
+            (watched if is_watched else bare).append(first_steps(run, 8, 250, watched=is_watched))
+    return {"watched": [median(list(block)) for block in zip(*watched)],
+            "bare": [median(list(block)) for block in zip(*bare)]}
 
 
 def main() -> None:
@@ -167,12 +180,17 @@ def main() -> None:
         ("--settle", {"type": int, "default": 1500, "help": "watched steps before a watch's block"}),
         ("--arm", {"action": "append", "metavar": "NAME",
                    "help": "only this arm (and the bare loop); repeat for several; default: every arm"}),
+        ("--first-rounds", {"type": int, "default": 3, "help": "fresh watches (and bare runs) for first steps"}),
+        ("--first-only", {"action": "store_true", "help": "only the first steps"}),
     ])
     info = print_header("The loop thread's own CPU under each part of a watch, 0.3 ms loop")
     rounds, steps = (2, 1000) if args.quick else (args.rounds, args.steps)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     run = make_loop("fast")
     run(3000)
+    if args.first_only:
+        report_first_steps(run, 1 if args.quick else args.first_rounds, args.json, info)
+        return
     table_arms = arms(run, args.settle)
     unknown = set(args.arm or ()) - set(table_arms)
     if unknown:
@@ -203,10 +221,23 @@ def main() -> None:
     print(f"\n  {rounds} rounds of {steps} steps an arm (medians); the loop thread's own CPU a step")
     table(["arm", "wall us a step", "user us", "system us", "voluntary switches / 1000 steps",
            "CPU beyond the bare loop's"], rows)
-    early = first_steps(run, 8, 250)
-    print("\n  first steps: a fresh watch's first 2,000 steps, us a step per 250:",
-          " ".join(f"{value:.0f}" for value in early), f"(bare {bare[0]:.0f})")
+    early = report_first_steps(run, 1 if args.quick else args.first_rounds)
     write_json(args.json, {"machine": info, "rounds": rounds, "steps": steps, "arms": results, "first_steps_us": early})
+
+
+def report_first_steps(run: Callable[[int], Any], rounds: int, json_path: str | None = None,
+                       info: dict[str, Any] | None = None) -> dict[str, list[float]]:
+    early = first_steps_rounds(run, rounds)
+    extra = [1e-3 * 250 * (w - b) for w, b in zip(early["watched"], early["bare"])]
+    print(f"\n  first steps: fresh watches' first 2,000 steps against bare runs ({rounds} of each, medians),"
+          " us a step per 250:")
+    print("    watched:", " ".join(f"{value:.0f}" for value in early["watched"]))
+    print("    bare:   ", " ".join(f"{value:.0f}" for value in early["bare"]))
+    print(f"    the watch's extra wall time over those 2,000 steps: {sum(extra):.1f} ms"
+          f" (first 500 steps: {sum(extra[:2]):.1f} ms)")
+    if json_path is not None:
+        write_json(json_path, {"machine": info, "first_steps_us": early})
+    return early
 
 
 if __name__ == "__main__":

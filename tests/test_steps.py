@@ -513,6 +513,61 @@ def test_the_steady_state_keeps_no_hook_on_the_model_between_its_windows(flop_co
     nothing_left()
 
 
+@pytest.mark.parametrize("closure", [False, True], ids=["step", "closure"])
+def test_the_first_steps_global_hooks_end_once_read_and_a_later_step_is_counted(
+        closure: bool, flop_counter_loaded: None, one_torch_thread: None, monkeypatch: pytest.MonkeyPatch):
+    """torch's global module hooks take every module off its fast path (10-20 % of a 0.3 ms step): they
+    end once the first steps' inputs are read, not when the FLOP counter has loaded (in a fresh process
+    its import takes seconds: here it loads from the 40th step on); a hook on the model then starts the
+    count at a step's first training forward. With ``closure``, the forward runs inside
+    ``optimizer.step(closure)``, as Lightning's does: the count ends with that step."""
+    from gpuwidget.probes.torch_steps import StepProbe
+
+    prepare = StepProbe.prepare
+
+    def loads_late(probe: StepProbe) -> None:
+        if probe.steps >= 40:
+            prepare(probe)
+
+    monkeypatch.setattr(StepProbe, "prepare", loads_late)
+    model = Student()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        if not closure:
+            train_step(model, optimizer, x, y)
+            return
+
+        def forward_backward() -> torch.Tensor:
+            optimizer.zero_grad()
+            loss = nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            return loss
+        optimizer.step(forward_backward)
+
+    global_hooks_at = {}
+    with gpuwidget.watch(quiet=True, interval=0.05) as run:
+        started, steps = time.perf_counter(), 0
+        while time.perf_counter() - started < 1.0 or steps < 20:
+            assert time.perf_counter() - started < 60, f"{steps} steps in 60 s"
+            step(torch.randn(8, 16), torch.randint(0, 4, (8,)))
+            steps += 1
+            if steps in (2, 24):  # (the model probe's own global hooks end after 16 calls: probes.torch_model)
+                global_hooks_at[steps] = bool(nn_module._global_forward_pre_hooks)
+    training = run.workload["training"]
+    assert global_hooks_at == {2: True, 24: False}  # the first steps' hooks, then none
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    with DtypeFlopCounter() as counter:
+        step(x, y)
+    assert training["flops_counted_at_step"] >= 40  # counted once loaded, past the first steps
+    assert training["flops_per_step"] == pytest.approx(counter.get_total_flops(), rel=0.01)
+    assert training["samples_per_step"] == 8 and training["optimizer_steps"] == steps
+    assert "flops_step_s" in training  # the counted step's time, kept out of its step times:
+    assert len(training["step_times"]) == training["spanned_steps"] - 1
+    assert model._forward_pre_hooks == {}
+    nothing_left()
+
+
 def test_windows_before_a_tick_are_planned_from_the_steps_queued_since_the_last_flush(monkeypatch):
     """Spans are made once a second (probes.FLUSH_EVERY_S): the steps a tick plans its windows from are
     those the loop queued since, not a second older (nor none, in a watch's first second)."""

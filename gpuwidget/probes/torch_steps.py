@@ -25,9 +25,12 @@ LightningModule's ``training_step`` calls its ``encoder``; grad enabled: an eval
 
 How the forwards are seen changes once the first steps are read:
 
-* **First steps**: torch's global module hooks (kept to the trained model's modules by identity)
-  see every forward: the inputs' first dimension (``samples_per_step``), the batch a measurement
-  reuses, the FLOP-counted step. Global, so nothing of the probe is stored on the user's model.
+* **First steps** (about four: until :data:`SAMPLE_STEPS` steps' inputs are read): torch's global
+  module hooks (kept to the trained model's modules by identity) see every forward: the inputs' first
+  dimension (``samples_per_step``), the batch a measurement reuses, a second training forward in a step
+  (gradient accumulation), the FLOP-counted step if the counter is loaded by then. Global, so nothing
+  of the probe is stored on the user's model. Each forward costs a global hook's dispatch, 10-20 % of a
+  0.3 ms step: they end as soon as what they are for is read (BENCHMARKS.md, section 20j).
 * **Steady state**: no hook on the model most of the time (any forward hook takes a module off
   ``Module._call_impl``'s fast path, about 3 us a call on this machine), only the optimizer's
   post hook, which appends one clock reading a step. Around each sampler tick a one-shot pre-hook
@@ -55,7 +58,9 @@ under ``torch.autocast`` (``autocast_share``).
 One step per watch, :data:`FLOPS_AT_STEP` or the first after the counter is loaded (on the sampler
 thread: :meth:`StepProbe.prepare`), is counted with ``torch.utils.flop_counter.FlopCounterMode``
 (forward and backward): entered at that step's first training forward, left as its optimizer step
-starts (or, where the forward runs inside ``step()`` as Lightning's closure does, as it ends).
+starts (or, where the forward runs inside ``step()`` as Lightning's closure does, as it ends). Past the
+first steps it is entered by a one-shot hook put on the trained model at the end of the step before
+(:meth:`StepProbe._arm_count`), the post hook taking its full path until that step is counted.
 It is counted after the first steps (CUDA and cuDNN start-up, compilation), which a counted step
 would only make slower, and its time is kept out of ``step_times`` (the counter's own cost, in
 ``flops_step_s``). :meth:`StepProbe.uninstall` leaves the counter if a step that raised or a watch
@@ -151,6 +156,7 @@ class StepProbe:
         self._counted_pending = False  # the step ending next was the counted one
         self._counted_end: float | None = None  # when the counted step ended (its event's clock reading)
         self._pre_handle: Any = None
+        self._count_hook: ModelHook | None = None  # past the first steps: starts the counter at a training forward
         self._counted_forwards = 0
         self._flops: float | None = None
         self._flops_dtype: str | None = None
@@ -197,6 +203,9 @@ class StepProbe:
         armed, self._armed = self._armed, None
         if armed is not None:
             armed.remove()
+        counting, self._count_hook = self._count_hook, None
+        if counting is not None:
+            counting.remove()
 
     def _post_hook(self) -> Any:
         """torch's global optimizer post hook: the steady state inline, as a closure over what it touches
@@ -267,8 +276,16 @@ class StepProbe:
         self._events.append(ended)
         if self._sampling:
             self._end_sampled_step()
-        if self._early and not self._sampling and self._counter is None and self._flops_settled:
-            self._hook(early=False)  # samples read, FLOPs counted: the lean hook from now on
+        if self._early:
+            if not self._sampling and self._capture_tried and self._counter is None:
+                self._hook(early=False)  # samples read, batch captured: the lean hook from now on
+        elif self._counting_due:
+            if self._counter is None and self._count_hook is None:
+                self._arm_count()  # the counter is loaded: the next step's training forward starts it
+        else:
+            self._lean = self.installed  # the counted step ended: the post hook's short path again
+        if self._windowed and ended >= self._window_from:
+            self._open_window()
         data = self.data
         if data is not None and data.last is not None:
             data.last.steps_fed += 1
@@ -449,7 +466,8 @@ class StepProbe:
         else:
             self._windowed = self.forwards_sampled = True  # arm() opens the windows
         self._early = early
-        self._lean = not early
+        # The counted step goes through _stepped: the short path knows nothing of the counter.
+        self._lean = not early and not self._counting_due
 
     def _lean_forward(self, by_forward: bool = False) -> Any:
         """The steady-state forward hook: a closure over what it reads, as few lookups as can be. With
@@ -528,16 +546,47 @@ class StepProbe:
             self._sampling = False
 
     @property
+    def _counting_due(self) -> bool:
+        """The counter is loaded and no step was counted yet."""
+        return self._counter_ready and not self._flops_settled
+
+    def _arm_count(self) -> None:
+        """Past the first steps, at a step's end (the loop's thread): a hook on the trained model whose next
+        training forward, the next step's first, starts the FLOP counter. It stays on through the counted
+        step, counting its forwards (:data:`MAX_COUNTED_FORWARDS`), until the counter stops."""
+        hook = ModelHook(self._count_window)
+        self._count_hook = hook
+        for entry in self._live_entries():
+            hook.handles.append(entry.register_forward_pre_hook(hook))
+
+    def _count_window(self, module: Any, args: Any) -> bool:
+        """The counting hook's forward: True removes it."""
+        if not self._grad_enabled():
+            return False  # evaluation between steps: the counted step starts at a training forward
+        if self._counter is None:
+            if not self._counting_due:
+                return True
+            self._start_counting()
+            return self._counter is None  # it could not start (flops_missing says why)
+        self._counted_forwards += 1
+        if self._counted_forwards > MAX_COUNTED_FORWARDS:
+            self._stop_counting(completed=False)
+            return True
+        return False
+
+    @property
     def _flops_settled(self) -> bool:
         """The step was counted, or it will not be."""
         return self._flops is not None or self._flops_missing is not None
 
     def prepare(self) -> None:
-        """On the sampler thread, once: load what the FLOP counter needs before a step is counted.
+        """On the sampler thread, at every tick until it is done: load what the FLOP counter needs before a
+        step is counted.
 
         Every torch dispatch mode imports ``torch._dynamo`` at its first dispatch (seconds, in a fresh
         process); done here it never lands in the user's step. Counting waits for it (a later step
         is counted if it takes longer than the first FLOPS_AT_STEP steps)."""
+        self._take_the_long_path()
         if self._counter_ready or self._flops_settled or not self.steps or self._model_class is None:
             return  # nothing to count yet: a cell that never trains never pays for the import
         try:
@@ -549,6 +598,14 @@ class StepProbe:
             self._flops_missing = f"the FLOP counter is unavailable: {exc!r}"
             return
         self._counter_ready = True
+        self._take_the_long_path()
+
+    def _take_the_long_path(self) -> None:
+        """Past the first steps, with the counter loaded and no step counted: the post hook's full path
+        at the next step's end, which arms the count (:meth:`_stepped`). On the sampler thread, at every
+        tick until a step is counted: once could lose to :meth:`_hook`'s store on the loop's thread."""
+        if self._counting_due and not self._early and self.installed:
+            self._lean = False
 
     def _start_counting(self) -> None:
         from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -570,6 +627,9 @@ class StepProbe:
 
     def _stop_counting(self, completed: bool) -> None:
         counter, self._counter = self._counter, None
+        counting, self._count_hook = self._count_hook, None
+        if counting is not None:
+            counting.remove()
         if self._pre_handle is not None:
             self._pre_handle.remove()
             self._pre_handle = None
@@ -700,6 +760,8 @@ class StepProbe:
             facts["flops_missing"] = self._flops_missing or (
                 "no trained model was matched to the optimizer" if self._model_class is None else
                 f"the loop ended before step {FLOPS_AT_STEP + 1}, the one counted" if self.steps <= FLOPS_AT_STEP
+                else "the loop ended before a step could be counted after the FLOP counter was loaded"
+                if self._counter_ready
                 else "the loop ended before the FLOP counter was loaded (torch's dispatch modes import "
                      "torch._dynamo first)")
         return facts
