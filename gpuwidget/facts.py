@@ -106,6 +106,9 @@ class LoaderFacts(TypedDict, total=False):
     wait_cpu_ratio: float | None  # CPU seconds of the looping thread per wall second while blocked in next()
     wait_delay_ratio: float | None  # its run delay (runnable, waiting for a core) per wall second then
     wait_sampled_s: float  # wall seconds of the waits those two were read over (probes.torch_data.sample_stride)
+    wait_samples: int  # how many waits those were
+    # "thread": the CPU read from the thread's CPU clock, exact; absent in runs saved before (schedstat's figure)
+    wait_cpu_clock: str
     collate_share: float | None  # of the sampled waits without workers, the share in the collate function
     # Device type of the batches' tensors as next() returned them ("cpu"; "cuda": a dataset already on
     # the GPU, nothing to pin); None: not read (an older run, or no tensor in the batch).

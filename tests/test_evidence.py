@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import gpuwidget
 from gpuwidget.advice.advisor import advise
 from gpuwidget.advice.evidence import MIN_CAUSE_LOOP_S, MIN_CAUSE_STEPS, loop_evidence
-from gpuwidget.advice.loader import MIN_SAMPLED_WAIT_S, diagnose
+from gpuwidget.advice.loader import MIN_SAMPLED_WAIT_S, MIN_SAMPLED_WAITS, diagnose
 from gpuwidget.advice.rules import RULES, watch_longer
 from gpuwidget.probes.torch_data import CPU_SAMPLE_EVERY, loader_kwargs
 from gpuwidget.report import main_cause, run_text
@@ -90,11 +90,29 @@ def test_a_run_that_never_reached_a_steady_state_is_told_to_watch_past_the_warm_
         "All 5 steps were warm-up (10.5 s: compilation): the loop never reached a steady state.")
 
 
+@pytest.mark.parametrize(("samples", "sampled", "cause"), [
+    (MIN_SAMPLED_WAITS - 1, 0.01, "unknown"),
+    (MIN_SAMPLED_WAITS, 0.01, "io"),  # many short waits
+    (4, 1.01 * MIN_SAMPLED_WAIT_S, "io"),  # a few long ones
+    (4, 0.99 * MIN_SAMPLED_WAIT_S, "unknown"),
+])
+def test_sleep_is_read_from_enough_sampled_waits(samples, sampled, cause):
+    # A thread whose CPU clock read 0 while waiting is asleep, if enough of its waits were sampled to stand
+    # for them all: many (each reading is exact, however short), or a few long enough to tell it themselves.
+    steps = CPU_SAMPLE_EVERY * samples + 1
+    workload = starved(steps, 2.0 / steps, wait_share=0.4, wait_cpu=0.0)  # 2 s of loop
+    loader = workload["loaders"][0]
+    loader.update(wait_cpu_clock="thread", wait_samples=samples, wait_sampled_s=sampled)
+    d = diagnose(BUSY, workload, NO_GPU)
+    assert d is not None and d.cause == cause
+    assert ("io-bound" in causes(workload)) is (cause == "io")
+
+
 @pytest.mark.parametrize(("sampled", "cause"), [(0.99 * MIN_SAMPLED_WAIT_S, "unknown"),
                                                 (1.01 * MIN_SAMPLED_WAIT_S, "io")])
-def test_sleep_is_read_from_enough_sampled_waits(sampled, cause):
-    # A thread that read 0 CPU while waiting is asleep only if enough of its waits were sampled:
-    # the kernel counts CPU in 4 ms ticks, so short waits read 0 as often as not.
+def test_a_run_saved_before_the_cpu_clock_reads_sleep_from_enough_sampled_seconds(sampled, cause):
+    # Saved runs read the CPU from schedstat, which counts it in 4 ms ticks, so short waits read 0 as
+    # often as not: asleep only over enough seconds of sampled waits.
     steps = 400
     wait = sampled / len(range(1, steps, CPU_SAMPLE_EVERY))
     workload = starved(steps, wait / 0.4, wait_share=0.4, wait_cpu=0.0)  # 2 s of loop
@@ -202,7 +220,8 @@ def test_a_sleeping_dataset_is_io_bound_from_its_measured_sleep():
     loader = run.workload["loaders"][0]
     # Its loader is what it waits on: one next() in CPU_SAMPLE_EVERY was read, from the second.
     assert loader["wait_sampled_s"] == pytest.approx(sum(loader["wait_times"][1::CPU_SAMPLE_EVERY]))
-    assert loader["wait_sampled_s"] >= MIN_SAMPLED_WAIT_S
+    assert loader["wait_cpu_clock"] == "thread"
+    assert loader["wait_samples"] >= MIN_SAMPLED_WAITS or loader["wait_sampled_s"] >= MIN_SAMPLED_WAIT_S
 
 
 _first_uses = [0]

@@ -12,7 +12,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import gpuwidget.probes
-from gpuwidget.advice.loader import MIN_SAMPLED_WAIT_S
+from gpuwidget.advice.loader import MIN_SAMPLED_WAIT_S, MIN_SAMPLED_WAITS
 from gpuwidget.probes import Probes, torch_data, torch_model, torch_steps
 from gpuwidget.probes.torch_data import CPU_SAMPLE_EVERY, DataLoaderProbe
 from gpuwidget.trace import Trace
@@ -36,7 +36,8 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
     now = Clock()
     for module in (gpuwidget.probes, torch_data, torch_steps, torch_model):
         monkeypatch.setattr(module, "now", now)
-    monkeypatch.setattr(torch_data, "thread_counters", lambda: (0.0, 0.0))  # the thread's CPU: none
+    monkeypatch.setattr(torch_data, "thread_run_delay", lambda: 0.0)  # the thread's run delay: none
+    monkeypatch.setattr(torch_data, "cpu_clock", lambda: 0.0)  # nor its CPU
     monkeypatch.setattr(torch_data, "perf_counter", lambda: 0.0)  # nor a collate function's time
     return now
 
@@ -87,11 +88,11 @@ def test_the_cpu_counters_are_read_on_the_same_steps_as_before(clock, monkeypatc
     reads: list[int] = []
     probe_stats: list[Any] = []
 
-    def counters() -> tuple[float, float]:
+    def counters() -> float:
         reads.append(probe_stats[0].calls if probe_stats else -1)
-        return 0.0, 0.0
+        return 0.0
 
-    monkeypatch.setattr(torch_data, "thread_counters", counters)
+    monkeypatch.setattr(torch_data, "thread_run_delay", counters)
     probe = DataLoaderProbe(Trace())
     loader = DataLoader(TensorDataset(torch.zeros(40, 1)), batch_size=1)
     probe.install()
@@ -129,12 +130,12 @@ def sampled_calls(monkeypatch: pytest.MonkeyPatch, wait: float, compute: float, 
     reads: list[int] = []
     stats: list[Any] = []
 
-    def counters() -> tuple[float, float]:
+    def counters() -> float:
         reads.append(stats[0].calls)
-        return 0.0, 0.0
+        return 0.0
 
     monkeypatch.setattr(torch_data, "now", lambda: clock[0])
-    monkeypatch.setattr(torch_data, "thread_counters", counters)
+    monkeypatch.setattr(torch_data, "thread_run_delay", counters)
     probe = DataLoaderProbe(Trace(start_clock=50.0))
     loader = DataLoader(TimedDataset(clock, steps, wait), batch_size=1)
     probe.install()
@@ -156,21 +157,30 @@ def cost_stride(step_s: float) -> int:
 
 def test_a_fast_loop_reads_its_cpu_on_fewer_steps_once_the_advice_has_what_it_needs(monkeypatch):
     # A 0.3 ms step with a 10 us wait: its loader is not what holds it up, and reading the thread's CPU
-    # (two system calls) on one step in eight would cost it more than the 0.1 % the reads may take.
+    # (four system calls) on one step in eight would cost it more than the 0.1 % the reads may take.
     fast = sampled_calls(monkeypatch, wait=10e-6, compute=300e-6)
     assert fast[:2] == [1, 9]  # the first reads as before, to learn the step
     assert {b - a for a, b in zip(fast[1:], fast[2:])} == {cost_stride(310e-6)}
     assert len(fast) < 4000 / 100
-    # A 1.2 ms step that waits 1 ms on its loader: one in eight until the sampled waits are enough for the
-    # advice to tell CPU work from sleep (three times its minimum), then as many as the cost allows.
-    assert round(torch_data.SAMPLED_WAIT_ENOUGH_S / MIN_SAMPLED_WAIT_S, 9) >= 3
+    # A 1.2 ms step that waits 1 ms on its loader: one in eight until enough waits are sampled for the
+    # advice to tell CPU work from sleep (three times its minimum: a count, or seconds of long waits),
+    # then as many as the cost allows.
+    enough = torch_data.SAMPLED_WAITS_ENOUGH
+    assert enough >= 3 * MIN_SAMPLED_WAITS and round(torch_data.SAMPLED_WAIT_ENOUGH_S / MIN_SAMPLED_WAIT_S, 9) >= 3
     starved = sampled_calls(monkeypatch, wait=1e-3, compute=0.2e-3)
-    enough = math.ceil(torch_data.SAMPLED_WAIT_ENOUGH_S / 1e-3 - 1e-9)
     assert starved[:enough] == list(range(1, CPU_SAMPLE_EVERY * enough, CPU_SAMPLE_EVERY))
     assert {b - a for a, b in zip(starved[enough - 1:], starved[enough:])} == {cost_stride(1.2e-3)}
-    # Half of a 0.3 ms step waiting, not yet sampled enough: one in eight, the advice's evidence as before.
+    # Half of a 0.3 ms step waiting: one in eight until sampled enough, the same as the 1 ms wait.
     half = sampled_calls(monkeypatch, wait=155e-6, compute=155e-6)
-    assert half == list(range(1, 4000, CPU_SAMPLE_EVERY))
+    assert half[:enough] == list(range(1, CPU_SAMPLE_EVERY * enough, CPU_SAMPLE_EVERY))
+    assert {b - a for a, b in zip(half[enough - 1:], half[enough:])} == {cost_stride(310e-6)}
+    # A 3 ms step waiting 2.1 ms: its sampled waits reach three times the advice's minimum seconds
+    # (0.3 s) after 143 of them, before the count.
+    long = sampled_calls(monkeypatch, wait=2.1e-3, compute=0.9e-3, steps=2000)
+    by_seconds = math.ceil(torch_data.SAMPLED_WAIT_ENOUGH_S / 2.1e-3)
+    assert by_seconds < enough
+    assert long[:by_seconds] == list(range(1, CPU_SAMPLE_EVERY * by_seconds, CPU_SAMPLE_EVERY))
+    assert {b - a for a, b in zip(long[by_seconds - 1:], long[by_seconds:])} == {cost_stride(3e-3)}
     # A slow step that hardly waits: one in eight already costs it little.
     slow = sampled_calls(monkeypatch, wait=10e-6, compute=40e-3, steps=400)
     assert slow == list(range(1, 400, CPU_SAMPLE_EVERY))

@@ -182,3 +182,45 @@ def test_no_cuda_means_no_cuda_facts():
     probe = CudaMemoryProbe()
     probe.install()
     assert probe.facts() is None
+
+
+class ShortWaits(torch.utils.data.Dataset):
+    """Each sample takes 150 us in ``__getitem__``: asleep (a storage read) or on the CPU (decoding)."""
+
+    def __init__(self, asleep: bool) -> None:
+        self.asleep = asleep
+
+    def __len__(self) -> int:
+        return 800
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        if self.asleep:
+            time.sleep(150e-6)
+        else:  # on the clock that makes no system call: torch's own math makes none either
+            end = time.perf_counter() + 150e-6
+            while time.perf_counter() < end:
+                pass
+        return torch.zeros(1)
+
+
+@pytest.mark.parametrize("asleep", [True, False], ids=["asleep", "computing"])
+def test_a_short_wait_reads_the_cpu_it_took_not_the_work_before_it(asleep: bool):
+    """Waits of a fraction of a millisecond after 0.3 ms of the loop's own work each. schedstat's on-CPU
+    figure, read by the thread itself, measured the work *before* each wait (at 7a85613 the sleeping
+    loader read 1.35 CPU seconds a wall second, as if it computed): the thread's CPU clock reads the wait."""
+    probe = DataLoaderProbe(Trace())
+    loader = DataLoader(ShortWaits(asleep), batch_size=1)
+    probe.install()
+    try:
+        for _ in loader:
+            end = time.perf_counter() + 300e-6  # the step's own work, with no system call
+            while time.perf_counter() < end:
+                pass
+    finally:
+        probe.uninstall()
+    facts = probe.stats[0].facts({})
+    assert facts["wait_cpu_clock"] == "thread" and facts["wait_samples"] >= 64
+    if asleep:
+        assert facts["wait_cpu_ratio"] < 0.25  # IO_WAIT_RATIO: asleep
+    else:
+        assert facts["wait_cpu_ratio"] > 0.5  # CPU_WORK_RATIO: computing

@@ -397,25 +397,25 @@ def test_replay_rejects_bad_pace():
         ReplaySource(Trace(), pace="fast")
 
 
-def test_thread_counters_count_the_calling_thread_even_in_a_forked_child():
-    from gpuwidget.sources.schedstat import THREAD_SELF, read_schedstat, thread_counters
+def test_own_schedstat_counts_the_calling_thread_even_in_a_forked_child():
+    from gpuwidget.sources.schedstat import THREAD_SELF, own_schedstat, read_schedstat
 
     if read_schedstat(THREAD_SELF) is None:
         pytest.skip("no schedstat in this kernel")
-    thread_counters()  # the main thread's file is now open
+    own_schedstat()  # the main thread's file is now open
     cpu = time.thread_time()
     while time.thread_time() - cpu < 0.05:
         pass
-    assert thread_counters()[0] >= 0.05
-    other: list[tuple[float, float | None]] = []
-    thread = threading.Thread(target=lambda: other.append(thread_counters()))
+    assert own_schedstat()[0] >= 0.05
+    other: list[tuple[float, float] | None] = []
+    thread = threading.Thread(target=lambda: other.append(own_schedstat()))
     thread.start()
     thread.join()
-    assert other[0][0] < 0.05  # a fresh thread's own time, not the main thread's
+    assert other[0] is not None and other[0][0] < 0.05  # a fresh thread's own time, not the main thread's
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child reads its own thread, not the parent's file it inherited
-        os.write(write, repr(thread_counters()[0]).encode())
+        os.write(write, repr(own_schedstat()[0]).encode())
         os._exit(0)
     os.waitpid(pid, 0)
     assert float(os.read(read, 64)) < 0.05

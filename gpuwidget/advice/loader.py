@@ -25,14 +25,19 @@ STARVED_WAIT_FRACTION = 0.10
 # How long the loop must run at its steady state before a cause is named: see
 # gpuwidget.advice.evidence (MIN_CAUSE_STEPS, MIN_CAUSE_LOOP_S); warm-up steps are left out of
 # every figure below (gpuwidget.figures.warmup).
-# The looping thread's CPU while blocked in next() (num_workers=0) tells CPU work from sleep
-# only over at least this many seconds of sampled waits. The kernel adds a running thread's
-# CPU time to its counters at scheduler ticks (4 ms at CONFIG_HZ=250, as here: schedstat's
-# count of a spinning thread advances in 4.0 ms steps), so one sampled wait of half a
-# millisecond reads 0 or a whole tick. Over W seconds of sampled waits the ratio errs by about
-# sqrt(tick / W): 0.2 at 0.1 s, under the gap between IO_WAIT_RATIO and CPU_WORK_RATIO that
-# tells the causes apart. The 32 in-memory batches once called io-bound had sampled four waits
-# of well under a millisecond each, which read as 0.0 CPU: asleep.
+# The looping thread's CPU while blocked in next() (num_workers=0) tells CPU work from sleep over
+# enough sampled waits (one in probes.torch_data.CPU_SAMPLE_EVERY, spread over the loop): at least
+# MIN_SAMPLED_WAITS of them, or MIN_SAMPLED_WAIT_S of them in all. Each is read from the thread's CPU
+# clock, exact at the call, so over many waits the ratio errs only by which were sampled: for waits
+# whose CPU share varies by 0.5 at most, 0.5 / sqrt(64) = 0.06, a quarter of the gap between
+# IO_WAIT_RATIO and CPU_WORK_RATIO that tells the causes apart; a few long waits (a 100 ms read) each
+# tell it themselves.
+MIN_SAMPLED_WAITS = 64
+# Runs saved before 2026-12-04 read the CPU from schedstat, whose figure moves in scheduler ticks (and,
+# read by the thread itself, lags: gpuwidget.sources.schedstat.thread_run_delay): over W seconds of
+# sampled waits their ratio errs by about sqrt(tick / W), 0.2 at this minimum, which is all they have.
+# The 32 in-memory batches once called io-bound had sampled four waits of well under a millisecond
+# each, which read as 0.0 CPU.
 MIN_SAMPLED_WAIT_S = 0.1
 # The batch builders are the looping thread while it is blocked in next() (num_workers=0)
 # or the worker processes. Per wall second, each builder is on a core (CPU), runnable but
@@ -181,6 +186,14 @@ def steady_loop(loader: LoaderFacts) -> SteadyLoop:
     return SteadyLoop(steps - split.steps, max(0.0, wait - warm_wait), max(1e-9, loop - split.seconds), split.steps)
 
 
+def sampled_enough(loader: LoaderFacts) -> bool:
+    """Enough of the loop's waits had their CPU read to tell CPU work from sleep: MIN_SAMPLED_WAIT_S of them,
+    or, read from the thread's CPU clock (runs saved before 2026-12-04 were not), MIN_SAMPLED_WAITS."""
+    if loader.get("wait_cpu_clock") == "thread" and int(loader.get("wait_samples") or 0) >= MIN_SAMPLED_WAITS:
+        return True
+    return sampled_wait_s(loader) >= MIN_SAMPLED_WAIT_S
+
+
 def sampled_wait_s(loader: LoaderFacts) -> float:
     """Seconds of the waits whose CPU and run delay the probe read: the basis of ``wait_cpu_ratio``. Facts
     from before the probe said so: one step in probes.torch_data.CPU_SAMPLE_EVERY, from the second."""
@@ -210,9 +223,7 @@ def diagnose(summary: Summary, workload: WorkloadFacts, machine: MachineFacts) -
     workers_cpu = summary.get("workers_cpu_mean")
     if num_workers > 0 and workers_cpu is not None:
         workers_busy = workers_cpu / 100.0 / num_workers
-    wait_cpu = loader.get("wait_cpu_ratio")
-    if sampled_wait_s(loader) < MIN_SAMPLED_WAIT_S:
-        wait_cpu = None  # too little sampled to tell CPU work from sleep (MIN_SAMPLED_WAIT_S)
+    wait_cpu = loader.get("wait_cpu_ratio") if sampled_enough(loader) else None
     host = summary.get("cpu_util_mean")
     cpus_busy = _cpus_busy_percent(summary, machine, usable)
     host_saturated = cpus_busy is not None and cpus_busy >= HOST_SATURATED_PERCENT

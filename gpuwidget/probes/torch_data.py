@@ -26,12 +26,13 @@ cost (each item there goes through an argument parser). The few attributes it to
 loader's call count and the last loader to return. The sampler thread makes everything else of those records at each
 tick, with numpy, a tick's steps at once (:meth:`DataLoaderProbe.flush`): the step and wait
 spans, step and wait times, epochs, totals. The looping thread's CPU time and run delay behind
-``wait_cpu_ratio`` and ``wait_delay_ratio`` are read on one step in :data:`CPU_SAMPLE_EVERY`
-(a small file read each; gpuwidget.sources.schedstat), never on the first step (it starts
-workers and warms lazy imports and caches, so it is not the loader's steady state). Those two reads
-are system calls, 10 us or more each inside a fast loop on a VM: a fast loop reads them on fewer steps,
-so that they take at most :data:`SAMPLE_COST_SHARE` of its time, once its waits are either a small share
-of its steps (its loader is not what holds it up) or sampled enough (:func:`sample_stride`). On those same
+``wait_cpu_ratio`` and ``wait_delay_ratio`` are read around the wait on one step in
+:data:`CPU_SAMPLE_EVERY` (its CPU clock, and a small file read for the delay:
+gpuwidget.sources.schedstat), never on the first step (it starts workers and warms lazy imports and
+caches, so it is not the loader's steady state). Those reads are system calls, several us each inside
+a fast loop on a VM: a fast loop reads them on fewer steps, so that they take at most
+:data:`SAMPLE_COST_SHARE` of its time, once its waits are either a small share of its steps (its loader
+is not what holds it up) or sampled enough (:data:`SAMPLED_WAITS_ENOUGH`; :func:`sample_stride`). On those same
 steps, a loader without workers (the loop's thread builds its batches) also has its collate function
 timed, through the iterator's own fetcher (the user's loader is untouched): ``collate_share``, which
 names the collate function as the batches' builder where stack samples, read at the GIL's switch
@@ -59,25 +60,31 @@ from gpuwidget.facts import CodeSite, LoaderChange, LoaderFacts, LoaderSettings
 from gpuwidget.probes import DATA_WAIT_SPAN, STEP_SPAN
 from gpuwidget.probes import origin as origins
 from gpuwidget.probes.constructor import constructor_facts
-from gpuwidget.sources.schedstat import thread_counters
+from gpuwidget.sources.schedstat import thread_run_delay
 from gpuwidget.trace import Trace
 
 # The collate function's timer (a test's fake trace clock leaves it alone).
 perf_counter = time.perf_counter
+# The looping thread's CPU clock, read around a sampled wait: exact at the call, where schedstat's
+# on-CPU figure lags (gpuwidget.sources.schedstat.thread_run_delay says how).
+cpu_clock = time.thread_time
 # Per-step figures kept per loader for percentiles and stall detection (a bounded window).
 STEP_HISTORY = 20_000
-# Process CPU time is read around one next() in this many: enough to tell CPU work from
-# sleeping, without a system call on every step.
+# The looping thread's CPU time and run delay are read around one next() in this many: enough to tell
+# CPU work from sleeping, without a system call on every step.
 CPU_SAMPLE_EVERY = 8
-# A sampled next() costs the loop about this much more than another (two system calls and the collate
-# function's timer: 16-37 us a sampled call on the 0.3 ms loop, BENCHMARKS.md section 20i). A loop samples
-# one next() in as many as keep that cost under SAMPLE_COST_SHARE of its time (at most one in
+# A sampled next() costs the loop about this much more than another (four system calls, two CPU clock reads
+# and two of schedstat, and the collate function's timer: 41 us in the 0.3 ms loop, 34 us of it the two
+# schedstat reads, BENCHMARKS.md section 20k). A loop samples one next() in as many as keep that cost
+# under SAMPLE_COST_SHARE of its time (at most one in
 # MAX_SAMPLE_STRIDE), except while it waits SAMPLE_EVERY_WAIT_SHARE of its step or more and its sampled
-# waits are under SAMPLED_WAIT_ENOUGH_S: then one in CPU_SAMPLE_EVERY, as the advice needs its loader's
-# CPU soon (advice.loader.MIN_SAMPLED_WAIT_S, 0.1 s: three times that errs by about 0.12).
-SAMPLED_CALL_COST_S = 40e-6
+# waits are fewer than SAMPLED_WAITS_ENOUGH and shorter than SAMPLED_WAIT_ENOUGH_S in all: then one in
+# CPU_SAMPLE_EVERY, as the advice needs its loader's CPU soon (advice.loader.MIN_SAMPLED_WAITS and
+# MIN_SAMPLED_WAIT_S: three times either).
+SAMPLED_CALL_COST_S = 45e-6
 SAMPLE_COST_SHARE = 0.001
 SAMPLE_EVERY_WAIT_SHARE = 0.1
+SAMPLED_WAITS_ENOUGH = 192
 SAMPLED_WAIT_ENOUGH_S = 0.3
 MAX_SAMPLE_STRIDE = 512
 # A record the loop's thread appends per next(): (loader's slot, start, end, samples). The end
@@ -101,7 +108,7 @@ class LoaderStats:
         self.steps = 0
         self.samples = 0
         self.wait_total = 0.0
-        self.wait_cpu_total = 0.0  # CPU seconds of the looping thread during the sampled waits
+        self.wait_cpu_total = 0.0  # CPU seconds of the looping thread during the sampled waits (its CPU clock)
         self.wait_delay_total: float | None = 0.0  # its run delay then (None: no schedstat here)
         self.wait_sampled = 0.0  # wall seconds of the sampled waits
         self.sampled_calls = 0
@@ -161,6 +168,8 @@ class LoaderStats:
             "wait_delay_ratio": (self.wait_delay_total / self.wait_sampled
                                  if self.wait_sampled > 0 and self.wait_delay_total is not None else None),
             "wait_sampled_s": self.wait_sampled,
+            "wait_samples": self.sampled_calls,
+            "wait_cpu_clock": "thread",  # read from the thread's CPU clock (older runs: schedstat's lagging figure)
             # The share of the loop's wait in next() spent in the collate function, where the loop's
             # thread built the batches itself (num_workers=0; None: never timed).
             "collate_share": self.collate_total / self.collate_timed if self.collate_timed > 0 else None,
@@ -296,7 +305,8 @@ class DataLoaderProbe:
         probe = self
         push = self._records.extend  # one C call per record (a tuple): the sampler thread sees whole records
         clock = now
-        counters = thread_counters
+        run_delay = thread_run_delay
+        thread_cpu = cpu_clock
         collate_clock = perf_counter  # a clock of its own: the trace's reads stay two per next()
         cached_ref: Any = _DEAD  # the iterator of the last next(), and its loader's stats
         cached_stats: Any = None
@@ -327,7 +337,8 @@ class DataLoaderProbe:
                     finally:
                         collated[0] += collate_clock() - begun
                 fetcher.collate_fn = timed
-            cpu_started, delay_started = counters()
+            delay_started = run_delay()
+            cpu_started = thread_cpu()  # read last before the wait and first after it: only the wait between
             started = clock()
             fetch_started = collate_clock()
             try:
@@ -343,7 +354,8 @@ class DataLoaderProbe:
             if collate is not None:
                 stats.collate_timed += collate_clock() - fetch_started
                 stats.collate_total += collated[0]
-            cpu_ended, delay_ended = counters()
+            cpu_ended = thread_cpu()
+            delay_ended = run_delay()
             stats.wait_cpu_total += cpu_ended - cpu_started
             stats.wait_sampled += ended - started
             if stats.wait_delay_total is not None:
@@ -503,7 +515,7 @@ def sample_stride(stats: LoaderStats, call: int, started: float) -> int:
     if step_s <= 0.0 or not stats.sampled_calls:
         return CPU_SAMPLE_EVERY
     waits = stats.wait_sampled / stats.sampled_calls >= SAMPLE_EVERY_WAIT_SHARE * step_s
-    if waits and stats.wait_sampled < SAMPLED_WAIT_ENOUGH_S:
+    if waits and stats.sampled_calls < SAMPLED_WAITS_ENOUGH and stats.wait_sampled < SAMPLED_WAIT_ENOUGH_S:
         return CPU_SAMPLE_EVERY
     wanted = SAMPLED_CALL_COST_S / (SAMPLE_COST_SHARE * step_s)
     return int(min(MAX_SAMPLE_STRIDE, max(CPU_SAMPLE_EVERY, math.ceil(wanted))))

@@ -8,8 +8,10 @@ or was blocked (storage, network, a lock). ``/proc/<pid>/schedstat`` counts the 
 main thread; ``/proc/thread-self/schedstat`` the calling thread.
 
 Each read is one small file: cheap enough for every sampler tick and for one DataLoader
-step in eight. Where the file is missing (not Linux) the reader returns None: the figure is
-absent, never 0.
+step in eight. The figures of another task, read by the sampler thread over its interval, are as
+fresh as that task's last scheduler event; a thread's own CPU across a short wait is read from its
+CPU clock instead (:func:`thread_run_delay` says why). Where the file is missing (not Linux) the
+reader returns None: the figure is absent, never 0.
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-import time
 
 THREAD_SELF = "/proc/thread-self/schedstat"
 
@@ -74,9 +75,23 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_in_child)
 
 
-def thread_counters() -> tuple[float, float | None]:
-    """The calling thread's (CPU seconds, run-delay seconds); the delay is None where the
-    kernel has no schedstat (then the CPU time is ``time.thread_time()``)."""
+def thread_run_delay() -> float | None:
+    """The calling thread's run delay in seconds (time runnable but waiting for a core), or None where
+    the kernel has no schedstat. The kernel adds to it when the thread gets a core back: exact.
+
+    Not its CPU time: schedstat's on-CPU figure, for the thread reading it, is brought up to date only
+    at scheduler events, and the read itself is one, after the figure is printed, so each read returns
+    the CPU time as of the thread's previous event. Two reads around a wait then measure the work
+    *before* it: measured here (BENCHMARKS.md section 20k), a thread that slept 100 us between two
+    reads, after 300 us of work, read 310 us of CPU; one that worked 100 us read 303 us. A thread's
+    CPU across a wait is read from its own CPU clock (``time.thread_time()``), exact at the call."""
+    counters = own_schedstat()
+    return None if counters is None else counters[1]
+
+
+def own_schedstat() -> tuple[float, float] | None:
+    """The calling thread's schedstat, from its file kept open: (seconds on a core as of the thread's last
+    scheduler event, seconds of run delay), or None where the kernel has none."""
     own: _OwnCounters | None = getattr(_own, "counters", None)
     if own is None:
         own = _own.counters = _OwnCounters()
@@ -84,7 +99,7 @@ def thread_counters() -> tuple[float, float | None]:
         try:
             fields = os.pread(own.fd, 128, 0).split(maxsplit=2)
         except OSError:
-            fields = []
+            return None
         if len(fields) >= 2:
             return int(fields[0]) * 1e-9, int(fields[1]) * 1e-9
-    return time.thread_time(), None
+    return None

@@ -1,7 +1,7 @@
 """io-bound: starved while the process (or its workers) mostly sleeps: batches wait on storage.
 
 Storage is named only from the batch builders' measured sleep (their CPU and run delay, from
-kernel counters, over enough sampled time: gpuwidget.advice.loader.MIN_SAMPLED_WAIT_S), never
+thread's CPU clock and kernel counters, over enough sampled waits: gpuwidget.advice.loader.MIN_SAMPLED_WAITS), never
 from waiting alone, and only over a loop long enough to judge (gpuwidget.advice.evidence).
 
 Waiting on storage overlaps, so workers beyond the core count help here (the starved
