@@ -6,15 +6,17 @@ rotating order, ``--rounds`` times, all in one process. For each block the loop 
 system CPU (``getrusage(RUSAGE_THREAD)``) and its voluntary context switches (each one a wait for the
 GIL, or a sleep) are read, per step, against the bare loop's in the same rounds:
 
-* ``watch``: ``gpuwidget.watch(quiet=True)``, entered ``--settle`` steps before the block (a watch's
-  first steps run on torch's global module hooks until its first tick: see ``first steps`` below);
+* ``watch``: ``gpuwidget.watch(quiet=True)``, entered ``--settle`` steps before the block (past a
+  watch's first steps and first ticks: see ``first steps`` below);
 * ``watch, reader process``: the same with ``GPUWIDGET_READER=process``; ``watch, as in a long cell``:
   the same with its loader's sampled waits already enough, as a cell is past its first seconds of
   training (the sampled next() calls then spaced: torch_data.sample_stride);
 * ``probes``: the DataLoader and step probes alone (no sampler thread, no watch), past their first
   steps and flushes; ``DataLoader probe``, ``... its waits sampled enough`` (as after a long run's
   first seconds: its sampled next() calls spaced, torch_data.sample_stride), ``... never sampled`` (no
-  next() read with its CPU and run delay), ``step probe``: each alone;
+  next() read with its CPU and run delay), ``... one in eight sampled`` (throughout, as in a loop's first
+  sampled waits) and ``... without the CPU clock reads`` (the two schedstat reads only, as before
+  ef5d704), ``step probe``: each alone;
 * threads that take the GIL but add nothing to the loop's thread: ``a thread waking 70 times a
   second`` (20 us of Python each), ``a thread holding the GIL 1.5 ms 4 times a second``.
 
@@ -78,15 +80,19 @@ def arms(run: Callable[[int], Any], settle: int) -> dict[str, Arm]:
 
     @contextlib.contextmanager
     def probes(data_on: bool = True, steps_on: bool = True, sampled: bool = True,
-               enough: bool = False) -> Iterator[None]:
+               enough: bool = False, eighth: bool = False, cpu_clock: bool = True) -> Iterator[None]:
         from gpuwidget.probes import torch_data
         from gpuwidget.probes.torch_data import DataLoaderProbe
         from gpuwidget.probes.torch_model import ModelProbe
         from gpuwidget.probes.torch_steps import StepProbe
 
-        every = torch_data.CPU_SAMPLE_EVERY
+        every, stride, clock = torch_data.CPU_SAMPLE_EVERY, torch_data.sample_stride, torch_data.cpu_clock
         if not sampled:
             torch_data.CPU_SAMPLE_EVERY = 1 << 62
+        if eighth:  # one next() in CPU_SAMPLE_EVERY sampled throughout, as in a loop's first sampled waits
+            torch_data.sample_stride = lambda *args: every
+        if not cpu_clock:  # the two schedstat reads only, as before ef5d704
+            torch_data.cpu_clock = lambda: 0.0
         trace = Trace()
         data = DataLoaderProbe(trace) if data_on else None
         model = ModelProbe()
@@ -110,7 +116,7 @@ def arms(run: Callable[[int], Any], settle: int) -> dict[str, Arm]:
                     stats.wait_sampled += torch_data.SAMPLED_WAIT_ENOUGH_S
             yield
         finally:
-            torch_data.CPU_SAMPLE_EVERY = every
+            torch_data.CPU_SAMPLE_EVERY, torch_data.sample_stride, torch_data.cpu_clock = every, stride, clock
             if steps is not None:
                 steps.flush()
                 steps.uninstall()
@@ -145,6 +151,8 @@ def arms(run: Callable[[int], Any], settle: int) -> dict[str, Arm]:
         "DataLoader probe": lambda: probes(steps_on=False),
         "DataLoader probe, its waits sampled enough": lambda: probes(steps_on=False, enough=True),
         "DataLoader probe, never sampled": lambda: probes(steps_on=False, sampled=False),
+        "DataLoader probe, one in eight sampled": lambda: probes(steps_on=False, eighth=True),
+        "... without the CPU clock reads": lambda: probes(steps_on=False, eighth=True, cpu_clock=False),
         "step probe": lambda: probes(data_on=False),
         "a thread waking 70 times a second": lambda: thread(70, 20e-6),
         "a thread holding the GIL 1.5 ms 4 times a second": lambda: thread(4, 1.5e-3),
