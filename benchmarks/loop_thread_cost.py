@@ -17,6 +17,8 @@ GIL, or a sleep) are read, per step, against the bare loop's in the same rounds:
   next() read with its CPU and run delay), ``... one in eight sampled`` (throughout, as in a loop's first
   sampled waits) and ``... without the CPU clock reads`` (the two schedstat reads only, as before
   ef5d704), ``step probe``: each alone;
+* the floor of any Python run at each ``next()``: ``a next() wrapper that only calls torch's``, and
+  ``... with two clock reads and a two-number record`` (no loader, no samples, no sampled calls);
 * threads that take the GIL but add nothing to the loop's thread: ``a thread waking 70 times a
   second`` (20 us of Python each), ``a thread holding the GIL 1.5 ms 4 times a second``.
 
@@ -125,6 +127,32 @@ def arms(run: Callable[[int], Any], settle: int) -> dict[str, Arm]:
                 data.uninstall()
 
     @contextlib.contextmanager
+    def wrapper(kind: str) -> Iterator[None]:
+        """A next() wrapper of torch's DataLoader iterators other than the probe's: the floor of any Python
+        run at every next()."""
+        from torch.utils.data.dataloader import _BaseDataLoaderIter
+
+        original = _BaseDataLoaderIter.__next__
+        clock = time.perf_counter
+        records: list[float] = []
+        push = records.extend
+
+        def passing(iterator: Any) -> Any:
+            return original(iterator)
+
+        def timing(iterator: Any) -> Any:
+            started = clock()
+            batch = original(iterator)
+            push((started, clock()))
+            return batch
+
+        _BaseDataLoaderIter.__next__ = passing if kind == "pass" else timing  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            _BaseDataLoaderIter.__next__ = original  # type: ignore[method-assign]
+
+    @contextlib.contextmanager
     def thread(wakes: float, work_s: float) -> Iterator[None]:
         stop = threading.Event()
 
@@ -154,6 +182,8 @@ def arms(run: Callable[[int], Any], settle: int) -> dict[str, Arm]:
         "DataLoader probe, one in eight sampled": lambda: probes(steps_on=False, eighth=True),
         "... without the CPU clock reads": lambda: probes(steps_on=False, eighth=True, cpu_clock=False),
         "step probe": lambda: probes(data_on=False),
+        "a next() wrapper that only calls torch's": lambda: wrapper("pass"),
+        "a next() wrapper with two clock reads and a two-number record": lambda: wrapper("time"),
         "a thread waking 70 times a second": lambda: thread(70, 20e-6),
         "a thread holding the GIL 1.5 ms 4 times a second": lambda: thread(4, 1.5e-3),
     }
