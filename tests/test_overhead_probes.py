@@ -84,6 +84,72 @@ def test_a_loaders_figures_are_its_clock_readings_however_the_flushes_fall(clock
             assert other_trace.span_stats(kind) == trace.span_stats(kind)
 
 
+class Rows(torch.utils.data.Dataset):
+    """Rows a list holds (it may grow between epochs); ``text`` rows are strings, whose batches have no tensor."""
+
+    def __init__(self, count: int, text: bool = False) -> None:
+        self.rows: list[Any] = [str(i) if text else torch.full((3,), float(i)) for i in range(count)]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> Any:
+        return self.rows[index]
+
+
+def planned_run(loader: DataLoader, epochs: int, between=None) -> tuple[Any, list[float]]:
+    """``epochs`` epochs of ``loader``, a flush after every batch; the samples field of each record the loop
+    queued (-1: left to the flush to count from the loader's batching)."""
+    probe = DataLoaderProbe(Trace(start_clock=50.0))
+    queued: list[float] = []
+    probe.install()
+    try:
+        for epoch in range(epochs):
+            if between is not None and epoch:
+                between()
+            for _batch in loader:
+                queued.append(probe._records[-1])
+                probe.flush()
+    finally:
+        probe.uninstall()
+    (stats,) = probe.stats
+    return stats, queued
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_once_a_batch_read_agrees_with_the_loaders_batching_no_batch_is_read_and_the_samples_stay_exact(
+        clock, drop_last):
+    loader = DataLoader(Rows(37), batch_size=4, shuffle=True, drop_last=drop_last)  # 9 batches of 4 (and one of 1)
+    stats, queued = planned_run(loader, 3)
+    per_epoch = 36 if drop_last else 37
+    assert stats.steps == 3 * len(loader) and stats.samples == 3 * per_epoch
+    assert stats.last_batch_samples == (4 if drop_last else 1)
+    # The first batch is read (4), then none but the sampled calls' (every CPU_SAMPLE_EVERY-th, from the second).
+    assert queued[0] == 4 and queued[2:CPU_SAMPLE_EVERY + 1] == [-1] * (CPU_SAMPLE_EVERY - 1)
+    assert stats.planned and stats.plan_trusted
+
+
+def test_a_dataset_grown_between_epochs_counts_its_new_length_from_the_next_epoch(clock):
+    dataset = Rows(37)
+    loader = DataLoader(dataset, batch_size=4)
+    stats, _ = planned_run(loader, 2, between=lambda: dataset.rows.extend(torch.zeros(3) for _ in range(6)))
+    assert stats.samples == 37 + 43 and stats.steps == 10 + 11 and stats.last_batch_samples == 3
+
+
+def test_batches_whose_first_dimension_is_not_their_samples_are_read_every_time(clock):
+    def pairs(rows: list[Any]) -> tuple[Any, ...]:  # a collate function of the user's: two rows a sample
+        return (torch.stack([row for row in rows for _ in range(2)]),)
+
+    collated = DataLoader(Rows(37), batch_size=4, collate_fn=pairs)
+    stats, queued = planned_run(collated, 2)
+    assert stats.plan is None and stats.samples == 2 * 74 and -1 not in queued
+    # torch's own collation of strings: a list of them, no tensor to read a size from (0, as ever);
+    # the batching said 4: the read disagrees and every batch is read from then on.
+    text = DataLoader(Rows(37, text=True), batch_size=4)
+    stats, queued = planned_run(text, 2)
+    assert stats.samples == 0 and stats.plan_trusted is False and not stats.planned and -1 not in queued
+
+
 def test_the_cpu_counters_are_read_on_the_same_steps_as_before(clock, monkeypatch):
     reads: list[int] = []
     probe_stats: list[Any] = []

@@ -22,7 +22,12 @@ one ``next()`` to the start of the following one.
 The wrapper is on the loop's critical path, so per step it only reads the clock twice and
 extends a flat list by one record of four numbers (the loader, start, end, samples): one C call,
 so a flush sees whole records, and about a tenth of what appending them to an ``array('d')``
-cost (each item there goes through an argument parser). The few attributes it touches are the
+cost (each item there goes through an argument parser). A batch's samples are read from its first
+tensor's shape only until they are seen to follow from the loader's own batching (torch's
+``BatchSampler`` and default collation: ``batch_size`` a batch, the rest in an epoch's last); the flush
+then counts them from the batch's place in its epoch (:meth:`LoaderStats._planned`), and the sampled
+calls below keep checking. Reading a tensor's ``shape`` was half the wrapper's instructions and cache
+misses (BENCHMARKS.md section 20l). The few attributes it touches are the
 loader's call count and the last loader to return. The sampler thread makes everything else of those records at each
 tick, with numpy, a tick's steps at once (:meth:`DataLoaderProbe.flush`): the step and wait
 spans, step and wait times, epochs, totals. The looping thread's CPU time and run delay behind
@@ -125,6 +130,14 @@ class LoaderStats:
         self.built: origins.Origin | None = None  # origin.stack_origin where the loader was built
         self.iterated: origins.Origin | None = None  # ... and where it was first iterated
         self.last_batch_samples = 0
+        # (batch_size, samples an epoch, drop_last) where the loader's own batching says each batch's samples
+        # (batch_samples' reading of torch's default collation), else None; `planned` once a batch read
+        # agreed with it: the loop's thread then reads no batch's size, except on its sampled calls.
+        self.plan = batch_plan(loader) if loader is not None else None
+        self.planned = False
+        self.plan_trusted: bool | None = None  # False: a read disagreed; never planned again
+        self.next_plan: tuple[tuple[int, int, bool] | None] | None = None  # from the next epoch's records on
+        self.epoch_batches = 0  # batches of the current epoch made into figures
         self.batch_device: str | None = None  # where the batches' tensors live, read on a sampled next()
         self.stopped_at = -1  # `calls` when an iterator last raised StopIteration
 
@@ -197,6 +210,8 @@ class LoaderStats:
                 steps.add(at[marker:marker + 1], np.array([self.pending_start - origin]),
                           np.array([started - origin]))
             self.pending_start = None
+            if ends[marker] == _RESTARTED and self.next_plan is not None:
+                (self.plan,), self.next_plan = self.next_plan, None
             begin = marker + 1
         self._batches(rows[begin:], at[begin:], origin, steps, waits)
 
@@ -209,6 +224,7 @@ class LoaderStats:
         starts, ends, samples = rows[:, 1], rows[:, 2], rows[:, 3]
         if self.pending_start is None:
             self.epochs += 1  # the first batch of an iterator: an epoch that ran
+            self.epoch_batches = 0
             if self.first_start is None:
                 self.first_start = float(starts[0])
             step_starts, step_ends, step_at = starts[:-1], starts[1:], at[1:]
@@ -217,6 +233,9 @@ class LoaderStats:
             step_starts = np.concatenate(([self.pending_start], starts[:-1]))
             step_ends, step_at = starts, at
             compute = starts - np.concatenate(([float(self.last_end or 0.0)], ends[:-1]))
+        if self.plan is not None:
+            samples = self._planned(samples, self.plan)
+        self.epoch_batches += count
         self.step_times.extend((step_ends - step_starts).tolist())
         self.compute_total = sum(compute.tolist(), self.compute_total)  # one by one, as the steps came
         wait = ends - starts
@@ -229,6 +248,32 @@ class LoaderStats:
         self.pending_start, self.last_end = float(starts[-1]), float(ends[-1])
         steps.add(step_at, step_starts - origin, step_ends - origin)
         waits.add(at, starts - origin, ends - origin)
+
+    def replan(self, loader: Any) -> None:
+        """At an epoch's start (an iterator made or reused, before its first ``next()``): the plan again, as
+        the dataset may have grown. A new one counts from the epoch's records on (:meth:`take`) once a read
+        batch agrees with it."""
+        if self.plan_trusted is not False:
+            plan = batch_plan(loader)
+            if plan != self.plan:
+                self.planned = False
+                self.next_plan = (plan,)
+
+    def _planned(self, samples: np.ndarray, plan: tuple[int, int, bool]) -> np.ndarray:
+        """The batches' samples, from the loader's batching where the loop's thread did not read them (-1): the
+        k-th batch of an epoch holds ``batch_size`` samples, the last what is left (none such with
+        ``drop_last``). The plan is dropped (and every batch read again) if one read disagrees."""
+        size, total, drop_last = plan
+        index = self.epoch_batches + np.arange(len(samples))
+        expected = np.full(len(samples), float(size)) if drop_last else np.clip(total - index * size, 0, size)
+        read = samples >= 0
+        if read.any() and self.plan_trusted is not False:
+            if (samples[read] == expected[read]).all():
+                self.plan_trusted = True
+                self.planned = self.next_plan is None  # else from the next epoch's first agreeing read
+            else:
+                self.plan_trusted = self.planned = False
+        return np.where(read, samples, expected)
 
     def rebuilt_as(self, loader: Any) -> bool:
         """``loader`` is this one built again (a loop that makes its DataLoader anew each epoch): the same
@@ -394,6 +439,9 @@ class DataLoaderProbe:
             ended = clock()
             stats.calls = calls + 1
             probe.last = stats
+            if stats.planned:  # the loader's batching says (LoaderStats._planned): no read of the batch
+                push((stats.slot, started, ended, -1))
+                return batch
             kind = type(batch)
             if kind is tuple or kind is list:  # batch_samples' usual case, without its call or getattr's
                 try:
@@ -483,6 +531,7 @@ class DataLoaderProbe:
             rebuilt = next((s for s in self.stats if loader is not None and s.rebuilt_as(loader)), None)
             if rebuilt is not None:  # one loop whose loader is built anew each epoch: one LoaderStats
                 rebuilt.loader_ref = weakref.ref(loader)
+                rebuilt.replan(loader)
                 self._by_loader[key] = rebuilt
                 self._by_iterator[iterator] = rebuilt
                 self._records.extend((rebuilt.slot, 0.0, _RESTARTED, 0.0))
@@ -493,6 +542,8 @@ class DataLoaderProbe:
             if loader is not None:
                 stats.built = self._built.get(loader)
                 stats.iterated = origins.stack_origin(caller) if caller is not None else None
+        if loader is not None:
+            stats.replan(loader)
         # A reused (persistent-workers) iterator starts a new epoch: no step spans across it.
         self._records.extend((stats.slot, 0.0, _RESTARTED, 0.0))
         self._by_iterator[iterator] = stats
@@ -544,6 +595,31 @@ def batch_samples(batch: Any) -> int:
         if shape is not None:
             return int(shape[0]) if len(shape) else 1
     return first_dim(batch)
+
+
+def batch_plan(loader: Any) -> tuple[int, int, bool] | None:
+    """(batch_size, samples an epoch, drop_last) where each batch's samples follow from the loader's own
+    batching: torch's ``BatchSampler`` over a sampler whose length is the samples it yields, torch's default
+    collation (a batch's first dimension is its samples), batches in order; else None."""
+    from torch.utils.data import IterableDataset
+    from torch.utils.data._utils.collate import default_collate
+    from torch.utils.data.distributed import DistributedSampler
+    from torch.utils.data.sampler import BatchSampler
+
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    sampler = getattr(loader, "sampler", None)
+    size = getattr(loader, "batch_size", None)
+    if (type(batch_sampler) is not BatchSampler or size is None or batch_sampler.batch_size != size
+            or getattr(loader, "collate_fn", None) is not default_collate
+            or isinstance(getattr(loader, "dataset", None), IterableDataset)
+            or not (_plain_sampler(sampler) or type(sampler) is DistributedSampler)
+            or not getattr(loader, "in_order", True)):
+        return None
+    try:
+        total = len(sampler)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+    return int(size), int(total), bool(batch_sampler.drop_last)
 
 
 def batch_device(batch: Any, depth: int = 0) -> str | None:
