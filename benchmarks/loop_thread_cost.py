@@ -128,25 +128,12 @@ def arms(run: Callable[[int], Any], settle: int) -> dict[str, Arm]:
 
     @contextlib.contextmanager
     def wrapper(kind: str) -> Iterator[None]:
-        """A next() wrapper of torch's DataLoader iterators other than the probe's: the floor of any Python
-        run at every next()."""
+        """A next() wrapper of torch's DataLoader iterators other than the probe's (next_wrapper_cost.py's)."""
+        from next_wrapper_cost import next_wrappers
         from torch.utils.data.dataloader import _BaseDataLoaderIter
 
         original = _BaseDataLoaderIter.__next__
-        clock = time.perf_counter
-        records: list[float] = []
-        push = records.extend
-
-        def passing(iterator: Any) -> Any:
-            return original(iterator)
-
-        def timing(iterator: Any) -> Any:
-            started = clock()
-            batch = original(iterator)
-            push((started, clock()))
-            return batch
-
-        _BaseDataLoaderIter.__next__ = passing if kind == "pass" else timing  # type: ignore[method-assign]
+        _BaseDataLoaderIter.__next__ = next_wrappers(original, [])[kind]  # type: ignore[method-assign]
         try:
             yield
         finally:

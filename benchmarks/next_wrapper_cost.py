@@ -23,12 +23,14 @@ another checkout (``git worktree add``). Two processes at a time, about 3 minute
 
 from __future__ import annotations
 
+import gc
 import os
 import re
 import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -40,6 +42,30 @@ WARMUP = 600
 TICK_STEPS = 800  # 0.25 s of 0.31 ms steps
 COUNTERS = {"instructions": r"I\s+refs:\s+([\d,]+)", "I1 misses": r"I1\s+misses:\s+([\d,]+)",
             "D1 misses": r"D1\s+misses:\s+([\d,]+)"}
+
+
+def next_wrappers(original: Callable[[Any], Any], records: list[Any]) -> dict[str, Callable[[Any], Any]]:
+    """Wrappers of torch's ``original`` DataLoader ``next()`` other than the probe's, by arm: the floor of any
+    Python run at every ``next()`` (also loop_thread_cost.py's arms). They extend ``records``."""
+    clock = time.perf_counter
+    push = records.extend
+
+    def passing(iterator: Any) -> Any:
+        return original(iterator)
+
+    def timing(iterator: Any) -> Any:
+        started = clock()
+        batch = original(iterator)
+        push((started, clock()))
+        return batch
+
+    def timing_shape(iterator: Any) -> Any:
+        started = clock()
+        batch = original(iterator)
+        push((0, started, clock(), batch[0].shape[0]))
+        return batch
+
+    return {"pass": passing, "time": timing, "time+shape": timing_shape}
 
 
 def child(arm: str, steps: int) -> None:
@@ -63,34 +89,18 @@ def child(arm: str, steps: int) -> None:
     elif arm != "bare":
         from torch.utils.data.dataloader import _BaseDataLoaderIter
 
-        original = _BaseDataLoaderIter.__next__
-        clock = time.perf_counter
         records: list[Any] = []
-        push = records.extend
-
-        def passing(iterator: Any) -> Any:
-            return original(iterator)
-
-        def timing(iterator: Any) -> Any:
-            started = clock()
-            batch = original(iterator)
-            push((started, clock()))
-            return batch
-
-        def timing_shape(iterator: Any) -> Any:
-            started = clock()
-            batch = original(iterator)
-            push((0, started, clock(), batch[0].shape[0]))
-            return batch
-
-        wrappers = {"pass": passing, "time": timing, "time+shape": timing_shape}
-        _BaseDataLoaderIter.__next__ = wrappers[arm]  # type: ignore[method-assign,assignment]
+        _BaseDataLoaderIter.__next__ = next_wrappers(_BaseDataLoaderIter.__next__, records)[arm]  # type: ignore
 
         def flush() -> None:
             records.clear()
 
-    done, total = 0, WARMUP + steps
+    done, total, frozen = 0, WARMUP + steps, False
     while done < total:
+        if done >= WARMUP and not frozen:  # what start-up made is left out of every later collection: a full
+            gc.collect()  # collection of it (torch's modules) falling in one run's steps and not the other's
+            gc.freeze()  # moved the per-step figures by thousands of instructions between processes
+            frozen = True
         block = min(TICK_STEPS - done % TICK_STEPS, total - done)
         run(block)
         done += block
