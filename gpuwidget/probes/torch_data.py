@@ -26,10 +26,11 @@ cost (each item there goes through an argument parser). A batch's samples are re
 tensor's shape only until they are seen to follow from the loader's own batching (torch's
 ``BatchSampler`` and default collation: ``batch_size`` a batch, the rest in an epoch's last); the flush
 then counts them from the batch's place in its epoch (:meth:`LoaderStats._planned`), and the sampled
-calls below keep checking. Reading a tensor's ``shape`` was half the wrapper's instructions and cache
-misses (BENCHMARKS.md section 20l). The few attributes it touches are the
-loader's call count and the last loader to return. The sampler thread makes everything else of those records at each
-tick, with numpy, a tick's steps at once (:meth:`DataLoaderProbe.flush`): the step and wait
+calls below keep checking. Reading a tensor's ``shape`` was about half of what a minimal timing wrapper
+adds to a step in instructions and cache misses (a first cachegrind run, BENCHMARKS.md section 20l).
+The few attributes it touches are the loader's call count and the last loader to return. The sampler
+thread makes everything else of those records at each tick, with numpy, a tick's steps at once
+(:meth:`DataLoaderProbe.flush`): the step and wait
 spans, step and wait times, epochs, totals. The looping thread's CPU time and run delay behind
 ``wait_cpu_ratio`` and ``wait_delay_ratio`` are read around the wait on one step in
 :data:`CPU_SAMPLE_EVERY` (its CPU clock, and a small file read for the delay:
