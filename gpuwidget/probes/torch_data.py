@@ -263,7 +263,7 @@ class LoaderStats:
     def _planned(self, samples: np.ndarray, plan: tuple[int, int, bool]) -> np.ndarray:
         """The batches' samples, from the loader's batching where the loop's thread did not read them (-1): the
         k-th batch of an epoch holds ``batch_size`` samples, the last what is left (none such with
-        ``drop_last``). The plan is dropped (and every batch read again) if one read disagrees."""
+        ``drop_last``). If one read disagrees, the plan is no longer trusted and every batch is read again."""
         size, total, drop_last = plan
         index = self.epoch_batches + np.arange(len(samples))
         expected = np.full(len(samples), float(size)) if drop_last else np.clip(total - index * size, 0, size)
