@@ -184,8 +184,15 @@ def test_no_cuda_means_no_cuda_facts():
     assert probe.facts() is None
 
 
+WAIT_S = 400e-6  # a wait of a fraction of a millisecond, about as long as the step's own work
+
+
 class ShortWaits(torch.utils.data.Dataset):
-    """Each sample takes 150 us in ``__getitem__``: asleep (a storage read) or on the CPU (decoding)."""
+    """Each sample takes 400 us in ``__getitem__``: asleep (a storage read) or on the CPU (decoding).
+
+    The loader's own work for a batch of one (its sampler, fetch and collate) is CPU a sleeping wait
+    takes too: ~50 us here, 0.20 of a 150 us sleep's wait on a quiet VM and 0.35 once on a fresh one
+    beside a busy neighbour, over the 0.25 that reads as asleep. Against 400 us it is ~0.10."""
 
     def __init__(self, asleep: bool) -> None:
         self.asleep = asleep
@@ -195,9 +202,9 @@ class ShortWaits(torch.utils.data.Dataset):
 
     def __getitem__(self, index: int) -> torch.Tensor:
         if self.asleep:
-            time.sleep(150e-6)
+            time.sleep(WAIT_S)
         else:  # on the clock that makes no system call: torch's own math makes none either
-            end = time.perf_counter() + 150e-6
+            end = time.perf_counter() + WAIT_S
             while time.perf_counter() < end:
                 pass
         return torch.zeros(1)
