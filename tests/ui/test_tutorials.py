@@ -6,7 +6,7 @@ source is the same), locations are the cell's ("cell In [7], line 26"), no "None
 and Measure, clicked under the first panel of each tutorial that offers it as soon as its cell has
 run (while the cell's loader still exists: the tutorials rebind their loaders later), chooses a row of
 its own table and says how the finding's suggestion fared. (One click each: a Measure takes the
-browser tests' server's budget, 15 s, where a user's announces about 35 s a change;
+browser tests' server's budget, 5 s, where a user's announces about 35 s a change;
 tests/ui/test_measure.py clicks the saved and reopened ones.)
 
 01 and 02 are the ones a new user runs first and cover the live plot, the panel, the Measure
