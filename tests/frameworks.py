@@ -6,11 +6,12 @@ Each :class:`Case` is two notebook cells as source: ``setup`` (imports, data, mo
 kernel's. Storage is a sleep per item, so starvation is deterministic; ``latency=0`` gives
 the healthy version of the same loop. :func:`check_code` executes a finding's ``.code`` in
 that namespace and compares the loader before and after: the invariant every loader finding
-keeps (DESIGN.md).
+keeps (DESIGN.md); its epochs read storage and decode without their seconds (:func:`timeless`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 import warnings
@@ -29,8 +30,26 @@ ITEMS = 320
 FEATURES = 16
 
 
+# While check_code reads its epochs (it compares samples, not speed) storage answers at once and decoding
+# takes no time: their sleeps and burns were about half of each real-frameworks case's seconds.
+_timeless = False
+
+
+@contextlib.contextmanager
+def timeless() -> Iterator[None]:
+    """Storage and decoding without their seconds meanwhile (workers forked meanwhile inherit it)."""
+    global _timeless
+    before, _timeless = _timeless, True
+    try:
+        yield
+    finally:
+        _timeless = before
+
+
 def burn(seconds: float) -> None:
     """CPU work in Python (holds the GIL, as a decode or augmentation does)."""
+    if _timeless:
+        return
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
         pass
@@ -52,7 +71,7 @@ class SlowItems(Dataset):
         return self.n
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.latency:
+        if self.latency and not _timeless:
             time.sleep(self.latency)
         return item(i)
 
@@ -61,7 +80,7 @@ class TokenItems(SlowItems):
     """Hugging Face style: dict samples with input_ids and labels."""
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:  # type: ignore[override]
-        if self.latency:
+        if self.latency and not _timeless:
             time.sleep(self.latency)
         ids = torch.randint(0, 32, (8,), generator=torch.Generator().manual_seed(i))
         return {"input_ids": ids, "labels": ids.clone()}
@@ -75,7 +94,7 @@ class Stream(IterableDataset):
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         for i in range(self.n):
-            if self.latency:
+            if self.latency and not _timeless:
                 time.sleep(self.latency)
             yield item(i)
 
@@ -87,7 +106,7 @@ class ShardedStream(Stream):
         info = get_worker_info()
         indices = range(self.n) if info is None else range(info.id, self.n, info.num_workers)
         for i in indices:
-            if self.latency:
+            if self.latency and not _timeless:
                 time.sleep(self.latency)
             yield item(i)
 
@@ -391,7 +410,12 @@ def check_code(code: str, namespace: dict[str, Any], case: Case) -> CodeCheck:
     before and after: one seeded epoch, batch by batch (or as a multiset for ``case.unordered``)."""
     import ast
 
-    result = CodeCheck(executable=bool(ast.parse(code).body))
+    with timeless():
+        return _check_code(ast.parse(code), code, namespace, case)
+
+
+def _check_code(tree: Any, code: str, namespace: dict[str, Any], case: Case) -> CodeCheck:
+    result = CodeCheck(executable=bool(tree.body))
     loader, unordered = case.loader, case.unordered
     exec(case.compare_setup, namespace)
     before_loader = _seeded_eval(loader, namespace) if loader else None
