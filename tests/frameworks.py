@@ -37,7 +37,8 @@ _timeless = False
 
 @contextlib.contextmanager
 def timeless() -> Iterator[None]:
-    """Storage and decoding without their seconds meanwhile (workers forked meanwhile inherit it)."""
+    """Storage and decoding without their seconds meanwhile (workers forked meanwhile inherit it:
+    check_code ends the persistent workers of the loaders it read, so that none keeps it)."""
     global _timeless
     before, _timeless = _timeless, True
     try:
@@ -420,6 +421,8 @@ def _check_code(tree: Any, code: str, namespace: dict[str, Any], case: Case) -> 
     exec(case.compare_setup, namespace)
     before_loader = _seeded_eval(loader, namespace) if loader else None
     before = batches(before_loader) if before_loader is not None else None
+    if before_loader is not None:
+        end_workers(before_loader)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -434,6 +437,7 @@ def _check_code(tree: Any, code: str, namespace: dict[str, Any], case: Case) -> 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         after = batches(after_loader)
+    end_workers(after_loader)
     if unordered:
         result.same_samples = _sample_keys(before) == _sample_keys(after)
     else:
