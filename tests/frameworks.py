@@ -446,11 +446,14 @@ def _check_code(tree: Any, code: str, namespace: dict[str, Any], case: Case) -> 
 
 
 def end_workers(loader: Any) -> None:
-    """Shut a persistent-workers loader's worker processes down now, not at garbage collection."""
-    iterator = getattr(loader, "_iterator", None)
+    """Shut a persistent-workers loader's worker processes down now, not at garbage collection; the
+    next epoch starts new ones. An accelerate loader's are its ``base_dataloader``'s (which its
+    attributes forward to): that loader lets its iterator go."""
+    owner = getattr(loader, "base_dataloader", loader)
+    iterator = vars(owner).get("_iterator")
     if iterator is not None:
         iterator._shutdown_workers()
-        loader._iterator = None
+        owner._iterator = None
 
 
 def batch_size(batch: Any) -> int:
