@@ -406,17 +406,13 @@ class CodeCheck:
         return self.error is None and self.same_samples is not False
 
 
+@timeless()
 def check_code(code: str, namespace: dict[str, Any], case: Case) -> CodeCheck:
     """Execute ``code`` in ``namespace`` and compare the loader ``case.loader`` evaluates to,
     before and after: one seeded epoch, batch by batch (or as a multiset for ``case.unordered``)."""
     import ast
 
-    with timeless():
-        return _check_code(ast.parse(code), code, namespace, case)
-
-
-def _check_code(tree: Any, code: str, namespace: dict[str, Any], case: Case) -> CodeCheck:
-    result = CodeCheck(executable=bool(tree.body))
+    result = CodeCheck(executable=bool(ast.parse(code).body))
     loader, unordered = case.loader, case.unordered
     exec(case.compare_setup, namespace)
     before_loader = _seeded_eval(loader, namespace) if loader else None
