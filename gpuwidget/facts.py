@@ -242,6 +242,8 @@ class LoopWait(CodeSite, total=False):
     in_loader: float  # share of those samples inside a DataLoader's next() (0-1)
     in_model: float  # share of those samples inside torch's work (a model's forward between steps: 0-1)
     in_framework: float  # share of those samples in a training framework's code above it (Lightning's loop: 0-1)
+    step_ratio: float  # the loop step its samples fell in (their median) over the loop's median step: ~1 in
+    # every step, many times 1 where the wait is what makes some steps slow (a periodic evaluation)
     in_loop: bool  # the loop's own function (the one calling the model, backward, the optimizer) or one around it
     source: str | None  # the line's text, stripped
     called_from: CodeSite  # the outermost frame of the user's code: the cell's (or script's) line

@@ -302,6 +302,18 @@ def test_a_periodic_stalls_seconds_are_periodic_stalls_not_a_loop_wait(samples, 
     assert (loop_waits.RULE in found) is named
 
 
+@pytest.mark.parametrize(("step_ratio", "named"), [(0.08 / 0.02, False), (periodic_stall.OUTLIER_RATIO, False),
+                                                  (1.0, True)])
+def test_a_wait_seen_in_the_stalls_slow_steps_is_the_stalls_whatever_its_share(step_ratio, named):
+    """Ticks at a fixed rate beside a stall at a fixed period alias: a Lightning loop sampling every 10
+    steps (74% of its time) read 33 of 35 samples there in one run, more than the stall's seconds can
+    hold. Seen in the slow steps (their median is 4 usual steps here), the wait is the stall's; seen in
+    steps of the usual length, it also waits there (a fetch at every step) and is named."""
+    found = rules_of(stalled_facts({**CHECKPOINT, "samples": 80, "step_ratio": step_ratio}))
+    assert loop_waits.share_lower_bound(80, 200) * sum(STALLED) > periodic_stall.find(stalled_facts()).extra_s
+    assert "periodic-stall" in found and (loop_waits.RULE in found) is named
+
+
 def test_the_stall_holds_a_wait_by_seconds_when_the_samples_loop_leaves_a_stall_out():
     """A checkpoint after the last optimizer step lies in no optimizer step's span: the stack samples'
     loop is a stall shorter (4.0 s of the 5.2) than the steps periodic-stall reads, so the same wait

@@ -258,6 +258,54 @@ def test_waits_read_too_late_to_place_are_shared_out_among_the_waits_read_in_tim
     assert [(wait["function"], wait["samples"], wait["share"]) for wait in waits] == [("parked_here", 1, 1.0)]
 
 
+def test_a_tick_due_in_one_wait_and_read_in_a_later_one_is_not_placed_in_the_later_one():
+    """The GIL comes back where the loop next lets go of it, often a later wait's torch call (a
+    periodic evaluation's). Read there, the stack shows that wait, not the one the tick was due in."""
+    trace = Trace()
+    with parked_thread() as thread:
+        sampler = StackSampler(trace, thread.ident)
+        sampler.late_max_s = 60.0  # how late a read may come is not what this judges
+        first, due = trace.now(), now()
+        time.sleep(0.001)
+        first_end = trace.now()
+        time.sleep(0.001)  # the step's own work between the two waits
+        second = trace.now()
+        with tick_due_at(due):
+            sampler.tick()  # due in the first wait, read in the second
+        time.sleep(0.001)
+        end = trace.now()
+        trace.add_span(BETWEEN_STEPS_SPAN, first, first_end)
+        trace.add_span(BETWEEN_STEPS_SPAN, second, end)
+        trace.add_span(TRAIN_STEP_SPAN, first, end)
+        waits, stack = sampler.facts()
+    assert stack["loop_samples"] == 1 and stack["unplaced"] == 1 and waits == []
+
+
+def test_a_waits_step_ratio_says_whether_it_makes_some_steps_slow_or_is_in_every_step():
+    """A wait seen only in a slow step (a periodic evaluation) reads that step over the usual one; a
+    wait seen in every step reads about 1 (loop-waits leaves the first to periodic-stall)."""
+    trace = Trace()
+    with parked_thread() as thread:
+        stalled = StackSampler(trace, thread.ident)
+        start = trace.now()
+        sample_between(stalled, trace, (TRAIN_STEP_SPAN, BETWEEN_STEPS_SPAN))
+        slow_s = trace.now() - start
+        usual = trace.now()
+        for step in range(9):  # nine usual steps, 0.4 ms each, with no sample in them
+            trace.add_span(TRAIN_STEP_SPAN, usual + 4e-4 * step, usual + 4e-4 * (step + 1))
+        stalled.tick()
+        stalled_waits, _ = stalled.facts()
+
+        trace = Trace()
+        every = StackSampler(trace, thread.ident)
+        for _ in range(5):
+            sample_between(every, trace, (TRAIN_STEP_SPAN, BETWEEN_STEPS_SPAN))
+        every.tick()
+        every_waits, _ = every.facts()
+    assert stalled_waits[0]["step_ratio"] == pytest.approx(slow_s / 4e-4, rel=0.5) and slow_s / 4e-4 > 5
+    assert every_waits[0]["samples"] == 5 and every_waits[0]["step_ratio"] == pytest.approx(1.0, rel=0.5)
+
+
 def test_a_tick_read_long_after_it_was_due_counts_in_the_span_it_was_due_in_but_is_not_located():
     """Where the thread is when a tick is read long after it was due says nothing about where it was
     then. Left out, the ticks due while the loop held the GIL (its step) would be the ones missing,

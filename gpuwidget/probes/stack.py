@@ -80,6 +80,9 @@ MAX_DEPTH = 256
 OVERLAP_SCAN = 8
 # A tick read more than this many GIL switch intervals (5 ms by default) after it was due is not sampled.
 LATE_SWITCHES = 2
+# Durations kept of the loop's steps (for their median) and, per location, of the steps its waits fell in.
+STEP_DURATIONS = 4096
+WAIT_STEP_DURATIONS = 256
 # Functions reported in WorkloadFacts["loop_waits"], largest share first.
 LOOP_WAITS = 5
 # Host-to-device copy methods of a tensor.
@@ -194,6 +197,8 @@ class _Basis:
         self.inside: Counter[Location | None] = Counter()
         self.working: Counter[Location | None] = Counter()  # of the waits, those inside torch's work
         self.framework: Counter[Location | None] = Counter()  # of the waits, those in a framework's code above it
+        self.step_durations: deque[float] = deque(maxlen=STEP_DURATIONS)  # the loop's newest steps
+        self.wait_steps: dict[Location | None, deque[float]] = {}  # of the waits, the steps they fell in
         self.unplaced = 0  # of the waits, those read after their wait had ended: where, unknown
 
     def take(self, new: Mapping[str, Spans]) -> None:
@@ -208,13 +213,14 @@ class _Basis:
         waits = new.get(self.wait_kind)
         if waits is not None and len(waits[1]):
             self._mark(waits, 2)
-            self._mark(waits, 6, at=5)
+            self._mark(waits, 6, at=5, same=True)
         inside = new.get(self.inside_kind) if self.inside_kind is not None else None
         if inside is not None and len(inside[1]):
             self._mark(inside, 3)
         self.flush()
         if loop is not None and len(loop[1]):
             self.loop_spans += len(loop[1])
+            self.step_durations.extend((loop[1][-STEP_DURATIONS:] - loop[0][-STEP_DURATIONS:]).tolist())
             self._held = loop
 
     def loop_code(self) -> CodeType | None:
@@ -233,18 +239,28 @@ class _Basis:
         self.pending.append([t, location, False, False, off_step and self.inside_kind is not None,
                              t if read is None else read, False, caller, working, framework])
 
-    def _mark(self, spans: Spans, slot: int, at: int = 0) -> None:
-        """Mark ``slot`` of the pending samples whose time ``at`` (0: due, 5: read) falls in ``spans``."""
+    def _mark(self, spans: Spans, slot: int, at: int = 0, same: bool = False) -> None:
+        """Mark ``slot`` of the pending samples whose time ``at`` (0: due, 5: read) falls in ``spans``;
+        with ``same``, only where the span holding it began by the sample's due time: the one it was due in.
+
+        A read is late while the loop's Python holds the GIL, and comes where the loop next lets go of
+        it, which is often a later wait's torch call (an evaluation's, a checkpoint's). Read there but
+        due in an earlier, shorter wait (a framework's own work between two steps), the stack shows
+        the later wait: marked as read inside its wait, it would add to that wait's samples the time of
+        the waits before it."""
         # Wait spans do not nest: the first to end started first (the next few cover an overlap).
-        earliest = min(spans[0][:OVERLAP_SCAN].tolist())
+        starts = spans[0]
+        earliest = min(starts[:OVERLAP_SCAN].tolist())
         for sample in reversed(self.pending):  # newest first (due and read times both grow): the last few
             if sample[at] < earliest:
                 break
-            if not sample[slot] and _inside(spans, sample[at]):
-                sample[slot] = True
+            if not sample[slot]:
+                span = _containing(spans, sample[at])
+                if span is not None and (not same or starts[span] <= sample[0]):
+                    sample[slot] = True
 
     def _decide(self, spans: Spans) -> None:
-        ends = spans[1]
+        starts, ends = spans
         last_end = float(ends[-1])
         pending = self.pending
         decided = []
@@ -252,14 +268,14 @@ class _Basis:
             sample = pending.popleft()
             span = _containing(spans, sample[0])
             if span is not None:
-                decided.append((sample, float(ends[span])))
+                decided.append((sample, float(ends[span]), float(ends[span] - starts[span])))
                 if sample[7] is not None:
                     self.callers[sample[7]] += 1
         self.loop_samples += len(decided)
         # Once per call, from every sample it decides: a call decides a second of them (probes.FLUSH_EVERY_S),
         # and the first second's must not be judged before any caller of torch's work was seen.
         loop_code = self.loop_code()
-        for sample, span_end in decided:
+        for sample, span_end, step_s in decided:
             t, location, waiting, inside, off_step, read, read_waiting, caller, working, framework = sample
             # A wait inside the step only where the stack was read inside the same step and not between
             # steps: a read late for the GIL shows where the loop released it next, maybe the next fetch.
@@ -280,11 +296,10 @@ class _Basis:
                     self.working[location] += 1
                 if framework:
                     self.framework[location] += 1
-
-
-def _inside(spans: Spans, t: float) -> bool:
-    """``t`` falls in one of ``spans`` (ordered by end)."""
-    return _containing(spans, t) is not None
+                steps = self.wait_steps.get(location)
+                if steps is None:
+                    steps = self.wait_steps[location] = deque(maxlen=WAIT_STEP_DURATIONS)
+                steps.append(step_s)
 
 
 def _containing(spans: Spans, t: float) -> int | None:
@@ -474,17 +489,19 @@ class StackSampler:
                              "dropped": self.dropped, "unplaced": basis.unplaced}
         if not basis.loop_samples:
             return [], stack
-        # code -> [samples, inside, Counter(line), Counter(outer), in torch's work, in a framework's code]
+        # code -> [samples, inside, Counter(line), Counter(outer), in torch's work, in a framework's code,
+        #          the steps its samples fell in]
         by_code: dict[CodeType, list[Any]] = {}
         for location, count in basis.waits.items():
             if location is None:
                 continue
             code, line, outer_code, outer_line = location
-            entry = by_code.setdefault(code, [0, 0, Counter(), Counter(), 0, 0])
+            entry = by_code.setdefault(code, [0, 0, Counter(), Counter(), 0, 0, []])
             entry[0] += count
             entry[1] += basis.inside.get(location, 0)
             entry[4] += basis.working.get(location, 0)
             entry[5] += basis.framework.get(location, 0)
+            entry[6].extend(basis.wait_steps.get(location, ()))
             entry[2][line] += count
             entry[3][(outer_code, outer_line)] += count
         # A wait read after it had ended is timed (its tick was due inside it) but not placed: the waits
@@ -495,8 +512,9 @@ class StackSampler:
         names = namespace or {}
         loop_code = basis.loop_code() if basis is self.optimizer else None
         holding_the_loop = self._callers_outside.get(loop_code, set()) if loop_code is not None else set()
+        median_step = float(np.median(basis.step_durations)) if basis.step_durations else 0.0
         waits: list[LoopWait] = []
-        for code, (count, inside, lines, outers, working, framework) in ranked:
+        for code, (count, inside, lines, outers, working, framework, steps) in ranked:
             line = lines.most_common(1)[0][0]
             outer_code, outer_line = outers.most_common(1)[0][0]
             share = count / placed_share / basis.loop_samples
@@ -508,6 +526,9 @@ class StackSampler:
                               "in_model": working / count,
                               # In a framework's code the user's line called (Lightning's loop under fit()).
                               "in_framework": framework / count,
+                              # The steps it was seen in, against the loop's usual step: a wait that makes
+                              # some steps slow (a periodic evaluation) reads many times 1, one in every step ~1.
+                              "step_ratio": float(np.median(steps)) / median_step if steps and median_step > 0 else 1.0,
                               "in_loop": code is loop_code or code in holding_the_loop,
                               "source": _line_text(code.co_filename, line),
                               "called_from": code_site(outer_code, outer_line),
