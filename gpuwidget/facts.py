@@ -100,7 +100,8 @@ class LoaderFacts(TypedDict, total=False):
     epochs: int  # times the loader was iterated
     steps: int  # batches taken
     samples: int  # sum of each batch's first dimension
-    wait_total_s: float  # seconds blocked in next()
+    wait_total_s: float  # seconds blocked in next(), less Python's garbage collections in it (gc_wait_s)
+    gc_wait_s: float  # seconds of Python's garbage collections inside next(), counted as the loop's own time
     compute_total_s: float  # seconds between next() calls (the loop's own work)
     loop_time_s: float  # wait_total_s + compute_total_s
     wait_cpu_ratio: float | None  # CPU seconds of the looping thread per wall second while blocked in next()

@@ -112,12 +112,16 @@ def environ_now() -> dict[str, str]:
 @pytest.fixture(autouse=True)
 def nothing_left_behind() -> Iterator[None]:
     """Every test starts with no run in the session's history and must end with no sampler thread,
-    no active watch, pynvml's own functions and the environment it started with (autouse, so set up
-    before and torn down after every other fixture of the test: what is left here was leaked)."""
+    no active watch, no garbage collector callback of gpuwidget's, pynvml's own functions and the
+    environment it started with (autouse, so set up before and torn down after every other fixture
+    of the test: what is left here was leaked)."""
     session._last_run = None
     session._runs_by_source.clear()
     environ = {key: value for key, value in environ_now().items() if key != PYTEST_VARIABLE}
     yield
+    collecting = [callback for callback in gc.callbacks if getattr(callback, "__module__", "").startswith("gpuwidget")]
+    for callback in collecting:  # taken out, so one leak fails one test, not every test after it
+        gc.callbacks.remove(callback)
     leftover = sampler_threads()
     for thread in leftover:
         thread.join(2.0)
@@ -135,6 +139,7 @@ def nothing_left_behind() -> Iterator[None]:
     assert not [t for t in leftover if t.is_alive()], "a sampler thread outlived its watch"
     assert session._active is None, "a watch is still marked active"
     assert not patched, f"pynvml functions left patched: {patched}"
+    assert not collecting, f"garbage collector callbacks left installed: {collecting}"
     assert not changed, f"environment variables left changed: {changed}"
 
 

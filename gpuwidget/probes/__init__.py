@@ -160,6 +160,7 @@ class Probes:
                                      (_BaseDataLoaderIter, "__next__", "next")):
                 if owner.__dict__.get(name) is data._wrappers[key]:
                     setattr(owner, name, data._originals[key])
+            data.gc.uninstall()
             data.installed = False
         if model is not None:
             with contextlib.suppress(Exception):  # removing a hook handle takes no lock

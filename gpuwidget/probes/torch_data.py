@@ -66,6 +66,7 @@ from gpuwidget.facts import CodeSite, LoaderChange, LoaderFacts, LoaderSettings
 from gpuwidget.probes import DATA_WAIT_SPAN, STEP_SPAN
 from gpuwidget.probes import origin as origins
 from gpuwidget.probes.constructor import constructor_facts
+from gpuwidget.probes.gc_pauses import GcPauses
 from gpuwidget.sources.schedstat import thread_run_delay
 from gpuwidget.trace import Trace
 
@@ -114,6 +115,7 @@ class LoaderStats:
         self.steps = 0
         self.samples = 0
         self.wait_total = 0.0
+        self.gc_wait = 0.0  # seconds of Python's garbage collections inside its waits, taken out of them
         self.wait_cpu_total = 0.0  # CPU seconds of the looping thread during the sampled waits (its CPU clock)
         self.wait_delay_total: float | None = 0.0  # its run delay then (None: no schedstat here)
         self.wait_sampled = 0.0  # wall seconds of the sampled waits
@@ -173,6 +175,7 @@ class LoaderStats:
             "steps": self.steps,
             "samples": self.samples,
             "wait_total_s": self.wait_total,
+            "gc_wait_s": self.gc_wait,
             "compute_total_s": self.compute_total,
             "loop_time_s": loop_time,
             # CPU time of the thread blocked in next(): ~1 when it builds batches itself
@@ -335,6 +338,8 @@ class DataLoaderProbe:
         self._flush_lock = threading.Lock()  # the sampler thread's ticks, and uninstall on the cell's
         # The loader whose next() returned last: an optimizer step that follows is fed by it.
         self.last: LoaderStats | None = None
+        # Python's garbage collections: their time inside a next() is the program's, not the loader's.
+        self.gc = GcPauses()
 
     # ---------------------------------------------------------------- patching
 
@@ -463,6 +468,7 @@ class DataLoaderProbe:
         DataLoader.__init__ = __init__  # type: ignore[method-assign,assignment]
         DataLoader.__iter__ = __iter__  # type: ignore[method-assign]
         _BaseDataLoaderIter.__next__ = __next__  # type: ignore[method-assign,assignment]
+        self.gc.install()
         self.installed = True
 
     def uninstall(self) -> None:
@@ -471,6 +477,8 @@ class DataLoaderProbe:
             return
         from torch.utils.data import DataLoader
         from torch.utils.data.dataloader import _BaseDataLoaderIter
+
+        self.gc.uninstall()
 
         if DataLoader.__dict__.get("__init__") is self._wrappers["init"]:
             DataLoader.__init__ = self._originals["init"]  # type: ignore[method-assign]
@@ -496,6 +504,7 @@ class DataLoaderProbe:
             chunk = records[:count]
             del records[:count]  # records put in meanwhile stay, whole, for the next flush
             rows = np.array(chunk, dtype=np.float64).reshape(-1, RECORD)
+            self._without_collections(rows)
             origin = self.trace.start_clock
             steps, waits = _Spans(), _Spans()
             slots = rows[:, 0]
@@ -508,6 +517,21 @@ class DataLoaderProbe:
                     self.stats[int(slot)].take(rows[at], at, origin, steps, waits)
             steps.into(self.trace, STEP_SPAN)
             waits.into(self.trace, DATA_WAIT_SPAN)
+
+    def _without_collections(self, rows: np.ndarray) -> None:
+        """End each wait earlier by the garbage collections inside it (gc_pauses): the loop then waited
+        for its data for the rest, and the collection's time counts as the step's own, as it would have
+        had the collection fallen due outside ``next()``."""
+        ends = rows[:, 2]
+        timed = ends >= 0  # not the records of an epoch's end or an iterator's start
+        covered = self.gc.overlap(rows[timed, 1], ends[timed])
+        if covered is None:
+            return
+        rows[timed, 2] -= covered
+        slots = rows[timed, 0].astype(np.int64)
+        for slot, seconds in enumerate(np.bincount(slots, weights=covered).tolist()):
+            if seconds and slot < len(self.stats):
+                self.stats[slot].gc_wait += seconds
 
     def finish(self, end: float) -> None:
         """Close each loader's step that was still open when the watch ended (a loop left by
