@@ -375,6 +375,15 @@ class WorkloadFacts(TypedDict, total=False):
     # Where the loop waited between steps, largest share first (probes.stack), and the sampler behind it.
     loop_waits: list[LoopWait]
     stack_samples: StackFacts
+    gc: GcFacts  # Python's garbage collections while the DataLoader probe was installed (probes.gc_pauses)
+
+
+class GcFacts(TypedDict, total=False):
+    """Python's garbage collections during a watch (``probes.gc_pauses``)."""
+
+    collections: int
+    seconds: float  # all of them
+    longest_s: float  # the longest one
 
 
 # --------------------------------------------------------------------------- machine

@@ -99,6 +99,7 @@ def test_a_collection_inside_next_is_the_loops_own_time_not_a_starved_loader():
     assert max(facts["wait_times"]) < PAUSE_S / 2  # the batch the collection fell in waited no longer
     assert sum(facts["step_times"]) == pytest.approx(facts["loop_time_s"], rel=0.05)  # the steps kept their time
     assert "dataloader-starved" not in [finding.rule for finding in run.findings]
+    assert run.workload["gc"]["collections"] >= 1 and run.workload["gc"]["longest_s"] >= PAUSE_S
     assert all(callback.__qualname__ != GcPauses._on_collection.__qualname__ for callback in gc.callbacks)
 
 

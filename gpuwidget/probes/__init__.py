@@ -231,6 +231,8 @@ class Probes:
                 facts[key] = read(probe)  # type: ignore[literal-required]
             except Exception as exc:  # noqa: BLE001
                 self.errors.append(f"{key} facts unavailable ({type(probe).__name__}): {exc!r}")
+        if self._data is not None:
+            facts["gc"] = self._data.gc.facts()
         if self._stack is not None:
             try:
                 facts["loop_waits"], facts["stack_samples"] = self._stack.facts(namespace)

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from gpuwidget.clock import now
+from gpuwidget.facts import GcFacts
 
 # Collections shorter than this (the young generations' usual ones) are counted, not kept one by one.
 MIN_PAUSE_S = 0.001
@@ -36,6 +37,7 @@ class GcPauses:
     def __init__(self, clock: Callable[[], float] = now) -> None:
         self.collections = 0
         self.seconds = 0.0
+        self.longest = 0.0
         self.pauses: list[tuple[float, float]] = []  # (start, end), in the order they ran
         self._clock = clock
         self._started: float | None = None
@@ -60,8 +62,13 @@ class GcPauses:
         ended = self._clock()
         self.collections += 1
         self.seconds += ended - started
+        self.longest = max(self.longest, ended - started)
         if ended - started >= MIN_PAUSE_S:
             self.pauses.append((started, ended))
+
+    def facts(self) -> GcFacts:
+        """``WorkloadFacts["gc"]``: the collections while the probes were installed."""
+        return {"collections": self.collections, "seconds": self.seconds, "longest_s": self.longest}
 
     def overlap(self, starts: np.ndarray, ends: np.ndarray) -> np.ndarray | None:
         """Seconds of each interval ``[starts[i], ends[i]]`` that the kept pauses cover; None where no
