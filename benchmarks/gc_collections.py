@@ -65,7 +65,8 @@ def loop_collections(rounds: int, steps: int) -> dict[str, list[dict[str, Any]]]
                 gc.callbacks.remove(counter)
                 if watch is not None:
                     watch.__exit__(None, None, None)
-            results[arm].append({"us_per_step": 1e6 * wall / steps, "per_1000": [1000 * n / steps for n in counter.count],
+            results[arm].append({"us_per_step": 1e6 * wall / steps,
+                                 "per_1000": [1000 * n / steps for n in counter.count],
                                  "ms": [1e3 * s for s in counter.seconds]})
     return results
 

@@ -5,6 +5,7 @@ gc.callbacks, and taken out of the DataLoader waits they fell in, so that a coll
 from __future__ import annotations
 
 import gc
+import os
 import time
 
 import numpy as np
@@ -52,6 +53,29 @@ def test_a_collection_is_counted_and_a_long_one_kept_with_its_times_until_uninst
     gc.collect()
     assert pauses.collections == counted  # nothing recorded once uninstalled
     pauses.uninstall()  # twice is harmless
+
+
+def test_a_forked_process_records_nothing_of_its_own_collections():
+    """A DataLoader's workers are forked with the watched process's callbacks: their collections are
+    theirs, and the watched process's figures are not moved by them."""
+    pauses = GcPauses()
+    pauses.install()
+    try:
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: collect slowly, report what its copy recorded, leave at once
+            try:
+                collect_slowly()
+                os.write(write, str(pauses.collections).encode())
+            finally:
+                os._exit(0)
+        os.close(write)
+        child_counted = int(os.read(read, 64) or b"-1")
+        os.close(read)
+        os.waitpid(pid, 0)
+    finally:
+        pauses.uninstall()
+    assert child_counted == 0 and pauses.longest < PAUSE_S  # (the parent may have made quick ones meanwhile)
 
 
 def test_the_overlap_is_what_the_pauses_cover_of_each_interval_and_stale_pauses_go():

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -41,8 +42,10 @@ class GcPauses:
         self.pauses: list[tuple[float, float]] = []  # (start, end), in the order they ran
         self._clock = clock
         self._started: float | None = None
+        self._pid = os.getpid()
 
     def install(self) -> None:
+        self._pid = os.getpid()
         if self._on_collection not in gc.callbacks:
             gc.callbacks.append(self._on_collection)
 
@@ -53,6 +56,8 @@ class GcPauses:
         self._started = None
 
     def _on_collection(self, phase: str, _info: dict[str, Any]) -> None:
+        if os.getpid() != self._pid:
+            return  # a process forked from the watched one (a DataLoader's worker) keeps the callback: not its figures
         if phase == "start":
             self._started = self._clock()
             return
