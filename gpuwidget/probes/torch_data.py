@@ -522,6 +522,8 @@ class DataLoaderProbe:
         """End each wait earlier by the garbage collections inside it (gc_pauses): the loop then waited
         for its data for the rest, and the collection's time counts as the step's own, as it would have
         had the collection fallen due outside ``next()``."""
+        if not self.gc.pauses:  # the usual flush: no collection of a millisecond or more is kept
+            return
         ends = rows[:, 2]
         timed = ends >= 0  # not the records of an epoch's end or an iterator's start
         covered = self.gc.overlap(rows[timed, 1], ends[timed])
