@@ -71,24 +71,26 @@ def loop_collections(rounds: int, steps: int) -> dict[str, list[dict[str, Any]]]
     return results
 
 
-def full_collection_ms(repeats: int) -> dict[str, float]:
-    for name in HEAVY_MODULES:
-        importlib.import_module(name)
-    gc.collect()
-    objects = len(gc.get_objects())
+def collect_ms(repeats: int) -> float:
+    """The median of ``repeats`` full collections, milliseconds."""
     timed = []
     for _ in range(repeats):
         started = time.perf_counter()
         gc.collect()
         timed.append(1e3 * (time.perf_counter() - started))
+    return median(timed)
+
+
+def full_collection_ms(repeats: int) -> dict[str, float]:
+    for name in HEAVY_MODULES:
+        importlib.import_module(name)
+    gc.collect()
+    objects = len(gc.get_objects())
+    full = collect_ms(repeats)
     gc.freeze()
-    frozen = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        gc.collect()
-        frozen.append(1e3 * (time.perf_counter() - started))
+    frozen = collect_ms(repeats)
     gc.unfreeze()
-    return {"objects": objects, "full_ms": median(timed), "frozen_ms": median(frozen)}
+    return {"objects": objects, "full_ms": full, "frozen_ms": frozen}
 
 
 def main() -> None:
