@@ -80,8 +80,7 @@ MAX_DEPTH = 256
 OVERLAP_SCAN = 8
 # A tick read more than this many GIL switch intervals (5 ms by default) after it was due is not sampled.
 LATE_SWITCHES = 2
-# Durations kept of the loop's steps (for their median) and, per location, of the steps its waits fell in.
-STEP_DURATIONS = 4096
+# Durations kept, per location, of the loop steps its waits fell in (the newest).
 WAIT_STEP_DURATIONS = 256
 # Functions reported in WorkloadFacts["loop_waits"], largest share first.
 LOOP_WAITS = 5
@@ -197,7 +196,6 @@ class _Basis:
         self.inside: Counter[Location | None] = Counter()
         self.working: Counter[Location | None] = Counter()  # of the waits, those inside torch's work
         self.framework: Counter[Location | None] = Counter()  # of the waits, those in a framework's code above it
-        self.step_durations: deque[float] = deque(maxlen=STEP_DURATIONS)  # the loop's newest steps
         self.wait_steps: dict[Location | None, deque[float]] = {}  # of the waits, the steps they fell in
         self.unplaced = 0  # of the waits, those read after their wait had ended: where, unknown
 
@@ -220,7 +218,6 @@ class _Basis:
         self.flush()
         if loop is not None and len(loop[1]):
             self.loop_spans += len(loop[1])
-            self.step_durations.extend((loop[1][-STEP_DURATIONS:] - loop[0][-STEP_DURATIONS:]).tolist())
             self._held = loop
 
     def loop_code(self) -> CodeType | None:
@@ -512,7 +509,7 @@ class StackSampler:
         names = namespace or {}
         loop_code = basis.loop_code() if basis is self.optimizer else None
         holding_the_loop = self._callers_outside.get(loop_code, set()) if loop_code is not None else set()
-        median_step = float(np.median(basis.step_durations)) if basis.step_durations else 0.0
+        median_step = self._median_step(basis.loop_kind)
         waits: list[LoopWait] = []
         for code, (count, inside, lines, outers, working, framework, steps) in ranked:
             line = lines.most_common(1)[0][0]
@@ -536,6 +533,12 @@ class StackSampler:
                               "copy": host_copy(code.co_filename, line, names)}
             waits.append(wait)
         return waits, stack
+
+    def _median_step(self, kind: str) -> float:
+        """The median of this process's loop steps the Trace keeps (seconds; 0.0 without any)."""
+        starts, ends, attrs, _ = self.trace.span_arrays_since(kind, 0)
+        starts, ends = _without_children(starts, ends, attrs)
+        return float(np.median(ends - starts)) if len(ends) else 0.0
 
 
 # --------------------------------------------------------------------------- in the user's terms
