@@ -446,7 +446,9 @@ class Monitor:
         if last is None:
             return {"t": None, "values": {}}
         t, values = last
-        return {"t": round(self.trace.start_wall + t, 3), "values": {k: finite_or_none(v) for k, v in values.items()}}
+        # Rounded as the history's times are (np.round), so a row sent live and again in a history reads the same.
+        return {"t": float(np.round(self.trace.start_wall + t, 3)),
+                "values": {k: finite_or_none(v) for k, v in values.items()}}
 
     def hello_text(self) -> str:
         """The hello message; encoded once while no source has stalled (then it carries a clock)."""
