@@ -11,6 +11,9 @@ GIL, or a sleep) are read, per step, against the bare loop's in the same rounds:
 * ``watch, reader process``: the same with ``GPUWIDGET_READER=process``; ``watch, as in a long cell``:
   the same with its loader's sampled waits already enough, as a cell is past its first seconds of
   training (the sampled next() calls then spaced: torch_data.sample_stride);
+* ``watch without its probes`` (the sampler thread, its sources and the stack sampler), ``... without
+  its stack sampler``, ``... without the prompt GIL`` (the switch interval never lowered before a tick):
+  what each part of the watch costs, by difference with ``watch``;
 * ``probes``: the DataLoader and step probes alone (no sampler thread, no watch), past their first
   steps and flushes; ``DataLoader probe``, ``... its waits sampled enough`` (as after a long run's
   first seconds: its sampled next() calls spaced, torch_data.sample_stride), ``... never sampled`` (no
@@ -79,6 +82,33 @@ def arms(run: Callable[[int], Any], settle: int) -> dict[str, Arm]:
                 os.environ.pop("GPUWIDGET_READER", None)
             else:
                 os.environ["GPUWIDGET_READER"] = saved
+
+    @contextlib.contextmanager
+    def watch_without(part: str) -> Iterator[None]:
+        """A watch with one of its parts left out: ``probes`` (no DataLoader, step or model probe: the
+        sampler thread, its sources and the stack sampler only), ``stack`` (no stack sampler), ``prompt``
+        (the stack sample's prompt GIL off: the switch interval never lowered)."""
+        import gpuwidget.probes as probes_module
+        import gpuwidget.sampler as sampler_module
+
+        saved_init, saved_stack = probes_module.Probes.__init__, probes_module._stack_sampler
+        saved_switch = sampler_module.PROMPT_SWITCH_S
+        if part == "probes":
+            def closed(self: Any, trace: Trace) -> None:
+                saved_init(self, trace)
+                self._closed = True
+            probes_module.Probes.__init__ = closed  # type: ignore[method-assign]
+        elif part == "stack":
+            probes_module._stack_sampler = lambda trace: None
+        elif part == "prompt":
+            sampler_module.PROMPT_SWITCH_S = 1.0  # above any switch interval: never lowered
+        try:
+            with watch():
+                yield
+        finally:
+            probes_module.Probes.__init__ = saved_init  # type: ignore[method-assign]
+            probes_module._stack_sampler = saved_stack
+            sampler_module.PROMPT_SWITCH_S = saved_switch
 
     @contextlib.contextmanager
     def probes(data_on: bool = True, steps_on: bool = True, sampled: bool = True,
@@ -161,6 +191,9 @@ def arms(run: Callable[[int], Any], settle: int) -> dict[str, Arm]:
         "bare": contextlib.nullcontext,
         "watch": watch,
         "watch, reader process": lambda: watch("process"),
+        "watch without its probes": lambda: watch_without("probes"),
+        "watch without its stack sampler": lambda: watch_without("stack"),
+        "watch without the prompt GIL": lambda: watch_without("prompt"),
         "watch, as in a long cell (its loader's waits sampled enough)": lambda: watch(enough=True),
         "probes (DataLoader + step)": probes,
         "DataLoader probe": lambda: probes(steps_on=False),
@@ -238,14 +271,17 @@ def main() -> None:
         figures = [median([b[i] for b in blocks[name]]) for i in range(4)]
         cpu = figures[1] + figures[2]
         extra = cpu - (bare[1] + bare[2])
+        extra_wall = figures[0] - bare[0]
         results[name] = {"wall_us": figures[0], "user_us": figures[1], "system_us": figures[2],
                          "voluntary_switches_per_1000_steps": figures[3], "extra_cpu_us": extra,
+                         "extra_wall_us": extra_wall,
                          "blocks": blocks[name]}
         rows.append((name, figures[0], figures[1], figures[2], figures[3],
-                     "-" if name == "bare" else f"{extra:+.1f} us ({100 * extra / (bare[1] + bare[2]):+.1f} %)"))
+                     "-" if name == "bare" else f"{extra:+.1f} us ({100 * extra / (bare[1] + bare[2]):+.1f} %)",
+                     "-" if name == "bare" else f"{extra_wall:+.1f} us ({100 * extra_wall / bare[0]:+.1f} %)"))
     print(f"\n  {rounds} rounds of {steps} steps an arm (medians); the loop thread's own CPU a step")
     table(["arm", "wall us a step", "user us", "system us", "voluntary switches / 1000 steps",
-           "CPU beyond the bare loop's"], rows)
+           "CPU beyond the bare loop's", "wall beyond the bare loop's"], rows)
     early = report_first_steps(run, 1 if args.quick else args.first_rounds)
     write_json(args.json, {"machine": info, "rounds": rounds, "steps": steps, "arms": results, "first_steps_us": early})
 
