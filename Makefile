@@ -14,6 +14,7 @@ VBIN := $(CURDIR)/$(VENV)/bin
 # Exact pin: here it is a CPU build on local disk; an unpinned torch pulls a multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
+PYC_STAMP := $(VENV)/.compiled
 LABEXT := gpuwidget/labextension/package.json
 # The lab extension's folder is named after its npm package (package.json "name").
 LABEXT_LINK := $(VENV)/share/jupyter/labextensions/jupyterlab-gpuwidget
@@ -26,7 +27,7 @@ NOTEBOOK_DIR := $(if $(wildcard notebooks),notebooks/,.)
 
 .PHONY: install lab test bench lint clean distclean chromium prometheus demo
 
-install: $(STAMP) $(LABEXT)
+install: $(STAMP) $(PYC_STAMP) $(LABEXT)
 
 # The venv, torch, gpuwidget (editable, with test extras) and the lab extension.
 # `pip install -e` runs the hatch build hook, which runs `jlpm install` and `jlpm build`;
@@ -38,8 +39,7 @@ install: $(STAMP) $(LABEXT)
 $(STAMP): pyproject.toml package.json yarn.lock gpuwidget/children/_boot.py gpuwidget/children/gpuwidget_children.pth
 	test -x $(VPY) || $(PYTHON) -m venv $(VENV)
 	$(VPY) -m pip install --upgrade pip
-	@# --no-compile: byte-compiling all 14,000 modules of the venv is 38 s of CPU here, most of them
-	@# never imported by the tests; Python compiles (and caches) the ones imported, when imported.
+	@# --no-compile: pip byte-compiles one file at a time; $(PYC_STAMP) does it on every core
 	$(VPY) -m pip install --no-compile "$(TORCH_SPEC)"
 	@# a link left by `jupyter-builder develop` would make pip write through it into the source tree
 	for link in $(LABEXT_LINK) $(OLD_LABEXT_LINK); do if [ -L $$link ]; then rm $$link; fi; done
@@ -50,6 +50,16 @@ $(STAMP): pyproject.toml package.json yarn.lock gpuwidget/children/_boot.py gpuw
 	PATH="$(VBIN):$$PATH" $(VENV)/bin/jupyter-builder develop --overwrite . || { \
 	  echo "make: linking the lab extension failed; gpuwidget/__init__.py must re-export" >&2; \
 	  echo "      _jupyter_labextension_paths (from gpuwidget._labext)." >&2; exit 1; }
+	touch $@
+
+# Every module of the venv byte-compiled once, on every core (about 17 s here). Python caches what it
+# compiles on import only where it may write: with PYTHONDONTWRITEBYTECODE set (as on this project's
+# machines and many CI images) nothing is ever cached, and every process compiled torch, sympy and the
+# rest from source again: `import torch, torch._dynamo` 6.6 s of CPU, 2.9 s compiled (BENCHMARKS.md
+# section 18). Some packages ship files for a newer Python (torch's py312_intrinsics.py), which
+# cannot compile here and are never imported on it: compileall's failures are not the install's.
+$(PYC_STAMP): $(STAMP)
+	$(VPY) -c 'import compileall, sysconfig; compileall.compile_dir(sysconfig.get_paths()["purelib"], quiet=2, workers=0)'
 	touch $@
 
 # TypeScript, CSS or JS dependencies changed since the last build (or `make clean` removed it).
@@ -71,6 +81,8 @@ lab: install
 PYTEST_WORKERS ?= auto
 test: install chromium prometheus
 	PATH="$(VBIN):$$PATH" jlpm test
+	@# the project's own modules compiled once for every process the tests start (the venv's: $(PYC_STAMP))
+	$(VPY) -m compileall -q -j 0 gpuwidget tests benchmarks > /dev/null
 	$(VPY) -m pytest -m "not serial" -n $(PYTEST_WORKERS) --durations=10 --junitxml=test-results/pytest-parallel.xml
 	$(VPY) -m pytest -m serial --durations=40 --junitxml=test-results/pytest-serial.xml
 
