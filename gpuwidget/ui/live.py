@@ -87,9 +87,27 @@ RANKS_INTERVAL_S = 1.0
 # document, and the plot gets the theme's colours, read once from JupyterLab's CSS variables
 # (a canvas cannot follow them). Sent with every BokehJS loader, so kept short (spaces next to
 # punctuation dropped: none of its strings has one).
+#
+# And BokehJS's message receiver finds the start of the next message again where it lost it. Each
+# push reaches the page as several widget messages (a patch's header, metadata and content, then a
+# header and a payload per array), which jupyter_bokeh's view drops until it has drawn the plot and
+# then hands one by one to a receiver that takes the first one it gets for a header. A plot drawn
+# while a push was arriving took that push's metadata for a header, and every message after it for
+# the part before: it never showed a point (fresh-check run 87, beside a CPU-bound neighbour). Now a
+# fragment that is no message header (it names no msgtype) is passed over where a header is due.
 CLIENT_JS = re.sub(r"\s*([-+{}()\[\];,=:|&!?<>])\s*", r"\1", """(function () {
   var B = window.Bokeh;
   if (!B || !B.require) { return; }
+  var R = B.require("protocol/receiver").Receiver.prototype;
+  if (!R.gpuwidget) {
+    var header = R._HEADER;
+    R.gpuwidget = true;
+    R._HEADER = function (fragment) {
+      var parsed = null;
+      if (typeof fragment === "string") { try { parsed = JSON.parse(fragment); } catch (e) {} }
+      if (parsed && typeof parsed.msgtype === "string") { return header.call(this, fragment); }
+    };
+  }
   var D = B.require("document").Document.prototype;
   if (D.gpuwidget) { return; }
   var add = D.on_change;

@@ -176,6 +176,33 @@ def test_three_watched_cells_keep_the_kernel_busy_and_leave_no_stderr_or_comm_er
     assert page.evaluate("window.gpuwidgetSent") == []
 
 
+def test_a_plot_drawn_while_a_push_arrives_goes_on_showing_the_pushes_after_it(lab, page):
+    # Each push is several widget messages; a page that draws the plot in the middle of one hands the
+    # plot's receiver the rest of it first (fresh-check run 87: an empty plot for 60 s while its header
+    # went on counting). The cell sends such a rest once the plot is drawn: the pushes after it must show.
+    for name in ("plot-drawn", "cut-short-sent", "plot-grew"):
+        (lab.root / name).unlink(missing_ok=True)
+    page_errors: list[str] = []
+    page.on("pageerror", lambda error: page_errors.append(str(error)))
+    open_notebook(page, lab, "watch_cut_short.ipynb", reset=True)
+    try:
+        run_all_cells(page)
+        wait_for(lambda: page.evaluate(X_RANGE_JS), 60, "no live plot appeared", page)
+        (lab.root / "plot-drawn").touch()
+        wait_for(lambda: (lab.root / "cut-short-sent").exists(), 60, "the cell sent no cut-short push", page)
+        page.wait_for_timeout(1000)  # what was sent before it has landed
+        cut = page.evaluate(POINTS_JS)
+        # 10 samples a second, pushed at least once a second: 5 more points within a few seconds.
+        wait_for(lambda: page.evaluate(POINTS_JS) >= cut + 5, 30,
+                 f"the plot stopped at {cut} points after a push cut short", page)
+        assert cell_is_running(page)
+    finally:
+        (lab.root / "plot-drawn").touch()
+        (lab.root / "plot-grew").touch()  # a failed check leaves no busy kernel behind
+    page.wait_for_selector(".gpuwidget-run[data-outcome='ok']", timeout=60_000)
+    assert not page_errors, page_errors
+
+
 def test_live_plot_follows_the_dark_theme(lab, page):
     from PIL import Image, ImageStat
 
