@@ -2,7 +2,8 @@
 
 The wall-clock ratio (overhead.py) says how much slower a watched loop runs; this says where the time
 goes. Each arm wraps ``--steps`` steps of issue 23's 0.3 ms loop (benchmarks/_loops.py), the arms in
-rotating order, ``--rounds`` times, all in one process. For each block the loop thread's own user and
+a new random order each round (so no arm always follows the same other), ``--rounds`` times, all in one
+process, a full collection before each block. For each block the loop thread's own user and
 system CPU (``getrusage(RUSAGE_THREAD)``) and its voluntary context switches (each one a wait for the
 GIL, or a sleep) are read, per step, against the bare loop's in the same rounds:
 
@@ -37,7 +38,9 @@ steps run with torch's global module hooks until the step probe has read what th
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
+import random
 import resource
 import threading
 import time
@@ -255,8 +258,14 @@ def main() -> None:
         raise SystemExit(f"no arm {sorted(unknown)}; the arms: {list(table_arms)}")
     names = ["bare", *(name for name in table_arms if name != "bare" and (not args.arm or name in args.arm))]
     blocks: dict[str, list[tuple[float, float, float, float]]] = {name: [] for name in names}
-    for round_ in range(rounds):
-        for name in names[round_ % len(names):] + names[:round_ % len(names)]:
+    shuffle = random.Random(23)
+    for _ in range(rounds):
+        # A new order each round: rotating one order gave every arm the same predecessor in every round,
+        # so what one arm leaves behind (its garbage, its threads' last wakes) fell on the same other arm.
+        order = names[:]
+        shuffle.shuffle(order)
+        for name in order:
+            gc.collect()
             with table_arms[name]():
                 user, system, switches = thread_usage()
                 started = time.perf_counter()
