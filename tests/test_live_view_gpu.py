@@ -68,3 +68,41 @@ def test_the_plot_is_sent_every_tick_in_its_first_seconds_then_once_a_second(mon
     finally:
         monkeypatch.undo()
         view.close()
+
+
+def test_after_its_first_seconds_the_plot_gets_the_whole_run_again_every_resync_time(monkeypatch):
+    """A page that drew the plot after the first seconds' whole pushes (or lost a push) has only what was
+    streamed after: every RESYNC_EVERY_S a push sends the whole run from its first sample again."""
+    from bokeh.models import ColumnDataSource
+
+    from gpuwidget.ui import live
+
+    clock = [100.0]
+    monkeypatch.setattr(live, "now", lambda: clock[0])
+    trace = Trace(start_clock=0.0)
+    view = LiveView(trace, MACHINE, label="In [2]")
+    streamed: list[int] = []  # rows per push that streamed (Bokeh's models take no attribute of ours)
+    stream = ColumnDataSource.stream
+
+    def spy(source: ColumnDataSource, data: dict, *args: object) -> None:
+        if source is view.source:
+            streamed.append(len(data["t"]))
+        stream(source, data, *args)
+
+    monkeypatch.setattr(ColumnDataSource, "stream", spy)
+    whole: list[float] = []  # the first time of each whole push
+    try:
+        for tick in range(120):  # 30 s of ticks at the default 0.25 s, a row each
+            trace.append(tick * 0.25, {"cpu.util": 30.0, "proc.cpu": 99.0})
+            before = len(streamed)
+            view.on_tick(trace)
+            if len(streamed) == before and view._last_push == clock[0]:
+                whole.append(float(view.source.data["t"][0]))
+                assert len(view.source.data["t"]) == tick + 1  # every row so far (under MAX_POINTS)
+            clock[0] += 0.25
+        resyncs = whole[12:]  # past the first seconds' pushes at every tick
+        assert len(resyncs) == 2 and set(resyncs) == {0.0}, whole
+        assert len(streamed) >= 15 and max(streamed) <= 5  # between them, only the new rows
+    finally:
+        monkeypatch.undo()
+        view.close()

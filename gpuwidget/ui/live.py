@@ -74,6 +74,11 @@ INITIAL_SPAN_S = 10.0
 # whole run so far is sent each push (a few dozen rows), so the plot starts at 0 s wherever it
 # was built.
 RESEND_WHOLE_S = 3.0
+# After those first seconds, every push this long after the last whole one sends the whole run again
+# (what a push past MAX_POINTS sends anyway): a page that drew the plot later than RESEND_WHOLE_S (a
+# loaded laptop), or lost a push, shows the run from its first sample within this long. It costs the
+# browser what any push does (one redraw) and the kernel a downsampled copy of the run.
+RESYNC_EVERY_S = 10.0
 LIVE_TAG = "gpuwidget-live"
 # Bokeh's dash of each kind of GPU line (gpuwidget.chart.gpu_series): the busy figure solid, "kernel
 # running" beside SM activity dash-dotted (this process's CPU is dotted), memory dashed.
@@ -243,6 +248,7 @@ class LiveView:
         self._gpu_message = machine.get("gpu_message")
         self._lock = threading.Lock()
         self._last_push = -math.inf
+        self._last_whole = -math.inf
         self._last_t = -math.inf
         self._last_band_end = -math.inf
         self._points = 0
@@ -331,7 +337,8 @@ class LiveView:
             if self._closed:
                 return
             self._last_push = now()
-            whole = self._last_push - self._created < RESEND_WHOLE_S
+            whole = (self._last_push - self._created < RESEND_WHOLE_S
+                     or self._last_push - self._last_whole >= RESYNC_EVERY_S)
             columns = self._columns()
             frame = self.trace.recent_since(self._last_t, columns)
             if len(frame):
@@ -345,6 +352,7 @@ class LiveView:
                     full = self._plot_data(self.trace.plot_view(columns, MAX_POINTS // 2))
                     self.source.data = full
                     self._points = len(full["t"])
+                    self._last_whole = self._last_push
                 else:
                     self.source.stream(data)
                     self._points += len(frame)
