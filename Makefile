@@ -82,7 +82,7 @@ PYTEST_WORKERS ?= auto
 test: install chromium prometheus
 	PATH="$(VBIN):$$PATH" jlpm test
 	@# the project's own modules compiled once for every process the tests start (the venv's: $(PYC_STAMP))
-	$(VPY) -m compileall -q -j 0 gpuwidget tests benchmarks > /dev/null
+	$(VPY) -m compileall -q -j 0 gpuwidget tests benchmarks
 	$(VPY) -m pytest -m "not serial" -n $(PYTEST_WORKERS) --durations=10 --junitxml=test-results/pytest-parallel.xml
 	$(VPY) -m pytest -m serial --durations=40 --junitxml=test-results/pytest-serial.xml
 
