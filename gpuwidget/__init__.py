@@ -16,6 +16,7 @@ measuring functions (``tune_loader``, ``probe_batch_size``) when first looked up
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import TYPE_CHECKING, Any
 
 from gpuwidget._labext import DISTRIBUTION_NAME, _jupyter_labextension_paths
@@ -99,15 +100,34 @@ def load_ipython_extension(ipython: Any) -> None:
 
 
 # The thread _warm_up imports on: a caller that must not race its imports (they add modules and
-# loggers) joins it by this name.
+# loggers) waits for it with wait_for_warm_up().
 WARM_UP_THREAD = "gpuwidget-warm-up"
+# How long the first watched cell waits for those imports before it goes on without them.
+WARM_UP_WAIT_S = 30.0
+
+
+def _bokeh_validates() -> bool:
+    """Whether Bokeh checks and converts property values now (True before bokeh is imported)."""
+    module = sys.modules.get("bokeh.core.property.bases")
+    return True if module is None else bool(module.Property._should_validate)
 
 
 def _warm_up() -> None:
     """Import the live view's libraries in the background, so the first watched cell
     shows its plot without waiting for bokeh's import (about a second); start the reader
-    process where ``GPUWIDGET_READER=process`` asks for it (gpuwidget.sources.reader)."""
+    process where ``GPUWIDGET_READER=process`` asks for it (gpuwidget.sources.reader).
+
+    Bokeh switches its property checks off process-wide while it defines a model class or a
+    glyph method (``bokeh.core.property.validation.validate``: a flag, set and restored, not a
+    count). Two threads importing bokeh at once can leave it off for good: then ``Legend(items=
+    [(label, renderers)])`` keeps its tuples and BokehJS refuses the plot (fresh-check run 81,
+    CI). The watch waits for this thread (wait_for_warm_up); a user's cell importing bokeh
+    meanwhile is not ours to hold, so the checks are put back on afterwards where they were on
+    when the extension loaded and these imports left them off.
+    """
     import threading
+
+    validated = _bokeh_validates()
 
     def imports() -> None:
         try:
@@ -123,8 +143,22 @@ def _warm_up() -> None:
                 shared_reader()  # started now: the first watched cell does not wait for it
         except Exception:  # noqa: BLE001, S110 - the watch imports them again and reports failures
             pass
+        finally:
+            if validated and not _bokeh_validates():
+                from bokeh.core.property.bases import Property
+
+                Property._should_validate = True
 
     threading.Thread(target=imports, name=WARM_UP_THREAD, daemon=True).start()
+
+
+def wait_for_warm_up(timeout: float = WARM_UP_WAIT_S) -> None:
+    """Wait (at most ``timeout`` s) for _warm_up's imports, if they are still running."""
+    import threading
+
+    for thread in threading.enumerate():
+        if thread.name == WARM_UP_THREAD and thread is not threading.current_thread():
+            thread.join(timeout)
 
 
 def unload_ipython_extension(ipython: Any) -> None:

@@ -236,8 +236,9 @@ class LiveView:
 
     def __init__(self, trace: Trace, machine: MachineFacts, label: str = "") -> None:
         import ipywidgets
+        from bokeh.core.property.vectorization import value
         from bokeh.models import ColumnDataSource, Range1d
-        from bokeh.models.annotations import Legend
+        from bokeh.models.annotations import Legend, LegendItem
         from bokeh.plotting import figure
         from jupyter_bokeh import BokehModel
 
@@ -288,10 +289,15 @@ class LiveView:
         fig.border_fill_alpha = 0
         wait = fig.quad(left="left", right="right", bottom=0, top=105, source=self.bands,
                         fill_color=WAIT_COLOR, fill_alpha=0.3, line_alpha=0)
-        items: list[tuple[str, list[Any]]] = [("waiting for data", [wait])]
+        # LegendItems, not (label, renderers) tuples: Bokeh converts those only while its property checks
+        # are on, and a process where two threads imported bokeh at once can have them off (gpuwidget._warm_up).
+        def item(label: str, renderer: Any) -> LegendItem:
+            return LegendItem(label=value(label), renderers=[renderer])
+
+        items = [item("waiting for data", wait)]
         for key, name, color, dash in self._series:
-            renderer = fig.line("t", key, source=self.source, color=color, line_dash=dash, line_width=1.6)
-            items.append((name, [renderer]))
+            items.append(item(name, fig.line("t", key, source=self.source, color=color, line_dash=dash,
+                                             line_width=1.6)))
         legend = Legend(items=items, click_policy="hide", location="top_left", background_fill_alpha=0.6,
                         label_text_font_size="9pt", spacing=0,
                         padding=4)  # type: ignore[arg-type]  # bokeh's stubs reject a plain int

@@ -74,6 +74,11 @@ def show_live_view(view: str, trace: Trace, machine: MachineFacts, label: str = 
     if chosen == "none":
         return None
     if chosen == "bokeh":
+        # Not while the extension's warm-up imports bokeh: two threads in bokeh's imports can switch its
+        # property checks off for good (gpuwidget._warm_up).
+        from gpuwidget import wait_for_warm_up
+
+        wait_for_warm_up()
         try:
             from gpuwidget.ui.live import LiveView, ensure_bokehjs
 

@@ -89,6 +89,8 @@ def page(browser) -> Iterator[object]:
     page = context.new_page()
     page.console_messages = []  # type: ignore[attr-defined]
     page.on("console", lambda msg: page.console_messages.append(f"{msg.type}: {msg.text}"))
+    # An exception no handler caught (a rejected promise, say) is no console message.
+    page.on("pageerror", lambda error: page.console_messages.append(f"pageerror: {error}"))
     yield page
     context.close()
 
@@ -152,14 +154,20 @@ def wait_for(predicate, timeout: float, message: str, page):
 
 
 # What a failed wait leaves beside the screenshot: whether BokehJS and its documents are on the page, the
-# kernel's state and each output's kind and first words (a widget that failed says "Error displaying").
+# kernel's state, each output's kind and first words, and the error of any widget whose view failed.
 PAGE_STATE_JS = """() => {
   const panel = window.jupyterapp && window.jupyterapp.shell.currentWidget;
   const kernel = panel && panel.sessionContext && panel.sessionContext.session
     && panel.sessionContext.session.kernel;
   const outputs = [...document.querySelectorAll('.jp-Notebook .jp-OutputArea-output')].map(
     (node) => (node.dataset.mimeType || '?') + ': ' + node.innerText.slice(0, 80).replace(/\\s+/g, ' '));
+  // A widget whose view could not be made shows an icon; a click on it shows the error and its stack.
+  const failed = [...document.querySelectorAll('.jupyter-widgets-error-widget')].map((node) => {
+    if (node.parentElement && node.parentElement.onclick) { node.parentElement.onclick(); }
+    return node.innerText.slice(0, 2000);
+  });
   return JSON.stringify({
+    failed_widgets: failed,
     bokeh: window.Bokeh ? window.Bokeh.version + ', ' + window.Bokeh.documents.length + ' documents' : null,
     kernel: kernel ? kernel.status : null,
     outputs: outputs.slice(-8),
