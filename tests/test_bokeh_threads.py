@@ -81,6 +81,20 @@ def test_the_warm_up_leaves_bokehs_checks_on_when_a_cell_imports_bokeh_beside_it
     assert validates == "True", result.stdout
 
 
+def test_checks_the_user_switched_off_before_loading_the_extension_stay_off():
+    script = textwrap.dedent("""
+        from bokeh.core.property.validation import validate
+        validate(False)  # bokeh's documented way to switch its checks off for good
+        import gpuwidget
+        gpuwidget._warm_up()
+        gpuwidget.wait_for_warm_up()
+        from bokeh.core.property.bases import Property
+        print(Property._should_validate)
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
+    assert result.stdout.split() == ["False"]
+
+
 def test_the_first_watched_cell_builds_its_plot_after_the_warm_up_imports(monkeypatch):
     ended: list[float] = []
     built: list[float] = []

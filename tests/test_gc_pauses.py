@@ -112,14 +112,23 @@ def test_a_collection_inside_next_is_the_loops_own_time_not_a_starved_loader():
     """32 in-memory batches, 40 ms of work each: a 0.3 s collection inside one next() read as 19% of
     the loop waiting for data, and the loader as starved. It is the loop's own time: the loader's
     waits are what it made the loop wait, and its facts say how much collection was taken out."""
-    loader = DataLoader(Items(256, stall_batch=12, batch_size=8), batch_size=8)
+    def watched(stall_batch: int | None) -> gpuwidget.Run:
+        loader = DataLoader(Items(256, stall_batch=stall_batch, batch_size=8), batch_size=8)
+        with gpuwidget.watch(quiet=True) as run:
+            for _ in loader:
+                time.sleep(0.04)
+        return run
+
     next(iter(DataLoader(Items(8, None, 8), batch_size=8)))  # a DataLoader's one-off first costs, paid here
-    with gpuwidget.watch(quiet=True) as run:
-        for _ in loader:
-            time.sleep(0.04)
+    # The same loop without the collection, in the same run: what building 32 batches made the loop wait
+    # on this machine now (0.01 s on a quiet one; 0.1 s beside a neighbour on a slow host, fresh-check run 93).
+    (control,) = watched(None).workload["loaders"]
+    run = watched(12)
     (facts,) = run.workload["loaders"]
     assert facts["steps"] == 32 and facts["gc_wait_s"] >= PAUSE_S
-    assert facts["wait_total_s"] < 0.05 * facts["loop_time_s"], facts["wait_times"]
+    # Counted as a wait, the collection would add PAUSE_S: it adds nothing beyond the machine's noise.
+    assert facts["wait_total_s"] < control["wait_total_s"] + 0.2 * PAUSE_S, (facts["wait_times"],
+                                                                              control["wait_times"])
     assert max(facts["wait_times"]) < PAUSE_S / 2  # the batch the collection fell in waited no longer
     assert sum(facts["step_times"]) == pytest.approx(facts["loop_time_s"], rel=0.05)  # the steps kept their time
     assert "dataloader-starved" not in [finding.rule for finding in run.findings]
