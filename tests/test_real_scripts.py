@@ -387,18 +387,21 @@ def torchrun(tmp_path: Path, *args: str) -> list[str]:
             *args]
 
 
-def rank_evidence(run: Run) -> list[Any]:
-    """What rank-straggler reads of each rank: its steps, DDP's figures, its stack's top wait."""
+def rank_evidence(run: Run) -> str:
+    """What rank-straggler reads of each rank (its steps, DDP's figures, its stack's top wait) and the run's
+    findings, one a line: a string, which pytest prints whole (an object's repr is cut at 240 characters)."""
     from gpuwidget.advice.rules._ranks import ddp_timings, median, ranks, step_series
     from gpuwidget.advice.rules.rank_straggler import stalled_s
 
     def ms(seconds: float) -> str:
         return f"{seconds * 1e3:.1f}"
 
-    return [f"rank {rank['rank']}: step {ms(median(series[0])) if (series := step_series(rank)) else None} ms, "
-            + ", ".join(f"{t.which}{'' if t in ddp_timings(rank) else ' (untypical)'} {ms(t.compute_s)}"
-                        f"+{ms(t.exposed_s)}" for t in ddp_timings(rank, typical_only=False))
-            + f", stalled {ms(stalled_s(rank))}" for rank in ranks(run.workload)]
+    lines = [f"rank {rank['rank']}: step {ms(median(series[0])) if (series := step_series(rank)) else None} ms, "
+             + ", ".join(f"{t.which}{'' if t in ddp_timings(rank) else ' (untypical)'} {ms(t.compute_s)}"
+                         f"+{ms(t.exposed_s)}" for t in ddp_timings(rank, typical_only=False))
+             + f", stalled {ms(stalled_s(rank))}, run delay {(rank.get('host') or {}).get('run_delay_fraction')}"
+             for rank in ranks(run.workload)]
+    return "\n".join([*lines, *(f"finding {f.rule}: {f.title}" for f in run.findings)])
 
 
 def assert_rank_1_straggles(run: Run, output: str) -> Any:
@@ -406,7 +409,7 @@ def assert_rank_1_straggles(run: Run, output: str) -> Any:
     assert trained == [192, 192], output[-2000:]
     assert sorted(rank["steps"] for rank in run.ranks) == [192, 192] and run.summary["steps"] == 192
     straggler = finding(run, "rank-straggler")
-    assert straggler is not None, (rank_evidence(run), [f.title[:60] for f in run.findings])
+    assert straggler is not None, rank_evidence(run)
     assert straggler.evidence["straggler"] == 1, straggler.evidence
     # Measured: the others were seen waiting for it in the all-reduce; the gain is bounded by that.
     assert straggler.evidence["others_waited_ms"] >= straggler.evidence["extra_ms"] > 5.0
@@ -420,7 +423,7 @@ def test_ddp_straggling_rank_is_named_under_gpuwatch_and_a_steady_job_has_no_str
     run, output = gpuwatch(tmp_path, *torchrun(tmp_path, "--straggler", "1", "--delay", "0.01"))
     assert_rank_1_straggles(run, output)
     steady, _ = gpuwatch(tmp_path, *torchrun(tmp_path))
-    assert finding(steady, "rank-straggler") is None, (rank_evidence(steady), [f.title[:60] for f in steady.findings])
+    assert finding(steady, "rank-straggler") is None, rank_evidence(steady)
     # ddp-communication on two gloo ranks sharing this host's 2 loaded cores still names their waits for
     # each other (for a core) as the all-reduce's, critical in some runs: issue 25's "DDP causes are
     # stable" work, not this suite's; every other loop rule must stay quiet.
