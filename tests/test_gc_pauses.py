@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import os
+import threading
 import time
 
 import numpy as np
@@ -15,7 +16,7 @@ from torch.utils.data import DataLoader, Dataset
 
 import gpuwidget
 from gpuwidget.probes.gc_pauses import KEEP_S, MIN_PAUSE_S, GcPauses
-from gpuwidget.probes.torch_data import DataLoaderProbe
+from gpuwidget.probes.torch_data import CPU_SAMPLE_EVERY, DataLoaderProbe
 from gpuwidget.trace import Trace
 
 PAUSE_S = 0.3  # a full collection of a large heap on this machine (the test suite's: 0.2-0.3 s)
@@ -152,3 +153,42 @@ def test_the_probe_takes_a_collection_out_of_the_wait_it_fell_in_only():
     assert facts["compute_total_s"] >= PAUSE_S  # counted as the loop's own time
     waits = trace.spans("loader.wait")
     assert len(waits) == 5 and max(span.end - span.start for span in waits) < PAUSE_S / 2
+
+
+def test_a_collection_inside_a_sampled_wait_is_out_of_its_time_and_its_cpu():
+    """The second next() is read for its CPU and run delay (torch_data.sampled): a collection inside it is
+    the loop's own time there too, so its sampled wait is the wait the loader's figures show, and the
+    collection's CPU (0.3 s of a finalizer's sleep here, no CPU) is not read as the loader's."""
+    trace = Trace()
+    probe = DataLoaderProbe(trace)
+    loader = DataLoader(Items(40, stall_batch=1, batch_size=8), batch_size=8)
+    probe.install()
+    try:
+        for _ in loader:
+            pass
+    finally:
+        probe.uninstall()
+    (stats,) = probe.stats
+    facts = stats.facts({})
+    assert stats.sampled_calls >= 1 and facts["gc_wait_s"] >= PAUSE_S
+    sampled = facts["wait_times"][1::CPU_SAMPLE_EVERY]
+    assert facts["wait_sampled_s"] == pytest.approx(sum(sampled)) and facts["wait_sampled_s"] < PAUSE_S / 2
+    assert 0.0 <= stats.wait_cpu_total <= facts["wait_sampled_s"] + 0.01
+
+
+def test_the_cpu_a_collection_takes_is_kept_by_the_thread_that_ran_it():
+    pauses = GcPauses()
+    pauses.install()
+    try:
+        cpu_before = time.thread_time()
+        garbage = [[index] for index in range(300_000)]
+        for item in garbage:
+            item.append(item)  # cycles: a full collection has 300,000 of them to find (tens of ms)
+        del garbage, item
+        gc.collect()
+        cpu = time.thread_time() - cpu_before
+    finally:
+        pauses.uninstall()
+    assert pauses.kept >= MIN_PAUSE_S
+    assert set(pauses.kept_cpu) == {threading.get_ident()}
+    assert 0.0 < pauses.kept_cpu[threading.get_ident()] <= cpu

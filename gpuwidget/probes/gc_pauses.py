@@ -18,6 +18,8 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -40,6 +42,12 @@ class GcPauses:
         self.seconds = 0.0
         self.longest = 0.0
         self.pauses: list[tuple[float, float]] = []  # (start, end), in the order they ran
+        # The kept pauses' seconds in all, and their CPU seconds by the thread that ran them: what a caller
+        # reads before and after an interval is what the pauses took of it (a collection holds the GIL
+        # from its start to its end).
+        self.kept = 0.0
+        self.kept_cpu: dict[int, float] = {}
+        self._cpu_started = 0.0
         self._clock = clock
         self._started: float | None = None
         self._pid = os.getpid()
@@ -60,6 +68,7 @@ class GcPauses:
             return  # a process forked from the watched one (a DataLoader's worker) keeps the callback: not its figures
         if phase == "start":
             self._started = self._clock()
+            self._cpu_started = time.thread_time()  # the thread that runs the collection, start to stop
             return
         started, self._started = self._started, None
         if started is None:  # installed while one ran
@@ -70,6 +79,9 @@ class GcPauses:
         self.longest = max(self.longest, ended - started)
         if ended - started >= MIN_PAUSE_S:
             self.pauses.append((started, ended))
+            self.kept += ended - started
+            thread = threading.get_ident()
+            self.kept_cpu[thread] = self.kept_cpu.get(thread, 0.0) + time.thread_time() - self._cpu_started
 
     def facts(self) -> GcFacts:
         """``WorkloadFacts["gc"]``: the collections while the probes were installed."""

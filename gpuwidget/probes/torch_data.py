@@ -389,7 +389,11 @@ class DataLoaderProbe:
                         collated[0] += collate_clock() - begun
                 fetcher.collate_fn = timed
             delay_started = run_delay()
+            pauses = probe.gc
+            thread = threading.get_ident()
+            own_before = pauses.kept_cpu.get(thread, 0.0)
             cpu_started = thread_cpu()  # read last before the wait and first after it: only the wait between
+            kept_before = pauses.kept
             started = clock()
             fetch_started = collate_clock()
             try:
@@ -402,13 +406,17 @@ class DataLoaderProbe:
                 if collate is not None:
                     fetcher.collate_fn = collate
             ended = clock()
+            # The garbage collections in this wait are the loop's own time, as the flush takes them out of
+            # its wait (_without_collections), and the CPU this thread spent in them is not the loader's.
+            collected = pauses.kept - kept_before
             if collate is not None:
                 stats.collate_timed += collate_clock() - fetch_started
                 stats.collate_total += collated[0]
             cpu_ended = thread_cpu()
             delay_ended = run_delay()
-            stats.wait_cpu_total += cpu_ended - cpu_started
-            stats.wait_sampled += ended - started
+            own = pauses.kept_cpu.get(thread, 0.0) - own_before
+            stats.wait_cpu_total += max(0.0, cpu_ended - cpu_started - own)
+            stats.wait_sampled += ended - started - collected
             if stats.wait_delay_total is not None:
                 stats.wait_delay_total = (None if delay_ended is None or delay_started is None
                                           else stats.wait_delay_total + delay_ended - delay_started)
