@@ -8,6 +8,7 @@ import gc
 import os
 import threading
 import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -137,17 +138,23 @@ def test_a_collection_inside_next_is_the_loops_own_time_not_a_starved_loader():
     assert all(callback.__qualname__ != GcPauses._on_collection.__qualname__ for callback in gc.callbacks)
 
 
-def test_the_probe_takes_a_collection_out_of_the_wait_it_fell_in_only():
+def probed_loop(stall_batch: int) -> tuple[Trace, Any]:
+    """Five batches of 8 items under the DataLoader probe alone, a slow collection in batch ``stall_batch``:
+    the trace and the loader's stats."""
     trace = Trace()
     probe = DataLoaderProbe(trace)
-    loader = DataLoader(Items(40, stall_batch=2, batch_size=8), batch_size=8)
     probe.install()
     try:
-        for _ in loader:
+        for _ in DataLoader(Items(40, stall_batch=stall_batch, batch_size=8), batch_size=8):
             pass
     finally:
         probe.uninstall()
     (stats,) = probe.stats
+    return trace, stats
+
+
+def test_the_probe_takes_a_collection_out_of_the_wait_it_fell_in_only():
+    trace, stats = probed_loop(stall_batch=2)
     facts = stats.facts({})
     assert facts["gc_wait_s"] >= PAUSE_S and facts["wait_total_s"] < PAUSE_S / 2
     assert facts["compute_total_s"] >= PAUSE_S  # counted as the loop's own time
@@ -159,16 +166,7 @@ def test_a_collection_inside_a_sampled_wait_is_out_of_its_time_and_its_cpu():
     """The second next() is read for its CPU and run delay (torch_data.sampled): a collection inside it is
     the loop's own time there too, so its sampled wait is the wait the loader's figures show, and the
     collection's CPU (0.3 s of a finalizer's sleep here, no CPU) is not read as the loader's."""
-    trace = Trace()
-    probe = DataLoaderProbe(trace)
-    loader = DataLoader(Items(40, stall_batch=1, batch_size=8), batch_size=8)
-    probe.install()
-    try:
-        for _ in loader:
-            pass
-    finally:
-        probe.uninstall()
-    (stats,) = probe.stats
+    trace, stats = probed_loop(stall_batch=1)
     facts = stats.facts({})
     assert stats.sampled_calls >= 1 and facts["gc_wait_s"] >= PAUSE_S
     sampled = facts["wait_times"][1::CPU_SAMPLE_EVERY]
