@@ -87,11 +87,14 @@ def load_ipython_extension(ipython: Any) -> None:
     from gpuwidget.magic import GpuWatchMagics, check_cell_syntax, record_cell_info
 
     ipython.register_magics(GpuWatchMagics)
-    if check_cell_syntax not in ipython.input_transformers_cleanup:
-        ipython.input_transformers_cleanup.append(check_cell_syntax)
+    # First the wait for the warm-up's imports (before any cell runs), then the syntax check.
+    for position, transformer in enumerate((warm_up_first, check_cell_syntax)):
+        if transformer not in ipython.input_transformers_cleanup:
+            ipython.input_transformers_cleanup.insert(position, transformer)
     callback = getattr(ipython, "_gpuwidget_pre_run_cell", None)
     if callback is None:
         def callback(info: Any) -> None:
+            cell_started()
             record_cell_info(ipython, info)
 
         ipython._gpuwidget_pre_run_cell = callback
@@ -121,9 +124,12 @@ def _warm_up() -> None:
     glyph method (``bokeh.core.property.validation.validate``: a flag, set and restored, not a
     count). Two threads importing bokeh at once can leave it off for good: then ``Legend(items=
     [(label, renderers)])`` keeps its tuples and BokehJS refuses the plot (fresh-check run 81,
-    CI). The watch waits for this thread (wait_for_warm_up); a user's cell importing bokeh
-    meanwhile is not ours to hold, so the checks are put back on afterwards where they were on
-    when the extension loaded and these imports left them off.
+    CI). So no cell starts while this thread imports: the extension's first input transformer
+    waits for it (warm_up_first; the imports take a second or a few, once per kernel). What the cell that
+    loaded the extension runs after ``%load_ext``, or a thread of the user's, is not ours to hold:
+    the checks are put back on afterwards where they were on when the extension loaded and these
+    imports left them off (a block of the user's that is still open then can still leave them off:
+    bokeh's flag is not a count).
     """
     import threading
 
@@ -152,6 +158,39 @@ def _warm_up() -> None:
     threading.Thread(target=imports, name=WARM_UP_THREAD, daemon=True).start()
 
 
+# What a cell runs instead of its own code when Ctrl-C stopped the wait for the warm-up before it.
+INTERRUPTED_BEFORE_THE_CELL = "raise KeyboardInterrupt  # Ctrl-C before the cell ran, while gpuwidget was loading\n"
+_interrupted_before_the_cell = False
+
+
+def warm_up_first(lines: list[str]) -> list[str]:
+    """IPython input transformer (cleanup stage, first): no cell starts while the warm-up imports.
+
+    A Ctrl-C during the wait stops the cell as a Ctrl-C at its first line would: the cell's code does
+    not run and the user sees a KeyboardInterrupt. (Waited for in a ``pre_run_cell`` hook instead,
+    IPython reported the interrupt as an error of the hook and then ran the cell anyway.)
+    """
+    global _interrupted_before_the_cell
+    if not _interrupted_before_the_cell:
+        try:
+            wait_for_warm_up()
+        except KeyboardInterrupt:
+            _interrupted_before_the_cell = True
+    # ipykernel transforms each cell twice (once to tell whether it runs async, then in run_cell): both
+    # get the interrupted cell, until the cell starts (the pre_run_cell hook, cell_started).
+    return [INTERRUPTED_BEFORE_THE_CELL] if _interrupted_before_the_cell else lines
+
+
+def cell_started() -> None:
+    """``pre_run_cell``: the cell interrupted while it waited for the warm-up (if any) is the one running."""
+    global _interrupted_before_the_cell
+    _interrupted_before_the_cell = False
+
+
+# Run only when a cell is executed, not when a console asks whether the cell typed so far is complete.
+warm_up_first.has_side_effects = True  # type: ignore[attr-defined]
+
+
 def wait_for_warm_up(timeout: float = WARM_UP_WAIT_S) -> None:
     """Wait (at most ``timeout`` s) for _warm_up's imports, if they are still running."""
     import threading
@@ -169,3 +208,8 @@ def unload_ipython_extension(ipython: Any) -> None:
     if callback is not None:
         ipython.events.unregister("pre_run_cell", callback)
         del ipython._gpuwidget_pre_run_cell
+    from gpuwidget.magic import check_cell_syntax
+
+    for transformer in (warm_up_first, check_cell_syntax):
+        while transformer in ipython.input_transformers_cleanup:
+            ipython.input_transformers_cleanup.remove(transformer)
