@@ -157,7 +157,8 @@ def test_gpuwatch_tune_measures_the_loader_and_every_finding_in_the_cells_own_lo
     assert tuning.name == "train_loader"
     loader = run.workload["loaders"][0]
     assert tuning.target_rate == pytest.approx(loader["steps"] / loader["compute_total_s"])
-    assert tuning.code.splitlines()[-1].startswith("train_loader = DataLoader(train_ds, ")
+    assert tuning.code.splitlines()[-1].startswith("train_loader = DataLoader(train_ds, "), (
+        tuning._repr_mimebundle_()["text/plain"], [(f.rule, dict(f.change)) for f in run.findings])
     loader_findings = [f for f in run.findings if f.trial_changes()]
     assert [item.change for item in plan.items] == [c for f in loader_findings for c in f.trial_changes()]
     for item in plan.items:  # the loader's settings fed the cell's own model step

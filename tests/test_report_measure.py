@@ -56,7 +56,8 @@ def result(trials: list[Trial], chosen: Trial, target: float | None = None) -> T
 
 def test_the_plan_is_the_loader_as_it_is_then_the_suggestion_and_its_neighbours():
     plan = suggestion_plan(0, {"num_workers": 5, "prefetch_factor": 4, "persistent_workers": True}, cap=8)
-    assert plan.changes == [{}, {"num_workers": 4, "prefetch_factor": 4}, {"num_workers": 5, "prefetch_factor": 4},
+    # The suggestion first: where the budget ends early, what is left out is a neighbour.
+    assert plan.changes == [{}, {"num_workers": 5, "prefetch_factor": 4}, {"num_workers": 4, "prefetch_factor": 4},
                             {"num_workers": 6, "prefetch_factor": 4}]
     assert plan.suggested == {"num_workers": 5, "prefetch_factor": 4}  # persistence is not timed
 
@@ -64,11 +65,11 @@ def test_the_plan_is_the_loader_as_it_is_then_the_suggestion_and_its_neighbours(
 def test_a_neighbour_that_is_the_loader_as_it_is_is_not_timed_twice_and_none_without_workers_prefetches():
     assert suggestion_plan(0, {"num_workers": 1}, cap=2).changes == [{}, {"num_workers": 1}, {"num_workers": 2}]
     plan = suggestion_plan(2, {"num_workers": 1, "prefetch_factor": 4}, cap=2)
-    assert plan.changes == [{}, {"num_workers": 0}, {"num_workers": 1, "prefetch_factor": 4},
+    assert plan.changes == [{}, {"num_workers": 1, "prefetch_factor": 4}, {"num_workers": 0},
                             {"num_workers": 2, "prefetch_factor": 4}]
     # At the cap, no count above it; a suggestion above the cap (storage waits) is still timed.
-    assert [c.get("num_workers") for c in suggestion_plan(0, {"num_workers": 2}, cap=2).changes] == [None, 1, 2]
-    assert [c.get("num_workers") for c in suggestion_plan(0, {"num_workers": 6}, cap=4).changes] == [None, 5, 6]
+    assert [c.get("num_workers") for c in suggestion_plan(0, {"num_workers": 2}, cap=2).changes] == [None, 2, 1]
+    assert [c.get("num_workers") for c in suggestion_plan(0, {"num_workers": 6}, cap=4).changes] == [None, 6, 5]
 
 
 def test_timed_batches_are_whole_rounds_of_the_workers():
@@ -170,12 +171,34 @@ def test_the_time_announced_is_the_time_it_takes(with_batch_time):
 
     made = tune_loader(loader, suggestion={"num_workers": 3}, io_bound=True, budget_s=20,
                        batch_s=8 * 0.003 if with_batch_time else None, progress=Progress())
-    assert [t.label for t in made.trials] == ["as it is", "num_workers=2", "num_workers=3", "num_workers=4"]
+    assert [t.label for t in made.trials] == ["as it is", "num_workers=3", "num_workers=2", "num_workers=4"]
+    # Timed the suggestion first, read by worker count.
+    assert [row[0] for row in made._rows()] == ["as it is", "num_workers=2", "num_workers=3", "num_workers=4"]
     assert planned == [(made.announced_s, 4)]
     # Within ESTIMATE_MARGIN of the estimate (a 20 s promise for a 2 s measurement was 10x off).
     assert abs(made.elapsed_s - made.announced_s) <= ESTIMATE_MARGIN * made.announced_s, (
         made.announced_s, made.elapsed_s)
     assert f"announced: about {made.announced_s:.1f} s" in made._summary()
+
+
+def test_a_budget_that_ends_early_leaves_out_a_neighbour_and_never_the_suggestion_untold(monkeypatch):
+    loader = DataLoader(Storage(400, latency=0.001), batch_size=8)
+    clock = [0.0]
+
+    def timed(loader: object, change: dict, deadline: float) -> Trial:  # each trial a second on this clock
+        clock[0] += 1.0
+        return Trial(change, batches_per_s=10.0 + change.get("num_workers", 0))
+
+    monkeypatch.setattr("gpuwidget.measure.tuner.now", lambda: clock[0])
+    monkeypatch.setattr("gpuwidget.measure.tuner._trial", timed)
+    made = tune_loader(loader, suggestion={"num_workers": 3}, io_bound=True, budget_s=1.5)  # two trials
+    assert [t.label for t in made.trials] == ["as it is", "num_workers=3"]
+    assert made.suggested is made.trials[1] and made.verdict().endswith("the suggested 3 confirmed")
+    # Ended after the loader as it is: the verdict says the suggestion was not timed, and why.
+    made = tune_loader(loader, suggestion={"num_workers": 3}, io_bound=True, budget_s=0.5)
+    assert [t.label for t in made.trials] == ["as it is"]
+    assert made.verdict() == ("Chosen for the loader: as it is: 10.0 batches/s; the suggested 3 was not timed "
+                              "within the budget of 500 ms")
 
 
 def test_measure_of_a_watched_run_continues_its_findings_suggestion():

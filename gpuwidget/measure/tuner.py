@@ -5,7 +5,7 @@ Each candidate is a new DataLoader over the same dataset, sampler and collate fu
 (the user's loader is never modified). After a warm-up (worker start-up, first prefetch)
 a few batches are timed; the candidate's rate is batches per second. With a finding's
 suggestion (``suggestion={"num_workers": 5, ...}``, what the panel's Measure continues) the
-tuner times the loader as it is, the suggested count and its neighbours (4, 5, 6), and says how
+tuner times the loader as it is, the suggested count, then its neighbours (5, 4, 6), and says how
 the suggestion fared; without one it searches the number of workers upwards until more stops
 helping, within a time budget. The choice is the *fewest* workers whose rate reaches the target
 (the rate at which the cell's loop consumed batches when data was ready) times :data:`MARGIN`,
@@ -132,6 +132,8 @@ class TuneResult:
     workload: WorkloadFacts = field(default_factory=WorkloadFacts)
     # The seconds announced before the first trial (TunePlan.estimate_s; None: a search within the budget).
     announced_s: float | None = None
+    # The suggested worker count where the budget ended before it was timed (None: timed, or none suggested).
+    untimed_suggestion: int | None = None
 
     @property
     def change(self) -> LoaderChange:
@@ -171,8 +173,11 @@ class TuneResult:
         return rebuild_loader(self.original, self.change, self.facts.get("built_at"))
 
     def _rows(self) -> list[list[str]]:
+        """A row per trial, the loader as it is first, then by worker count (the order read, whatever the
+        order timed: the suggestion is timed before its neighbours)."""
         rows = []
-        for trial in self.trials:
+        for trial in sorted(self.trials, key=lambda t: (bool(t.change), t.change.get("num_workers", -1),
+                                                        t.change.get("prefetch_factor", 0))):
             notes = [note for note, on in (("suggested", trial.suggested), ("chosen", trial is self.chosen)) if on]
             rate = "failed" if trial.error else f"{trial.batches_per_s:.1f}"
             gain = self.speedup_of(trial)
@@ -188,6 +193,9 @@ class TuneResult:
         measured = f"{chosen.label}: {chosen.batches_per_s:.1f} batches/s" + (
             f", {fmt_speedup(self.speedup)} the loader as it is" if self.speedup and chosen.change else "")
         suggested = self.suggested
+        if suggested is None and self.untimed_suggestion is not None:
+            return (f"Chosen for {self.name}: {measured}; the suggested {self.untimed_suggestion} was not timed "
+                    f"within the budget of {fmt_seconds(self.budget_s)}")
         if suggested is None or suggested.workers is None:
             return f"Chosen for {self.name}: {measured}"
         told = f"the suggested {suggested.workers}"
@@ -237,24 +245,27 @@ class TunePlan:
 
 
 def suggestion_plan(workers_now: int, suggestion: LoaderChange, cap: int) -> TunePlan:
-    """The loader as it is, the suggested worker count and its neighbours (5 -> 4, 5, 6), each with the
-    suggestion's other timed settings; a count equal to the loader's own is the loader as it is."""
+    """The loader as it is, the suggested worker count, then its neighbours (5 -> 5, 4, 6), each with the
+    suggestion's other timed settings; a count equal to the loader's own is the loader as it is. The
+    suggestion comes right after the loader as it is: where the budget ends before the plan does (a busy
+    host), what is left out is a neighbour, never the setting the panel suggested."""
     given: dict[str, object] = dict(suggestion)
     timed = {key: given[key] for key in TIMED_KEYS if key in given and key != "num_workers"}
     count = int(suggestion["num_workers"])
-    changes: list[LoaderChange] = [{}]
-    suggested: LoaderChange | None = None
-    for workers in sorted({max(0, count - 1), count, min(max(cap, count), count + 1)}):
+
+    def change_for(workers: int) -> LoaderChange:
         # prefetch_factor needs worker processes (DataLoader refuses it with none).
         change = cast(LoaderChange, {"num_workers": workers,
                                      **({k: v for k, v in timed.items() if k != "prefetch_factor"}
                                         if workers == 0 else timed)})
-        if workers == workers_now and len(change) == 1:
-            change = LoaderChange()  # the loader as it is, timed already
+        return LoaderChange() if workers == workers_now and len(change) == 1 else change  # as it is: timed already
+
+    suggested = change_for(count)
+    changes: list[LoaderChange] = [{}]
+    for change in [suggested, *(change_for(workers) for workers in sorted({max(0, count - 1),
+                                                                           min(max(cap, count), count + 1)}))]:
         if change not in changes:
             changes.append(change)
-        if workers == count:
-            suggested = change
     return TunePlan(changes, suggested)
 
 
@@ -555,8 +566,10 @@ def tune_loader(loader: Any, target_rate: float | None = None, budget_s: float =
         extra["persistent_workers"] = True
     facts: LoaderFacts = {**(run_facts or LoaderFacts()), "name": name, "dataset_name": dataset_name,
                           "settings": loader_settings(loader)}
+    untimed = (plan.suggested.get("num_workers") if plan is not None and plan.suggested is not None
+               and not any(t.suggested for t in trials) else None)
     return TuneResult(loader, name or "the loader", trials, chosen, target_rate, budget_s, now() - started, facts,
-                      extra, workload or WorkloadFacts(), announced)
+                      extra, workload or WorkloadFacts(), announced, untimed)
 
 
 def _announce(told: TrialCallback | None, estimate_s: float, settings: int) -> None:

@@ -161,18 +161,19 @@ def measure_the_offer(page, name: str, index: int) -> str | None:
 def measure_tells_the_suggestion(name: str, table: str, panel: str) -> None:
     """The measured table: the setting its first line names is the row marked chosen, and it says how
     the suggestion of the panel above it (its code's num_workers) fared."""
+    shown = f"{name}: the table\n{table}\n--- the panel it measured:\n{panel}"
     rows = [line for line in table.splitlines() if re.match(r"(as it is|num_workers=)", line)]
     chosen = [row for row in rows if row.rstrip().endswith("chosen")]
-    assert len(chosen) == 1, (name, table)
+    assert len(chosen) == 1, shown
     label = re.split(r"\t|  ", chosen[0])[0].strip()
     verdict = table.splitlines()[0]
     assert verdict.startswith(label) or (label == "as it is" and verdict.startswith("The loader as it is")), (
-        name, verdict, label)
+        f"{label!r} is not what the first line names: {shown}")
     told = re.search(r"the suggested (\d+)", verdict)
-    assert told, (name, verdict)
+    assert told, f"the table tells no suggestion: {shown}"
     code = [line for line in panel.splitlines() if line.startswith("    ")]
-    assert any(f"num_workers={told.group(1)}" in line for line in code), (name, verdict, code)
-    assert any("suggested" in row for row in rows), (name, table)
+    assert any(f"num_workers={told.group(1)}" in line for line in code), shown
+    assert any("suggested" in row for row in rows), shown
 
 
 def test_tutorials_run_clean_in_the_browser(lab, page):
