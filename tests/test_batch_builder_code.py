@@ -71,7 +71,9 @@ def test_a_collate_fn_holding_the_gil_is_named_by_the_probes_timing_where_the_sa
         busy_ms(3.0)
         return torch.stack(items)
 
-    data = torch.randn(256, 4)
+    # 256 batches a loader, so 32 sampled calls: a descheduling of a few ms outside the collate (a busy
+    # host) moves the share by about 1/32 of itself, not by 1/8 (fresh-check: 0.79 from 8 sampled calls).
+    data = torch.randn(1024, 4)
     for collate, name in ((collate_fn, "collate_fn"), (Collator(), "Collator.__call__")):
         loader = DataLoader(data, batch_size=4, collate_fn=collate)
         with gpuwidget.watch(quiet=True) as run:

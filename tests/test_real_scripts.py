@@ -419,8 +419,18 @@ def assert_rank_1_straggles(run: Run, output: str) -> Any:
     return straggler
 
 
+# The straggler's extra time per step. rank-straggler compares each rank's own time outside the all-reduce in
+# DDP's average and in its latest figure, one step's: on a loaded host a rank waits for a core 25-33 % of
+# the time, and in that one step the straggler can itself wait in the all-reduce for the other
+# (descheduled) rank. With 10 ms its lead in that figure came down to 3.8 ms against a floor of 2.6 (1 of 6
+# runs beside three CPU-bound neighbours), and fresh-check run 93 (one neighbour, a slow host) read none;
+# 20 ms keeps it clear of what one step's noise takes away (18.1-19.7 ms against 2.2-4.2 in 5 of 5 runs
+# beside four).
+STRAGGLER_DELAY = "0.02"
+
+
 def test_ddp_straggling_rank_is_named_under_gpuwatch_and_a_steady_job_has_no_straggler(tmp_path):
-    run, output = gpuwatch(tmp_path, *torchrun(tmp_path, "--straggler", "1", "--delay", "0.01"))
+    run, output = gpuwatch(tmp_path, *torchrun(tmp_path, "--straggler", "1", "--delay", STRAGGLER_DELAY))
     assert_rank_1_straggles(run, output)
     steady, _ = gpuwatch(tmp_path, *torchrun(tmp_path))
     assert finding(steady, "rank-straggler") is None, rank_evidence(steady)
@@ -433,7 +443,7 @@ def test_ddp_straggling_rank_is_named_under_gpuwatch_and_a_steady_job_has_no_str
 
 def test_ddp_job_started_from_a_cell_names_its_straggler(ip, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    ip.user_ns["_job"] = torchrun(tmp_path, "--straggler", "1", "--delay", "0.01")
+    ip.user_ns["_job"] = torchrun(tmp_path, "--straggler", "1", "--delay", STRAGGLER_DELAY)
     ip.user_ns["_extra"] = {key: value for key, value in script_env().items() if os.environ.get(key) != value}
     # The environment is read inside the cell: the watch exports its children's variables as it starts.
     result = ip.run_cell(f"%%gpuwatch --quiet --interval {INTERVAL}\nimport os, subprocess\n"
