@@ -1,10 +1,11 @@
 """Sampler: one background thread that reads the sources at a fixed cadence into a Trace.
 
-The cadence is kept on the monotonic clock: tick ``k`` is due at ``start + k * interval``.
-A tick that comes too late (the process was busy, the GIL was held by a long C call) is
-not made up with a burst of reads; the sampler skips to the next due time and counts
-the ticks it missed. Nothing a source or a listener does can raise into user code:
-failures are recorded on the sampler and the run goes on.
+The cadence is kept on the monotonic clock: tick ``k`` is due at ``start + k * interval``, or,
+for a sampler that samples the watched thread's stack (a ``first`` listener), one interval on
+average after the one before, dithered (:func:`dithered`). A tick that comes too late (the
+process was busy, the GIL was held by a long C call) is not made up with a burst of reads; the
+sampler skips to the next due time and counts the ticks it missed. Nothing a source or a
+listener does can raise into user code: failures are recorded on the sampler and the run goes on.
 
 Nothing a source does can hold up the caller either. Sources are only read on the
 sampler's own thread (the last reading too), and :meth:`Sampler.stop` waits a bounded
@@ -23,6 +24,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import random
 import sys
 import threading
 import time
@@ -67,6 +69,16 @@ STOP_DEADLINE_S = 0.5
 # PROMPT_SWITCH_S until its sample is taken, and puts the user's back: a few ms a tick.
 PROMPT_SWITCH_S = 0.0005
 PROMPT_LEAD_S = 0.001
+# A stack sample's interval is drawn uniformly within this share of the interval either side of it.
+# At a fixed cadence a loop whose step takes about one interval (or a whole number of them) is
+# sampled at the same point of its step, tick after tick, and the tick itself moves that point: a
+# tick landing in the loop's Python holds the GIL for its read and delays the step, one landing in a
+# sleep does not, so the ticks drifted through the step's work faster than through its waits and
+# found too few of them. A nanoGPT-style loop waiting 0.77 of its 10.2-10.8 ms step read as waiting
+# 0.84-0.88 (5 runs), at 12 ms 0.80 (2), and fresh-check and CI read 0.79 and 0.67 for 0.52 where a
+# slow host made the step about 10 ms. Dithered, the ticks' place in the step is random (as a
+# profiler's samples must be: a periodic program and a periodic sampler alias).
+DITHER = 0.5
 
 
 @dataclass
@@ -99,6 +111,11 @@ def _charge(parts: dict[str, float], part: str, since: float) -> float:
     current = time.thread_time()
     parts[part] = parts.get(part, 0.0) + current - since
     return current
+
+
+def dithered(interval: float, draw: random.Random) -> float:
+    """The time to the next stack sample: ``interval`` on average, uniform within :data:`DITHER` of it."""
+    return interval * (1.0 + DITHER * (2.0 * draw.random() - 1.0))
 
 
 class PromptGil:
@@ -285,12 +302,13 @@ class Sampler:
         with self._lock:  # start() or the watchdog records this thread as the reader first
             me = threading.current_thread()
         interval = self.interval
+        draw = random.Random() if self.first else None  # its own: the user's seeds are theirs
         due = now()
         while not self._stop.is_set():
             _due.value = due
             if not self._tick(me):
                 return
-            due += interval
+            due += interval if draw is None else dithered(interval, draw)
             late = now() - due
             if late >= interval:
                 skipped = int(late // interval)

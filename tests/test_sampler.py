@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from gpuwidget.clock import now
-from gpuwidget.sampler import PROMPT_SWITCH_S, THREAD_NAME, PromptGil, Sampler, tick_due
+from gpuwidget.sampler import DITHER, PROMPT_SWITCH_S, THREAD_NAME, PromptGil, Sampler, tick_due
 from gpuwidget.sources import host
 from gpuwidget.sources.base import Source
 from gpuwidget.sources.host import HostSource, usable_cpu_count
@@ -117,6 +117,42 @@ def test_the_first_listeners_run_before_any_source_is_read_and_the_others_after_
     sampler.tick()
     assert order == ["first", "source", "after"] * 2
     assert any("first broke" in e for e in sampler.stats.errors)
+
+
+def due_times(first: bool, interval: float = 0.01, seconds: float = 0.6) -> list[float]:
+    """When each tick of a sampler (with a ``first`` listener or without) was due."""
+    dues: list[float] = []
+
+    def record(_trace: Trace) -> None:
+        due = tick_due()
+        if due is not None:
+            dues.append(due)
+
+    sampler = Sampler([CountingSource()], Trace(), interval=interval, listeners=[] if first else [record],
+                      first=[record] if first else []).start()
+    time.sleep(seconds)
+    sampler.stop()
+    return dues
+
+
+def test_a_stack_samplers_ticks_come_at_dithered_intervals_and_the_others_on_the_cadence():
+    """A loop whose step takes about one interval was sampled at the same point of its step tick after
+    tick (and the tick moved that point): its waits read 0.84-0.88 of the loop for 0.77. The stack
+    sample's ticks come one interval apart on average, uniformly within DITHER of it; a sampler
+    without one keeps ``start + k * interval``."""
+    interval = 0.01
+    steady = due_times(first=False, interval=interval)
+    gaps = [b - a for a, b in zip(steady, steady[1:], strict=False)]
+    assert len(gaps) >= 20 and all(abs(gap / interval - round(gap / interval)) < 1e-6 for gap in gaps), gaps
+    dithered = due_times(first=True, interval=interval)
+    gaps = [b - a for a, b in zip(dithered, dithered[1:], strict=False)]
+    # (a tick read late skips whole intervals: the gaps after those are longer)
+    within = [gap for gap in gaps if gap <= (1 + DITHER) * interval + 1e-9]
+    assert len(within) >= 0.8 * len(gaps) >= 20, gaps
+    assert min(within) >= (1 - DITHER) * interval - 1e-9
+    below = sum(gap < 0.8 * interval for gap in within) / len(within)
+    above = sum(gap > 1.2 * interval for gap in within) / len(within)
+    assert 0.15 < below < 0.55 and 0.15 < above < 0.55, [round(gap / interval, 2) for gap in gaps]
 
 
 def spin_python(seconds: float) -> None:

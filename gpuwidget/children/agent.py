@@ -29,6 +29,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import random
 import socket
 import sys
 import threading
@@ -49,7 +50,7 @@ from gpuwidget.clock import now
 from gpuwidget.facts import MainThreadFigures
 from gpuwidget.probes import BETWEEN_STEPS_SPAN, DATA_WAIT_SPAN, STEP_SPAN, TRAIN_STEP_SPAN, Probes
 from gpuwidget.probes.stack import StackSampler
-from gpuwidget.sampler import PromptGil, set_tick_due
+from gpuwidget.sampler import PromptGil, dithered, set_tick_due
 from gpuwidget.sources.schedstat import read_schedstat, schedstat_path
 from gpuwidget.trace import Trace
 
@@ -213,12 +214,13 @@ class ChildAgent:
         due = now() + self.stack_interval
         next_flush = now() + FLUSH_INTERVAL_S
         prompt = PromptGil()  # the stack read within a millisecond of its due time (gpuwidget.sampler)
+        draw = random.Random()
         while not prompt.wait(self._stop, due):
             try:
                 self._sample_stack(due)
             finally:
                 prompt.restore()
-            due += self.stack_interval
+            due += dithered(self.stack_interval, draw)  # never in step with a periodic loop
             if due < now():  # far behind (the process was stopped, the host overloaded): start again
                 due = now() + self.stack_interval
             if now() < next_flush:
