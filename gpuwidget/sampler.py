@@ -304,20 +304,22 @@ class Sampler:
         interval = self.interval
         draw = random.Random() if self.first else None  # its own: the user's seeds are theirs
         due = now()
+        following = due + (interval if draw is None else dithered(interval, draw))
         while not self._stop.is_set():
-            _due.value = due
+            _due.value, _due.following = due, following  # the next drawn first: the step probe plans for it
             if not self._tick(me):
                 return
-            due += interval if draw is None else dithered(interval, draw)
+            due = following
             late = now() - due
             if late >= interval:
                 skipped = int(late // interval)
                 self.stats.missed_ticks += skipped
                 due += skipped * interval
+            following = due + (interval if draw is None else dithered(interval, draw))
             if self._wait_until(due):
                 break
         self._prompt.restore()
-        _due.value = None  # the last reading is not one of the cadence's
+        _due.value = _due.following = None  # the last reading is not one of the cadence's
         if self._final_tick and self._thread is me:
             self._tick(me)
 
@@ -367,10 +369,10 @@ class Sampler:
         del self.stats.errors[:-100]
 
 
-def set_tick_due(value: float | None) -> None:
-    """Mark when the tick this thread runs now was due (None: no tick), for a thread that ticks listeners
-    on a cadence of its own (a child process's agent samples its stack so)."""
-    _due.value = value
+def set_tick_due(value: float | None, following: float | None = None) -> None:
+    """Mark when the tick this thread runs now was due (None: no tick) and when the next one is, for a
+    thread that ticks listeners on a cadence of its own (a child process's agent samples its stack so)."""
+    _due.value, _due.following = value, following
 
 
 def tick_due() -> float | None:
@@ -378,6 +380,12 @@ def tick_due() -> float | None:
     None outside a sampler thread's ticks. A listener that needs the GIL (the stack sampler) gets it
     late when the watched code holds it, and times what it reads by when it was meant to read."""
     return getattr(_due, "value", None)
+
+
+def next_tick_due() -> float | None:
+    """When the tick after the one running on this thread is due (drawn already: :func:`dithered`); None
+    outside a sampler thread's ticks. A tick that comes late still skips whole intervals from it."""
+    return getattr(_due, "following", None)
 
 
 def source_label(source: Any) -> str:

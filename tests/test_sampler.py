@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from gpuwidget.clock import now
-from gpuwidget.sampler import DITHER, PROMPT_SWITCH_S, THREAD_NAME, PromptGil, Sampler, tick_due
+from gpuwidget.sampler import DITHER, PROMPT_SWITCH_S, THREAD_NAME, PromptGil, Sampler, next_tick_due, tick_due
 from gpuwidget.sources import host
 from gpuwidget.sources.base import Source
 from gpuwidget.sources.host import HostSource, usable_cpu_count
@@ -120,18 +120,26 @@ def test_the_first_listeners_run_before_any_source_is_read_and_the_others_after_
 
 
 def due_times(first: bool, interval: float = 0.01, seconds: float = 0.6) -> list[float]:
-    """When each tick of a sampler (with a ``first`` listener or without) was due."""
+    """When each tick of a sampler (with a ``first`` listener or without) was due; each tick was told
+    when the next one would be (the step probe plans its windows for it), as it came."""
     dues: list[float] = []
+    told: list[float] = []
 
     def record(_trace: Trace) -> None:
-        due = tick_due()
-        if due is not None:
+        due, following = tick_due(), next_tick_due()
+        if due is not None and following is not None:
             dues.append(due)
+            told.append(following)
 
     sampler = Sampler([CountingSource()], Trace(), interval=interval, listeners=[] if first else [record],
                       first=[record] if first else []).start()
     time.sleep(seconds)
     sampler.stop()
+    # The next tick came when told, or whole intervals after it (a late tick skips them).
+    for following, due in zip(told, dues[1:], strict=False):
+        skipped = (due - following) / interval
+        assert skipped > -1e-6 and abs(skipped - round(skipped)) < 1e-6, (following, due)
+    assert sum(abs(due - following) < 1e-9 for following, due in zip(told, dues[1:], strict=False)) >= len(dues) / 2
     return dues
 
 

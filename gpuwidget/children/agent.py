@@ -215,14 +215,16 @@ class ChildAgent:
         next_flush = now() + FLUSH_INTERVAL_S
         prompt = PromptGil()  # the stack read within a millisecond of its due time (gpuwidget.sampler)
         draw = random.Random()
+        following = due + dithered(self.stack_interval, draw)  # never in step with a periodic loop
         while not prompt.wait(self._stop, due):
             try:
-                self._sample_stack(due)
+                self._sample_stack(due, following)
             finally:
                 prompt.restore()
-            due += dithered(self.stack_interval, draw)  # never in step with a periodic loop
+            due = following
             if due < now():  # far behind (the process was stopped, the host overloaded): start again
                 due = now() + self.stack_interval
+            following = due + dithered(self.stack_interval, draw)
             if now() < next_flush:
                 continue
             next_flush = now() + FLUSH_INTERVAL_S
@@ -237,8 +239,8 @@ class ChildAgent:
                 self.retire()
                 return
 
-    def _sample_stack(self, due: float) -> None:
-        set_tick_due(due)
+    def _sample_stack(self, due: float, following: float) -> None:
+        set_tick_due(due, following)
         try:
             self.probes.arm()  # never raises
             self.stack.tick()  # never raises

@@ -85,7 +85,7 @@ from gpuwidget.probes import BETWEEN_STEPS_SPAN, TRAIN_STEP_SPAN
 from gpuwidget.probes.batch_capture import CapturedBatch, capture_batch
 from gpuwidget.probes.hooks import ModelHook
 from gpuwidget.probes.torch_data import STEP_HISTORY, add_span_arrays, first_dim
-from gpuwidget.sampler import tick_due
+from gpuwidget.sampler import next_tick_due, tick_due
 from gpuwidget.trace import Trace
 
 # The step FLOPs are counted on (0-based): after the first steps, which pay for CUDA and cuDNN
@@ -342,11 +342,13 @@ class StepProbe:
         windows before the next tick and open one now if none is open (see the module docstring)."""
         if not self._windowed:
             return
-        due = tick_due()
+        due, following = tick_due(), next_tick_due()
         if due is not None:
             last, self._last_due = self._last_due, due
-            if last is not None and due > last:
-                self._window_from = due + (due - last) - LEAD_STEPS * self._recent_step_s()
+            if following is None and last is not None and due > last:
+                following = due + (due - last)  # a cadence that does not say: as far as the last
+            if following is not None:
+                self._window_from = following - LEAD_STEPS * self._recent_step_s()
         self._open_window()
 
     def _recent_step_s(self) -> float:
