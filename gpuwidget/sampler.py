@@ -1,4 +1,4 @@
-"""Sampler: one background thread that reads the sources at a fixed cadence into a Trace.
+"""Sampler: one background thread that reads the sources on a cadence into a Trace.
 
 The cadence is kept on the monotonic clock: tick ``k`` is due at ``start + k * interval``, or,
 for a sampler that samples the watched thread's stack (a ``first`` listener), one interval on
@@ -303,8 +303,12 @@ class Sampler:
             me = threading.current_thread()
         interval = self.interval
         draw = random.Random() if self.first else None  # its own: the user's seeds are theirs
+
+        def gap() -> float:
+            return interval if draw is None else dithered(interval, draw)
+
         due = now()
-        following = due + (interval if draw is None else dithered(interval, draw))
+        following = due + gap()
         while not self._stop.is_set():
             _due.value, _due.following = due, following  # the next drawn first: the step probe plans for it
             if not self._tick(me):
@@ -315,7 +319,7 @@ class Sampler:
                 skipped = int(late // interval)
                 self.stats.missed_ticks += skipped
                 due += skipped * interval
-            following = due + (interval if draw is None else dithered(interval, draw))
+            following = due + gap()
             if self._wait_until(due):
                 break
         self._prompt.restore()
@@ -369,7 +373,7 @@ class Sampler:
         del self.stats.errors[:-100]
 
 
-def set_tick_due(value: float | None, following: float | None = None) -> None:
+def set_tick_due(value: float | None, following: float | None) -> None:
     """Mark when the tick this thread runs now was due (None: no tick) and when the next one is, for a
     thread that ticks listeners on a cadence of its own (a child process's agent samples its stack so)."""
     _due.value, _due.following = value, following

@@ -578,8 +578,8 @@ def test_windows_before_a_tick_are_planned_from_the_steps_queued_since_the_last_
     probe = StepProbe(Trace(), None)
     probe._windowed = True
     monkeypatch.setattr(probe, "_open_window", lambda: None)
-    dues = iter([100.0, 100.25, 100.5])
-    monkeypatch.setattr(torch_steps, "tick_due", lambda: next(dues))
+    following = iter([100.25, 100.5, 100.75])  # the ticks after those due at 100.0, 100.25 and 100.5
+    monkeypatch.setattr(torch_steps, "next_tick_due", lambda: next(following))
     step = 0.004
     for k in range(12):  # queued, not flushed: a step's end, then the next step's training forward
         probe._events += [99.9 + k * step, -(99.9 + k * step + 0.001)]

@@ -245,7 +245,7 @@ class ChildAgent:
             self.probes.arm()  # never raises
             self.stack.tick()  # never raises
         finally:
-            set_tick_due(None)
+            set_tick_due(None, None)
 
     def finish(self) -> None:
         """At exit: the last spans and the process's facts (once; nothing from a DataLoader worker)."""

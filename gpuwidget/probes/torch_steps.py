@@ -85,7 +85,7 @@ from gpuwidget.probes import BETWEEN_STEPS_SPAN, TRAIN_STEP_SPAN
 from gpuwidget.probes.batch_capture import CapturedBatch, capture_batch
 from gpuwidget.probes.hooks import ModelHook
 from gpuwidget.probes.torch_data import STEP_HISTORY, add_span_arrays, first_dim
-from gpuwidget.sampler import next_tick_due, tick_due
+from gpuwidget.sampler import next_tick_due
 from gpuwidget.trace import Trace
 
 # The step FLOPs are counted on (0-based): after the first steps, which pay for CUDA and cuDNN
@@ -141,7 +141,6 @@ class StepProbe:
         self._armed: ModelHook | None = None  # the window open now
         self._window_lock = threading.Lock()  # windows are opened on the loop's thread and the sampler's
         self._window_from = math.inf  # the post hook opens a window at a step's end from this clock reading on
-        self._last_due: float | None = None  # when the last tick that armed was due
         self.eval_forwards = 0  # forwards seen with grad disabled (an evaluation between steps)
         self.forwards_sampled = False  # windows were opened: the forwards after the first steps were not all seen
         self.between_spans = 0
@@ -342,13 +341,9 @@ class StepProbe:
         windows before the next tick and open one now if none is open (see the module docstring)."""
         if not self._windowed:
             return
-        due, following = tick_due(), next_tick_due()
-        if due is not None:
-            last, self._last_due = self._last_due, due
-            if following is None and last is not None and due > last:
-                following = due + (due - last)  # a cadence that does not say: as far as the last
-            if following is not None:
-                self._window_from = following - LEAD_STEPS * self._recent_step_s()
+        following = next_tick_due()  # drawn before this tick ran (the ticks are dithered)
+        if following is not None:
+            self._window_from = following - LEAD_STEPS * self._recent_step_s()
         self._open_window()
 
     def _recent_step_s(self) -> float:
